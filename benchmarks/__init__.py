@@ -1,0 +1,1 @@
+"""Side-by-side measurements (never asserted in tests); see README "Performance"."""

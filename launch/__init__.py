@@ -1,0 +1,1 @@
+"""gridtrain launch (see DESIGN.md)."""

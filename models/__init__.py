@@ -1,0 +1,1 @@
+"""gridtrain models (see DESIGN.md)."""

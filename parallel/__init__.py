@@ -1,0 +1,9 @@
+"""gridtrain's parallel library: topology, communication, layers, pipeline, ZeRO, planning.
+
+Nothing in this package imports ``models`` or ``recipes``; process groups are
+passed in, never read from module globals. Importing it starts nothing.
+"""
+
+from .topology import Coords, Topology, TopologyError
+
+__all__ = ["Coords", "Topology", "TopologyError"]

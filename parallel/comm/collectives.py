@@ -1,0 +1,158 @@
+"""Counted collectives and point-to-point transfers.
+
+Thin wrappers over ``torch.distributed`` that every part of gridtrain calls
+instead of the raw API, so that each call is reported to the active
+:class:`~parallel.comm.counter.CommCounter` under its group's label (the
+``group_desc`` given when the group was made: "tp", "dp", "pp", ...).
+
+Conventions:
+
+* ``group=None`` means the default (world) group.
+* On a group of one rank nothing is sent: the call reduces to the local copy
+  it stands for (or to nothing), and counts zero bytes.
+* ``async_op=True`` returns a handle with ``wait()``, as torch does (a finished
+  one for size-1 groups).
+* Peers (``src``, ``dst``) are *global* ranks, as in ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .counter import record
+
+ReduceOp = dist.ReduceOp
+
+
+class _Done:
+    """The handle of a collective that needed no communication."""
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's signature
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_label(group: dist.ProcessGroup | None) -> str:
+    """The name byte counts are filed under: the group's ``group_desc``."""
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    desc = getattr(group, "group_desc", "") or ""
+    return desc if desc and desc != "undefined" else f"group:{getattr(group, 'group_name', id(group))}"
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _maybe(work, async_op: bool):
+    return work if async_op else None
+
+
+def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of ``tensor`` over ``group``."""
+    n = group_size(group)
+    if n == 1:
+        return _Done() if async_op else None
+    record(group_label(group), "all_reduce", _nbytes(tensor), n)
+    return _maybe(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False
+):
+    """Reduce ``input`` (N equal chunks along dim 0) over ``group``; rank i keeps chunk i."""
+    n = group_size(group)
+    if input.numel() != output.numel() * n:
+        raise ValueError(
+            f"reduce_scatter: input has {input.numel()} elements, expected output "
+            f"{output.numel()} × group size {n} = {output.numel() * n}"
+        )
+    if n == 1:
+        output.copy_(input.view_as(output))
+        return _Done() if async_op else None
+    record(group_label(group), "reduce_scatter", _nbytes(input), n)
+    return _maybe(
+        dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op), async_op
+    )
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Concatenate every rank's ``input`` along dim 0 into ``output``."""
+    n = group_size(group)
+    if output.numel() != input.numel() * n:
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements, expected input "
+            f"{input.numel()} × group size {n} = {input.numel() * n}"
+        )
+    if n == 1:
+        output.copy_(input.view_as(output))
+        return _Done() if async_op else None
+    record(group_label(group), "all_gather", _nbytes(output), n)
+    return _maybe(
+        dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op
+    )
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Chunk i of ``input`` (dim 0) goes to rank i; ``output`` holds what each sent here."""
+    n = group_size(group)
+    if n == 1:
+        output.copy_(input)
+        return _Done() if async_op else None
+    record(group_label(group), "all_to_all", _nbytes(input), n)
+    return _maybe(dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    """Copy ``tensor`` from global rank ``src`` to every rank of ``group``."""
+    n = group_size(group)
+    if n == 1:
+        return _Done() if async_op else None
+    record(group_label(group), "broadcast", _nbytes(tensor), n)
+    return _maybe(dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    """Blocking send to global rank ``dst``."""
+    record(group_label(group), "send", _nbytes(tensor), 2)
+    dist.send(tensor, dst=dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None) -> None:
+    """Blocking receive from global rank ``src`` into ``tensor``."""
+    record(group_label(group), "recv", _nbytes(tensor), 2)
+    dist.recv(tensor, src=src, group=group)
+
+
+def exchange(
+    sends: Sequence[tuple[torch.Tensor, int]] = (),
+    recvs: Sequence[tuple[torch.Tensor, int]] = (),
+    group=None,
+) -> list:
+    """Post a batch of non-blocking sends and receives at once; return their handles.
+
+    ``sends`` and ``recvs`` are ``(tensor, global_peer_rank)`` pairs. Batching
+    lets NCCL fuse the transfers and avoids the send/recv ordering deadlocks of
+    blocking p2p between pipeline neighbours. Call ``wait()`` on every handle
+    before reading a received tensor.
+    """
+    ops = []
+    label = group_label(group)
+    for t, peer in sends:
+        record(label, "send", _nbytes(t), 2)
+        ops.append(dist.P2POp(dist.isend, t, peer, group))
+    for t, peer in recvs:
+        record(label, "recv", _nbytes(t), 2)
+        ops.append(dist.P2POp(dist.irecv, t, peer, group))
+    if not ops:
+        return []
+    return dist.batch_isend_irecv(ops)

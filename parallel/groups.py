@@ -1,0 +1,195 @@
+"""Process-group creation for a :class:`~parallel.topology.Topology`.
+
+Every rank calls :func:`init_distributed` (once per process) and then
+:func:`build_groups` (once per topology), in the same order, and receives a
+:class:`ParallelGroups` holding its own tensor-, pipeline-, data-, model- and
+embedding-parallel groups. Nothing is stored in module globals: two topologies
+can coexist in one process, and layers receive the groups they need as
+arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .topology import Coords, Topology, TopologyError
+
+GROUP_AXES = ("tp", "dp", "pp", "mp", "embedding")
+
+
+def default_backend() -> str:
+    """NCCL when CUDA devices and NCCL are present, gloo otherwise."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def default_device(backend: str | None = None, local_rank: int | None = None) -> torch.device:
+    """The device this rank computes on: its local GPU under NCCL, else the CPU."""
+    backend = backend or default_backend()
+    if backend == "nccl":
+        if local_rank is None:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> tuple[int, int]:
+    """Initialise the default process group (idempotent); return (rank, world size).
+
+    Reads the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``LOCAL_RANK``) unless ``init_method``/``rank``/``world_size``
+    are given. ``timeout_s`` bounds every collective: a rank waiting on a dead
+    peer fails after it instead of hanging.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(default_device(backend))
+    kwargs = {}
+    if rank is not None:
+        kwargs["rank"] = rank
+    if world_size is not None:
+        kwargs["world_size"] = world_size
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+    return dist.get_rank(), dist.get_world_size()
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's view of the grid: its coordinates and its process groups.
+
+    ``tp``, ``pp``, ``dp``: the groups along each axis that contain this rank.
+    ``mp``: the pp × tp ranks of this model replica. ``embedding``: the first
+    and last pipeline stages of this rank's pipeline (for tied embeddings).
+    """
+
+    topology: Topology
+    rank: int
+    coords: Coords
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    mp: dist.ProcessGroup
+    embedding: dist.ProcessGroup
+    backend: str
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    # sizes and indices along each axis
+    @property
+    def tp_size(self) -> int:
+        return self.topology.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.topology.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.topology.dp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.topology.pp - 1
+
+    @property
+    def next_rank(self) -> int | None:
+        return self.topology.next_rank(self.rank)
+
+    @property
+    def prev_rank(self) -> int | None:
+        return self.topology.prev_rank(self.rank)
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The group named ``axis`` ("tp", "pp", "dp", "mp", "embedding")."""
+        if axis not in GROUP_AXES:
+            raise ValueError(f"unknown group {axis!r}; expected one of {GROUP_AXES}")
+        return getattr(self, axis)
+
+
+def _all_group_lists(topology: Topology) -> dict[str, list[list[int]]]:
+    return {
+        "tp": topology.groups("tp"),
+        "dp": topology.groups("dp"),
+        "pp": topology.groups("pp"),
+        "mp": topology.model_parallel_groups,
+        "embedding": topology.embedding_groups,
+    }
+
+
+def build_groups(
+    topology: Topology,
+    *,
+    timeout_s: float | None = None,
+    backend: str | None = None,
+) -> ParallelGroups:
+    """Create the torch.distributed subgroups of ``topology``; return this rank's.
+
+    Collective over the default group: every rank must call it with the same
+    topology. The world size is checked first, on every rank, before any
+    communication, so a mismatch is an error everywhere rather than a hang.
+    Each group is created with ``group_desc`` set to its axis name, which is
+    the label the byte counter files its traffic under.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_groups needs torch.distributed initialised: call init_distributed() first")
+    world = dist.get_world_size()
+    if world != topology.world_size:
+        pp_tp = topology.pp * topology.tp
+        raise TopologyError(
+            f"world size {world} ≠ dp {topology.dp} × pp {topology.pp} × tp {topology.tp} = "
+            f"{topology.world_size}; with pp={topology.pp} tp={topology.tp} the world must be "
+            f"a multiple of {pp_tp}"
+        )
+    rank = dist.get_rank()
+    backend = backend or dist.get_backend()
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    mine: dict[str, dist.ProcessGroup] = {}
+    for axis, lists in _all_group_lists(topology).items():
+        for ranks in lists:
+            g = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=axis)
+            if rank in ranks:
+                mine[axis] = g
+    return ParallelGroups(
+        topology=topology,
+        rank=rank,
+        coords=topology.coords(rank),
+        backend=backend,
+        device=default_device(backend),
+        **mine,
+    )

@@ -1,0 +1,1 @@
+"""gridtrain recipes (see DESIGN.md)."""

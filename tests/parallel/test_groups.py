@@ -1,0 +1,131 @@
+"""Real process groups on 8 gloo ranks, and the byte counter's figures."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+from parallel.groups import build_groups, default_backend
+from parallel.testing import run_ranks
+from parallel.topology import Topology, TopologyError
+
+
+def _group_sums():
+    topo = Topology(2, 2, 2)
+    g = build_groups(topo)
+    me = dist.get_rank()
+    out = {}
+    for axis in ("tp", "dp", "pp", "mp", "embedding"):
+        t = torch.tensor([float(me)])
+        comm.all_reduce(t, group=g.group(axis))
+        out[axis] = t.item()
+    return g.coords, out
+
+
+def test_all_reduce_inside_each_group_sums_exactly_its_members():
+    topo = Topology(2, 2, 2)
+    results = run_ranks(_group_sums, 8)
+    for rank, (coords, sums) in enumerate(results):
+        assert coords == topo.coords(rank)
+        for axis in ("tp", "dp", "pp", "mp", "embedding"):
+            members = topo.group_of(axis, rank)
+            assert sums[axis] == float(sum(members)), (rank, axis, members)
+
+
+def _pipeline_p2p():
+    g = build_groups(Topology(2, 2, 2))
+    me = dist.get_rank()
+    counter = comm.CommCounter()
+    with counter:
+        if g.is_first_stage:
+            payload = torch.arange(6, dtype=torch.float32) + 100 * me
+            works = comm.exchange(sends=[(payload, g.next_rank)], group=g.pp)
+            got = None
+        else:
+            buf = torch.empty(6)
+            works = comm.exchange(recvs=[(buf, g.prev_rank)], group=g.pp)
+        for w in works:
+            w.wait()
+        if not g.is_first_stage:
+            got = buf.tolist()
+        # a blocking send back up the pipe, to exercise send/recv too
+        if g.is_first_stage:
+            back = torch.empty(2, dtype=torch.float64)
+            comm.recv(back, src=g.next_rank, group=g.pp)
+            got = back.tolist()
+        else:
+            comm.send(torch.tensor([me, me], dtype=torch.float64), dst=g.prev_rank, group=g.pp)
+    return got, counter.sent_bytes("pp"), counter.recv_bytes("pp"), counter.calls("pp")
+
+
+def test_p2p_between_pipeline_neighbours_and_its_bytes():
+    topo = Topology(2, 2, 2)
+    results = run_ranks(_pipeline_p2p, 8)
+    for rank, (got, sent, recvd, calls) in enumerate(results):
+        if topo.is_first_stage(rank):
+            nxt = topo.next_rank(rank)
+            assert got == [float(nxt), float(nxt)]
+            assert sent == 6 * 4 and recvd == 2 * 8
+        else:
+            prev = topo.prev_rank(rank)
+            assert got == [float(i + 100 * prev) for i in range(6)]
+            assert sent == 2 * 8 and recvd == 6 * 4
+        assert calls == 2
+
+
+def _counted_collectives(numel):
+    g = build_groups(Topology(2, 1, 4))  # tp groups of 4, dp groups of 2
+    counter = comm.CommCounter()
+    x = torch.ones(numel)
+    with counter:
+        comm.all_reduce(x, group=g.tp)
+        out = torch.empty(numel // 4)
+        comm.reduce_scatter(out, torch.ones(numel), group=g.tp)
+        full = torch.empty(numel * 2)
+        comm.all_gather(full, torch.ones(numel), group=g.dp)
+        comm.broadcast(x, src=g.topology.rank(dp=0, tp=g.tp_rank), group=g.dp)
+        counter.enabled = False
+        comm.all_reduce(x, group=g.tp)  # paused: not counted
+        counter.enabled = True
+        comm.all_reduce(x, group=g.pp)  # size-1 group: nothing moves
+    assert torch.equal(out, torch.full((numel // 4,), 4.0))
+    return counter.summary(), counter.sent_bytes("tp"), counter.sent_bytes("dp"), counter.sent_bytes()
+
+
+def test_byte_counter_matches_ring_theory():
+    numel = 1024
+    b = numel * 4
+    for summary, tp_sent, dp_sent, total in run_ranks(_counted_collectives, 8, numel):
+        assert summary["tp"]["all_reduce"]["calls"] == 1
+        assert summary["tp"]["all_reduce"]["payload_bytes"] == b
+        assert tp_sent == pytest.approx(2 * 3 / 4 * b + 3 / 4 * b)
+        assert dp_sent == pytest.approx(1 / 2 * 2 * b + 1 / 2 * b)
+        assert total == pytest.approx(tp_sent + dp_sent)
+        assert "pp" not in summary
+
+
+def _wrong_world():
+    build_groups(Topology(64, 35, 8))
+
+
+def test_world_mismatch_is_an_error_on_every_rank_not_a_hang():
+    with pytest.raises(Exception, match="world size 4 ≠ dp 64 × pp 35 × tp 8 = 17920"):
+        run_ranks(_wrong_world, 4, timeout=20)
+
+
+def test_default_backend_follows_the_hardware():
+    expected = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    assert default_backend() == expected
+
+
+def _two_topologies():
+    a = build_groups(Topology(4, 1, 1))
+    b = build_groups(Topology(1, 1, 4))
+    ta, tb = torch.ones(1), torch.ones(1)
+    comm.all_reduce(ta, group=a.tp)
+    comm.all_reduce(tb, group=b.tp)
+    return ta.item(), tb.item()
+
+
+def test_two_topologies_coexist_in_one_process():
+    assert run_ranks(_two_topologies, 4) == [(1.0, 4.0)] * 4
