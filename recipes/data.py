@@ -1,0 +1,148 @@
+"""Training data: an embedded corpus that needs no download, and memory-mapped token files.
+
+Token files are flat arrays of uint16 or uint32 token ids (the nanoGPT /
+Megatron ``.bin`` convention) beside a ``meta.json`` saying ``dtype`` and
+``vocab_size``; ``python -m recipes.prepare`` writes them from text files.
+
+The embedded corpus is real text with no download: the Python standard
+library's own source files, read as bytes (vocabulary 256), built on first use
+and cached under ``$GRIDTRAIN_CACHE`` (default ``~/.cache/gridtrain``).
+
+**The global batch does not depend on the layout** (DESIGN.md invariant 2):
+:meth:`TokenDataset.global_batch` draws the ``global_batch`` sequence offsets of
+step ``s`` from a generator seeded by ``(seed, s)``; a DP rank takes its
+contiguous slice of them and each micro-batch a contiguous slice of that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(ValueError):
+    """Missing or malformed data; the message says what to run."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GRIDTRAIN_CACHE", Path.home() / ".cache" / "gridtrain"))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)  # concurrent ranks: the last identical write wins
+
+
+def write_token_dir(path: str | Path, splits: dict[str, np.ndarray], vocab_size: int) -> Path:
+    """Write ``{split: token array}`` as ``<split>.bin`` plus ``meta.json`` into ``path``."""
+    path = Path(path)
+    dtype = "uint16" if vocab_size <= 2**16 else "uint32"
+    for name, tokens in splits.items():
+        arr = np.asarray(tokens)
+        if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+            raise DataError(f"split {name!r} has token ids outside [0, {vocab_size})")
+        _atomic_write(path / f"{name}.bin", arr.astype(DTYPES[dtype]).tobytes())
+    meta = {"dtype": dtype, "vocab_size": vocab_size,
+            "tokens": {k: int(np.asarray(v).size) for k, v in splits.items()}}
+    _atomic_write(path / "meta.json", json.dumps(meta, indent=1).encode())
+    return path
+
+
+def embedded_corpus(mb: float = 4.0, val_fraction: float = 0.05) -> Path:
+    """The byte-level stdlib-source corpus as a token directory (built once, cached)."""
+    limit = int(mb * 2**20)
+    out = cache_dir() / f"stdlib-bytes-{limit}-{val_fraction}"
+    if (out / "meta.json").exists():
+        return out
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for f in sorted(root.rglob("*.py")):
+        if "site-packages" in f.parts or "test" in f.parts:
+            continue
+        try:
+            b = f.read_bytes()
+        except OSError:
+            continue
+        chunks.append(b)
+        size += len(b)
+        if size >= limit:
+            break
+    data = np.frombuffer(b"".join(chunks)[:limit], dtype=np.uint8)
+    if data.size < 10_000:
+        raise DataError(f"found only {data.size} bytes of Python source under {root}")
+    n_val = max(1, int(data.size * val_fraction))
+    return write_token_dir(out, {"train": data[:-n_val], "val": data[-n_val:]}, vocab_size=256)
+
+
+@dataclass
+class TokenDataset:
+    """One split of a token directory, memory-mapped; samples fixed-length windows."""
+
+    tokens: np.ndarray
+    vocab_size: int
+    seq_len: int
+
+    @classmethod
+    def open(cls, path: str | Path, split: str, seq_len: int) -> "TokenDataset":
+        path = Path(path)
+        meta_path = path / "meta.json"
+        if not meta_path.exists():
+            raise DataError(
+                f"no token data at {path} (missing meta.json); make it with "
+                f"`python -m recipes.prepare --output {path} FILES...`"
+            )
+        meta = json.loads(meta_path.read_text())
+        bin_path = path / f"{split}.bin"
+        if not bin_path.exists():
+            raise DataError(f"{bin_path} is missing (split {split!r} of {path})")
+        tokens = np.memmap(bin_path, dtype=DTYPES[meta["dtype"]], mode="r")
+        if tokens.size < seq_len + 2:
+            raise DataError(
+                f"{bin_path} holds {tokens.size} tokens, fewer than seq_len {seq_len} + 1"
+            )
+        return cls(tokens=tokens, vocab_size=int(meta["vocab_size"]), seq_len=seq_len)
+
+    def offsets(self, step: int, count: int, seed: int) -> np.ndarray:
+        """The ``count`` window starts of ``step``: a function of (seed, step) only."""
+        rng = np.random.default_rng([seed, step])
+        return rng.integers(0, self.tokens.size - self.seq_len - 1, size=count)
+
+    def windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets ``[len(starts), seq_len]`` (int64)."""
+        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        chunk = torch.from_numpy(self.tokens[idx].astype(np.int64))
+        return chunk[:, :-1], chunk[:, 1:]
+
+    def global_batch(self, step: int, global_batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.windows(self.offsets(step, global_batch, seed))
+
+    def rank_microbatches(
+        self, step: int, *, global_batch: int, dp: int, dp_rank: int, micro_batch: int, seed: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This DP rank's micro-batches of ``step``: disjoint, contiguous slices of the global batch."""
+        starts = self.offsets(step, global_batch, seed)
+        per_rank = global_batch // dp
+        mine = starts[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        return [self.windows(mine[i : i + micro_batch]) for i in range(0, per_rank, micro_batch)]
+
+
+def open_data(source: str, path: str | None, split: str, seq_len: int,
+              embedded_mb: float = 4.0, val_fraction: float = 0.05) -> TokenDataset:
+    """The dataset a recipe's ``data`` config names."""
+    if source == "embedded":
+        path = embedded_corpus(embedded_mb, val_fraction)
+    elif source != "memmap":
+        raise DataError(f"unknown data.source {source!r}; expected 'embedded' or 'memmap'")
+    return TokenDataset.open(path, split, seq_len)

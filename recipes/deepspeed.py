@@ -1,0 +1,143 @@
+"""Map a DeepSpeed-style JSON config onto a gridtrain recipe config.
+
+``python -m recipes.gpt_tiny deepspeed=ds_config.json`` reads the file and
+sets the recipe keys below; a key gridtrain cannot honour is an error that
+lists it (nothing is silently ignored), and DeepSpeed's batch identity
+``train_batch_size = micro_batch × gradient_accumulation_steps × dp`` is
+checked with the numbers.
+
+=========================================  ==================================
+DeepSpeed key                               recipe key
+=========================================  ==================================
+train_batch_size                            train.global_batch
+train_micro_batch_size_per_gpu              train.micro_batch
+gradient_accumulation_steps                 (checked against the two above)
+gradient_clipping                           train.grad_clip
+steps_per_print                             train.log_every
+optimizer.type (Adam, AdamW, SGD)           optim.name
+optimizer.params.lr/betas/eps/weight_decay  optim.*
+scheduler.params.warmup_num_steps           optim.warmup_steps
+zero_optimization.stage                     parallel.zero
+zero_optimization.overlap_comm              comm.overlap
+zero_optimization.reduce_bucket_size        comm.bucket_mb (elements × 4 B)
+communication_data_type                     comm.dtype
+fp16.enabled / bf16.enabled                 train.precision
+=========================================  ==================================
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+
+_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
+           "bf16": "bf16", "bfloat16": "bf16"}
+_OPTIMS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
+# keys that only tune DeepSpeed internals and change nothing gridtrain computes
+_HARMLESS = {"wall_clock_breakdown", "zero_allow_untested_optimizer",
+             "zero_optimization.contiguous_gradients", "zero_optimization.allgather_bucket_size",
+             "zero_optimization.reduce_scatter", "zero_optimization.allgather_partitions",
+             "fp16.loss_scale_window", "fp16.hysteresis", "fp16.min_loss_scale",
+             "fp16.initial_scale_power", "fp16.loss_scale", "scheduler.type",
+             "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+             "scheduler.params.total_num_steps", "optimizer.params.torch_adam",
+             "optimizer.params.adam_w_mode"}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k not in ("betas",):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def deepspeed_overrides(ds: dict, dp: int) -> dict[str, Any]:
+    """The recipe keys (dotted) that a DeepSpeed config dict sets, for a given dp.
+
+    Raises :class:`ConfigError` for keys it cannot honour or an inconsistent batch.
+    """
+    flat = _flatten(ds)
+    out: dict[str, Any] = {}
+    unknown: list[str] = []
+    for key, v in flat.items():
+        if key == "train_batch_size":
+            out["train.global_batch"] = int(v)
+        elif key == "train_micro_batch_size_per_gpu":
+            out["train.micro_batch"] = int(v)
+        elif key == "gradient_accumulation_steps":
+            pass  # checked below
+        elif key == "gradient_clipping":
+            out["train.grad_clip"] = float(v)
+        elif key == "steps_per_print":
+            out["train.log_every"] = int(v)
+        elif key == "optimizer.type":
+            if str(v).lower() not in _OPTIMS:
+                unknown.append(f"{key}={v!r} (supported: Adam, AdamW, SGD)")
+            else:
+                out["optim.name"] = _OPTIMS[str(v).lower()]
+        elif key in ("optimizer.params.lr", "optimizer.params.eps", "optimizer.params.weight_decay"):
+            out["optim." + key.rsplit(".", 1)[1]] = float(v)
+        elif key == "optimizer.params.betas":
+            out["optim.betas"] = [float(b) for b in v]
+        elif key == "scheduler.params.warmup_num_steps":
+            out["optim.warmup_steps"] = int(v)
+        elif key == "zero_optimization.stage":
+            out["parallel.zero"] = int(v)
+        elif key == "zero_optimization.overlap_comm":
+            out["comm.overlap"] = bool(v)
+        elif key == "zero_optimization.reduce_bucket_size":
+            out["comm.bucket_mb"] = float(v) * 4 / 2**20
+        elif key == "communication_data_type":
+            if str(v).lower() not in _DTYPES:
+                unknown.append(f"{key}={v!r} (supported: fp32, fp16, bf16)")
+            else:
+                out["comm.dtype"] = _DTYPES[str(v).lower()]
+        elif key in ("fp16.enabled", "bf16.enabled"):
+            if v:
+                out["train.precision"] = key.split(".")[0]
+        elif key not in _HARMLESS:
+            unknown.append(f"{key}={v!r}")
+    if flat.get("fp16.enabled") and flat.get("bf16.enabled"):
+        raise ConfigError("DeepSpeed config enables both fp16 and bf16; choose one")
+    if unknown:
+        raise ConfigError(
+            "DeepSpeed config keys gridtrain cannot honour: " + "; ".join(unknown)
+            + ". Remove them or set the equivalent recipe keys (see recipes/deepspeed.py)."
+        )
+    gb, mb = out.get("train.global_batch"), out.get("train.micro_batch")
+    ga = flat.get("gradient_accumulation_steps")
+    if gb is not None and mb is not None and ga is not None and gb != mb * int(ga) * dp:
+        raise ConfigError(
+            f"DeepSpeed train_batch_size {gb} ≠ train_micro_batch_size_per_gpu {mb} × "
+            f"gradient_accumulation_steps {ga} × dp {dp} = {mb * int(ga) * dp}"
+        )
+    if gb is None and mb is not None and ga is not None:
+        out["train.global_batch"] = mb * int(ga) * dp
+    if gb is not None and mb is None and ga is not None:
+        if gb % (int(ga) * dp):
+            raise ConfigError(
+                f"DeepSpeed train_batch_size {gb} is not divisible by "
+                f"gradient_accumulation_steps {ga} × dp {dp}"
+            )
+        out["train.micro_batch"] = gb // (int(ga) * dp)
+    return out
+
+
+def load_deepspeed_json(path: str | Path, dp: int) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"deepspeed={path}: no such file")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"deepspeed={path}: not valid JSON ({e})") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"deepspeed={path}: expected a JSON object")
+    return deepspeed_overrides(ds, dp)

@@ -1,0 +1,110 @@
+"""The one Hydra entry all recipes share.
+
+A recipe module is three lines (see ``recipes/gpt_tiny.py``); this module
+resolves its config, then either
+
+* trains as this rank, when launched by ``torchrun`` (every rank runs this),
+* or, launched by plain ``python -m recipes.<name>``, spawns the dp×pp×tp local
+  workers itself through PyTorch's elastic launcher (``launch.local``),
+* or, with ``mode=plan`` / ``mode=recommend``, runs the planner (no process).
+
+Run directory: ``outputs/<run id>`` where the id is one every rank shares
+(``TORCHELASTIC_RUN_ID`` under torchrun, ``SLURM_JOB_ID`` on Slurm, else a
+timestamp taken by the single launching process), so ranks never split it by
+resolving ``${now:}`` a second apart. Only rank 0 writes ``.hydra/``,
+``config.yaml``, ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from launch.local import spawn_local, under_torchrun
+
+from .config import ConfigError, RecipeConfig, validate
+
+_REGISTERED = False
+
+
+def shared_run_id() -> str:
+    """An id every rank of one job resolves identically (see module docstring)."""
+    rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if rid and rid != "none":
+        return f"torchrun-{rid}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    if "MASTER_PORT" in os.environ:  # static rendezvous without an id: keyed by its endpoint
+        return f"job-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ['MASTER_PORT']}"
+    return time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def register() -> None:
+    """Register the schema and the resolvers the recipe YAML files use (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
+    OmegaConf.register_new_resolver("gridtrain_run_id", shared_run_id, use_cache=True)
+    OmegaConf.register_new_resolver("gridtrain_hydra_subdir", lambda: ".hydra" if _is_rank0() else None)
+    _REGISTERED = True
+
+
+def _typed(cfg: DictConfig) -> RecipeConfig:
+    return OmegaConf.to_object(cfg)
+
+
+def worker(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
+    """Entry point of one spawned or torchrun-launched rank."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from .trainer import train
+
+    return record(train)(rc, run_dir)
+
+
+def task(cfg: DictConfig) -> dict[str, Any] | None:
+    rc = _typed(cfg)
+    run_dir = HydraConfig.get().runtime.output_dir
+    try:
+        if rc.deepspeed:
+            from .deepspeed import load_deepspeed_json
+
+            world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
+            from .config import resolve_dp
+
+            for key, value in load_deepspeed_json(rc.deepspeed, resolve_dp(rc.parallel, world)).items():
+                section, name = key.split(".")
+                setattr(getattr(rc, section), name, value)
+        if rc.mode in ("plan", "recommend"):
+            from .plan import run_plan
+
+            return run_plan(rc, run_dir)
+        if under_torchrun():
+            return worker(rc, run_dir)
+        layout = validate(rc, world_size=None)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    results = spawn_local(worker, layout.world_size, rc, run_dir)
+    summary = results[0]
+    print(f"done: {summary.get('steps')} steps, final loss {summary.get('final_loss'):.4f}, "
+          f"run directory {run_dir}")
+    return summary
+
+
+def run_recipe(config_name: str) -> None:
+    """``@hydra.main`` for the recipe whose YAML is ``recipes/conf/<config_name>.yaml``."""
+    register()
+    hydra.main(version_base="1.3", config_path="conf", config_name=config_name)(task)()

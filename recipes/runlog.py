@@ -1,0 +1,106 @@
+"""What a run tells its user: a rank-0 progress bar, ``metrics.jsonl``, optional wandb.
+
+Only rank 0 writes or prints; other ranks construct a :class:`RunLogger` with
+``enabled=False`` and stay silent (they speak only through exceptions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, schedule: str) -> float:
+    """Learning rate of 0-based ``step``: linear warm-up, then cosine/linear decay or constant."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant" or max_steps <= warmup_steps:
+        return lr
+    frac = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    if schedule == "linear":
+        return lr + (min_lr - lr) * frac
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def measured_matmul_tflops(n: int = 1024, repeats: int = 3, dtype=torch.float32) -> float:
+    """This machine's achieved dense-matmul TFLOP/s on the current device (the CPU MFU peak)."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e12
+
+
+class RunLogger:
+    """Progress bar + metrics file + wandb, all on rank 0 only."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, progress: bool = True,
+                 wandb_mode: str = "disabled", wandb_project: str = "gridtrain",
+                 config: dict | None = None, start_step: int = 0):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self._bar = None
+        self._wandb = None
+        self._metrics = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                             dynamic_ncols=True, file=sys.stderr, disable=None)
+        if wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=wandb_project, mode=wandb_mode, dir=str(self.run_dir),
+                                     config=config or {}, reinit=True)
+
+    def info(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def log(self, record: dict[str, Any], *, advance: int = 0) -> None:
+        """Append one JSON line (and send it to wandb); move the bar by ``advance`` steps."""
+        if not self.enabled:
+            return
+        self._metrics.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                            step=record.get("step"))
+        if self._bar is not None:
+            keys = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_frac")
+            self._bar.set_postfix({k: _fmt(record[k]) for k in keys if k in record}, refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.3e}"
+    return str(v)

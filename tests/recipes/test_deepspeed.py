@@ -1,0 +1,63 @@
+"""DeepSpeed-style JSON → recipe keys, with every unsupported key reported."""
+
+import json
+
+import pytest
+
+from recipes.config import ConfigError
+from recipes.deepspeed import deepspeed_overrides, load_deepspeed_json
+
+DS = {
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 8,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                               "weight_decay": 0.1}},
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8},
+    "communication_data_type": "bf16",
+    "bf16": {"enabled": True},
+    "fp16": {"enabled": False},
+}
+
+
+def test_maps_every_supported_key():
+    out = deepspeed_overrides(DS, dp=2)
+    assert out == {
+        "train.global_batch": 64, "train.micro_batch": 4, "train.grad_clip": 1.0,
+        "optim.name": "adamw", "optim.lr": 3e-4, "optim.betas": [0.9, 0.95], "optim.eps": 1e-8,
+        "optim.weight_decay": 0.1, "parallel.zero": 2, "comm.overlap": True,
+        "comm.bucket_mb": pytest.approx(5e8 * 4 / 2**20), "comm.dtype": "bf16",
+        "train.precision": "bf16",
+    }
+
+
+def test_batch_identity_is_checked_with_numbers():
+    with pytest.raises(ConfigError, match=r"train_batch_size 64 ≠ .* 4 × gradient_accumulation_steps 8 × dp 4 = 128"):
+        deepspeed_overrides(DS, dp=4)
+    derived = deepspeed_overrides({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, dp=4)
+    assert derived["train.global_batch"] == 24
+    derived = deepspeed_overrides({"train_batch_size": 24, "gradient_accumulation_steps": 3}, dp=4)
+    assert derived["train.micro_batch"] == 2
+
+
+def test_unsupported_keys_are_listed_not_ignored():
+    bad = dict(DS, activation_checkpointing={"cpu_checkpointing": True},
+               optimizer={"type": "Lamb", "params": {}})
+    with pytest.raises(ConfigError) as e:
+        deepspeed_overrides(bad, dp=2)
+    msg = str(e.value)
+    assert "activation_checkpointing.cpu_checkpointing=True" in msg
+    assert "optimizer.type='Lamb'" in msg
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_deepspeed_json(tmp_path / "none.json", dp=1)
+    p = tmp_path / "ds.json"
+    p.write_text("{nope")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_deepspeed_json(p, dp=1)
+    p.write_text(json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}}))
+    with pytest.raises(ConfigError, match="both fp16 and bf16"):
+        load_deepspeed_json(p, dp=1)
