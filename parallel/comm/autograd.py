@@ -72,9 +72,9 @@ def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     n = tp_world_size(group)
     if n == 1:
         return x
-    out = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    C.all_gather(out, x.contiguous(), group=group)
-    return torch.cat(out.unbind(0), dim=dim)
+    out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+    C.all_gather(out, x.contiguous().view(-1), group=group)
+    return torch.cat(out.view((n,) + tuple(x.shape)).unbind(0), dim=dim)
 
 
 def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -83,9 +83,9 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if n == 1:
         return x
     _check_divisible(x, dim, n, "reduce-scatter")
-    stacked = torch.stack(x.chunk(n, dim), 0).contiguous()
+    stacked = torch.stack(x.chunk(n, dim), 0)
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
-    C.reduce_scatter(out, stacked, group=group)
+    C.reduce_scatter(out.view(-1), stacked.view(-1), group=group)
     return out
 
 
