@@ -285,7 +285,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         ``params``: compute parameters (stage 3: the shard plus whatever is
         gathered at the moment); ``grads``: gradient buffers; ``optimizer``: the
         separate fp32 master (16-bit precisions) plus every per-element optimizer
-        state tensor (scalars such as Adam's ``step`` are left out).
+        state tensor (0-dim scalars such as Adam's ``step`` are left out).
         """
         nbytes = lambda t: t.untyped_storage().nbytes() if t.data_ptr() else 0  # noqa: E731
         params = grads = optim = 0
@@ -295,5 +295,5 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             grads += sum(p.grad.nbytes for p in b.params if b.flat_grad is None and p.grad is not None)
             optim += b.master.nbytes if b.master_is_separate else 0
             optim += sum(v.nbytes for v in self.optimizer.state.get(b.master, {}).values()
-                         if torch.is_tensor(v) and v.numel() > 1)
+                         if torch.is_tensor(v) and v.dim() > 0 and v.shape == b.master.shape)
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}

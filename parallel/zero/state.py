@@ -87,7 +87,7 @@ class StateDictMixin:
             params.update(_split(b, _full_flat(b, b.master.detach())))
             per_param: dict[str, dict] = {s.name: {} for s in b.layout.slots}
             for key, value in sorted(self.optimizer.state.get(b.master, {}).items()):
-                if torch.is_tensor(value) and value.numel() == b.master.numel() and value.numel() > 1:
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape == b.master.shape:
                     for name, t in _split(b, _full_flat(b, value)).items():
                         per_param[name][key] = t
                 else:
@@ -113,7 +113,7 @@ class StateDictMixin:
             state = {}
             for key in sorted(set().union(*per_param)):
                 first = per_param[0][key]
-                if torch.is_tensor(first) and first.shape == b.layout.slots[0].shape and first.numel() > 1:
+                if torch.is_tensor(first) and first.dim() > 0 and first.shape == b.layout.slots[0].shape:
                     state[key] = _owned(b, {n: st[key] for n, st in zip(names, per_param)}).clone()
                 else:
                     state[key] = first.clone() if torch.is_tensor(first) else first

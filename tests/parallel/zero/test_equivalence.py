@@ -44,8 +44,8 @@ def _reference(grad_clip):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_ten_adamw_steps_match_one_process(stage, dp):
     ref_losses, ref_norms, ref_params = _reference(None)
-    # small buckets (several per unit) so bucketing and padding are exercised
-    results = run_ranks(_train, dp, stage, True, None, 0.0005)
+    # at dp=2 small buckets (several per unit) so bucketing and padding are exercised
+    results = run_ranks(_train, dp, stage, True, None, 0.0005 if dp == 2 else 25)
     for losses, norms, params in results:
         assert losses == pytest.approx(ref_losses, abs=1e-4)
         assert norms == pytest.approx(ref_norms, rel=1e-4)
