@@ -43,12 +43,13 @@ def make_model(seed: int = 0) -> Toy:
 
 
 def batches(steps: int = STEPS, batch: int = BATCH, d: int = D, seed: int = 1):
+    """``steps`` batches of the regression y = sin(x·w/√d); ``seed`` draws x, the task w is fixed."""
+    w = torch.randn(d, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(d, generator=g)
     out = []
     for _ in range(steps):
         x = torch.randn(batch, d, generator=g)
-        out.append((x, (x @ w).sin()))
+        out.append((x, (x @ w / d**0.5).sin()))
     return out
 
 
