@@ -107,6 +107,18 @@ class TransformerStage(nn.Module):
             mark_shared_embedding(self.tok_embed.weight)
         self.activation_checkpointing = cfg.activation_checkpointing
 
+    def _apply(self, fn, recurse=True):
+        """Device/dtype moves that make new Parameters (``to_empty`` from ``meta``) keep the
+        layout marks and the embedding tie."""
+        marks = {name: dict(p.__dict__) for name, p in self.named_parameters()}
+        out = super()._apply(fn, recurse)
+        if self.cfg.tie_embeddings and self.has_embedding and self.has_head:
+            self.lm_head.weight = self.tok_embed.weight
+        for name, p in self.named_parameters():
+            for key, value in marks.get(name, {}).items():
+                setattr(p, key, value)
+        return out
+
     # activation checkpointing ---------------------------------------------------
     @property
     def activation_checkpointing(self) -> str:
