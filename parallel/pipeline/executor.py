@@ -8,7 +8,11 @@ verdicts (deadlock-free, peak stored activations) hold for the real run.
 Communication (all through :mod:`parallel.comm`):
 
 * each batch of consecutive transfers is one ``comm.exchange`` (batched
-  ``isend``/``irecv``) on ``pp_group``, awaited before the next computation.
+  ``isend``/``irecv``) on ``pp_group``; its receives are awaited before the
+  next computation, its sends (where the backend gives one handle per op, as
+  gloo does) at the end of the step, so a sender never idles waiting for its
+  peer to post the receive. NCCL's single handle per batch is awaited whole,
+  which is the rendezvous the simulator proves deadlock-free.
   Shapes and dtype are fixed up front (``activation_shape``, ``dtype``): no
   shape messages. Per transfer, ``prod(activation_shape) · itemsize`` bytes,
   or ``1/tp`` of that with a ``tp_group`` (below).
@@ -73,7 +77,9 @@ class PipelineExecutor:
         loss_fn: ``loss_fn(output, target) -> scalar`` on the last virtual stage.
         tp_group: optional; enables the scatter-gather transfer described above.
         embedding_group: optional; the first + last stage group for tied embeddings.
-        record_timeline: keep a :class:`~.simulator.Span` per computation / transfer batch.
+        record_timeline: keep a :class:`~.simulator.Span` per computation / transfer batch
+            in ``timeline``, in seconds since ``timeline_origin`` (a ``time.perf_counter()``
+            value: the same clock for every process of one machine, so stages align).
     """
 
     def __init__(
@@ -165,10 +171,12 @@ class PipelineExecutor:
         self._received: dict[tuple[str, int, int], torch.Tensor] = {}
         self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._pending_sends: list = []
+        self._send_buffers: list[torch.Tensor] = []
         self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self.peak_activations = 0
         self.timeline = []
-        self._t0 = time.perf_counter()
+        self.timeline_origin = self._t0 = time.perf_counter()
         for item in self.items:
             start = time.perf_counter()
             if isinstance(item, Forward):
@@ -180,6 +188,9 @@ class PipelineExecutor:
             if self.record_timeline:
                 label = item if isinstance(item, Compute) else tuple(item)
                 self.timeline.append(Span(label, start - self._t0, time.perf_counter() - self._t0))
+        for handle in self._pending_sends:
+            handle.wait()
+        self._pending_sends, self._send_buffers = [], []
         if self._stored or self._outbox:
             raise ScheduleError(
                 f"stage {self.stage}: step ended with unfinished micro-batches "
@@ -239,7 +250,15 @@ class PipelineExecutor:
                 buf = torch.empty(math.prod(self.activation_shape) // self.tp, dtype=self.dtype, device=self.device)
                 recvs.append((buf, peer))
                 landing.append(((kind, a.mb, a.chunk), buf))
-        for handle in comm.exchange(sends, recvs, group=self.pp_group):
+        handles = comm.exchange(sends, recvs, group=self.pp_group)
+        if len(handles) == len(sends) + len(recvs):
+            # one handle per op (gloo): only the receives gate the next computation; a send
+            # is awaited at the end of the step (its tensor kept alive until then), so a
+            # sender does not idle until its peer posts the receive
+            self._pending_sends += handles[: len(sends)]
+            self._send_buffers += [t for t, _ in sends]
+            handles = handles[len(sends):]
+        for handle in handles:  # NCCL coalesces a batch into one handle: await it whole
             handle.wait()
         for key, buf in landing:
             if self.tp > 1:

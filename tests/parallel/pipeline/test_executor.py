@@ -78,19 +78,29 @@ def test_uneven_and_explicit_splits_untied_head():
         "blocks.0.linear.bias", "blocks.0.linear.weight"]
 
 
+def _tp_sweep(m):
+    return [_pipeline_step(4, 2, m, schedule, vpp, tp=2, count=True)
+            for schedule, vpp in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))]
+
+
 def test_tensor_parallel_scatter_gather_sends_one_tp_share():
     # dp=1, pp=2, tp=2: each TP rank runs a full replica of its stage; the activation is
     # replicated, so each TP rank sends half of it and the receiver all-gathers.
     m = 4
-    per_rank = run_ranks(_pipeline_step, 4, 4, 2, m, "1f1b", tp=2, count=True, timeout=60)
-    _assert_matches(per_rank, 4, m)
+    per_rank = run_ranks(_tp_sweep, 4, m, timeout=60)
     full_bytes = torch.Size(ACTIVATION_SHAPE).numel() * 4
-    for r in per_rank:
-        pp_sent = r["counter"]["pp"]["send"]
-        assert pp_sent["calls"] == m  # one activation (stage 0) or one gradient (stage 1) per micro-batch
-        assert pp_sent["payload_bytes"] == m * full_bytes // 2
-        gathered = r["counter"]["tp"]["all_gather"]
-        assert gathered["calls"] == m and gathered["payload_bytes"] == m * full_bytes
+    for i, vpp in enumerate((1, 1, 2)):
+        results = [rank[i] for rank in per_rank]
+        _assert_matches(results, 4, m)
+        # stage 0 sends vpp activations (and, interleaved, vpp − 1 gradients) per micro-batch;
+        # stage 1 the mirror image
+        transfers = m * (2 * vpp - 1)
+        for r in results:
+            pp_sent = r["counter"]["pp"]["send"]
+            assert pp_sent["calls"] == transfers
+            assert pp_sent["payload_bytes"] == transfers * full_bytes // 2  # half: one TP share
+            gathered = r["counter"]["tp"]["all_gather"]
+            assert gathered["calls"] == transfers and gathered["payload_bytes"] == transfers * full_bytes
 
 
 def _bad_input(case):
