@@ -10,9 +10,10 @@ Communication (all through :mod:`parallel.comm`):
 * each batch of consecutive transfers is one ``comm.exchange`` (batched
   ``isend``/``irecv``) on ``pp_group``; its receives are awaited before the
   next computation, its sends (where the backend gives one handle per op, as
-  gloo does) at the end of the step, so a sender never idles waiting for its
-  peer to post the receive. NCCL's single handle per batch is awaited whole,
-  which is the rendezvous the simulator proves deadlock-free.
+  gloo does) only after the next batch is posted, so a sender computes on
+  instead of idling until its peer posts the receive. NCCL's single handle per
+  batch is awaited whole: the rendezvous under which the simulator proves
+  every schedule deadlock-free (and waiting later never adds a dependency).
   Shapes and dtype are fixed up front (``activation_shape``, ``dtype``): no
   shape messages. Per transfer, ``prod(activation_shape) · itemsize`` bytes,
   or ``1/tp`` of that with a ``tp_group`` (below).
@@ -54,7 +55,6 @@ from .schedules import (
     Forward,
     P2P,
     RecvActivation,
-    RecvGrad,
     ScheduleError,
     SendActivation,
     SendGrad,
@@ -251,12 +251,15 @@ class PipelineExecutor:
                 recvs.append((buf, peer))
                 landing.append(((kind, a.mb, a.chunk), buf))
         handles = comm.exchange(sends, recvs, group=self.pp_group)
-        if len(handles) == len(sends) + len(recvs):
-            # one handle per op (gloo): only the receives gate the next computation; a send
-            # is awaited at the end of the step (its tensor kept alive until then), so a
-            # sender does not idle until its peer posts the receive
-            self._pending_sends += handles[: len(sends)]
-            self._send_buffers += [t for t, _ in sends]
+        # the previous batch's sends: matched by now in the usual case; awaiting them here,
+        # and not earlier, lets a sender compute instead of idling until its peer posts
+        # the receive, and keeps at most one batch of sent tensors alive
+        for handle in self._pending_sends:
+            handle.wait()
+        self._pending_sends, self._send_buffers = [], []
+        if len(handles) == len(sends) + len(recvs):  # one handle per op (gloo)
+            self._pending_sends = handles[: len(sends)]
+            self._send_buffers = [t for t, _ in sends]
             handles = handles[len(sends):]
         for handle in handles:  # NCCL coalesces a batch into one handle: await it whole
             handle.wait()

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.partition import partition_layers, stage_chunks
-from parallel.pipeline.schedules import ScheduleError, build_schedule
+from parallel.pipeline.schedules import build_schedule
 from parallel.pipeline.simulator import simulate
 from parallel.testing import run_ranks
 
