@@ -55,6 +55,7 @@ from .schedules import (
     Forward,
     P2P,
     RecvActivation,
+    RecvGrad,
     ScheduleError,
     SendActivation,
     SendGrad,
@@ -70,7 +71,8 @@ class PipelineExecutor:
         chunks: the rank's modules, chunk ``c`` being virtual stage ``c·pp + stage``.
             Chunk 0 of stage 0 takes the micro-batch input; every other chunk takes
             and every chunk but the very last returns a tensor of ``activation_shape``.
-        actions: this stage's list from a schedule function (same schedule on every rank).
+        actions: this stage's list from a schedule function, or the whole schedule (one
+            list per stage; every rank then also checks it was built for this many stages).
         pp_group: the pipeline group; its rank order is the stage order, peers named
             in actions are indices into it.
         activation_shape, dtype: of every tensor crossing a stage boundary.
@@ -85,7 +87,7 @@ class PipelineExecutor:
     def __init__(
         self,
         chunks: Sequence[nn.Module],
-        actions: Sequence[Action],
+        actions: Sequence[Action] | Sequence[Sequence[Action]],
         *,
         pp_group: dist.ProcessGroup,
         activation_shape: Sequence[int],
@@ -96,11 +98,18 @@ class PipelineExecutor:
         record_timeline: bool = False,
     ):
         self.chunks = list(chunks)
-        self.items = batches(actions)
         self.pp_group = pp_group
         self.stage_ranks = dist.get_process_group_ranks(pp_group)
         self.pp = len(self.stage_ranks)
         self.stage = self.stage_ranks.index(dist.get_rank())
+        if actions and not isinstance(actions[0], (Compute, P2P)):  # the whole schedule
+            if len(actions) != self.pp:
+                raise ScheduleError(
+                    f"the schedule has {len(actions)} stages but the pipeline group has {self.pp} "
+                    f"ranks; build it with pp={self.pp}"
+                )
+            actions = actions[self.stage]
+        self.items = batches(actions)
         self.vpp = len(self.chunks)
         self.activation_shape = tuple(activation_shape)
         self.dtype = dtype
@@ -128,6 +137,18 @@ class PipelineExecutor:
                 f"stage {self.stage}: actions name chunks {bad} but this rank holds "
                 f"{self.vpp} chunk(s); build the schedule with vpp={self.vpp}"
             )
+        last = self.pp * self.vpp - 1
+        for a in actions:
+            if isinstance(a, P2P):
+                v = self._virtual(a.chunk)
+                forward_edge = isinstance(a, (SendActivation, RecvGrad))
+                want = None if v == (last if forward_edge else 0) else (v + (1 if forward_edge else -1)) % self.pp
+                if a.peer != want:
+                    raise ScheduleError(
+                        f"stage {self.stage}: {a} names peer stage {a.peer}, but in a pipeline of "
+                        f"{self.pp} ranks × {self.vpp} chunk(s) virtual stage {v}'s peer is {want}; "
+                        f"was the schedule built for pp={self.pp}?"
+                    )
         numel = math.prod(self.activation_shape)
         if numel % self.tp:
             raise ScheduleError(

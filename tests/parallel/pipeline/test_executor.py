@@ -119,6 +119,10 @@ def _bad_input(case):
                 partition_layers(3, 4)
             elif case == "chunks":
                 PipelineExecutor(chunks, build_schedule("interleaved", 2, 2, 2)[stage], **kwargs)
+            elif case == "pp":
+                PipelineExecutor(chunks, build_schedule("1f1b", 4, 4), **kwargs)
+            elif case == "peers":  # another stage's list: its peers give it away
+                PipelineExecutor(chunks, build_schedule("1f1b", 3, 3)[stage + 1], **kwargs)
             elif case == "inputs":
                 xs, ys = data(3)
                 PipelineExecutor(chunks, build_schedule("1f1b", 2, 4)[stage], **kwargs).run(xs, ys)
@@ -133,6 +137,8 @@ def _bad_input(case):
     ("pp_gt_layers", ["4", "3 layers"]),
     ("chunks", ["chunks [1]", "1 chunk"]),
     ("inputs", ["4 micro-batches", "has 3"]),
+    ("pp", ["schedule has 4 stages", "group has 2 ranks", "pp=2"]),
+    ("peers", ["names peer stage", "pipeline of 2 ranks"]),
 ])
 def test_bad_input_fails_on_every_rank_before_any_p2p(case, words):
     results = run_ranks(_bad_input, 2, case, timeout=30)
