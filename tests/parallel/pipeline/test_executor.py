@@ -8,7 +8,7 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.partition import partition_layers, stage_chunks
-from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.schedules import Compute, batches, build_schedule
 from parallel.pipeline.simulator import simulate
 from parallel.testing import run_ranks
 
@@ -29,13 +29,16 @@ def _pipeline_step(n_layers, pp, m, schedule, vpp=1, tp=1, tied=True, pp_layers=
         chunks, actions, pp_group=groups["pp"], activation_shape=ACTIVATION_SHAPE,
         dtype=torch.float32, loss_fn=loss_fn,
         tp_group=groups["tp"] if tp > 1 else None,
-        embedding_group=groups.get("embedding") if tied else None,
+        embedding_group=groups.get("embedding") if tied else None, record_timeline=True,
     )
     xs, ys = data(m)
     counter = comm.CommCounter()
-    with counter:
-        loss = ex.run(xs, ys)
+    with counter:  # inputs only where the first virtual stage lives, targets where the last
+        loss = ex.run(xs if stage == 0 else None, ys if stage == pp - 1 else None)
     grads = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}
+    # the recorded timeline is the action list, in order, one span after the other
+    assert [sp.action for sp in ex.timeline] == [a if isinstance(a, Compute) else tuple(a) for a in batches(actions)]
+    assert all(a.end <= b.start for a, b in zip(ex.timeline, ex.timeline[1:]))
     return dict(stage=stage, loss=loss.item(), grads=grads, peak=ex.peak_activations,
                 counter=counter.summary() if count else None)
 
