@@ -66,6 +66,16 @@ class TransformerStage(nn.Module):
     (``[b, s/tp, d]`` with sequence parallelism); returns hidden, or, if ``has_head``,
     vocabulary-parallel logits ``[b, s, V_padded/tp]`` whose padding columns are
     ``finfo.min`` (they never win). ``loss(logits, targets)``: mean token cross-entropy.
+
+    TP traffic of a whole model (one stage with embedding, ``L`` blocks and head) per
+    forward + loss + backward, bytes sent per rank on ``tp_group`` (``N`` ranks, ring
+    factor ``ρ = (N-1)/N``, ``A`` = bytes of the activation ``[b, s, d]``, ``T = b·s``):
+    ``ρ·A·(2 + 8·L + 2) + 2ρ·12·T`` — embedding 2ρA, each block 8ρA (two all-reduces
+    each way, or their all-gather/reduce-scatter halves), head input 2ρA, cross-entropy
+    2ρ·12T. The same with and without sequence parallelism. ``full`` checkpointing
+    recomputes each block's forward up to the last tensor backward needs (torch's
+    non-reentrant checkpoint skips the final reduction): 2ρA more per block, 3ρA with
+    sequence parallelism. ``reduce_sequence_parallel_grads`` is extra.
     """
 
     def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel=False, layers: range | None = None,
@@ -106,6 +116,18 @@ class TransformerStage(nn.Module):
         if cfg.tie_embeddings and has_embedding and not has_head:
             mark_shared_embedding(self.tok_embed.weight)
         self.activation_checkpointing = cfg.activation_checkpointing
+
+    def _apply(self, fn, recurse=True):
+        """Device/dtype moves that make new Parameters (``to_empty`` from ``meta``) keep the
+        layout marks and the embedding tie."""
+        marks = {name: dict(p.__dict__) for name, p in self.named_parameters()}
+        out = super()._apply(fn, recurse)
+        if self.cfg.tie_embeddings and self.has_embedding and self.has_head:
+            self.lm_head.weight = self.tok_embed.weight
+        for name, p in self.named_parameters():
+            for key, value in marks.get(name, {}).items():
+                setattr(p, key, value)
+        return out
 
     # activation checkpointing ---------------------------------------------------
     @property

@@ -29,6 +29,7 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -70,11 +71,14 @@ def _child(fn, args, kwargs, rank, world_size, store_path, stack_path, conn, thr
             timeout=timedelta(seconds=pg_timeout),
         )
         result = fn(*args, **kwargs)
-        conn.send(("ok", result))
+        # Plain pickle, not Connection.send: torch registers multiprocessing reducers that
+        # pass tensors as shared-memory file descriptors served by *this* process, which
+        # exits right after sending, so the parent's fetch could meet a reset connection.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         code = 1
         try:
-            conn.send(("error", traceback.format_exc()))
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
         except Exception:  # noqa: BLE001
             pass
     finally:
@@ -151,7 +155,7 @@ def _collect(procs, conns, tmp, timeout) -> list[Any]:
                 continue
             if ready is conns[r] or conns[r].poll():
                 try:
-                    status, payload = conns[r].recv()
+                    status, payload = pickle.loads(conns[r].recv_bytes())
                 except EOFError:
                     status, payload = "died", None
             else:

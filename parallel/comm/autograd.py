@@ -1,7 +1,9 @@
 """Autograd-aware tensor-parallel communication (Megatron's "f", "g" and friends).
 
-Each function is the forward of a collective whose backward is its adjoint, so a
-layer written with them gets the right gradients from ``loss.backward()``. All
+Each function is a collective whose backward is its adjoint under Megatron's
+conventions (a tensor is either replicated on every rank, a shard, or a partial
+sum; a replicated loss counts once), so a layer written with them gets the
+single-process gradients from ``loss.backward()``. All
 traffic goes through :mod:`parallel.comm` and is counted under the group's label.
 With ``group=None`` or a group of one rank every function is the identity (or a
 plain copy) and communicates nothing.
@@ -9,20 +11,25 @@ plain copy) and communicates nothing.
 Notation: ``X`` is the bytes of the function's *input* tensor, ``N`` the group
 size; "bytes sent" is per rank, as :class:`~parallel.comm.CommCounter` counts.
 
-==========================================  =====================  =====================
-function                                    forward                backward
-==========================================  =====================  =====================
-``copy_to_tp_region``            ("f")       identity               all-reduce (X)
-``reduce_from_tp_region``        ("g")       all-reduce (X)         identity
-``scatter_to_tp_region``                     keep own last-dim chunk all-gather last dim (X)
-``gather_from_tp_region``                    all-gather last dim    keep own chunk
-``scatter_to_sequence_parallel_region``      keep own seq chunk     all-gather seq (X)
-``gather_from_sequence_parallel_region``     all-gather seq (N·X)   reduce-scatter (N·X)
-``reduce_scatter_to_sequence_parallel_region`` reduce-scatter (X)   all-gather seq (X)
-==========================================  =====================  =====================
+* ``copy_to_tp_region`` ("f"): forward identity; backward all-reduce (X bytes).
+* ``reduce_from_tp_region`` ("g"): forward all-reduce (X); backward identity.
+* ``scatter_to_tp_region``: forward keeps this rank's last-dim chunk; backward
+  all-gathers the gradient's last dim (output X).
+* ``gather_from_tp_region``: forward all-gathers the last dim (output N·X);
+  backward keeps this rank's chunk.
+* ``scatter_to_sequence_parallel_region``: forward keeps this rank's sequence
+  chunk; backward all-gathers the sequence (output X).
+* ``gather_from_sequence_parallel_region``: forward all-gathers the sequence
+  (output N·X); backward reduce-scatters the gradient (input N·X).
+* ``reduce_scatter_to_sequence_parallel_region``: forward reduce-scatters along
+  the sequence (input X); backward all-gathers the gradient (output X).
+
+Bytes *sent* per rank follow :data:`parallel.comm.SENT_FRACTION`: ``2(N-1)/N`` of
+the buffer for an all-reduce, ``(N-1)/N`` of the full buffer for an all-gather or
+a reduce-scatter.
 
 Sequence-parallel activations are ``[batch, seq, ...]``; the sequence is dim 1
-(``seq_dim``) and rank ``r`` holds positions ``[r·s/N, (r+1)·s/N)``.
+(``SEQ_DIM``) and rank ``r`` holds positions ``[r·s/N, (r+1)·s/N)``.
 An all-gather/reduce-scatter pair moves ``2 (N-1)/N`` of the full buffer, exactly
 what the all-reduce it replaces moves.
 """

@@ -1,0 +1,35 @@
+"""Pipeline parallelism: partitioning, schedules as data, a simulator, an executor.
+
+* :mod:`.partition` (pure): which layers each (virtual) stage holds, balanced by cost.
+* :mod:`.schedules` (pure): GPipe, 1F1B, interleaved 1F1B as per-stage action lists.
+* :mod:`.simulator` (pure): proves a schedule deadlock-free and complete; times it.
+* :mod:`.timeline`: draws a simulated or recorded timeline as a PNG Gantt chart.
+* :mod:`.executor`: runs one stage's list over the pipeline process group.
+"""
+
+from .executor import PipelineExecutor
+from .partition import PartitionError, partition_layers, stage_chunks, stage_costs
+from .schedules import (
+    SCHEDULES,
+    Backward,
+    Forward,
+    RecvActivation,
+    RecvGrad,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+    build_schedule,
+    check_schedule_args,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+)
+from .simulator import SimResult, Span, simulate
+from .timeline import bubble_fraction, draw_timeline
+
+__all__ = [
+    "SCHEDULES", "Backward", "Forward", "PartitionError", "PipelineExecutor", "RecvActivation",
+    "RecvGrad", "ScheduleError", "SendActivation", "SendGrad", "SimResult", "Span",
+    "bubble_fraction", "build_schedule", "check_schedule_args", "draw_timeline", "gpipe",
+    "interleaved_1f1b", "one_f_one_b", "partition_layers", "simulate", "stage_chunks", "stage_costs",
+]

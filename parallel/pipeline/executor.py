@@ -8,7 +8,12 @@ verdicts (deadlock-free, peak stored activations) hold for the real run.
 Communication (all through :mod:`parallel.comm`):
 
 * each batch of consecutive transfers is one ``comm.exchange`` (batched
-  ``isend``/``irecv``) on ``pp_group``, awaited before the next computation.
+  ``isend``/``irecv``) on ``pp_group``; its receives are awaited before the
+  next computation, its sends (where the backend gives one handle per op, as
+  gloo does) only after the next batch is posted, so a sender computes on
+  instead of idling until its peer posts the receive. NCCL's single handle per
+  batch is awaited whole: the rendezvous under which the simulator proves
+  every schedule deadlock-free (and waiting later never adds a dependency).
   Shapes and dtype are fixed up front (``activation_shape``, ``dtype``): no
   shape messages. Per transfer, ``prod(activation_shape) · itemsize`` bytes,
   or ``1/tp`` of that with a ``tp_group`` (below).
@@ -66,20 +71,23 @@ class PipelineExecutor:
         chunks: the rank's modules, chunk ``c`` being virtual stage ``c·pp + stage``.
             Chunk 0 of stage 0 takes the micro-batch input; every other chunk takes
             and every chunk but the very last returns a tensor of ``activation_shape``.
-        actions: this stage's list from a schedule function (same schedule on every rank).
+        actions: this stage's list from a schedule function, or the whole schedule (one
+            list per stage; every rank then also checks it was built for this many stages).
         pp_group: the pipeline group; its rank order is the stage order, peers named
             in actions are indices into it.
         activation_shape, dtype: of every tensor crossing a stage boundary.
         loss_fn: ``loss_fn(output, target) -> scalar`` on the last virtual stage.
         tp_group: optional; enables the scatter-gather transfer described above.
         embedding_group: optional; the first + last stage group for tied embeddings.
-        record_timeline: keep a :class:`~.simulator.Span` per computation / transfer batch.
+        record_timeline: keep a :class:`~.simulator.Span` per computation / transfer batch
+            in ``timeline``, in seconds since ``timeline_origin`` (a ``time.perf_counter()``
+            value: the same clock for every process of one machine, so stages align).
     """
 
     def __init__(
         self,
         chunks: Sequence[nn.Module],
-        actions: Sequence[Action],
+        actions: Sequence[Action] | Sequence[Sequence[Action]],
         *,
         pp_group: dist.ProcessGroup,
         activation_shape: Sequence[int],
@@ -90,11 +98,18 @@ class PipelineExecutor:
         record_timeline: bool = False,
     ):
         self.chunks = list(chunks)
-        self.items = batches(actions)
         self.pp_group = pp_group
         self.stage_ranks = dist.get_process_group_ranks(pp_group)
         self.pp = len(self.stage_ranks)
         self.stage = self.stage_ranks.index(dist.get_rank())
+        if actions and not isinstance(actions[0], (Compute, P2P)):  # the whole schedule
+            if len(actions) != self.pp:
+                raise ScheduleError(
+                    f"the schedule has {len(actions)} stages but the pipeline group has {self.pp} "
+                    f"ranks; build it with pp={self.pp}"
+                )
+            actions = actions[self.stage]
+        self.items = batches(actions)
         self.vpp = len(self.chunks)
         self.activation_shape = tuple(activation_shape)
         self.dtype = dtype
@@ -122,6 +137,18 @@ class PipelineExecutor:
                 f"stage {self.stage}: actions name chunks {bad} but this rank holds "
                 f"{self.vpp} chunk(s); build the schedule with vpp={self.vpp}"
             )
+        last = self.pp * self.vpp - 1
+        for a in actions:
+            if isinstance(a, P2P):
+                v = self._virtual(a.chunk)
+                forward_edge = isinstance(a, (SendActivation, RecvGrad))
+                want = None if v == (last if forward_edge else 0) else (v + (1 if forward_edge else -1)) % self.pp
+                if a.peer != want:
+                    raise ScheduleError(
+                        f"stage {self.stage}: {a} names peer stage {a.peer}, but in a pipeline of "
+                        f"{self.pp} ranks × {self.vpp} chunk(s) virtual stage {v}'s peer is {want}; "
+                        f"was the schedule built for pp={self.pp}?"
+                    )
         numel = math.prod(self.activation_shape)
         if numel % self.tp:
             raise ScheduleError(
@@ -165,10 +192,12 @@ class PipelineExecutor:
         self._received: dict[tuple[str, int, int], torch.Tensor] = {}
         self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._pending_sends: list = []
+        self._send_buffers: list[torch.Tensor] = []
         self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self.peak_activations = 0
         self.timeline = []
-        self._t0 = time.perf_counter()
+        self.timeline_origin = self._t0 = time.perf_counter()
         for item in self.items:
             start = time.perf_counter()
             if isinstance(item, Forward):
@@ -180,6 +209,9 @@ class PipelineExecutor:
             if self.record_timeline:
                 label = item if isinstance(item, Compute) else tuple(item)
                 self.timeline.append(Span(label, start - self._t0, time.perf_counter() - self._t0))
+        for handle in self._pending_sends:
+            handle.wait()
+        self._pending_sends, self._send_buffers = [], []
         if self._stored or self._outbox:
             raise ScheduleError(
                 f"stage {self.stage}: step ended with unfinished micro-batches "
@@ -239,7 +271,18 @@ class PipelineExecutor:
                 buf = torch.empty(math.prod(self.activation_shape) // self.tp, dtype=self.dtype, device=self.device)
                 recvs.append((buf, peer))
                 landing.append(((kind, a.mb, a.chunk), buf))
-        for handle in comm.exchange(sends, recvs, group=self.pp_group):
+        handles = comm.exchange(sends, recvs, group=self.pp_group)
+        # the previous batch's sends: matched by now in the usual case; awaiting them here,
+        # and not earlier, lets a sender compute instead of idling until its peer posts
+        # the receive, and keeps at most one batch of sent tensors alive
+        for handle in self._pending_sends:
+            handle.wait()
+        self._pending_sends, self._send_buffers = [], []
+        if len(handles) == len(sends) + len(recvs):  # one handle per op (gloo)
+            self._pending_sends = handles[: len(sends)]
+            self._send_buffers = [t for t, _ in sends]
+            handles = handles[len(sends):]
+        for handle in handles:  # NCCL coalesces a batch into one handle: await it whole
             handle.wait()
         for key, buf in landing:
             if self.tp > 1:

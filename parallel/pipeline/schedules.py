@@ -200,9 +200,12 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action]]:
-    """The schedule called ``name`` (one of :data:`SCHEDULES`; config key ``parallel.pp_schedule``)."""
+    """The schedule called ``name`` (one of :data:`SCHEDULES`; config key ``parallel.pp_schedule``).
+
+    ``"interleaved"`` with ``vpp=1`` is plain 1F1B (as in Megatron), whose warm-up is shorter.
+    """
     if name == "interleaved":
-        return interleaved_1f1b(pp, m, vpp)
+        return interleaved_1f1b(pp, m, vpp) if vpp > 1 else one_f_one_b(pp, m)
     if vpp != 1:
         raise ScheduleError(f"schedule {name!r} runs one chunk per rank; got vpp={vpp} (use 'interleaved')")
     builders = {"gpipe": gpipe, "1f1b": one_f_one_b}

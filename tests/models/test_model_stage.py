@@ -111,3 +111,11 @@ def test_presets_build_on_meta_with_the_published_sizes(name, params):
         1 if cfg.tie_embeddings else 2)
     assert unpadded == pytest.approx(params, rel=2e-3)
     assert cfg.padded_vocab(8) % (128 * 8) == 0
+
+
+def test_meta_then_to_empty_keeps_marks_and_tie():
+    stage = build_model(CFG, device="meta").to_empty(device="cpu")
+    assert stage.lm_head.weight is stage.tok_embed.weight
+    assert stage.tok_embed.weight.tp_shard_dim == 0 and stage.tok_embed.weight.vocab_size == 100
+    assert stage.blocks["0"].attn.o_proj.weight.tp_shard_dim == 1
+    assert stage.blocks["0"].attn.o_proj.bias.no_weight_decay

@@ -22,9 +22,12 @@ def _batch():
 
 
 def _step(model, tp_group, ids, targets):
-    logits = model(ids)
-    loss = model.loss(logits, targets)
-    loss.backward()
+    counter = comm.CommCounter()
+    with counter:
+        logits = model(ids)
+        loss = model.loss(logits, targets)
+        loss.backward()
+    model.sent_tp_bytes = counter.sent_bytes("tp")
     reduce_sequence_parallel_grads(model, tp_group)
     full_logits = comm.all_gather_along(logits.detach(), -1, tp_group)[..., :model.cfg.vocab_size]
     weights = gather_full_state_dict(model, tp_group)
@@ -32,11 +35,12 @@ def _step(model, tp_group, ids, targets):
     return full_logits, loss.item(), weights, grads
 
 
-def _tp_rank_fn(cfg, tp, sp, ids, targets):
+def _tp_rank_fn(cfg, tp, sp, ids, targets, checkpointing):
     groups = build_groups(Topology(1, 1, tp))
-    model = build_model(cfg, tp_group=groups.tp, sequence_parallel=sp, seed=3)
+    model = build_model(cfg.replace(activation_checkpointing=checkpointing), tp_group=groups.tp,
+                        sequence_parallel=sp, seed=3)
     out = _step(model, groups.tp, ids, targets)
-    return out if groups.tp_rank == 0 else None
+    return out + (model.sent_tp_bytes,) if groups.tp_rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +50,15 @@ def references():
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
-@pytest.mark.parametrize("tp,sp", [(2, False), (4, False), (2, True), (4, True)])
-def test_tp_matches_single_process(references, arch, tp, sp):
+@pytest.mark.parametrize("tp,sp,checkpointing", [
+    (2, False, "none"), (4, False, "none"), (2, True, "none"), (4, True, "none"),
+    (2, True, "full"), (2, False, "selective"),
+])
+def test_tp_matches_single_process(references, arch, tp, sp, checkpointing):
     cfg = GPT if arch == "gpt" else LLAMA
     ids, targets = _batch()
-    logits, loss, weights, grads = run_ranks(_tp_rank_fn, tp, cfg, tp, sp, ids, targets, timeout=60)[0]
+    logits, loss, weights, grads, sent = run_ranks(
+        _tp_rank_fn, tp, cfg, tp, sp, ids, targets, checkpointing, timeout=60)[0]
     ref_logits, ref_loss, ref_weights, ref_grads = references[arch]
     assert weights.keys() == ref_weights.keys()
     for name in ref_weights:  # layout-independent initialisation: bit-identical
@@ -60,6 +68,11 @@ def test_tp_matches_single_process(references, arch, tp, sp):
     assert grads.keys() == ref_grads.keys()
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=0, msg=name)
+    # the TransformerStage docstring's traffic formula
+    ring, tokens = (tp - 1) / tp, ids.numel()
+    activation = tokens * cfg.d_model * 4
+    recompute = (3 if sp else 2) * ring * activation * cfg.n_layers if checkpointing == "full" else 0
+    assert sent == pytest.approx(ring * activation * (2 + 8 * cfg.n_layers + 2) + 2 * ring * 12 * tokens + recompute)
 
 
 def test_padded_vocab_never_wins_and_is_zero():

@@ -82,6 +82,7 @@ def _error_rank():
             make()
         except LayerConfigError as e:
             errors[name] = str(e)
+    comm.all_reduce(torch.zeros(1), group=group)  # both ranks done with the group before exiting
     return errors
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.partition import partition_layers, stage_chunks
-from parallel.pipeline.schedules import ScheduleError, build_schedule
+from parallel.pipeline.schedules import Compute, batches, build_schedule
 from parallel.pipeline.simulator import simulate
 from parallel.testing import run_ranks
 
@@ -29,13 +29,16 @@ def _pipeline_step(n_layers, pp, m, schedule, vpp=1, tp=1, tied=True, pp_layers=
         chunks, actions, pp_group=groups["pp"], activation_shape=ACTIVATION_SHAPE,
         dtype=torch.float32, loss_fn=loss_fn,
         tp_group=groups["tp"] if tp > 1 else None,
-        embedding_group=groups.get("embedding") if tied else None,
+        embedding_group=groups.get("embedding") if tied else None, record_timeline=True,
     )
     xs, ys = data(m)
     counter = comm.CommCounter()
-    with counter:
-        loss = ex.run(xs, ys)
+    with counter:  # inputs only where the first virtual stage lives, targets where the last
+        loss = ex.run(xs if stage == 0 else None, ys if stage == pp - 1 else None)
     grads = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}
+    # the recorded timeline is the action list, in order, one span after the other
+    assert [sp.action for sp in ex.timeline] == [a if isinstance(a, Compute) else tuple(a) for a in batches(actions)]
+    assert all(a.end <= b.start for a, b in zip(ex.timeline, ex.timeline[1:]))
     return dict(stage=stage, loss=loss.item(), grads=grads, peak=ex.peak_activations,
                 counter=counter.summary() if count else None)
 
@@ -78,19 +81,29 @@ def test_uneven_and_explicit_splits_untied_head():
         "blocks.0.linear.bias", "blocks.0.linear.weight"]
 
 
+def _tp_sweep(m):
+    return [_pipeline_step(4, 2, m, schedule, vpp, tp=2, count=True)
+            for schedule, vpp in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))]
+
+
 def test_tensor_parallel_scatter_gather_sends_one_tp_share():
     # dp=1, pp=2, tp=2: each TP rank runs a full replica of its stage; the activation is
     # replicated, so each TP rank sends half of it and the receiver all-gathers.
     m = 4
-    per_rank = run_ranks(_pipeline_step, 4, 4, 2, m, "1f1b", tp=2, count=True, timeout=60)
-    _assert_matches(per_rank, 4, m)
+    per_rank = run_ranks(_tp_sweep, 4, m, timeout=60)
     full_bytes = torch.Size(ACTIVATION_SHAPE).numel() * 4
-    for r in per_rank:
-        pp_sent = r["counter"]["pp"]["send"]
-        assert pp_sent["calls"] == m  # one activation (stage 0) or one gradient (stage 1) per micro-batch
-        assert pp_sent["payload_bytes"] == m * full_bytes // 2
-        gathered = r["counter"]["tp"]["all_gather"]
-        assert gathered["calls"] == m and gathered["payload_bytes"] == m * full_bytes
+    for i, vpp in enumerate((1, 1, 2)):
+        results = [rank[i] for rank in per_rank]
+        _assert_matches(results, 4, m)
+        # stage 0 sends vpp activations (and, interleaved, vpp − 1 gradients) per micro-batch;
+        # stage 1 the mirror image
+        transfers = m * (2 * vpp - 1)
+        for r in results:
+            pp_sent = r["counter"]["pp"]["send"]
+            assert pp_sent["calls"] == transfers
+            assert pp_sent["payload_bytes"] == transfers * full_bytes // 2  # half: one TP share
+            gathered = r["counter"]["tp"]["all_gather"]
+            assert gathered["calls"] == transfers and gathered["payload_bytes"] == transfers * full_bytes
 
 
 def _bad_input(case):
@@ -109,6 +122,10 @@ def _bad_input(case):
                 partition_layers(3, 4)
             elif case == "chunks":
                 PipelineExecutor(chunks, build_schedule("interleaved", 2, 2, 2)[stage], **kwargs)
+            elif case == "pp":
+                PipelineExecutor(chunks, build_schedule("1f1b", 4, 4), **kwargs)
+            elif case == "peers":  # another stage's list: its peers give it away
+                PipelineExecutor(chunks, build_schedule("1f1b", 3, 3)[stage + 1], **kwargs)
             elif case == "inputs":
                 xs, ys = data(3)
                 PipelineExecutor(chunks, build_schedule("1f1b", 2, 4)[stage], **kwargs).run(xs, ys)
@@ -123,6 +140,8 @@ def _bad_input(case):
     ("pp_gt_layers", ["4", "3 layers"]),
     ("chunks", ["chunks [1]", "1 chunk"]),
     ("inputs", ["4 micro-batches", "has 3"]),
+    ("pp", ["schedule has 4 stages", "group has 2 ranks", "pp=2"]),
+    ("peers", ["names peer stage", "pipeline of 2 ranks"]),
 ])
 def test_bad_input_fails_on_every_rank_before_any_p2p(case, words):
     results = run_ranks(_bad_input, 2, case, timeout=30)

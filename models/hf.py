@@ -1,0 +1,201 @@
+"""Hugging Face ``transformers`` weights for GPT-2 and Llama, into and out of any tp / pp layout.
+
+``load_hf_weights(stage, source, tp_group)`` fills a stage from a ``transformers``
+state dict or a folder of ``*.safetensors`` as ``save_pretrained`` writes it: each
+rank reads, one tensor at a time, the full tensors its parameters need and keeps its
+shard (no communication; peak scratch one full tensor, never the whole model).
+``export_hf_state_dict(stage, tp_group)`` gathers a stage back into ``transformers``
+names and layout; ``save_hf_safetensors`` writes it. ``config_from_hf`` reads the
+model shape from a ``transformers`` config (or its ``config.json`` dict).
+
+``transformers`` itself is never imported here: only its tensor names and layouts.
+GPT-2's ``Conv1D`` stores ``[in, out]`` and fuses q, k, v in ``c_attn``; Llama's
+weights are already ``nn.Linear``-shaped and use the rotate-half rotary layout.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from parallel import comm
+from parallel.params import tp_shard_dim
+
+from .config import ModelConfig, ModelConfigError
+from .transformer import gather_full_state_dict
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Our parameter names ↔ one HF tensor: ``to_ours(hf) -> tuple``, ``to_hf(*ours) -> hf``."""
+
+    ours: tuple[str, ...]
+    hf: str
+    to_ours: Callable[[torch.Tensor], tuple] = lambda t: (t,)
+    to_hf: Callable[..., torch.Tensor] = lambda t: t
+
+
+def _t(t: torch.Tensor) -> tuple:
+    return (t.t().contiguous(),)
+
+
+def _gpt2_rules(cfg: ModelConfig, prefix: str) -> list[Rule]:
+    rules = [Rule(("tok_embed.weight",), f"{prefix}wte.weight"), Rule(("pos_embed.weight",), f"{prefix}wpe.weight"),
+             Rule(("norm_f.weight",), f"{prefix}ln_f.weight"), Rule(("norm_f.bias",), f"{prefix}ln_f.bias")]
+    for i in range(cfg.n_layers):
+        b, h = f"blocks.{i}.", f"{prefix}h.{i}."
+        qkv = tuple(f"{b}attn.{x}_proj" for x in "qkv")
+        rules += [
+            Rule((f"{b}attn_norm.weight",), f"{h}ln_1.weight"), Rule((f"{b}attn_norm.bias",), f"{h}ln_1.bias"),
+            Rule(tuple(n + ".weight" for n in qkv), f"{h}attn.c_attn.weight",
+                 lambda t: tuple(t.t().chunk(3, 0)), lambda *ws: torch.cat(ws, 0).t()),
+            Rule(tuple(n + ".bias" for n in qkv), f"{h}attn.c_attn.bias",
+                 lambda t: tuple(t.chunk(3, 0)), lambda *bs: torch.cat(bs, 0)),
+            Rule((f"{b}attn.o_proj.weight",), f"{h}attn.c_proj.weight", _t, torch.t),
+            Rule((f"{b}attn.o_proj.bias",), f"{h}attn.c_proj.bias"),
+            Rule((f"{b}mlp_norm.weight",), f"{h}ln_2.weight"), Rule((f"{b}mlp_norm.bias",), f"{h}ln_2.bias"),
+            Rule((f"{b}mlp.fc_in.weight",), f"{h}mlp.c_fc.weight", _t, torch.t),
+            Rule((f"{b}mlp.fc_in.bias",), f"{h}mlp.c_fc.bias"),
+            Rule((f"{b}mlp.fc_out.weight",), f"{h}mlp.c_proj.weight", _t, torch.t),
+            Rule((f"{b}mlp.fc_out.bias",), f"{h}mlp.c_proj.bias"),
+        ]
+    return rules
+
+
+def _llama_rules(cfg: ModelConfig) -> list[Rule]:
+    rules = [Rule(("tok_embed.weight",), "model.embed_tokens.weight"), Rule(("norm_f.weight",), "model.norm.weight")]
+    for i in range(cfg.n_layers):
+        b, h = f"blocks.{i}.", f"model.layers.{i}."
+        rules += [Rule((f"{b}attn_norm.weight",), f"{h}input_layernorm.weight"),
+                  Rule((f"{b}mlp_norm.weight",), f"{h}post_attention_layernorm.weight")]
+        rules += [Rule((f"{b}attn.{x}_proj.weight",), f"{h}self_attn.{x}_proj.weight") for x in "qkvo"]
+        rules += [Rule((f"{b}mlp.{x}_proj.weight",), f"{h}mlp.{x}_proj.weight") for x in ("gate", "up", "down")]
+    return rules
+
+
+def hf_rules(cfg: ModelConfig, hf_keys=()) -> list[Rule]:
+    """The name/layout correspondence for ``cfg``; the head reads the embedding when tied."""
+    if cfg.arch == "gpt":
+        prefix = "" if any(k.startswith("h.") for k in hf_keys) else "transformer."
+        rules, embed = _gpt2_rules(cfg, prefix), f"{prefix}wte.weight"
+    else:
+        rules, embed = _llama_rules(cfg), "model.embed_tokens.weight"
+    tied = cfg.tie_embeddings or (bool(hf_keys) and "lm_head.weight" not in hf_keys)
+    return rules + [Rule(("lm_head.weight",), embed if tied else "lm_head.weight")]
+
+
+def config_from_hf(hf_config, **overrides) -> ModelConfig:
+    """A :class:`ModelConfig` from a ``transformers`` GPT2Config / LlamaConfig (object or dict)."""
+    c = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+    kind = c.get("model_type")
+    if kind == "gpt2":
+        if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ModelConfigError(f"GPT-2 activation {c['activation_function']!r} unsupported (tanh GELU only)")
+        cfg = ModelConfig(arch="gpt", n_layers=c["n_layer"], d_model=c["n_embd"], n_heads=c["n_head"],
+                          d_ff=c.get("n_inner") or 4 * c["n_embd"], vocab_size=c["vocab_size"],
+                          seq_len=c["n_positions"], norm_eps=c.get("layer_norm_epsilon", 1e-5),
+                          tie_embeddings=c.get("tie_word_embeddings", True))
+    elif kind == "llama":
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default" or c.get("attention_bias") or c.get("mlp_bias"):
+            raise ModelConfigError("Llama with rope scaling or attention/MLP biases is not supported")
+        if c.get("head_dim") not in (None, c["hidden_size"] // c["num_attention_heads"]):
+            raise ModelConfigError(f"Llama head_dim {c['head_dim']} ≠ hidden_size / num_attention_heads")
+        cfg = ModelConfig(arch="llama", n_layers=c["num_hidden_layers"], d_model=c["hidden_size"],
+                          n_heads=c["num_attention_heads"],
+                          n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+                          d_ff=c["intermediate_size"], vocab_size=c["vocab_size"],
+                          seq_len=c["max_position_embeddings"], norm_eps=c.get("rms_norm_eps", 1e-6),
+                          rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+                          tie_embeddings=c.get("tie_word_embeddings", False))
+    else:
+        raise ModelConfigError(f"model_type {kind!r} not supported; gridtrain imports 'gpt2' and 'llama'")
+    return cfg.replace(**overrides)
+
+
+class _Source:
+    """Read HF tensors by name from a state dict or a folder of safetensors files, lazily."""
+
+    def __init__(self, source):
+        if isinstance(source, (str, os.PathLike)):
+            from safetensors import safe_open
+
+            files = sorted(glob.glob(os.path.join(source, "*.safetensors")))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors files in {source}")
+            self._where = {}
+            self._handles = [safe_open(f, framework="pt") for f in files]
+            for h in self._handles:
+                self._where.update({k: h for k in h.keys()})
+            self.get = lambda k: self._where[k].get_tensor(k)
+        else:
+            self._where = source
+            self.get = lambda k: source[k]
+
+    def keys(self):
+        return list(self._where.keys())
+
+
+def load_hf_weights(stage: nn.Module, source, tp_group=None) -> nn.Module:
+    """Copy HF weights (state dict or safetensors folder) into ``stage``'s shards; returns ``stage``.
+
+    Every parameter of the stage must be found; shapes are checked against the
+    stage's full (gathered) shapes. No communication.
+    """
+    src = _Source(source)
+    keys = src.keys()
+    params = dict(stage.named_parameters())
+    tp, filled = comm.tp_world_size(tp_group), set()
+    for rule in hf_rules(stage.cfg, keys):
+        if not all(n in params for n in rule.ours):
+            continue
+        if rule.hf not in src._where:
+            raise KeyError(f"{rule.hf!r} (for {rule.ours[0]}) missing from the Hugging Face weights")
+        for name, full in zip(rule.ours, rule.to_ours(src.get(rule.hf))):
+            p = params[name]
+            dim = tp_shard_dim(p)
+            shape = list(p.shape)
+            if dim is not None:
+                shape[dim] *= tp
+            if getattr(p, "vocab_size", None) is not None and full.shape[0] == p.vocab_size:
+                full = torch.cat([full, full.new_zeros(shape[0] - full.shape[0], *full.shape[1:])])
+            if list(full.shape) != shape:
+                raise ModelConfigError(f"{rule.hf} has shape {tuple(full.shape)}, but {name} needs {tuple(shape)} "
+                                       f"(check vocab_size / d_model / heads of the config)")
+            with torch.no_grad():
+                p.copy_(full if dim is None else comm.split_along(full, dim, tp_group))
+            filled.add(name)
+    missing = set(params) - filled
+    if missing:
+        raise KeyError(f"parameters not found in the Hugging Face weights: {sorted(missing)}")
+    return stage
+
+
+def export_hf_state_dict(stage: nn.Module, tp_group=None) -> dict[str, torch.Tensor]:
+    """This stage's weights under ``transformers`` names and layouts (gathered over TP on
+    every rank: one all-gather per sharded parameter). A tied head is omitted, as HF does."""
+    ours = gather_full_state_dict(stage, tp_group)
+    out = {}
+    for rule in hf_rules(stage.cfg):
+        if all(n in ours for n in rule.ours) and not (rule.ours == ("lm_head.weight",) and stage.cfg.tie_embeddings):
+            out[rule.hf] = rule.to_hf(*(ours[n] for n in rule.ours)).contiguous()
+    return out
+
+
+def save_hf_safetensors(state_dict: Mapping[str, torch.Tensor], folder: str, hf_config: dict | None = None) -> str:
+    """Write ``state_dict`` as ``folder/model.safetensors`` (and ``config.json`` if given); returns the file."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "model.safetensors")
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, path, metadata={"format": "pt"})
+    if hf_config is not None:
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=2)
+    return path

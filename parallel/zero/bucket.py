@@ -1,0 +1,166 @@
+"""One flat bucket at run time: its buffers and its collectives.
+
+A :class:`FlatBucket` owns, for the parameters of one
+:class:`~parallel.zero.layout.BucketLayout` (``n`` = padded elements,
+``s = n / N`` the shard, ``b`` the compute dtype's bytes, ``c`` ``comm_dtype``'s):
+
+================  ==========================  ===============================
+buffer            stages 0 / 1 / 2            stage 3
+================  ==========================  ===============================
+``flat_param``    n · b, the parameters are   n · b while gathered, storage
+                  views into it               freed (size 0) otherwise
+``param_shard``   –                           s · b, persistent
+``flat_grad``     n · b, ``p.grad`` are views –
+                  into it (stages 0, 1)
+``grad_shard``    – / – / s · b               s · b
+``master``        the fp32 weights the optimizer steps: a view of
+                  ``flat_param`` (stage 0: all of it, 1–2: the shard) or of
+                  ``param_shard`` in fp32; a separate fp32 copy otherwise
+================  ==========================  ===============================
+
+Collectives, all on the DP group through :mod:`parallel.comm`:
+
+* stage 0: ``all_reduce`` of the bucket's gradient (n · c bytes payload), or
+  with top-k compression an ``all_gather`` of values + indices;
+* stages 1–3: ``reduce_scatter`` of the gradient (n · c payload) into the shard;
+* stages 1–2 after the step, stage 3 before forward and backward:
+  ``all_gather`` of the parameters (n · b payload).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .compression import TopKCompressor
+from .layout import BucketLayout
+
+
+class FlatBucket:
+    def __init__(self, layout: BucketLayout, params, *, stage: int, dp_rank: int, group,
+                 param_dtype: torch.dtype, comm_dtype: torch.dtype, compressor: TopKCompressor | None):
+        self.layout, self.params, self.stage, self.group = layout, list(params), stage, group
+        self.param_dtype, self.comm_dtype, self.compressor = param_dtype, comm_dtype, compressor
+        self.lo, self.hi = (0, layout.padded_numel) if stage == 0 else layout.shard_range(dp_rank)
+        device = self.params[0].device
+        self.flat_param = torch.zeros(layout.padded_numel, dtype=param_dtype, device=device)
+        for p, slot in zip(self.params, layout.slots):
+            self.flat_param[slot.offset:slot.end].copy_(p.detach().reshape(-1))
+            p.data = self.flat_param[slot.offset:slot.end].view(slot.shape)
+        owned = self.flat_param[self.lo:self.hi]
+        self.param_shard = owned.clone() if stage == 3 else None
+        home = self.param_shard if stage == 3 else owned
+        self.master = home if param_dtype == torch.float32 else home.float()
+        self.master_is_separate = self.master.data_ptr() != home.data_ptr()
+        self.flat_grad = None
+        self.grad_shard = None
+        if stage <= 1:
+            self.flat_grad = torch.zeros_like(self.flat_param)
+            for p, slot in zip(self.params, layout.slots):
+                p.grad = self.flat_grad[slot.offset:slot.end].view(slot.shape)
+        else:
+            self.grad_shard = torch.zeros(self.hi - self.lo, dtype=param_dtype, device=device)
+        self.ready = 0  # parameters whose gradient has been accumulated in this backward
+        self.reduced = False  # stages 0-1: this step's reduction was launched
+        self._pending = None  # (handle, finish) of an in-flight collective
+        self._gather = None  # stage 3: handle of an in-flight parameter all-gather
+        self.gathered = stage != 3
+        if stage == 3:
+            self.free_params()
+
+    # gradients ---------------------------------------------------------------
+    def launch_reduction(self) -> None:
+        """Start this bucket's gradient collective (asynchronously)."""
+        if self.compressor is not None:
+            handle, gathered = self.compressor.start(self.flat_grad, self.group)
+            self._pending = (handle, lambda: self.compressor.finish(gathered, self.flat_grad))
+        elif self.stage == 0:
+            buf = self.flat_grad if self.comm_dtype == self.param_dtype else self.flat_grad.to(self.comm_dtype)
+            handle = comm.all_reduce(buf, group=self.group, async_op=True)
+            self._pending = (handle, (lambda: None) if buf is self.flat_grad else (lambda: self.flat_grad.copy_(buf)))
+        else:
+            full = self._full_grad_for_comm()
+            out = torch.empty(self.hi - self.lo, dtype=self.comm_dtype, device=full.device)
+            handle = comm.reduce_scatter(out, full, group=self.group, async_op=True)
+            self._pending = (handle, lambda: self._keep_shard(out))
+        self.reduced = True
+
+    def _full_grad_for_comm(self) -> torch.Tensor:
+        if self.flat_grad is not None:  # stage 1
+            g = self.flat_grad
+            return g if g.dtype == self.comm_dtype else g.to(self.comm_dtype)
+        full = torch.zeros(self.layout.padded_numel, dtype=self.comm_dtype, device=self.flat_param.device)
+        for p, slot in zip(self.params, self.layout.slots):
+            if p.grad is not None:
+                full[slot.offset:slot.end].copy_(p.grad.reshape(-1))
+                p.grad = None  # stages 2-3: the full gradient is freed as soon as it is sent
+        return full
+
+    def _keep_shard(self, out: torch.Tensor) -> None:
+        if self.grad_shard is None:  # stage 1: the shard lives only until the step
+            self._stage1_shard = out
+        else:
+            self.grad_shard.add_(out.to(self.grad_shard.dtype))
+
+    def finish_reduction(self) -> None:
+        if self._pending is not None:
+            handle, finish = self._pending
+            handle.wait()
+            finish()
+            self._pending = None
+
+    def has_unreduced_grads(self) -> bool:
+        if self.stage <= 1:
+            return not self.reduced
+        return any(p.grad is not None for p in self.params)
+
+    def main_grad(self) -> torch.Tensor:
+        """This rank's reduced gradient (sum over DP) of the range it steps, in fp32."""
+        if self.stage == 0:
+            g = self.flat_grad
+        elif self.stage == 1:
+            g = self._stage1_shard
+        else:
+            g = self.grad_shard
+        return g if g.dtype == torch.float32 else g.float()
+
+    def zero_grad(self) -> None:
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+        for p in self.params if self.stage >= 2 else ():
+            p.grad = None
+        self._stage1_shard = None
+        self.ready, self.reduced = 0, False
+
+    # parameters --------------------------------------------------------------
+    def publish_master(self) -> None:
+        """After the optimizer step: make the compute parameters equal the updated master."""
+        home = self.param_shard if self.stage == 3 else self.flat_param[self.lo:self.hi]
+        if self.master_is_separate:
+            home.copy_(self.master)
+        if self.stage in (1, 2):
+            comm.all_gather(self.flat_param, home.clone(), group=self.group)
+        elif self.stage == 3:
+            self.free_params()
+
+    def free_params(self) -> None:
+        """Stage 3: release the gathered parameters' storage (the views stay, empty)."""
+        self.flat_param.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def start_gather(self) -> None:
+        """Stage 3: launch the all-gather of the full parameters (no-op if done or under way)."""
+        if self.gathered or self._gather is not None:
+            return
+        storage = self.flat_param.untyped_storage()
+        storage.resize_(self.flat_param.numel() * self.flat_param.element_size())
+        self._gather = comm.all_gather(self.flat_param, self.param_shard, group=self.group, async_op=True)
+
+    def wait_gather(self) -> None:
+        if self.gathered:
+            return
+        self.start_gather()
+        self._gather.wait()
+        self._gather, self.gathered = None, True

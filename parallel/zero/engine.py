@@ -1,0 +1,299 @@
+"""``ZeroDataParallel``: sharded data parallelism (ZeRO stages 0–3) over one DP group.
+
+Wrap any ``nn.Module``; each DP rank feeds its own slice of the global batch::
+
+    zdp = ZeroDataParallel(model, dp_group=groups.dp, stage=2,
+                           optimizer_factory=lambda groups: torch.optim.AdamW(groups, lr=1e-3))
+    for micro in range(n_micro):
+        with zdp.no_sync() if micro < n_micro - 1 else contextlib.nullcontext():
+            zdp.backward(loss_fn(zdp(x[micro]), y[micro]) / n_micro)
+    stats = zdp.step()          # {"grad_norm", "skipped", "loss_scale"}
+    zdp.zero_grad()
+
+The step averages gradients over DP ranks, so ``loss`` is each rank's mean
+over its own samples and the step is the mean over the global batch.
+
+Stages (Ψ parameters, N = DP size; :mod:`parallel.zero.theory` has the bytes):
+
+0. every rank holds everything; gradients are all-reduced bucket by bucket.
+1. the optimizer state (fp32 master, moments) is sharded: gradients are
+   reduce-scattered, each rank steps its shard, parameters are all-gathered.
+2. gradients are sharded too: a bucket is reduce-scattered as soon as all its
+   gradients are accumulated (``register_post_accumulate_grad_hook``) and the
+   full gradients are freed.
+3. parameters are sharded too: a unit (``units``: e.g. the transformer blocks)
+   is all-gathered just before its forward and again before its backward and
+   freed right after; the next unit's gather is launched ahead (prefetch).
+   Parameters outside every unit form one more unit, gathered when the
+   wrapped module's forward starts and freed once their gradients are sent.
+
+Gradient accumulation: under :meth:`no_sync` stages 0–1 only accumulate, and
+communicate once, on the last micro-batch (or at :meth:`step`). Stages 2–3
+reduce-scatter every micro-batch into the accumulated gradient shard: keeping
+the full gradient across micro-batches would give up the memory these stages
+exist to save (DeepSpeed and FSDP do the same).
+
+Overlap: with ``overlap=True`` a bucket's collective is launched, asynchronous,
+from the hook of its last gradient, while backward goes on; all are waited for
+when backward ends. With ``overlap=False`` they are launched after backward.
+
+Mixed precision (``precision``): the module's parameters are held in bf16/fp16,
+floating-point inputs are cast to it, and the optimizer steps fp32 master
+weights (its own shard from stage 1 on). fp16 scales the loss dynamically
+(:class:`~parallel.zero.scaler.DynamicLossScaler`); a step whose gradients hold
+an inf/NaN on any rank of the DP, TP or ``clip_groups`` is skipped on all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..params import wants_weight_decay
+from .bucket import FlatBucket
+from .compression import TopKCompressor
+from .layout import ZeroConfigError, plan_buckets
+from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
+from .scaler import DynamicLossScaler
+from .state import StateDictMixin
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _dtype(name, what: str) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ZeroConfigError(f"{what} must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+class ZeroDataParallel(StateDictMixin, nn.Module):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        dp_group,
+        stage: int,
+        optimizer_factory: Callable[[list[dict]], torch.optim.Optimizer],
+        units: Sequence[nn.Module] | None = None,
+        precision: str = "fp32",
+        comm_dtype: str | None = None,
+        bucket_mb: float = 25,
+        overlap: bool = True,
+        grad_clip: float | None = None,
+        tp_group=None,
+        clip_groups: Sequence = (),
+        compression: str | None = None,
+        topk_ratio: float = 0.01,
+        loss_scaler: DynamicLossScaler | None = None,
+    ):
+        super().__init__()
+        if stage not in (0, 1, 2, 3):
+            raise ZeroConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+        if compression not in (None, "none", "topk"):
+            raise ZeroConfigError(f"compression must be None, 'none' or 'topk', got {compression!r}")
+        compression = None if compression == "none" else compression
+        if compression and stage != 0:
+            raise ZeroConfigError(
+                f"top-k compression needs stage 0 (it replaces the all-reduce), got stage {stage}; "
+                f"use stage=0 or compression=None"
+            )
+        if grad_clip is not None and grad_clip <= 0:
+            raise ZeroConfigError(f"grad_clip must be positive or None, got {grad_clip}")
+        self.module, self.stage, self.dp_group, self.overlap = module, stage, dp_group, overlap
+        self.dp_size = comm.group_size(dp_group)
+        self.dp_rank = torch.distributed.get_rank(dp_group) if self.dp_size > 1 else 0
+        self.param_dtype = _dtype(precision, "precision")
+        self.comm_dtype = _dtype(comm_dtype, "comm_dtype") if comm_dtype else self.param_dtype
+        self.grad_clip, self.tp_group = grad_clip, tp_group
+        self.norm_groups = ([dp_group] if stage >= 1 else []) + ([tp_group] if tp_group else []) + list(clip_groups)
+        self.scaler = (loss_scaler or DynamicLossScaler()) if self.param_dtype == torch.float16 else None
+        self.units = list(units or [])
+        self._build_buckets(bucket_mb, compression, topk_ratio)
+        groups = [
+            {"params": [b.master for b in self.buckets if b.layout.weight_decay]},
+            {"params": [b.master for b in self.buckets if not b.layout.weight_decay], "weight_decay": 0.0},
+        ]
+        self.optimizer = optimizer_factory([g for g in groups if g["params"]])
+        self._sync = True
+        self._callback_queued = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_bucket]
+        if stage == 3:
+            self._install_unit_hooks()
+
+    # construction ---------------------------------------------------------------
+    def _build_buckets(self, bucket_mb: float, compression, topk_ratio: float) -> None:
+        named = dict(self.module.named_parameters())
+        unit_of: dict[int, int] = {}
+        for u, unit in enumerate(self.units):
+            for p in unit.parameters():
+                if id(p) in unit_of and unit_of[id(p)] != u:
+                    raise ZeroConfigError(f"a parameter belongs to units {unit_of[id(p)]} and {u}; units must be disjoint")
+                unit_of[id(p)] = u
+        root = len(self.units)
+        order = sorted(named.items(), key=lambda kv: unit_of.get(id(kv[1]), root))  # stable sort
+        specs = [(n, tuple(p.shape), wants_weight_decay(p), unit_of.get(id(p), root))
+                 for n, p in order if p.requires_grad]
+        if not specs:
+            raise ZeroConfigError("the module has no trainable parameters")
+        elem = torch.finfo(self.param_dtype).bits // 8
+        self.layouts = plan_buckets(specs, dp=self.dp_size, bucket_bytes=int(bucket_mb * 2**20), element_size=elem)
+        self.buckets: list[FlatBucket] = []
+        self._param_bucket: dict[nn.Parameter, FlatBucket] = {}
+        tp_rank = torch.distributed.get_rank(self.tp_group) if self.tp_group else 0
+        for layout in self.layouts:
+            params = [named[s.name] for s in layout.slots]
+            compressor = (TopKCompressor(layout.padded_numel, topk_ratio, self.comm_dtype, params[0].device)
+                          if compression else None)
+            bucket = FlatBucket(layout, params, stage=self.stage, dp_rank=self.dp_rank, group=self.dp_group,
+                                param_dtype=self.param_dtype, comm_dtype=self.comm_dtype, compressor=compressor)
+            bucket.norm_ranges = counted_ranges(layout, bucket.lo, bucket.hi, params, count_replicated=tp_rank == 0)
+            self.buckets.append(bucket)
+            self._param_bucket.update({p: bucket for p in params})
+        self._unit_buckets = [[b for b in self.buckets if b.layout.unit == u] for u in range(root + 1)]
+
+    def _install_unit_hooks(self) -> None:
+        root = len(self.units)
+        self.module.register_forward_pre_hook(lambda *_: self._gather_unit(root, prefetch=0))
+        for u, unit in enumerate(self.units):
+            unit.register_forward_pre_hook(lambda *_, u=u: self._gather_unit(u, prefetch=u + 1))
+            unit.register_forward_hook(lambda *_, u=u: self._free_unit(u))
+            unit.register_full_backward_pre_hook(lambda *_, u=u: self._gather_unit(u, prefetch=u - 1))
+
+    def _gather_unit(self, u: int, prefetch: int) -> None:
+        for b in self._unit_buckets[u]:
+            b.start_gather()
+        if 0 <= prefetch < len(self.units):
+            for b in self._unit_buckets[prefetch]:
+                b.start_gather()
+        for b in self._unit_buckets[u]:
+            b.wait_gather()
+
+    def _free_unit(self, u: int) -> None:
+        for b in self._unit_buckets[u]:
+            b.free_params()
+
+    # forward / backward -----------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.param_dtype != torch.float32:
+            cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, with the fp16 loss scale applied."""
+        (loss.float() * self.scaler.scale if self.scaler else loss).backward()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without communicating (stages 0–1; see the module docstring)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _communicates_now(self) -> bool:
+        return self._sync or self.stage >= 2
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self._communicates_now():
+            return
+        bucket = self._param_bucket[param]
+        bucket.ready += 1
+        if self.overlap and bucket.ready == len(bucket.params):
+            self._reduce(bucket, wait=False)
+            if self.stage == 3:
+                bucket.free_params()  # its backward is over: nothing reads these parameters again
+
+    def _reduce(self, bucket: FlatBucket, wait: bool) -> None:
+        bucket.launch_reduction()
+        if wait:
+            bucket.finish_reduction()
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if not self._communicates_now():
+            return
+        for b in self.buckets:
+            if not self.overlap and b.ready == len(b.params):
+                self._reduce(b, wait=False)
+        for b in self.buckets:
+            b.finish_reduction()
+            if self.stage >= 2:
+                b.ready = 0
+            if self.stage == 3 and not b.has_unreduced_grads():
+                b.free_params()
+
+    # the optimizer step -------------------------------------------------------------
+    def _finish_gradients(self) -> list[torch.Tensor]:
+        """Reduce what backward left unreduced (unused parameters, no_sync); return fp32 grads, averaged."""
+        for b in self.buckets:
+            if b.has_unreduced_grads():
+                self._reduce(b, wait=True)
+            b.finish_reduction()
+        divisor = self.dp_size * (self.scaler.scale if self.scaler else 1.0)
+        grads = [b.main_grad() for b in self.buckets]
+        for g in grads:
+            g.div_(divisor)
+        return grads
+
+    def step(self) -> dict:
+        """Reduce gradients, clip, step the optimizer on this rank's shard, publish parameters.
+
+        Returns ``{"grad_norm": float, "skipped": bool, "loss_scale": float}``:
+        ``grad_norm`` is the global norm before clipping (one scalar all-reduce
+        per group in ``norm_groups``), ``loss_scale`` the scale the next
+        backward uses (1 unless fp16). A skipped step changes no parameter.
+        """
+        grads = self._finish_gradients()
+        norm = global_norm(local_sq_norm(grads, [b.norm_ranges for b in self.buckets]), self.norm_groups)
+        skipped = not torch.isfinite(torch.tensor(norm)).item()
+        if self.scaler:
+            self.scaler.update(skipped)
+        if skipped:
+            for b in self.buckets:
+                if b.compressor is not None:
+                    b.compressor.residual.zero_()
+        else:
+            coef = clip_coefficient(norm, self.grad_clip)
+            for b, g in zip(self.buckets, grads):
+                b.master.grad = g.mul_(coef) if coef < 1.0 else g
+            self.optimizer.step()
+            for b in self.buckets:
+                b.master.grad = None
+                b.publish_master()
+        self.zero_grad()
+        return {"grad_norm": norm, "skipped": skipped, "loss_scale": self.scaler.scale if self.scaler else 1.0}
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.zero_grad()
+
+    def held_bytes(self) -> dict:
+        """Model-state bytes this rank holds now, counted from its tensors.
+
+        ``params``: compute parameters (stage 3: the shard plus whatever is
+        gathered at the moment); ``grads``: gradient buffers; ``optimizer``: the
+        separate fp32 master (16-bit precisions) plus every per-element optimizer
+        state tensor (0-dim scalars such as Adam's ``step`` are left out).
+        """
+        nbytes = lambda t: t.untyped_storage().nbytes() if t.data_ptr() else 0  # noqa: E731
+        params = grads = optim = 0
+        for b in self.buckets:
+            params += nbytes(b.flat_param) + (b.param_shard.nbytes if b.param_shard is not None else 0)
+            grads += sum(t.nbytes for t in (b.flat_grad, b.grad_shard) if t is not None)
+            grads += sum(p.grad.nbytes for p in b.params if b.flat_grad is None and p.grad is not None)
+            optim += b.master.nbytes if b.master_is_separate else 0
+            optim += sum(v.nbytes for v in self.optimizer.state.get(b.master, {}).values()
+                         if torch.is_tensor(v) and v.dim() > 0 and v.shape == b.master.shape)
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}

@@ -1,0 +1,60 @@
+"""The global gradient norm over DP shards, TP shards and pipeline stages.
+
+Each rank sums the squares of the gradient elements it is responsible for,
+and one scalar ``all_reduce`` (SUM, 4 bytes payload) per group adds the
+partial sums up:
+
+* over the DP group when the gradient is sharded (ZeRO stages 1–3; at stage
+  0 every DP rank holds the whole, identical reduced gradient);
+* over the TP group, where parameters replicated across TP (no
+  ``tp_shard_dim`` mark: norms, row-parallel biases) are counted on TP rank 0
+  only, so they enter the norm once — as in Megatron-LM;
+* over any further groups the caller names (the pipeline group: each stage
+  holds different layers).
+
+An inf or NaN anywhere makes the sum non-finite on every rank, which is how
+a step is skipped everywhere at once (fp16 overflow).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from .. import comm
+from ..params import is_tp_replicated
+
+
+def counted_ranges(bucket_layout, lo: int, hi: int, params, count_replicated: bool) -> list[tuple[int, int]]:
+    """Ranges ``[a, b)`` of the local range ``[lo, hi)`` (0-based in it) that enter the norm."""
+    out = []
+    for slot, a, b in bucket_layout.overlaps(lo, hi):
+        p = params[bucket_layout.slots.index(slot)]
+        if count_replicated or not is_tp_replicated(p):
+            out.append((a - lo, b - lo))
+    return out
+
+
+def local_sq_norm(grads: Iterable[torch.Tensor], ranges: Iterable[Sequence[tuple[int, int]]]) -> torch.Tensor:
+    """Sum of squares of ``grad[a:b]`` over each grad's counted ranges, in fp32."""
+    total = torch.zeros((), dtype=torch.float32)
+    for g, rs in zip(grads, ranges):
+        for a, b in rs:
+            total += g[a:b].float().pow(2).sum()
+    return total
+
+
+def global_norm(local_sq: torch.Tensor, groups: Sequence) -> float:
+    """All-reduce ``local_sq`` (SUM) over each group in turn; return the square root."""
+    buf = local_sq.reshape(1).clone()
+    for g in groups:
+        comm.all_reduce(buf, group=g)
+    return float(buf.sqrt())
+
+
+def clip_coefficient(norm: float, max_norm: float | None, eps: float = 1e-6) -> float:
+    """What to multiply gradients by so that their norm is at most ``max_norm`` (≤ 1)."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (norm + eps))

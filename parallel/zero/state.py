@@ -1,0 +1,131 @@
+"""Checkpoint state of a :class:`~parallel.zero.engine.ZeroDataParallel`.
+
+Two forms:
+
+* **per rank** (:meth:`StateDictMixin.state_dict`): this rank's fp32 master
+  shards, its optimizer's ``state_dict()`` (moments of its shards only) and the
+  loss scaler; loads back only into the same layout (stage, DP size, buckets).
+* **full** (:meth:`StateDictMixin.full_state_dict`): every parameter and every
+  per-element optimizer state (``exp_avg``, ``momentum_buffer`` ...) as whole
+  fp32 tensors keyed by parameter name, plus the optimizer's scalars
+  (``step``). Gathering it is one ``all_gather`` on the DP group per bucket and
+  per state tensor (stages 1–3; none at stage 0). It loads into *any* layout
+  (:meth:`StateDictMixin.load_full_state_dict`): each rank cuts out its own
+  shard — this is how a checkpoint moves to another DP size or ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .layout import ZeroConfigError
+
+
+def _full_flat(bucket, local: torch.Tensor) -> torch.Tensor:
+    """The whole padded flat tensor of ``bucket`` from each rank's owned range."""
+    if bucket.stage == 0:
+        return local.float()
+    out = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=local.device)
+    comm.all_gather(out, local.float().contiguous(), group=bucket.group)
+    return out
+
+
+def _split(bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {s.name: flat[s.offset:s.end].view(s.shape).clone() for s in bucket.layout.slots}
+
+
+def _owned(bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Cut this rank's range out of whole per-parameter tensors."""
+    flat = torch.zeros(bucket.layout.padded_numel, dtype=torch.float32)
+    for s in bucket.layout.slots:
+        if s.name not in tensors:
+            raise ZeroConfigError(f"full state dict lacks {s.name!r}")
+        t = tensors[s.name]
+        if tuple(t.shape) != s.shape:
+            raise ZeroConfigError(f"{s.name!r}: checkpoint shape {tuple(t.shape)} ≠ model shape {s.shape}")
+        flat[s.offset:s.end] = t.reshape(-1).float()
+    return flat[bucket.lo:bucket.hi]
+
+
+class StateDictMixin:
+    """State dict methods of ZeroDataParallel (needs ``buckets``, ``optimizer``, ``scaler``)."""
+
+    def _layout_key(self) -> dict:
+        return {"stage": self.stage, "dp_size": self.dp_size,
+                "buckets": [[(s.name, s.numel) for s in b.layout.slots] for b in self.buckets]}
+
+    def state_dict(self) -> dict:  # noqa: D401 - per-rank ZeRO state, not nn.Module's
+        """This rank's shard of the training state."""
+        return {
+            "layout": self._layout_key(),
+            "dp_rank": self.dp_rank,
+            "master": [b.master.detach().clone() for b in self.buckets],
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:  # noqa: D401
+        """Load what :meth:`state_dict` returned on the same rank of the same layout."""
+        if state["layout"] != self._layout_key() or state["dp_rank"] != self.dp_rank:
+            raise ZeroConfigError(
+                f"per-rank state of stage {state['layout']['stage']} dp {state['layout']['dp_size']} "
+                f"rank {state['dp_rank']} does not fit stage {self.stage} dp {self.dp_size} rank "
+                f"{self.dp_rank}; use full_state_dict()/load_full_state_dict() to reshard"
+            )
+        for b, m in zip(self.buckets, state["master"]):
+            b.master.data.copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_scaler(state["scaler"])
+        self._publish()
+
+    def full_state_dict(self) -> dict:
+        """Whole fp32 parameters and optimizer state by parameter name (collective over DP)."""
+        params: dict[str, torch.Tensor] = {}
+        optim: dict[str, dict] = {}
+        for b in self.buckets:
+            params.update(_split(b, _full_flat(b, b.master.detach())))
+            per_param: dict[str, dict] = {s.name: {} for s in b.layout.slots}
+            for key, value in sorted(self.optimizer.state.get(b.master, {}).items()):
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape == b.master.shape:
+                    for name, t in _split(b, _full_flat(b, value)).items():
+                        per_param[name][key] = t
+                else:
+                    for name in per_param:
+                        per_param[name][key] = value.clone() if torch.is_tensor(value) else value
+            optim.update(per_param)
+        return {"params": params, "optimizer": optim,
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, whole, in fp32 (collective over DP at stages 1–3)."""
+        out: dict[str, torch.Tensor] = {}
+        for b in self.buckets:
+            out.update(_split(b, _full_flat(b, b.master.detach())))
+        return out
+
+    def load_full_state_dict(self, full: dict) -> None:
+        """Load a :meth:`full_state_dict` saved under any stage and DP size."""
+        for b in self.buckets:
+            b.master.data.copy_(_owned(b, full["params"]))
+            names = [s.name for s in b.layout.slots]
+            per_param = [full["optimizer"].get(n, {}) for n in names]
+            state = {}
+            for key in sorted(set().union(*per_param)):
+                first = per_param[0][key]
+                if torch.is_tensor(first) and first.dim() > 0 and first.shape == b.layout.slots[0].shape:
+                    state[key] = _owned(b, {n: st[key] for n, st in zip(names, per_param)}).clone()
+                else:
+                    state[key] = first.clone() if torch.is_tensor(first) else first
+            if state:
+                self.optimizer.state[b.master] = state
+        self._load_scaler(full.get("scaler"))
+        self._publish()
+
+    def _load_scaler(self, state) -> None:
+        if self.scaler and state:
+            self.scaler.load_state_dict(state)
+
+    def _publish(self) -> None:
+        for b in self.buckets:
+            b.publish_master()

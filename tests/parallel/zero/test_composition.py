@@ -1,0 +1,182 @@
+"""ZeRO composes with tensor and pipeline parallelism; the clipped global norm is the one-process norm.
+
+The TP and PP here are minimal hand-written ones (Megatron's column/row split
+with the f/g pair built on parallel.comm; a two-stage pipeline with blocking
+send/recv), so the test depends on nothing but parallel.zero and the foundation.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel import comm
+from parallel.groups import build_groups
+from parallel.params import mark_no_weight_decay, mark_tp_sharded
+from parallel.testing import run_ranks
+from parallel.topology import Topology
+from parallel.zero import ZeroDataParallel
+
+from .toy import BATCH, D, adamw, batches, make_model, reference_param_groups, reference_run
+
+CLIP, STEPS = 0.5, 6
+
+
+class _CopyToTP(torch.autograd.Function):  # Megatron's "f": identity forward, all-reduce backward
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        comm.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):  # Megatron's "g": all-reduce forward, identity backward
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        comm.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class Mlp(nn.Module):
+    """norm → fc1 (D → 2D) → relu → fc2 (2D → 1); with ``tp``: fc1 split by rows, fc2 by columns."""
+
+    def __init__(self, tp_group=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.Linear(2 * D, 1)
+        for p in (self.norm.weight, self.norm.bias, self.fc1.bias, self.fc2.bias):
+            mark_no_weight_decay(p)
+        self.tp_group = tp_group
+        if tp_group is not None:
+            n, r = comm.group_size(tp_group), dist.get_rank(tp_group)
+            rows = slice(r * 2 * D // n, (r + 1) * 2 * D // n)
+            with torch.no_grad():
+                self.fc1.weight = nn.Parameter(self.fc1.weight[rows].clone())
+                self.fc1.bias = nn.Parameter(self.fc1.bias[rows].clone())
+                self.fc2.weight = nn.Parameter(self.fc2.weight[:, rows].clone())
+            mark_tp_sharded(self.fc1.weight, 0), mark_tp_sharded(self.fc1.bias, 0)
+            mark_tp_sharded(self.fc2.weight, 1), mark_no_weight_decay(self.fc1.bias)
+
+    def forward(self, x):
+        h = self.norm(x)
+        if self.tp_group is None:
+            return self.fc2(torch.relu(self.fc1(h))).squeeze(-1)
+        h = torch.relu(self.fc1(_CopyToTP.apply(h, self.tp_group)))
+        out = _ReduceFromTP.apply(h @ self.fc2.weight.t(), self.tp_group) + self.fc2.bias
+        return out.squeeze(-1)
+
+
+def _mlp_reference():
+    model = Mlp()
+    opt = adamw(reference_param_groups(model))
+    losses, norms = [], []
+    for x, y in batches(STEPS):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step(), opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _dp_tp():
+    g = build_groups(Topology(dp=2, pp=1, tp=2))
+    per = BATCH // 2
+    mine = slice(g.dp_rank * per, (g.dp_rank + 1) * per)
+    out = {}
+    for stage in range(4):
+        model = Mlp(g.tp)
+        zdp = ZeroDataParallel(model, dp_group=g.dp, stage=stage, optimizer_factory=adamw,
+                               grad_clip=CLIP, tp_group=g.tp)
+        losses, norms = [], []
+        for x, y in batches(STEPS):
+            loss = nn.functional.mse_loss(zdp(x[mine]), y[mine])
+            zdp.backward(loss)
+            norms.append(zdp.step()["grad_norm"])
+            total = loss.detach().clone()
+            comm.all_reduce(total, group=g.dp)
+            losses.append(total.item() / 2)
+        out[stage] = (losses, norms, {n: p.numpy() for n, p in zdp.full_parameters().items()})
+    return g.tp_rank, out
+
+
+def test_zero_over_dp_with_tp_matches_one_process_and_counts_replicated_params_once():
+    ref_losses, ref_norms, ref_params = _mlp_reference()
+    assert max(ref_norms) > CLIP
+    results = run_ranks(_dp_tp, 4)
+    for stage in range(4):
+        shards = {r: res[stage][2] for r, res in ((tp, out) for tp, out in results)}
+        for tp_rank, out in results:
+            losses, norms, _ = out[stage]
+            assert losses == pytest.approx(ref_losses, abs=1e-4)
+            # replicated norm weights/biases counted twice would give a larger norm
+            assert norms == pytest.approx(ref_norms, rel=1e-4), stage
+        for name, p in ref_params.items():
+            if name in ("fc1.weight", "fc1.bias"):
+                whole = torch.cat([torch.from_numpy(shards[r][name]) for r in (0, 1)], 0)
+            elif name == "fc2.weight":
+                whole = torch.cat([torch.from_numpy(shards[r][name]) for r in (0, 1)], 1)
+            else:
+                whole = torch.from_numpy(shards[0][name])
+                torch.testing.assert_close(torch.from_numpy(shards[1][name]), whole, atol=0, rtol=0)
+            torch.testing.assert_close(whole, p, atol=1e-5, rtol=0)
+
+
+def _dp_pp(stage):
+    g = build_groups(Topology(dp=2, pp=2, tp=1))
+    full = make_model()
+    parts = (nn.Sequential(full.inp, full.blocks[0], full.blocks[1]), nn.Sequential(full.blocks[2], full.head))
+    part = parts[g.pp_rank]
+    units = [m for m in part if m in list(full.blocks)]
+    zdp = ZeroDataParallel(part, dp_group=g.dp, stage=stage, optimizer_factory=adamw, units=units,
+                           grad_clip=CLIP, clip_groups=(g.pp,))
+    per, micro = BATCH // 2, 2
+    mine = slice(g.dp_rank * per, (g.dp_rank + 1) * per)
+    losses, norms = [], []
+    for x, y in batches(STEPS):
+        xs, ys, total = x[mine].chunk(micro), y[mine].chunk(micro), 0.0
+        for m in range(micro):  # GPipe-like: each micro-batch forward then backward
+            with zdp.no_sync() if m < micro - 1 else torch.enable_grad():
+                if g.is_first_stage:
+                    act = zdp(xs[m])
+                    comm.send(act.detach(), g.next_rank, group=g.pp)
+                    grad = torch.empty_like(act)
+                    comm.recv(grad, g.next_rank, group=g.pp)
+                    act.backward(grad)
+                else:
+                    act = torch.empty(xs[m].shape[0], D)
+                    comm.recv(act, g.prev_rank, group=g.pp)
+                    act.requires_grad_(True)
+                    loss = nn.functional.mse_loss(zdp(act).squeeze(-1), ys[m]) / micro
+                    zdp.backward(loss)
+                    comm.send(act.grad, g.prev_rank, group=g.pp)
+                    total += loss.item()
+        norms.append(zdp.step()["grad_norm"])
+        losses.append(total)
+    return g.pp_rank, g.dp_rank, losses, norms, {n: p.numpy() for n, p in zdp.full_parameters().items()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_over_dp_with_two_pipeline_stages_matches_one_process(stage):
+    ref_losses, ref_norms, ref_params = reference_run(steps=STEPS, grad_clip=CLIP)
+    names = {0: {"0": "inp", "1": "blocks.0", "2": "blocks.1"}, 1: {"0": "blocks.2", "1": "head"}}
+    results = run_ranks(_dp_pp, 4, stage)
+    # each last-stage DP rank's loss is its half's mean; the two halves average to the reference
+    halves = [losses for pp_rank, _, losses, _, _ in results if pp_rank == 1]
+    assert [(a + b) / 2 for a, b in zip(*halves)] == pytest.approx(ref_losses, abs=1e-4)
+    for pp_rank, dp_rank, losses, norms, params in results:
+        assert norms == pytest.approx(ref_norms, rel=1e-4)
+        for name, p in params.items():
+            head, rest = name.split(".", 1)
+            torch.testing.assert_close(torch.from_numpy(p), ref_params[f"{names[pp_rank][head]}.{rest}"],
+                                       atol=1e-5, rtol=0)
