@@ -80,7 +80,8 @@ class ParallelGroups:
 
     ``tp``, ``pp``, ``dp``: the groups along each axis that contain this rank.
     ``mp``: the pp × tp ranks of this model replica. ``embedding``: the first
-    and last pipeline stages of this rank's pipeline (for tied embeddings).
+    and last pipeline stages of this rank's pipeline (for tied embeddings);
+    None on a middle stage, which belongs to no embedding group.
     """
 
     topology: Topology
@@ -90,7 +91,7 @@ class ParallelGroups:
     pp: dist.ProcessGroup
     dp: dist.ProcessGroup
     mp: dist.ProcessGroup
-    embedding: dist.ProcessGroup
+    embedding: dist.ProcessGroup | None
     backend: str
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
@@ -179,7 +180,7 @@ def build_groups(
     rank = dist.get_rank()
     backend = backend or dist.get_backend()
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
-    mine: dict[str, dist.ProcessGroup] = {}
+    mine: dict[str, dist.ProcessGroup | None] = {"embedding": None}
     for axis, lists in _all_group_lists(topology).items():
         for ranks in lists:
             g = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=axis)

@@ -129,3 +129,15 @@ def _two_topologies():
 
 def test_two_topologies_coexist_in_one_process():
     assert run_ranks(_two_topologies, 4) == [(1.0, 4.0)] * 4
+
+
+def _middle_stage_groups():
+    g = build_groups(Topology(1, 3, 1))
+    t = torch.ones(1)
+    if g.embedding is not None:
+        comm.all_reduce(t, group=g.embedding)
+    return g.coords.pp, g.embedding is None, t.item()
+
+
+def test_middle_pipeline_stages_have_no_embedding_group():
+    assert run_ranks(_middle_stage_groups, 3) == [(0, False, 2.0), (1, True, 1.0), (2, False, 2.0)]
