@@ -204,14 +204,13 @@ def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action
 
     ``"interleaved"`` with ``vpp=1`` is plain 1F1B (as in Megatron), whose warm-up is shorter.
     """
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
     if name == "interleaved":
         return interleaved_1f1b(pp, m, vpp) if vpp > 1 else one_f_one_b(pp, m)
     if vpp != 1:
         raise ScheduleError(f"schedule {name!r} runs one chunk per rank; got vpp={vpp} (use 'interleaved')")
-    builders = {"gpipe": gpipe, "1f1b": one_f_one_b}
-    if name not in builders:
-        raise ScheduleError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
-    return builders[name](pp, m)
+    return gpipe(pp, m) if name == "gpipe" else one_f_one_b(pp, m)
 
 
 def batches(actions: Iterable[Action]) -> list[Compute | list[P2P]]:
