@@ -38,6 +38,7 @@ are dropped the moment its backward has run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable, Sequence
@@ -110,6 +111,11 @@ class PipelineExecutor:
                 )
             actions = actions[self.stage]
         self.items = batches(actions)
+        # evaluation runs the same order with every backward and gradient transfer left out:
+        # removing waits from a deadlock-free list cannot create a deadlock
+        self.forward_items = batches(
+            a for a in actions if not isinstance(a, (Backward, SendGrad, RecvGrad))
+        )
         self.vpp = len(self.chunks)
         self.activation_shape = tuple(activation_shape)
         self.dtype = dtype
@@ -171,11 +177,17 @@ class PipelineExecutor:
         self,
         microbatch_inputs: Sequence[torch.Tensor] | None = None,
         microbatch_targets: Sequence[torch.Tensor] | None = None,
+        *,
+        forward_only: bool = False,
     ) -> torch.Tensor:
         """One step: every action of this stage, then the tied-embedding
         all-reduce and the loss broadcast. Returns the mean micro-batch loss
         (a 0-d tensor) on every stage. Inputs are read on the first stage only,
-        targets on the last only; each must hold one tensor per micro-batch."""
+        targets on the last only; each must hold one tensor per micro-batch.
+
+        ``forward_only=True`` (evaluation): the forwards and activation
+        transfers of the same list under ``torch.no_grad()``; nothing is
+        stored for backward and no gradient moves."""
         m = self.num_microbatches
         for name, seq, needed in (
             ("microbatch_inputs", microbatch_inputs, self._is_first(0)),
@@ -198,17 +210,19 @@ class PipelineExecutor:
         self.peak_activations = 0
         self.timeline = []
         self.timeline_origin = self._t0 = time.perf_counter()
-        for item in self.items:
-            start = time.perf_counter()
-            if isinstance(item, Forward):
-                self._forward(item)
-            elif isinstance(item, Backward):
-                self._backward(item)
-            else:
-                self._transfer(item)
-            if self.record_timeline:
-                label = item if isinstance(item, Compute) else tuple(item)
-                self.timeline.append(Span(label, start - self._t0, time.perf_counter() - self._t0))
+        self._forward_only = forward_only
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            for item in self.forward_items if forward_only else self.items:
+                start = time.perf_counter()
+                if isinstance(item, Forward):
+                    self._forward(item)
+                elif isinstance(item, Backward):
+                    self._backward(item)
+                else:
+                    self._transfer(item)
+                if self.record_timeline:
+                    label = item if isinstance(item, Compute) else tuple(item)
+                    self.timeline.append(Span(label, start - self._t0, time.perf_counter() - self._t0))
         for handle in self._pending_sends:
             handle.wait()
         self._pending_sends, self._send_buffers = [], []
@@ -217,7 +231,8 @@ class PipelineExecutor:
                 f"stage {self.stage}: step ended with unfinished micro-batches "
                 f"{sorted(self._stored)} / unsent {sorted(self._outbox)}"
             )
-        self._reduce_shared_embedding()
+        if not forward_only:
+            self._reduce_shared_embedding()
         loss = self._loss_sum / m  # meaningful on the last stage, which the broadcast copies
         comm.broadcast(loss, src=self.stage_ranks[-1], group=self.pp_group)
         return loss
@@ -226,8 +241,8 @@ class PipelineExecutor:
         if self._is_first(a.chunk):
             x, kept = self._inputs[a.mb].to(self.device), None
         else:
-            x = self._received.pop(("act", a.mb, a.chunk)).requires_grad_()
-            kept = x
+            x = self._received.pop(("act", a.mb, a.chunk))
+            kept = None if self._forward_only else x.requires_grad_()
         out = self.chunks[a.chunk](x)
         if self._is_last(a.chunk):
             loss = self.loss_fn(out, self._targets[a.mb].to(self.device))
@@ -235,6 +250,8 @@ class PipelineExecutor:
             out = loss / self.num_microbatches
         else:
             self._outbox[("act", a.mb, a.chunk)] = out.detach()
+        if self._forward_only:
+            return
         self._stored[(a.mb, a.chunk)] = (kept, out)
         self.peak_activations = max(self.peak_activations, len(self._stored))
 

@@ -36,10 +36,19 @@ def _pipeline_step(n_layers, pp, m, schedule, vpp=1, tp=1, tied=True, pp_layers=
     with counter:  # inputs only where the first virtual stage lives, targets where the last
         loss = ex.run(xs if stage == 0 else None, ys if stage == pp - 1 else None)
     grads = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}
+    # evaluation: the same forwards without backward gives the same loss and moves no gradient
+    timeline, peak = ex.timeline, ex.peak_activations
+    eval_loss = ex.run(xs if stage == 0 else None, ys if stage == pp - 1 else None, forward_only=True)
+    assert abs(eval_loss.item() - loss.item()) < 1e-6
+    assert ex.peak_activations == 0
+    for c in chunks:
+        for n, p in c.named_parameters():
+            assert torch.equal(p.grad, grads[n]), n
+    ex.timeline = timeline
     # the recorded timeline is the action list, in order, one span after the other
     assert [sp.action for sp in ex.timeline] == [a if isinstance(a, Compute) else tuple(a) for a in batches(actions)]
     assert all(a.end <= b.start for a, b in zip(ex.timeline, ex.timeline[1:]))
-    return dict(stage=stage, loss=loss.item(), grads=grads, peak=ex.peak_activations,
+    return dict(stage=stage, loss=loss.item(), grads=grads, peak=peak,
                 counter=counter.summary() if count else None)
 
 
