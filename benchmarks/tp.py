@@ -10,7 +10,7 @@ Prints, on the same CPU run (gloo, one thread per rank):
 * TP=1: ``models.TransformerBlock`` without a group vs the plain block (our overhead).
 
 Not a test: timings on a shared 2-core machine are noisy; the median of ``iters``
-timed steps after ``warmup`` is reported.
+timed steps after ``warmup`` is reported, the two contenders alternating step by step.
 """
 
 from __future__ import annotations
@@ -65,14 +65,17 @@ def copy_weights(ours: TransformerBlock, plain: PlainBlock, group=None) -> None:
             p.copy_(full if dim is None else comm.split_along(full, dim, group))
 
 
-def _time(block, x, warmup, iters):
-    times = []
+def _time_pair(a, b, x, warmup, iters):
+    """Median fwd+bwd seconds of blocks ``a`` and ``b``, alternating step by step so that
+    the (shared, noisy) machine's load falls on both alike."""
+    times = ([], [])
     for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        block(x).sum().backward()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for block, out in zip((a, b), times):
+            t0 = time.perf_counter()
+            block(x).sum().backward()
+            if i >= warmup:
+                out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _tp2(cfg, batch, warmup, iters):
@@ -88,11 +91,8 @@ def _tp2(cfg, batch, warmup, iters):
     plan = {n: ColwiseParallel() for n in ("q", "k", "v", "fc_in")}
     plan.update({n: RowwiseParallel() for n in ("o", "fc_out")})
     theirs = parallelize_module(plain, mesh, plan)
-    results = {}
-    for _ in range(2):  # interleave to share the machine's noise
-        results.setdefault("ours", []).append(_time(ours, x, warmup, iters))
-        results.setdefault("dtensor", []).append(_time(theirs, x, warmup, iters))
-    return {k: min(v) for k, v in results.items()}
+    t_ours, t_theirs = _time_pair(ours, theirs, x, warmup, iters)
+    return {"ours": t_ours, "dtensor": t_theirs}
 
 
 def main(argv=None):
@@ -102,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=30)
     a = ap.parse_args(argv)
     cfg = ModelConfig(arch="gpt", n_layers=1, d_model=a.d_model, n_heads=a.heads, seq_len=a.seq)
     tp2 = run_ranks(_tp2, 2, cfg, a.batch, a.warmup, a.iters, timeout=600)[0]
@@ -111,8 +111,7 @@ def main(argv=None):
     x = torch.randn(a.batch, a.seq, a.d_model, requires_grad=True)
     ours1, plain1 = TransformerBlock(cfg), PlainBlock(cfg.d_model, cfg.n_heads, cfg.d_ff)
     copy_weights(ours1, plain1)
-    t_ours1 = min(_time(ours1, x, a.warmup, a.iters) for _ in range(2))
-    t_plain1 = min(_time(plain1, x, a.warmup, a.iters) for _ in range(2))
+    t_ours1, t_plain1 = _time_pair(ours1, plain1, x, a.warmup, a.iters)
     print(f"GPT block d_model={a.d_model} heads={a.heads} seq={a.seq} batch={a.batch}, fwd+bwd, median ms")
     print(f"TP=2  gridtrain {tp2['ours'] * 1e3:8.2f}   torch tensor.parallel {tp2['dtensor'] * 1e3:8.2f}"
           f"   ratio ours/torch {tp2['ours'] / tp2['dtensor']:.2f}")

@@ -141,6 +141,9 @@ class _Source:
     def keys(self):
         return list(self._where.keys())
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
 
 def load_hf_weights(stage: nn.Module, source, tp_group=None) -> nn.Module:
     """Copy HF weights (state dict or safetensors folder) into ``stage``'s shards; returns ``stage``.
@@ -155,7 +158,7 @@ def load_hf_weights(stage: nn.Module, source, tp_group=None) -> nn.Module:
     for rule in hf_rules(stage.cfg, keys):
         if not all(n in params for n in rule.ours):
             continue
-        if rule.hf not in src._where:
+        if rule.hf not in src:
             raise KeyError(f"{rule.hf!r} (for {rule.ours[0]}) missing from the Hugging Face weights")
         for name, full in zip(rule.ours, rule.to_ours(src.get(rule.hf))):
             p = params[name]

@@ -119,3 +119,17 @@ def test_meta_then_to_empty_keeps_marks_and_tie():
     assert stage.tok_embed.weight.tp_shard_dim == 0 and stage.tok_embed.weight.vocab_size == 100
     assert stage.blocks["0"].attn.o_proj.weight.tp_shard_dim == 1
     assert stage.blocks["0"].attn.o_proj.bias.no_weight_decay
+
+
+@pytest.mark.parametrize("cfg", [CFG, LLAMA], ids=["gpt", "llama"])
+def test_bf16_stage_trains_with_bf16_grads_and_nearly_the_fp32_loss(cfg):
+    ids = _ids(5)
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model(cfg, dtype=dtype, seed=6)
+        loss = model.loss(model(ids), ids)
+        loss.backward()
+        assert loss.dtype == torch.float32  # the cross-entropy accumulates in fp32
+        assert all(p.grad.dtype == dtype for p in model.parameters())
+        losses[dtype] = loss.item()
+    assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], abs=2e-2)

@@ -52,7 +52,7 @@ def references():
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
 @pytest.mark.parametrize("tp,sp,checkpointing", [
     (2, False, "none"), (4, False, "none"), (2, True, "none"), (4, True, "none"),
-    (2, True, "full"), (2, False, "selective"),
+    (2, True, "full"), (4, False, "full"), (2, False, "selective"),
 ])
 def test_tp_matches_single_process(references, arch, tp, sp, checkpointing):
     cfg = GPT if arch == "gpt" else LLAMA
