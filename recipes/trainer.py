@@ -164,12 +164,24 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------- step
-    def microbatches(self, step: int):
+    def microbatches(self, step: int, data=None, seed: int | None = None):
+        """This rank's micro-batches of ``step``: its DP slice of the layout-independent global batch."""
         lay, t = self.layout, self.rc.train
-        mbs = self.train_data.rank_microbatches(
+        mbs = (data or self.train_data).rank_microbatches(
             step, global_batch=t.global_batch, dp=lay.dp, dp_rank=self.groups.dp_rank,
-            micro_batch=t.micro_batch, seed=t.seed)
+            micro_batch=t.micro_batch, seed=t.seed if seed is None else seed)
         return [x.to(self.device) for x, _ in mbs], [y.to(self.device) for _, y in mbs]
+
+    def evaluate(self) -> float:
+        """Mean loss over ``train.eval_batches`` fixed global batches of the held-out split."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        n = self.rc.train.eval_batches
+        scale = self.zero.scaler.scale if self.zero.scaler else 1.0  # loss_fn multiplies by it
+        for i in range(n):
+            inputs, targets = self.microbatches(i, data=self.val_data, seed=self.rc.train.seed + 1)
+            total += self.executor.run(inputs, targets, forward_only=True).float() / scale
+        comm.all_reduce(total, group=self.groups.dp)
+        return total.item() / (n * self.layout.dp)
 
     def train_step(self, step: int) -> dict[str, Any]:
         o = self.rc.optim
@@ -217,10 +229,13 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
             rec["tokens_per_s"] = tokens_per_step / rec["step_time_s"]
             if peak:
                 rec["mfu"] = rec["tokens_per_s"] * flops_per_token / (peak * 1e12 * world)
+            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps):
+                rec["val_loss"] = trainer.evaluate()
             last = rec
             log.advance()
-            if (step + 1) % t.log_every == 0 or step == 0 or step + 1 == t.max_steps:
+            if (step + 1) % t.log_every == 0 or step == 0 or step + 1 == t.max_steps or "val_loss" in rec:
                 log.log(rec)
     finally:
         log.close()
-    return {"final_loss": last.get("loss"), "steps": t.max_steps, "run_dir": str(run_dir)}
+    return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": t.max_steps,
+            "run_dir": str(run_dir)}

@@ -26,6 +26,10 @@ from .counter import record
 
 ReduceOp = dist.ReduceOp
 
+# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); torch ≥ 2.4 has the old
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class _Done:
     """The handle of a collective that needed no communication."""
@@ -81,7 +85,7 @@ def reduce_scatter(
         return _Done() if async_op else None
     record(group_label(group), "reduce_scatter", _nbytes(input), n)
     return _maybe(
-        dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op), async_op
+        _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op), async_op
     )
 
 
@@ -98,7 +102,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         return _Done() if async_op else None
     record(group_label(group), "all_gather", _nbytes(output), n)
     return _maybe(
-        dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op
+        _all_gather_tensor(output, input, group=group, async_op=async_op), async_op
     )
 
 
