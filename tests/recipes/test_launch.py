@@ -1,0 +1,110 @@
+"""The entry points a user types: self-spawn, torchrun, two torchrun "nodes", multirun.
+
+Each launches real processes (spawned workers import torch: seconds each), so the
+configs are tiny and the checks compare the runs' metrics with each other.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+TINY = [
+    "model.d_model=64", "model.seq_len=32", "train.max_steps=3", "train.global_batch=8",
+    "train.micro_batch=2", "train.eval_every=0", "train.log_every=1", "train.threads=1",
+    "logger.progress=false", "data.embedded_mb=0.25",
+]
+TIMEOUT = 240
+
+
+def run(cmd, cwd, **kw):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT, **kw)
+    return proc
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def self_spawned(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spawn")
+    p = run([sys.executable, "-m", "recipes.gpt_tiny", "parallel.tp=2", "parallel.pp=2",
+             f"hydra.run.dir={d}", *TINY], cwd=os.getcwd())
+    assert p.returncode == 0, p.stderr[-3000:]
+    return d, p
+
+
+def test_self_spawn_trains_and_writes_one_run_dir(self_spawned):
+    d, p = self_spawned
+    assert len(losses(d)) == 3
+    assert (d / "config.yaml").exists() and (d / ".hydra").is_dir()
+    assert "done: 3 steps" in p.stdout
+    rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(rows[0])
+
+
+def test_torchrun_and_two_nodes_give_the_same_losses(self_spawned, tmp_path):
+    ref = losses(self_spawned[0])
+    one = tmp_path / "torchrun"
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+             "-m", "recipes.gpt_tiny", "parallel.tp=2", "parallel.pp=2", f"hydra.run.dir={one}", *TINY],
+            cwd=os.getcwd())
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert losses(one) == pytest.approx(ref, abs=1e-5)
+
+    two = tmp_path / "two-nodes"
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "twonode",
+           "-m", "recipes.gpt_tiny", "parallel.tp=2", "parallel.pp=2", f"hydra.run.dir={two}", *TINY]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = []
+    try:
+        for n in nodes:
+            outs.append(n.communicate(timeout=TIMEOUT))
+    finally:
+        for n in nodes:
+            n.kill()
+    assert all(n.returncode == 0 for n in nodes), outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert losses(two) == pytest.approx(ref, abs=1e-5)
+    # only rank 0 wrote: one metrics file, no per-rank directories
+    assert sorted(os.listdir(tmp_path)) == ["torchrun", "two-nodes"]
+
+
+def test_multirun_runs_each_layout_as_its_own_job_and_summarises(tmp_path):
+    p = run([sys.executable, "-m", "recipes.gpt_tiny", "-m", "parallel.tp=1,2",
+             f"hydra.sweep.dir={tmp_path}", *TINY], cwd=os.getcwd())
+    assert p.returncode == 0, p.stderr[-3000:]
+    for job in ("0", "1"):
+        assert len(losses(tmp_path / job)) == 3
+    assert "sweep summary:" in p.stdout
+    assert "parallel.tp=1" in p.stdout and "parallel.tp=2" in p.stdout
+    # tp=1 and tp=2 train the same model
+    assert losses(tmp_path / "0") == pytest.approx(losses(tmp_path / "1"), abs=1e-4)
+
+
+def test_bad_layout_is_refused_before_spawning(tmp_path):
+    p = run([sys.executable, "-m", "recipes.gpt_tiny", "parallel.tp=3", f"hydra.run.dir={tmp_path}", *TINY],
+            cwd=os.getcwd())
+    assert p.returncode != 0
+    assert "n_heads 4 is not divisible by tp 3" in p.stderr
+    p = run([sys.executable, "-m", "recipes.gpt_tiny", "train.global_batch=7", f"hydra.run.dir={tmp_path}",
+             *[a for a in TINY if not a.startswith("train.global_batch")]], cwd=os.getcwd())
+    assert p.returncode != 0 and "train.global_batch 7 is not a multiple of micro_batch 2" in p.stderr
+    p = run([sys.executable, "-m", "recipes.gpt_tiny", "model.n_layerz=3", f"hydra.run.dir={tmp_path}"],
+            cwd=os.getcwd())
+    assert p.returncode != 0 and "n_layerz" in p.stderr
