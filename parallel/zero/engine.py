@@ -55,7 +55,7 @@ from torch import nn
 from .. import comm
 from ..params import wants_weight_decay
 from .bucket import FlatBucket
-from .compression import TopKCompressor
+from .compression import TopKCompressor, topk_count
 from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
 from .scaler import DynamicLossScaler
@@ -105,11 +105,16 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             )
         if grad_clip is not None and grad_clip <= 0:
             raise ZeroConfigError(f"grad_clip must be positive or None, got {grad_clip}")
+        if bucket_mb <= 0:
+            raise ZeroConfigError(f"bucket_mb must be positive, got {bucket_mb}")
+        if compression:
+            topk_count(1, topk_ratio)  # refuses a ratio outside (0, 1]
+        # every setting is checked above, on every rank, before the first collective
+        self.param_dtype = _dtype(precision, "precision")
+        self.comm_dtype = _dtype(comm_dtype, "comm_dtype") if comm_dtype else self.param_dtype
         self.module, self.stage, self.dp_group, self.overlap = module, stage, dp_group, overlap
         self.dp_size = comm.group_size(dp_group)
         self.dp_rank = torch.distributed.get_rank(dp_group) if self.dp_size > 1 else 0
-        self.param_dtype = _dtype(precision, "precision")
-        self.comm_dtype = _dtype(comm_dtype, "comm_dtype") if comm_dtype else self.param_dtype
         self.grad_clip, self.tp_group = grad_clip, tp_group
         self.norm_groups = ([dp_group] if stage >= 1 else []) + ([tp_group] if tp_group else []) + list(clip_groups)
         self.scaler = (loss_scaler or DynamicLossScaler()) if self.param_dtype == torch.float16 else None
