@@ -150,6 +150,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self.layouts = plan_buckets(specs, dp=self.dp_size, bucket_bytes=int(bucket_mb * 2**20), element_size=elem)
         self.buckets: list[FlatBucket] = []
         self._param_bucket: dict[nn.Parameter, FlatBucket] = {}
+        self._slot_index: dict[nn.Parameter, int] = {}
         tp_rank = torch.distributed.get_rank(self.tp_group) if self.tp_group else 0
         for layout in self.layouts:
             params = [named[s.name] for s in layout.slots]
@@ -160,6 +161,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             bucket.norm_ranges = counted_ranges(layout, bucket.lo, bucket.hi, params, count_replicated=tp_rank == 0)
             self.buckets.append(bucket)
             self._param_bucket.update({p: bucket for p in params})
+            self._slot_index.update({p: i for i, p in enumerate(params)})
         self._unit_buckets = [[b for b in self.buckets if b.layout.unit == u] for u in range(root + 1)]
 
     def _install_unit_hooks(self) -> None:
@@ -211,9 +213,11 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket = self._param_bucket[param]
+        if bucket.flat_grad is not None:
+            bucket.adopt_grad(param, self._slot_index[param])
         if not self._communicates_now():
             return
-        bucket = self._param_bucket[param]
         bucket.ready += 1
         if self.overlap and bucket.ready == len(bucket.params):
             self._reduce(bucket, wait=False)
