@@ -51,6 +51,8 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
 
 from .. import comm
 from ..params import wants_weight_decay
@@ -169,8 +171,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self.module.register_forward_pre_hook(lambda *_: self._gather_unit(root, prefetch=0))
         for u, unit in enumerate(self.units):
             unit.register_forward_pre_hook(lambda *_, u=u: self._gather_unit(u, prefetch=u + 1))
-            unit.register_forward_hook(lambda *_, u=u: self._free_unit(u))
-            unit.register_full_backward_pre_hook(lambda *_, u=u: self._gather_unit(u, prefetch=u - 1))
+            unit.register_forward_hook(lambda _m, _in, out, u=u: self._after_unit_forward(u, out))
 
     def _gather_unit(self, u: int, prefetch: int) -> None:
         for b in self._unit_buckets[u]:
@@ -181,9 +182,14 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         for b in self._unit_buckets[u]:
             b.wait_gather()
 
-    def _free_unit(self, u: int) -> None:
+    def _after_unit_forward(self, u: int, output) -> None:
+        """Free unit ``u``'s parameters; have them gathered again when its backward begins
+        (the first gradient with respect to any of its outputs), prefetching unit ``u - 1``."""
         for b in self._unit_buckets[u]:
             b.free_params()
+        outputs = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
+        if outputs:
+            register_multi_grad_hook(outputs, lambda _: self._gather_unit(u, prefetch=u - 1), mode="any")
 
     # forward / backward -----------------------------------------------------------
     def forward(self, *args, **kwargs):
