@@ -47,6 +47,7 @@ an inf/NaN on any rank of the DP, TP or ``clip_groups`` is skipped on all.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -272,7 +273,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         """
         grads = self._finish_gradients()
         norm = global_norm(local_sq_norm(grads, [b.norm_ranges for b in self.buckets]), self.norm_groups)
-        skipped = not torch.isfinite(torch.tensor(norm)).item()
+        skipped = not math.isfinite(norm)
         if self.scaler:
             self.scaler.update(skipped)
         if skipped:
