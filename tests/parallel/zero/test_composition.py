@@ -17,7 +17,7 @@ from parallel.testing import run_ranks
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
 
-from .toy import BATCH, D, adamw, batches, make_model, reference_param_groups, reference_run
+from .toy import BATCH, D, adamw, batches, make_model, reference_run
 
 CLIP, STEPS = 0.5, 6
 
@@ -76,19 +76,6 @@ class Mlp(nn.Module):
         return out.squeeze(-1)
 
 
-def _mlp_reference():
-    model = Mlp()
-    opt = adamw(reference_param_groups(model))
-    losses, norms = [], []
-    for x, y in batches(STEPS):
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step(), opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
-
-
 def _dp_tp():
     g = build_groups(Topology(dp=2, pp=1, tp=2))
     per = BATCH // 2
@@ -111,7 +98,7 @@ def _dp_tp():
 
 
 def test_zero_over_dp_with_tp_matches_one_process_and_counts_replicated_params_once():
-    ref_losses, ref_norms, ref_params = _mlp_reference()
+    ref_losses, ref_norms, ref_params = reference_run(steps=STEPS, grad_clip=CLIP, make=Mlp)
     assert max(ref_norms) > CLIP
     results = run_ranks(_dp_tp, 4)
     for stage in range(4):

@@ -65,9 +65,9 @@ def reference_param_groups(model: nn.Module):
             {"params": [p for p in ps if not wants_weight_decay(p)], "weight_decay": 0.0}]
 
 
-def reference_run(steps: int = STEPS, grad_clip: float | None = None):
-    """One process, whole batch: losses, grad norms and final parameters."""
-    model = make_model()
+def reference_run(steps: int = STEPS, grad_clip: float | None = None, make=make_model):
+    """One process, whole batch: losses, grad norms and final parameters of ``make()``."""
+    model = make()
     opt = adamw(reference_param_groups(model))
     losses, norms = [], []
     for x, y in batches(steps):
