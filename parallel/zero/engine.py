@@ -56,7 +56,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from .. import comm
-from ..params import wants_weight_decay
+from ..params import is_sequence_parallel, is_shared_embedding, wants_weight_decay
 from .bucket import FlatBucket
 from .compression import TopKCompressor, topk_count
 from .layout import ZeroConfigError, plan_buckets
@@ -75,6 +75,18 @@ def _dtype(name, what: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def _extra_reduce(name: str, p: nn.Parameter, zdp) -> str:
+    """The group a parameter's gradient is also summed over, refused if that group was not given."""
+    extra = "embedding" if is_shared_embedding(p) else "tp" if is_sequence_parallel(p) else ""
+    if extra and zdp.extra_groups[extra] is None:
+        what = "a tied embedding" if extra == "embedding" else "sequence-parallel"
+        raise ZeroConfigError(
+            f"parameter {name!r} is marked {what}: its gradient must also be summed over the "
+            f"{extra} group; pass {extra}_group=groups.{extra} to ZeroDataParallel"
+        )
+    return extra
+
+
 class ZeroDataParallel(StateDictMixin, nn.Module):
     def __init__(
         self,
@@ -90,6 +102,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         overlap: bool = True,
         grad_clip: float | None = None,
         tp_group=None,
+        embedding_group=None,
         clip_groups: Sequence = (),
         compression: str | None = None,
         topk_ratio: float = 0.01,
@@ -119,6 +132,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self.dp_size = comm.group_size(dp_group)
         self.dp_rank = torch.distributed.get_rank(dp_group) if self.dp_size > 1 else 0
         self.grad_clip, self.tp_group = grad_clip, tp_group
+        self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
         self.norm_groups = ([dp_group] if stage >= 1 else []) + ([tp_group] if tp_group else []) + list(clip_groups)
         self.scaler = (loss_scaler or DynamicLossScaler()) if self.param_dtype == torch.float16 else None
         self.units = list(units or [])
@@ -145,7 +159,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 unit_of[id(p)] = u
         root = len(self.units)
         order = sorted(named.items(), key=lambda kv: unit_of.get(id(kv[1]), root))  # stable sort
-        specs = [(n, tuple(p.shape), wants_weight_decay(p), unit_of.get(id(p), root))
+        specs = [(n, tuple(p.shape), wants_weight_decay(p), unit_of.get(id(p), root), _extra_reduce(n, p, self))
                  for n, p in order if p.requires_grad]
         if not specs:
             raise ZeroConfigError("the module has no trainable parameters")
@@ -155,6 +169,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self._param_bucket: dict[nn.Parameter, FlatBucket] = {}
         self._slot_index: dict[nn.Parameter, int] = {}
         tp_rank = torch.distributed.get_rank(self.tp_group) if self.tp_group else 0
+        emb = self.extra_groups["embedding"]
+        first_stage = (torch.distributed.get_rank(emb) if emb else 0) == 0
         for layout in self.layouts:
             params = [named[s.name] for s in layout.slots]
             compressor = (TopKCompressor(layout.padded_numel, topk_ratio, self.comm_dtype, params[0].device)
@@ -162,6 +178,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             bucket = FlatBucket(layout, params, stage=self.stage, dp_rank=self.dp_rank, group=self.dp_group,
                                 param_dtype=self.param_dtype, comm_dtype=self.comm_dtype, compressor=compressor)
             bucket.norm_ranges = counted_ranges(layout, bucket.lo, bucket.hi, params, count_replicated=tp_rank == 0)
+            if layout.extra_reduce == "embedding" and not first_stage:
+                bucket.norm_ranges = []  # a tied embedding enters the norm once, on the first stage
             self.buckets.append(bucket)
             self._param_bucket.update({p: bucket for p in params})
             self._slot_index.update({p: i for i, p in enumerate(params)})
@@ -259,8 +277,10 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             b.finish_reduction()
         divisor = self.dp_size * (self.scaler.scale if self.scaler else 1.0)
         grads = [b.main_grad() for b in self.buckets]
-        for g in grads:
+        for b, g in zip(self.buckets, grads):
             g.div_(divisor)
+            if b.layout.extra_reduce:  # tied embedding: + the other stage's; sequence parallel: + other TP ranks'
+                comm.all_reduce(g, group=self.extra_groups[b.layout.extra_reduce])
         return grads
 
     def step(self) -> dict:

@@ -12,12 +12,12 @@ from torch import nn
 
 from parallel import comm
 from parallel.groups import build_groups
-from parallel.params import mark_no_weight_decay, mark_tp_sharded
+from parallel.params import mark_no_weight_decay, mark_sequence_parallel, mark_shared_embedding, mark_tp_sharded
 from parallel.testing import run_ranks
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
 
-from .toy import BATCH, D, adamw, batches, make_model, reference_run
+from .toy import BATCH, D, Block, adamw, batches, make_model, reference_run
 
 CLIP, STEPS = 0.5, 6
 
@@ -119,14 +119,47 @@ def test_zero_over_dp_with_tp_matches_one_process_and_counts_replicated_params_o
             torch.testing.assert_close(whole, p, atol=1e-5, rtol=0)
 
 
-def _dp_pp(stage):
-    g = build_groups(Topology(dp=2, pp=2, tp=1))
+class Tied(nn.Module):
+    """x → x·Eᵀ → two blocks → (h·E).mean: the input embedding E is reused by the head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = mark_shared_embedding(nn.Parameter(torch.randn(D, D) * 0.3))
+        self.blocks = nn.ModuleList(Block(D) for _ in range(2))
+
+    def forward(self, x):
+        return (self.blocks[1](self.blocks[0](x @ self.emb.t())) @ self.emb).mean(-1)
+
+
+class _Stage(nn.Module):
+    """One pipeline stage of Tied, holding its own copy of the tied embedding."""
+
+    def __init__(self, full: Tied, first: bool):
+        super().__init__()
+        self.first, self.block = first, full.blocks[0 if first else 1]
+        self.emb = mark_shared_embedding(nn.Parameter(full.emb.detach().clone()))
+
+    def forward(self, x):
+        return self.block(x @ self.emb.t()) if self.first else (self.block(x) @ self.emb).mean(-1)
+
+
+def _split(tied: bool, pp_rank: int):
+    """This stage's module, its stage-3 units, and how its parameter names read in the whole model."""
+    if tied:
+        part = _Stage(Tied(), first=pp_rank == 0)
+        return part, [part.block], {"emb": "emb", "block": f"blocks.{pp_rank}"}
     full = make_model()
     parts = (nn.Sequential(full.inp, full.blocks[0], full.blocks[1]), nn.Sequential(full.blocks[2], full.head))
-    part = parts[g.pp_rank]
-    units = [m for m in part if m in list(full.blocks)]
+    names = ({"0": "inp", "1": "blocks.0", "2": "blocks.1"}, {"0": "blocks.2", "1": "head"})[pp_rank]
+    return parts[pp_rank], [m for m in parts[pp_rank] if m in list(full.blocks)], names
+
+
+def _dp_pp(stage, tied):
+    g = build_groups(Topology(dp=2, pp=2, tp=1))
+    part, units, names = _split(tied, g.pp_rank)
     zdp = ZeroDataParallel(part, dp_group=g.dp, stage=stage, optimizer_factory=adamw, units=units,
-                           grad_clip=CLIP, clip_groups=(g.pp,))
+                           grad_clip=CLIP, clip_groups=(g.pp,), embedding_group=g.embedding)
     per, micro = BATCH // 2, 2
     mine = slice(g.dp_rank * per, (g.dp_rank + 1) * per)
     losses, norms = [], []
@@ -144,26 +177,28 @@ def _dp_pp(stage):
                     act = torch.empty(xs[m].shape[0], D)
                     comm.recv(act, g.prev_rank, group=g.pp)
                     act.requires_grad_(True)
-                    loss = nn.functional.mse_loss(zdp(act).squeeze(-1), ys[m]) / micro
+                    loss = nn.functional.mse_loss(zdp(act).reshape(-1), ys[m]) / micro
                     zdp.backward(loss)
                     comm.send(act.grad, g.prev_rank, group=g.pp)
                     total += loss.item()
         norms.append(zdp.step()["grad_norm"])
         losses.append(total)
-    return g.pp_rank, g.dp_rank, losses, norms, {n: p.numpy() for n, p in zdp.full_parameters().items()}
+    params = {}
+    for name, p in zdp.full_parameters().items():
+        head, _, rest = name.partition(".")
+        params[".".join(filter(None, (names[head], rest)))] = p.numpy()
+    return g.pp_rank, losses, norms, params
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_zero_over_dp_with_two_pipeline_stages_matches_one_process(stage):
-    ref_losses, ref_norms, ref_params = reference_run(steps=STEPS, grad_clip=CLIP)
-    names = {0: {"0": "inp", "1": "blocks.0", "2": "blocks.1"}, 1: {"0": "blocks.2", "1": "head"}}
-    results = run_ranks(_dp_pp, 4, stage)
+@pytest.mark.parametrize("stage, tied", [(0, False), (1, False), (2, False), (3, False), (0, True), (3, True)])
+def test_zero_over_dp_with_two_pipeline_stages_matches_one_process(stage, tied):
+    """Tied: the embedding's gradient is summed over both stages and enters the norm once."""
+    ref_losses, ref_norms, ref_params = reference_run(steps=STEPS, grad_clip=CLIP, make=Tied if tied else make_model)
+    results = run_ranks(_dp_pp, 4, stage, tied)
     # each last-stage DP rank's loss is its half's mean; the two halves average to the reference
-    halves = [losses for pp_rank, _, losses, _, _ in results if pp_rank == 1]
+    halves = [losses for pp_rank, losses, _, _ in results if pp_rank == 1]
     assert [(a + b) / 2 for a, b in zip(*halves)] == pytest.approx(ref_losses, abs=1e-4)
-    for pp_rank, dp_rank, losses, norms, params in results:
+    for pp_rank, losses, norms, params in results:
         assert norms == pytest.approx(ref_norms, rel=1e-4)
         for name, p in params.items():
-            head, rest = name.split(".", 1)
-            torch.testing.assert_close(torch.from_numpy(p), ref_params[f"{names[pp_rank][head]}.{rest}"],
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.from_numpy(p), ref_params[name], atol=1e-5, rtol=0)

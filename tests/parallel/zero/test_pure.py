@@ -7,29 +7,31 @@ from parallel.zero import DynamicLossScaler, ZeroConfigError, model_state_bytes,
 
 def _params():
     # (name, shape, wants weight decay, unit)
-    return [("a.w", (4, 5), True, 0), ("a.b", (5,), False, 0), ("b.w", (3, 3), True, 1),
-            ("b.b", (3,), False, 1), ("head", (7,), True, 2), ("c.w", (2, 2), True, 0)]
+    return [("a.w", (4, 5), True, 0, ""), ("a.b", (5,), False, 0, ""), ("b.w", (3, 3), True, 1, ""),
+            ("b.b", (3,), False, 1, ""), ("head", (7,), True, 2, ""), ("c.w", (2, 2), True, 0, ""),
+            ("emb", (3, 2), True, 2, "embedding")]
 
 
 def test_buckets_split_by_unit_and_weight_decay_and_pad_to_dp():
     buckets = plan_buckets(_params(), dp=4, bucket_bytes=10**6, element_size=4)
     assert [(b.unit, b.weight_decay, [s.name for s in b.slots]) for b in buckets] == [
         (0, True, ["a.w", "c.w"]), (0, False, ["a.b"]), (1, True, ["b.w"]), (1, False, ["b.b"]),
-        (2, True, ["head"])]
+        (2, True, ["head"]), (2, True, ["emb"])]
+    assert [b.extra_reduce for b in buckets] == [""] * 5 + ["embedding"]
     a = buckets[0]
     assert (a.numel, a.padded_numel, a.shard_numel) == (24, 24, 6)
     assert [(s.offset, s.end) for s in a.slots] == [(0, 20), (20, 24)]
-    assert [b.padded_numel for b in buckets[1:]] == [8, 12, 4, 8]
+    assert [b.padded_numel for b in buckets[1:]] == [8, 12, 4, 8, 8]
     # shards tile the padded buffer, in rank order
     assert [a.shard_range(r) for r in range(4)] == [(0, 6), (6, 12), (12, 18), (18, 24)]
     assert [(s.name, lo, hi) for s, lo, hi in a.overlaps(*a.shard_range(3))] == [("a.w", 18, 20), ("c.w", 20, 24)]
 
 
 def test_a_bucket_closes_before_it_would_exceed_the_byte_limit():
-    params = [(f"p{i}", (10,), True, 0) for i in range(5)]
+    params = [(f"p{i}", (10,), True, 0, "") for i in range(5)]
     buckets = plan_buckets(params, dp=2, bucket_bytes=80, element_size=4)  # 20 elements per bucket
     assert [[s.name for s in b.slots] for b in buckets] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
-    big = plan_buckets([("huge", (100,), True, 0)], dp=3, bucket_bytes=8, element_size=4)
+    big = plan_buckets([("huge", (100,), True, 0, "")], dp=3, bucket_bytes=8, element_size=4)
     assert len(big) == 1 and big[0].padded_numel == 102  # a parameter is never split
 
 
