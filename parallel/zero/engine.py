@@ -37,6 +37,14 @@ Overlap: with ``overlap=True`` a bucket's collective is launched, asynchronous,
 from the hook of its last gradient, while backward goes on; all are waited for
 when backward ends. With ``overlap=False`` they are launched after backward.
 
+Other groups: ``tp_group`` (parameters replicated across TP enter the norm once;
+gradients of sequence-parallel parameters are summed over it),
+``embedding_group`` (a word embedding tied across the first and last pipeline
+stage: its gradient is summed over both, and enters the norm once),
+``clip_groups`` (further groups the squared norm is summed over, e.g. PP).
+Those parameters get buckets of their own, so the extra ``all_reduce`` acts on
+their shard alone, after the DP reduction, at every stage.
+
 Mixed precision (``precision``): the module's parameters are held in bf16/fp16,
 floating-point inputs are cast to it, and the optimizer steps fp32 master
 weights (its own shard from stage 1 on). fp16 scales the loss dynamically
@@ -125,14 +133,16 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             raise ZeroConfigError(f"bucket_mb must be positive, got {bucket_mb}")
         if compression:
             topk_count(1, topk_ratio)  # refuses a ratio outside (0, 1]
-        # every setting is checked above, on every rank, before the first collective
         self.param_dtype = _dtype(precision, "precision")
         self.comm_dtype = _dtype(comm_dtype, "comm_dtype") if comm_dtype else self.param_dtype
+        self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
+        for name, p in module.named_parameters():
+            _extra_reduce(name, p, self)
+        # every setting is checked above, on every rank, before the first collective
         self.module, self.stage, self.dp_group, self.overlap = module, stage, dp_group, overlap
         self.dp_size = comm.group_size(dp_group)
         self.dp_rank = torch.distributed.get_rank(dp_group) if self.dp_size > 1 else 0
         self.grad_clip, self.tp_group = grad_clip, tp_group
-        self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
         self.norm_groups = ([dp_group] if stage >= 1 else []) + ([tp_group] if tp_group else []) + list(clip_groups)
         self.scaler = (loss_scaler or DynamicLossScaler()) if self.param_dtype == torch.float16 else None
         self.units = list(units or [])

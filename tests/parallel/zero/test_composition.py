@@ -15,7 +15,7 @@ from parallel.groups import build_groups
 from parallel.params import mark_no_weight_decay, mark_sequence_parallel, mark_shared_embedding, mark_tp_sharded
 from parallel.testing import run_ranks
 from parallel.topology import Topology
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfigError, ZeroDataParallel
 
 from .toy import BATCH, D, Block, adamw, batches, make_model, reference_run
 
@@ -202,3 +202,65 @@ def test_zero_over_dp_with_two_pipeline_stages_matches_one_process(stage, tied):
         assert norms == pytest.approx(ref_norms, rel=1e-4)
         for name, p in params.items():
             torch.testing.assert_close(torch.from_numpy(p), ref_params[name], atol=1e-5, rtol=0)
+
+
+F = 4  # SeqParallelToy's tensor-parallel features
+
+
+class SeqParallelToy(nn.Module):
+    """Columns [(x·scale).sum, x·w_1 … x·w_F]: ``scale`` is replicated, ``w`` splits by rows over TP.
+
+    With ``tp``, rank r computes the ``scale`` column on its half of the rows only
+    (a sequence-parallel region: ``scale``'s gradient is partial on each TP rank
+    and must be summed over TP) and its ``w`` columns on all rows (exact, local).
+    """
+
+    def __init__(self, tp_group=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale, self.w = nn.Parameter(torch.randn(D) * 0.3), nn.Parameter(torch.randn(F, D) * 0.3)
+        self.tp_group = tp_group
+        if tp_group is not None:
+            r, n = dist.get_rank(tp_group), comm.group_size(tp_group)
+            self.w = mark_tp_sharded(nn.Parameter(self.w.detach()[r * F // n:(r + 1) * F // n].clone()), 0)
+            mark_sequence_parallel(self.scale)
+
+    def forward(self, x):
+        return torch.cat([(x * self.scale).sum(-1, keepdim=True), x @ self.w.t()], -1)
+
+    def local_loss(self, x, y):
+        """This TP rank's share of the dp-slice loss: the TP ranks' shares add up to it."""
+        r, n = dist.get_rank(self.tp_group), comm.group_size(self.tp_group)
+        rows = slice(r * len(x) // n, (r + 1) * len(x) // n)
+        seq = ((x[rows] * self.scale).sum(-1) - y[rows]).pow(2).sum()
+        feats = (x @ self.w.t() - y[:, None]).pow(2).sum()
+        return (seq + feats) / (len(x) * (F + 1))
+
+
+def _dp_tp_sequence_parallel(stage):
+    g = build_groups(Topology(dp=2, pp=1, tp=2))
+    model = SeqParallelToy(g.tp)
+    zdp = ZeroDataParallel(model, dp_group=g.dp, stage=stage, optimizer_factory=adamw, grad_clip=CLIP,
+                           tp_group=g.tp)  # one default bucket would hold both params: separation matters
+    per = BATCH // 2
+    norms = []
+    for x, y in batches(STEPS):
+        zdp.backward(model.local_loss(x[g.dp_rank * per:(g.dp_rank + 1) * per], y[g.dp_rank * per:(g.dp_rank + 1) * per]))
+        norms.append(zdp.step()["grad_norm"])
+    return g.tp_rank, norms, {n: p.numpy() for n, p in zdp.full_parameters().items()}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_sequence_parallel_grads_are_summed_over_tp_and_tp_sharded_ones_are_not(stage):
+    _, ref_norms, ref_params = reference_run(steps=STEPS, grad_clip=CLIP, make=SeqParallelToy)
+    results = dict((tp, (norms, params)) for tp, norms, params in run_ranks(_dp_tp_sequence_parallel, 4, stage))
+    for norms, params in results.values():
+        assert norms == pytest.approx(ref_norms, rel=1e-4)
+        torch.testing.assert_close(torch.from_numpy(params["scale"]), ref_params["scale"], atol=1e-5, rtol=0)
+    whole_w = torch.cat([torch.from_numpy(results[r][1]["w"]) for r in (0, 1)])
+    torch.testing.assert_close(whole_w, ref_params["w"], atol=1e-5, rtol=0)
+
+
+def test_a_marked_parameter_without_its_group_is_refused_with_the_fix():
+    with pytest.raises(ZeroConfigError, match=r"'emb' is marked a tied embedding.*embedding_group=groups.embedding"):
+        ZeroDataParallel(Tied(), dp_group=None, stage=0, optimizer_factory=adamw)

@@ -71,7 +71,8 @@ def reference_run(steps: int = STEPS, grad_clip: float | None = None, make=make_
     opt = adamw(reference_param_groups(model))
     losses, norms = [], []
     for x, y in batches(steps):
-        loss = nn.functional.mse_loss(model(x), y)
+        out = model(x)  # (batch,) or (batch, k): every column regresses y
+        loss = nn.functional.mse_loss(out, y if out.dim() == 1 else y[:, None].expand_as(out))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))))
         opt.step()
