@@ -60,8 +60,6 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_leaves
 
 from .. import comm
 from ..params import is_sequence_parallel, is_shared_embedding, wants_weight_decay
@@ -71,6 +69,7 @@ from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
+from .units import UnitGatherer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -95,7 +94,37 @@ def _extra_reduce(name: str, p: nn.Parameter, zdp) -> str:
     return extra
 
 
+def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float):
+    """Refuse impossible settings (the same on every rank, before any collective); return the compression."""
+    if stage not in (0, 1, 2, 3):
+        raise ZeroConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    if compression not in (None, "none", "topk"):
+        raise ZeroConfigError(f"compression must be None, 'none' or 'topk', got {compression!r}")
+    compression = None if compression == "none" else compression
+    if compression and stage != 0:
+        raise ZeroConfigError(
+            f"top-k compression needs stage 0 (it replaces the all-reduce), got stage {stage}; "
+            f"use stage=0 or compression=None"
+        )
+    if grad_clip is not None and grad_clip <= 0:
+        raise ZeroConfigError(f"grad_clip must be positive or None, got {grad_clip}")
+    if bucket_mb <= 0:
+        raise ZeroConfigError(f"bucket_mb must be positive, got {bucket_mb}")
+    if compression:
+        topk_count(1, topk_ratio)  # refuses a ratio outside (0, 1]
+    return compression
+
+
 class ZeroDataParallel(StateDictMixin, nn.Module):
+    """Wrap ``module`` for ZeRO ``stage`` data parallelism over ``dp_group`` (see the module docstring).
+
+    ``optimizer_factory(param_groups)`` builds any elementwise torch optimizer
+    over the flat fp32 shards (group 0 with weight decay, group 1 with
+    ``weight_decay=0``). ``units``: stage 3's gather granularity. ``bucket_mb``:
+    the most bytes per flat bucket (one collective each). ``loss_scaler``: fp16's
+    :class:`DynamicLossScaler` (default settings if None).
+    """
+
     def __init__(
         self,
         module: nn.Module,
@@ -117,22 +146,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         loss_scaler: DynamicLossScaler | None = None,
     ):
         super().__init__()
-        if stage not in (0, 1, 2, 3):
-            raise ZeroConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-        if compression not in (None, "none", "topk"):
-            raise ZeroConfigError(f"compression must be None, 'none' or 'topk', got {compression!r}")
-        compression = None if compression == "none" else compression
-        if compression and stage != 0:
-            raise ZeroConfigError(
-                f"top-k compression needs stage 0 (it replaces the all-reduce), got stage {stage}; "
-                f"use stage=0 or compression=None"
-            )
-        if grad_clip is not None and grad_clip <= 0:
-            raise ZeroConfigError(f"grad_clip must be positive or None, got {grad_clip}")
-        if bucket_mb <= 0:
-            raise ZeroConfigError(f"bucket_mb must be positive, got {bucket_mb}")
-        if compression:
-            topk_count(1, topk_ratio)  # refuses a ratio outside (0, 1]
+        compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio)
         self.param_dtype = _dtype(precision, "precision")
         self.comm_dtype = _dtype(comm_dtype, "comm_dtype") if comm_dtype else self.param_dtype
         self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
@@ -156,7 +170,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self._callback_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_bucket]
         if stage == 3:
-            self._install_unit_hooks()
+            self._unit_gatherer = UnitGatherer(self.module, self.units, self._unit_buckets)
 
     # construction ---------------------------------------------------------------
     def _build_buckets(self, bucket_mb: float, compression, topk_ratio: float) -> None:
@@ -194,31 +208,6 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             self._param_bucket.update({p: bucket for p in params})
             self._slot_index.update({p: i for i, p in enumerate(params)})
         self._unit_buckets = [[b for b in self.buckets if b.layout.unit == u] for u in range(root + 1)]
-
-    def _install_unit_hooks(self) -> None:
-        root = len(self.units)
-        self.module.register_forward_pre_hook(lambda *_: self._gather_unit(root, prefetch=0))
-        for u, unit in enumerate(self.units):
-            unit.register_forward_pre_hook(lambda *_, u=u: self._gather_unit(u, prefetch=u + 1))
-            unit.register_forward_hook(lambda _m, _in, out, u=u: self._after_unit_forward(u, out))
-
-    def _gather_unit(self, u: int, prefetch: int) -> None:
-        for b in self._unit_buckets[u]:
-            b.start_gather()
-        if 0 <= prefetch < len(self.units):
-            for b in self._unit_buckets[prefetch]:
-                b.start_gather()
-        for b in self._unit_buckets[u]:
-            b.wait_gather()
-
-    def _after_unit_forward(self, u: int, output) -> None:
-        """Free unit ``u``'s parameters; have them gathered again when its backward begins
-        (the first gradient with respect to any of its outputs), prefetching unit ``u - 1``."""
-        for b in self._unit_buckets[u]:
-            b.free_params()
-        outputs = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
-        if outputs:
-            register_multi_grad_hook(outputs, lambda _: self._gather_unit(u, prefetch=u - 1), mode="any")
 
     # forward / backward -----------------------------------------------------------
     def forward(self, *args, **kwargs):
