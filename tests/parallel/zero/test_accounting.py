@@ -134,3 +134,21 @@ def test_stage3_holds_only_the_running_unit_its_prefetch_and_the_root():
     root = n_units
     assert seen == [[0, 1, root], [1, 2, root], [2, root]]
     assert after_step == []
+
+
+def _in_flight_before_backward_ends(stage, overlap):
+    zdp = _zdp(stage, overlap=overlap)
+    seen = []
+    # the input layer's gradients are among the last of backward: by then later buckets are on the wire
+    zdp.module.inp.weight.register_post_accumulate_grad_hook(
+        lambda _: seen.append(sum(b._pending is not None for b in zdp.buckets)))
+    (x, y), = batches(1)
+    _one_step(zdp, x, y)
+    return seen[0], len(zdp.buckets)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_overlap_launches_bucket_collectives_during_backward(stage):
+    in_flight, n_buckets = run_ranks(_in_flight_before_backward_ends, 2, stage, True)[0]
+    assert 1 <= in_flight <= n_buckets  # launched, not yet waited for
+    assert run_ranks(_in_flight_before_backward_ends, 2, stage, False)[0][0] == 0
