@@ -60,6 +60,7 @@ class FlatBucket:
                 p.grad = self.flat_grad[slot.offset:slot.end].view(slot.shape)
         else:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=param_dtype, device=device)
+        self._stage1_shard = None
         self.ready = 0  # parameters whose gradient has been accumulated in this backward
         self.reduced = False  # stages 0-1: this step's reduction was launched
         self._pending = None  # (handle, finish) of an in-flight collective
@@ -108,6 +109,15 @@ class FlatBucket:
             handle.wait()
             finish()
             self._pending = None
+
+    def adopt_grad(self, param, slot_index: int) -> None:
+        """Stages 0–1: if ``param.grad`` is no longer a view of ``flat_grad`` (the user set it to
+        None, e.g. ``model.zero_grad()``), take the fresh gradient in and re-point it."""
+        slot = self.layout.slots[slot_index]
+        view = self.flat_grad[slot.offset:slot.end]
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad.reshape(-1))
+            param.grad = view.view(slot.shape)
 
     def has_unreduced_grads(self) -> bool:
         if self.stage <= 1:

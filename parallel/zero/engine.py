@@ -37,6 +37,14 @@ Overlap: with ``overlap=True`` a bucket's collective is launched, asynchronous,
 from the hook of its last gradient, while backward goes on; all are waited for
 when backward ends. With ``overlap=False`` they are launched after backward.
 
+Other groups: ``tp_group`` (parameters replicated across TP enter the norm once;
+gradients of sequence-parallel parameters are summed over it),
+``embedding_group`` (a word embedding tied across the first and last pipeline
+stage: its gradient is summed over both, and enters the norm once),
+``clip_groups`` (further groups the squared norm is summed over, e.g. PP).
+Those parameters get buckets of their own, so the extra ``all_reduce`` acts on
+their shard alone, after the DP reduction, at every stage.
+
 Mixed precision (``precision``): the module's parameters are held in bf16/fp16,
 floating-point inputs are cast to it, and the optimizer steps fp32 master
 weights (its own shard from stage 1 on). fp16 scales the loss dynamically
@@ -47,19 +55,21 @@ an inf/NaN on any rank of the DP, TP or ``clip_groups`` is skipped on all.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from .. import comm
-from ..params import wants_weight_decay
+from ..params import is_sequence_parallel, is_shared_embedding, wants_weight_decay
 from .bucket import FlatBucket
-from .compression import TopKCompressor
+from .compression import TopKCompressor, topk_count
 from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
+from .units import UnitGatherer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,7 +82,49 @@ def _dtype(name, what: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def _extra_reduce(name: str, p: nn.Parameter, zdp) -> str:
+    """The group a parameter's gradient is also summed over, refused if that group was not given."""
+    extra = "embedding" if is_shared_embedding(p) else "tp" if is_sequence_parallel(p) else ""
+    if extra and zdp.extra_groups[extra] is None:
+        what = "a tied embedding" if extra == "embedding" else "sequence-parallel"
+        raise ZeroConfigError(
+            f"parameter {name!r} is marked {what}: its gradient must also be summed over the "
+            f"{extra} group; pass {extra}_group=groups.{extra} to ZeroDataParallel"
+        )
+    return extra
+
+
+def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float):
+    """Refuse impossible settings (the same on every rank, before any collective); return the compression."""
+    if stage not in (0, 1, 2, 3):
+        raise ZeroConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    if compression not in (None, "none", "topk"):
+        raise ZeroConfigError(f"compression must be None, 'none' or 'topk', got {compression!r}")
+    compression = None if compression == "none" else compression
+    if compression and stage != 0:
+        raise ZeroConfigError(
+            f"top-k compression needs stage 0 (it replaces the all-reduce), got stage {stage}; "
+            f"use stage=0 or compression=None"
+        )
+    if grad_clip is not None and grad_clip <= 0:
+        raise ZeroConfigError(f"grad_clip must be positive or None, got {grad_clip}")
+    if bucket_mb <= 0:
+        raise ZeroConfigError(f"bucket_mb must be positive, got {bucket_mb}")
+    if compression:
+        topk_count(1, topk_ratio)  # refuses a ratio outside (0, 1]
+    return compression
+
+
 class ZeroDataParallel(StateDictMixin, nn.Module):
+    """Wrap ``module`` for ZeRO ``stage`` data parallelism over ``dp_group`` (see the module docstring).
+
+    ``optimizer_factory(param_groups)`` builds any elementwise torch optimizer
+    over the flat fp32 shards (group 0 with weight decay, group 1 with
+    ``weight_decay=0``). ``units``: stage 3's gather granularity. ``bucket_mb``:
+    the most bytes per flat bucket (one collective each). ``loss_scaler``: fp16's
+    :class:`DynamicLossScaler` (default settings if None).
+    """
+
     def __init__(
         self,
         module: nn.Module,
@@ -87,29 +139,23 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         overlap: bool = True,
         grad_clip: float | None = None,
         tp_group=None,
+        embedding_group=None,
         clip_groups: Sequence = (),
         compression: str | None = None,
         topk_ratio: float = 0.01,
         loss_scaler: DynamicLossScaler | None = None,
     ):
         super().__init__()
-        if stage not in (0, 1, 2, 3):
-            raise ZeroConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-        if compression not in (None, "none", "topk"):
-            raise ZeroConfigError(f"compression must be None, 'none' or 'topk', got {compression!r}")
-        compression = None if compression == "none" else compression
-        if compression and stage != 0:
-            raise ZeroConfigError(
-                f"top-k compression needs stage 0 (it replaces the all-reduce), got stage {stage}; "
-                f"use stage=0 or compression=None"
-            )
-        if grad_clip is not None and grad_clip <= 0:
-            raise ZeroConfigError(f"grad_clip must be positive or None, got {grad_clip}")
+        compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio)
+        self.param_dtype = _dtype(precision, "precision")
+        self.comm_dtype = _dtype(comm_dtype, "comm_dtype") if comm_dtype else self.param_dtype
+        self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
+        for name, p in module.named_parameters():
+            _extra_reduce(name, p, self)
+        # every setting is checked above, on every rank, before the first collective
         self.module, self.stage, self.dp_group, self.overlap = module, stage, dp_group, overlap
         self.dp_size = comm.group_size(dp_group)
         self.dp_rank = torch.distributed.get_rank(dp_group) if self.dp_size > 1 else 0
-        self.param_dtype = _dtype(precision, "precision")
-        self.comm_dtype = _dtype(comm_dtype, "comm_dtype") if comm_dtype else self.param_dtype
         self.grad_clip, self.tp_group = grad_clip, tp_group
         self.norm_groups = ([dp_group] if stage >= 1 else []) + ([tp_group] if tp_group else []) + list(clip_groups)
         self.scaler = (loss_scaler or DynamicLossScaler()) if self.param_dtype == torch.float16 else None
@@ -124,7 +170,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self._callback_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_bucket]
         if stage == 3:
-            self._install_unit_hooks()
+            self._unit_gatherer = UnitGatherer(self.module, self.units, self._unit_buckets)
 
     # construction ---------------------------------------------------------------
     def _build_buckets(self, bucket_mb: float, compression, topk_ratio: float) -> None:
@@ -137,7 +183,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 unit_of[id(p)] = u
         root = len(self.units)
         order = sorted(named.items(), key=lambda kv: unit_of.get(id(kv[1]), root))  # stable sort
-        specs = [(n, tuple(p.shape), wants_weight_decay(p), unit_of.get(id(p), root))
+        specs = [(n, tuple(p.shape), wants_weight_decay(p), unit_of.get(id(p), root), _extra_reduce(n, p, self))
                  for n, p in order if p.requires_grad]
         if not specs:
             raise ZeroConfigError("the module has no trainable parameters")
@@ -145,7 +191,10 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self.layouts = plan_buckets(specs, dp=self.dp_size, bucket_bytes=int(bucket_mb * 2**20), element_size=elem)
         self.buckets: list[FlatBucket] = []
         self._param_bucket: dict[nn.Parameter, FlatBucket] = {}
+        self._slot_index: dict[nn.Parameter, int] = {}
         tp_rank = torch.distributed.get_rank(self.tp_group) if self.tp_group else 0
+        emb = self.extra_groups["embedding"]
+        first_stage = (torch.distributed.get_rank(emb) if emb else 0) == 0
         for layout in self.layouts:
             params = [named[s.name] for s in layout.slots]
             compressor = (TopKCompressor(layout.padded_numel, topk_ratio, self.comm_dtype, params[0].device)
@@ -153,30 +202,12 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             bucket = FlatBucket(layout, params, stage=self.stage, dp_rank=self.dp_rank, group=self.dp_group,
                                 param_dtype=self.param_dtype, comm_dtype=self.comm_dtype, compressor=compressor)
             bucket.norm_ranges = counted_ranges(layout, bucket.lo, bucket.hi, params, count_replicated=tp_rank == 0)
+            if layout.extra_reduce == "embedding" and not first_stage:
+                bucket.norm_ranges = []  # a tied embedding enters the norm once, on the first stage
             self.buckets.append(bucket)
             self._param_bucket.update({p: bucket for p in params})
+            self._slot_index.update({p: i for i, p in enumerate(params)})
         self._unit_buckets = [[b for b in self.buckets if b.layout.unit == u] for u in range(root + 1)]
-
-    def _install_unit_hooks(self) -> None:
-        root = len(self.units)
-        self.module.register_forward_pre_hook(lambda *_: self._gather_unit(root, prefetch=0))
-        for u, unit in enumerate(self.units):
-            unit.register_forward_pre_hook(lambda *_, u=u: self._gather_unit(u, prefetch=u + 1))
-            unit.register_forward_hook(lambda *_, u=u: self._free_unit(u))
-            unit.register_full_backward_pre_hook(lambda *_, u=u: self._gather_unit(u, prefetch=u - 1))
-
-    def _gather_unit(self, u: int, prefetch: int) -> None:
-        for b in self._unit_buckets[u]:
-            b.start_gather()
-        if 0 <= prefetch < len(self.units):
-            for b in self._unit_buckets[prefetch]:
-                b.start_gather()
-        for b in self._unit_buckets[u]:
-            b.wait_gather()
-
-    def _free_unit(self, u: int) -> None:
-        for b in self._unit_buckets[u]:
-            b.free_params()
 
     # forward / backward -----------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -206,9 +237,11 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        bucket = self._param_bucket[param]
+        if bucket.flat_grad is not None:
+            bucket.adopt_grad(param, self._slot_index[param])
         if not self._communicates_now():
             return
-        bucket = self._param_bucket[param]
         bucket.ready += 1
         if self.overlap and bucket.ready == len(bucket.params):
             self._reduce(bucket, wait=False)
@@ -243,8 +276,10 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             b.finish_reduction()
         divisor = self.dp_size * (self.scaler.scale if self.scaler else 1.0)
         grads = [b.main_grad() for b in self.buckets]
-        for g in grads:
+        for b, g in zip(self.buckets, grads):
             g.div_(divisor)
+            if b.layout.extra_reduce:  # tied embedding: + the other stage's; sequence parallel: + other TP ranks'
+                comm.all_reduce(g, group=self.extra_groups[b.layout.extra_reduce])
         return grads
 
     def step(self) -> dict:
@@ -257,7 +292,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         """
         grads = self._finish_gradients()
         norm = global_norm(local_sq_norm(grads, [b.norm_ranges for b in self.buckets]), self.norm_groups)
-        skipped = not torch.isfinite(torch.tensor(norm)).item()
+        skipped = not math.isfinite(norm)
         if self.scaler:
             self.scaler.update(skipped)
         if skipped:

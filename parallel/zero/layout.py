@@ -15,7 +15,12 @@ A bucket never mixes
   tensor in a single optimizer parameter group and any elementwise torch
   optimizer (AdamW, SGD, ...) runs on it unchanged; nor
 * parameters of different *units* (stage 3 gathers one unit, e.g. one
-  transformer block, at a time).
+  transformer block, at a time); nor
+* parameters whose gradient needs one more reduction over another group
+  (``extra_reduce``: "embedding" for a word embedding tied across pipeline
+  stages, "tp" for a sequence-parallel parameter) with ones that do not: such a
+  bucket's shard holds only those parameters, so the reduction can be applied to
+  the shard without touching anything else.
 
 Inside those classes a new bucket starts when the next parameter would push
 the current one past ``bucket_bytes`` (a parameter larger than that gets a
@@ -53,6 +58,7 @@ class BucketLayout:
     index: int
     unit: int  # index into the units (the last index: parameters outside every unit)
     weight_decay: bool
+    extra_reduce: str  # "" or the group the gradient is also summed over: "embedding", "tp"
     slots: tuple[ParamSlot, ...]
     numel: int  # parameters' elements, without padding
     padded_numel: int  # a multiple of dp
@@ -83,7 +89,7 @@ def padded(numel: int, dp: int) -> int:
 
 
 def plan_buckets(
-    params: Sequence[tuple[str, tuple[int, ...], bool, int]],
+    params: Sequence[tuple[str, tuple[int, ...], bool, int, str]],
     *,
     dp: int,
     bucket_bytes: int,
@@ -91,19 +97,20 @@ def plan_buckets(
 ) -> list[BucketLayout]:
     """Pack parameters into buckets.
 
-    ``params``: ``(name, shape, wants_weight_decay, unit)`` in the order to pack
-    them (the model's ``named_parameters`` order, grouped by unit). Buckets come
-    out ordered by unit, then weight decay before no weight decay, then position.
+    ``params``: ``(name, shape, wants_weight_decay, unit, extra_reduce)`` in the
+    order to pack them (the model's ``named_parameters`` order, grouped by unit).
+    Buckets come out ordered by unit, then weight decay before no weight decay,
+    then ``extra_reduce`` ("" first), then position.
     """
     if dp < 1:
         raise ZeroConfigError(f"dp must be ≥ 1, got {dp}")
     if bucket_bytes <= 0:
         raise ZeroConfigError(f"bucket size must be positive, got {bucket_bytes} bytes (set bucket_mb > 0)")
-    by_class: dict[tuple[int, bool], list[tuple[str, tuple[int, ...]]]] = {}
-    for name, shape, wd, unit in params:
-        by_class.setdefault((unit, not wd), []).append((name, tuple(shape)))
+    by_class: dict[tuple[int, bool, str], list[tuple[str, tuple[int, ...]]]] = {}
+    for name, shape, wd, unit, extra in params:
+        by_class.setdefault((unit, not wd, extra), []).append((name, tuple(shape)))
     buckets: list[BucketLayout] = []
-    for (unit, no_wd), members in sorted(by_class.items()):
+    for (unit, no_wd, extra), members in sorted(by_class.items()):
         current: list[ParamSlot] = []
         offset = 0
 
@@ -111,7 +118,8 @@ def plan_buckets(
             nonlocal current, offset
             if current:
                 buckets.append(BucketLayout(
-                    index=len(buckets), unit=unit, weight_decay=not no_wd, slots=tuple(current),
+                    index=len(buckets), unit=unit, weight_decay=not no_wd, extra_reduce=extra,
+                    slots=tuple(current),
                     numel=offset, padded_numel=padded(offset, dp), dp=dp,
                 ))
             current, offset = [], 0

@@ -36,9 +36,9 @@ def counted_ranges(bucket_layout, lo: int, hi: int, params, count_replicated: bo
     return out
 
 
-def local_sq_norm(grads: Iterable[torch.Tensor], ranges: Iterable[Sequence[tuple[int, int]]]) -> torch.Tensor:
-    """Sum of squares of ``grad[a:b]`` over each grad's counted ranges, in fp32."""
-    total = torch.zeros((), dtype=torch.float32)
+def local_sq_norm(grads: Sequence[torch.Tensor], ranges: Iterable[Sequence[tuple[int, int]]]) -> torch.Tensor:
+    """Sum of squares of ``grad[a:b]`` over each grad's counted ranges, in fp32, on the grads' device."""
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
     for g, rs in zip(grads, ranges):
         for a, b in rs:
             total += g[a:b].float().pow(2).sum()

@@ -37,14 +37,14 @@ def _split(bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _owned(bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """Cut this rank's range out of whole per-parameter tensors."""
-    flat = torch.zeros(bucket.layout.padded_numel, dtype=torch.float32)
+    flat = torch.zeros(bucket.layout.padded_numel, dtype=torch.float32, device=bucket.flat_param.device)
     for s in bucket.layout.slots:
         if s.name not in tensors:
             raise ZeroConfigError(f"full state dict lacks {s.name!r}")
         t = tensors[s.name]
         if tuple(t.shape) != s.shape:
             raise ZeroConfigError(f"{s.name!r}: checkpoint shape {tuple(t.shape)} ≠ model shape {s.shape}")
-        flat[s.offset:s.end] = t.reshape(-1).float()
+        flat[s.offset:s.end] = t.reshape(-1).to(flat)
     return flat[bucket.lo:bucket.hi]
 
 

@@ -113,3 +113,42 @@ def test_accumulating_four_micro_batches_equals_one_big_batch(stage):
             torch.testing.assert_close(torch.from_numpy(params[name]), p, atol=1e-5, rtol=0)
         # stages 0-1 communicate gradients once per step; 2-3 once per micro-batch
         assert grad_calls == n_buckets * (1 if stage <= 1 else 4)
+
+
+def _gathered_during_forward():
+    zdp = _zdp(3)
+    seen = []
+    def gathered():  # units whose full parameters occupy memory (gathered, or prefetch in flight)
+        return sorted(u for u, bs in enumerate(zdp._unit_buckets)
+                      if any(b.flat_param.untyped_storage().nbytes() for b in bs))
+
+    for block in zdp.module.blocks:  # runs after ZeRO's own pre-hook: this block is gathered
+        block.register_forward_pre_hook(lambda *_: seen.append(gathered()))
+    (x, y), = batches(1)
+    _one_step(zdp, x, y)
+    return seen, gathered(), len(zdp.units)
+
+
+def test_stage3_holds_only_the_running_unit_its_prefetch_and_the_root():
+    seen, after_step, n_units = run_ranks(_gathered_during_forward, 2)[0]
+    root = n_units
+    assert seen == [[0, 1, root], [1, 2, root], [2, root]]
+    assert after_step == []
+
+
+def _in_flight_before_backward_ends(stage, overlap):
+    zdp = _zdp(stage, overlap=overlap)
+    seen = []
+    # the input layer's gradients are among the last of backward: by then later buckets are on the wire
+    zdp.module.inp.weight.register_post_accumulate_grad_hook(
+        lambda _: seen.append(sum(b._pending is not None for b in zdp.buckets)))
+    (x, y), = batches(1)
+    _one_step(zdp, x, y)
+    return seen[0], len(zdp.buckets)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_overlap_launches_bucket_collectives_during_backward(stage):
+    in_flight, n_buckets = run_ranks(_in_flight_before_backward_ends, 2, stage, True)[0]
+    assert 1 <= in_flight <= n_buckets  # launched, not yet waited for
+    assert run_ranks(_in_flight_before_backward_ends, 2, stage, False)[0][0] == 0

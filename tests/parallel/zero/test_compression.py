@@ -79,3 +79,17 @@ def test_topk_5_percent_converges_within_a_few_percent_of_uncompressed():
 def test_compression_beyond_stage_0_is_refused_with_the_fix():
     with pytest.raises(ZeroConfigError, match="stage=0"):
         ZeroDataParallel(make_model(), dp_group=None, stage=2, optimizer_factory=None, compression="topk")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(stage=4), "stage must be 0, 1, 2 or 3"),
+    (dict(stage=0, precision="fp8"), "precision must be one of"),
+    (dict(stage=0, compression="powersgd"), "compression must be"),
+    (dict(stage=0, grad_clip=-1.0), "grad_clip must be positive"),
+    (dict(stage=0, bucket_mb=0), "bucket_mb must be positive"),
+    (dict(stage=0, compression="topk", topk_ratio=2.0), "topk_ratio"),
+    (dict(stage=0, comm_dtype="int8"), "comm_dtype must be one of"),
+])
+def test_bad_settings_are_refused_before_any_communication(kwargs, match):
+    with pytest.raises(ZeroConfigError, match=match):
+        ZeroDataParallel(make_model(), dp_group=None, optimizer_factory=None, **kwargs)

@@ -24,6 +24,7 @@ def _train(stage, overlap, grad_clip, bucket_mb):
         loss = nn.functional.mse_loss(zdp(xs), ys)
         zdp.backward(loss)
         stats = zdp.step()
+        model.zero_grad(set_to_none=True)  # a habit of user loops; ZeRO must survive it
         total = loss.detach().clone()
         dist.all_reduce(total)  # test-side bookkeeping only: the global mean loss
         losses.append(total.item() / dp)

@@ -65,13 +65,14 @@ def reference_param_groups(model: nn.Module):
             {"params": [p for p in ps if not wants_weight_decay(p)], "weight_decay": 0.0}]
 
 
-def reference_run(steps: int = STEPS, grad_clip: float | None = None):
-    """One process, whole batch: losses, grad norms and final parameters."""
-    model = make_model()
+def reference_run(steps: int = STEPS, grad_clip: float | None = None, make=make_model):
+    """One process, whole batch: losses, grad norms and final parameters of ``make()``."""
+    model = make()
     opt = adamw(reference_param_groups(model))
     losses, norms = [], []
     for x, y in batches(steps):
-        loss = nn.functional.mse_loss(model(x), y)
+        out = model(x)  # (batch,) or (batch, k): every column regresses y
+        loss = nn.functional.mse_loss(out, y if out.dim() == 1 else y[:, None].expand_as(out))
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))))
         opt.step()
