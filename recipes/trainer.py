@@ -141,7 +141,8 @@ class Trainer:
         self.zero = ZeroDataParallel(
             self.stage_module, dp_group=g.dp, stage=p.zero, optimizer_factory=optimizer_factory,
             units=units, precision=t.precision, comm_dtype=cm.dtype, bucket_mb=cm.bucket_mb,
-            overlap=cm.overlap, grad_clip=t.grad_clip or None, tp_group=g.tp, clip_groups=[g.pp],
+            overlap=cm.overlap, grad_clip=t.grad_clip or None, tp_group=g.tp,
+            embedding_group=g.embedding, clip_groups=[g.pp],
             compression=cm.compression, topk_ratio=cm.topk_ratio,
         )
         self.is_last_virtual = [c * p.pp + g.pp_rank == n_virtual - 1 for c in range(len(chunks))]
@@ -160,7 +161,8 @@ class Trainer:
             [ChunkView(self.zero, c) for c in range(len(self.stage_module.chunks))],
             self.schedule[g.pp_rank], pp_group=g.pp,
             activation_shape=(lay.micro_batch, seq, mc.d_model), dtype=self.dtype, loss_fn=loss_fn,
-            tp_group=None if p.sequence_parallel else g.tp, embedding_group=g.embedding,
+            tp_group=None if p.sequence_parallel else g.tp,
+            embedding_group=None,  # ZeRO sums the tied-embedding gradient (on its shard, any stage)
         )
 
     # ------------------------------------------------------------------- step

@@ -38,10 +38,17 @@ def losses(run_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref")
-    run_ranks(_train, 1, tiny_recipe(), str(d), timeout=300)
-    return losses(d)
+def references(tmp_path_factory):
+    cache = {}
+
+    def get(preset):
+        if preset not in cache:
+            d = tmp_path_factory.mktemp("ref")
+            run_ranks(_train, 1, tiny_recipe(model__preset=preset), str(d), timeout=300)
+            cache[preset] = losses(d)
+        return cache[preset]
+
+    return get
 
 
 @pytest.mark.parametrize("layout", [
@@ -49,11 +56,15 @@ def reference(tmp_path_factory):
     dict(dp=2, pp=1, tp=2, zero=3),
     dict(dp=1, pp=4, tp=1, zero=2),
     dict(dp=2, pp=2, tp=1, zero=0, parallel__pp_schedule="gpipe"),
-])
-def test_layouts_match_one_process(reference, tmp_path, layout):
+    dict(dp=1, pp=2, tp=2, zero=2, parallel__sequence_parallel=True),
+    dict(dp=1, pp=2, tp=1, zero=1, parallel__pp_schedule="interleaved", parallel__vpp=2),
+    dict(dp=2, pp=2, tp=1, zero=3, model__preset="llama_tiny"),
+    dict(dp=1, pp=1, tp=2, zero=0, model__preset="llama_tiny", parallel__sequence_parallel=True),
+], ids=lambda d: ",".join(f"{k.split('__')[-1]}={v}" for k, v in d.items()))
+def test_layouts_match_one_process(references, tmp_path, layout):
     world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
     run_ranks(_train, world, tiny_recipe(**layout), str(tmp_path), timeout=300)
-    ref_loss, ref_norm = reference
+    ref_loss, ref_norm = references(layout.get("model__preset", "gpt_tiny"))
     loss, norm = losses(tmp_path)
     assert len(loss) == STEPS
     assert loss == pytest.approx(ref_loss, abs=1e-4)
