@@ -22,7 +22,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .counter import record
+import time
+
+from .counter import counting, record, record_time
 
 ReduceOp = dist.ReduceOp
 
@@ -57,8 +59,31 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _maybe(work, async_op: bool):
-    return work if async_op else None
+class TimedWork:
+    """An asynchronous handle whose ``wait()`` reports its blocked time to the counters."""
+
+    def __init__(self, work, label: str, op: str):
+        self._work, self._label, self._op = work, label, op
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self._work.wait(*args, **kwargs)
+        record_time(self._label, self._op, time.perf_counter() - t0)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _call(label: str, name: str, async_op: bool, fn, *args, **kwargs):
+    """Run a torch.distributed call; time it (blocking) or wrap its handle (async) while counting."""
+    if not counting():
+        work = fn(*args, async_op=async_op, **kwargs)
+        return work if async_op else None
+    t0 = time.perf_counter()
+    work = fn(*args, async_op=async_op, **kwargs)
+    record_time(label, name, time.perf_counter() - t0)
+    return TimedWork(work, label, name) if async_op else None
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
@@ -67,7 +92,7 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
     if n == 1:
         return _Done() if async_op else None
     record(group_label(group), "all_reduce", _nbytes(tensor), n)
-    return _maybe(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+    return _call(group_label(group), "all_reduce", async_op, dist.all_reduce, tensor, op=op, group=group)
 
 
 def reduce_scatter(
@@ -84,9 +109,8 @@ def reduce_scatter(
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     record(group_label(group), "reduce_scatter", _nbytes(input), n)
-    return _maybe(
-        _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op), async_op
-    )
+    return _call(group_label(group), "reduce_scatter", async_op, _reduce_scatter_tensor, output, input,
+                 op=op, group=group)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -101,9 +125,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     record(group_label(group), "all_gather", _nbytes(output), n)
-    return _maybe(
-        _all_gather_tensor(output, input, group=group, async_op=async_op), async_op
-    )
+    return _call(group_label(group), "all_gather", async_op, _all_gather_tensor, output, input, group=group)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -113,7 +135,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         output.copy_(input)
         return _Done() if async_op else None
     record(group_label(group), "all_to_all", _nbytes(input), n)
-    return _maybe(dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op)
+    return _call(group_label(group), "all_to_all", async_op, dist.all_to_all_single, output, input, group=group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -122,19 +144,27 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     if n == 1:
         return _Done() if async_op else None
     record(group_label(group), "broadcast", _nbytes(tensor), n)
-    return _maybe(dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+    return _call(group_label(group), "broadcast", async_op, dist.broadcast, tensor, src=src, group=group)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
     """Blocking send to global rank ``dst``."""
-    record(group_label(group), "send", _nbytes(tensor), 2)
+    label = group_label(group)
+    record(label, "send", _nbytes(tensor), 2)
+    t0 = time.perf_counter()
     dist.send(tensor, dst=dst, group=group)
+    if counting():
+        record_time(label, "send", time.perf_counter() - t0)
 
 
 def recv(tensor: torch.Tensor, src: int, group=None) -> None:
     """Blocking receive from global rank ``src`` into ``tensor``."""
-    record(group_label(group), "recv", _nbytes(tensor), 2)
+    label = group_label(group)
+    record(label, "recv", _nbytes(tensor), 2)
+    t0 = time.perf_counter()
     dist.recv(tensor, src=src, group=group)
+    if counting():
+        record_time(label, "recv", time.perf_counter() - t0)
 
 
 def exchange(
@@ -159,4 +189,5 @@ def exchange(
         ops.append(dist.P2POp(dist.irecv, t, peer, group))
     if not ops:
         return []
-    return dist.batch_isend_irecv(ops)
+    works = dist.batch_isend_irecv(ops)
+    return [TimedWork(w, label, "p2p") for w in works] if counting() else works

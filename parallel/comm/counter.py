@@ -24,6 +24,12 @@ Counting is off unless a counter is active::
         loss.backward()
     counter.sent_bytes("dp")          # bytes this rank sent on its DP group
 
+Each counter also adds up the wall time this rank spent *blocked* in
+communication per group (a blocking call's duration, or an asynchronous
+handle's ``wait()``): the "waiting on communication" share of a step. On
+GPUs this is host-side time (NCCL runs on its own stream); use the profiler
+for the device view.
+
 Active counters live in a :mod:`contextvars` variable (like a profiler), so two
 counters can nest and nothing leaks between threads or tests. When none is
 active, recording costs one variable lookup.
@@ -57,6 +63,7 @@ class OpStats:
     payload_bytes: int = 0
     sent_bytes: float = 0.0
     recv_bytes: float = 0.0
+    wait_s: float = 0.0
 
 
 class CommCounter:
@@ -101,6 +108,10 @@ class CommCounter:
             # collectives are symmetric; a recv receives its whole payload
             s.recv_bytes += payload_bytes if op == "recv" else (0 if op == "send" else frac * payload_bytes)
 
+    def add_time(self, group: str, op: str, seconds: float) -> None:
+        if self.enabled:
+            self.stats[(group, op)].wait_s += seconds
+
     # queries ----------------------------------------------------------------
     def _select(self, group: str | None, op: str | None):
         return [
@@ -119,6 +130,10 @@ class CommCounter:
     def payload_bytes(self, group: str | None = None, op: str | None = None) -> int:
         return sum(s.payload_bytes for s in self._select(group, op))
 
+    def wait_seconds(self, group: str | None = None, op: str | None = None) -> float:
+        """Wall time this rank spent blocked in communication (see module docstring)."""
+        return sum(s.wait_s for s in self._select(group, op))
+
     def calls(self, group: str | None = None, op: str | None = None) -> int:
         return sum(s.calls for s in self._select(group, op))
 
@@ -134,3 +149,14 @@ def record(group: str, op: str, payload_bytes: int, group_size: int) -> None:
     """Report one communication call to every active counter."""
     for c in _ACTIVE.get():
         c.add(group, op, payload_bytes, group_size)
+
+
+def counting() -> bool:
+    """True while at least one counter is active (callers skip timing otherwise)."""
+    return bool(_ACTIVE.get())
+
+
+def record_time(group: str, op: str, seconds: float) -> None:
+    """Report time spent blocked in one communication call to every active counter."""
+    for c in _ACTIVE.get():
+        c.add_time(group, op, seconds)

@@ -42,8 +42,8 @@ def test_summary_is_plain_data_and_reset_clears():
     s = c.summary()
     assert s == {
         "pp": {
-            "recv": {"calls": 1, "payload_bytes": 10, "sent_bytes": 0.0, "recv_bytes": 10},
-            "send": {"calls": 1, "payload_bytes": 10, "sent_bytes": 10.0, "recv_bytes": 0},
+            "recv": {"calls": 1, "payload_bytes": 10, "sent_bytes": 0.0, "recv_bytes": 10, "wait_s": 0.0},
+            "send": {"calls": 1, "payload_bytes": 10, "sent_bytes": 10.0, "recv_bytes": 0, "wait_s": 0.0},
         }
     }
     c.reset()

@@ -141,3 +141,23 @@ def _middle_stage_groups():
 
 def test_middle_pipeline_stages_have_no_embedding_group():
     assert run_ranks(_middle_stage_groups, 3) == [(0, False, 2.0), (1, True, 1.0), (2, False, 2.0)]
+
+
+def _timed_wait():
+    import time as _time
+
+    g = build_groups(Topology(2, 1, 1))
+    counter = comm.CommCounter()
+    with counter:
+        if dist.get_rank() == 1:
+            _time.sleep(0.3)  # rank 0 waits for it inside the all-reduce
+        comm.all_reduce(torch.ones(4), group=g.dp)
+        h = comm.all_reduce(torch.ones(4), group=g.dp, async_op=True)
+        h.wait()
+    return counter.wait_seconds("dp"), counter.wait_seconds()
+
+
+def test_counter_reports_time_blocked_in_communication():
+    (w0, total0), (w1, _) = run_ranks(_timed_wait, 2)
+    assert w0 >= 0.25 and total0 == w0  # rank 0 was blocked while rank 1 slept
+    assert w1 < 0.25
