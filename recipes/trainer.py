@@ -14,7 +14,7 @@ averages over DP; the loss reported is the mean over the global batch.
 
 from __future__ import annotations
 
-import math
+import contextlib
 import os
 import time
 from dataclasses import asdict
@@ -30,6 +30,7 @@ from models.config import ModelConfig
 from models.transformer import build_model
 from parallel import comm
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
+from parallel.memory import SavedActivationMeter, peak_memory_bytes
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.partition import partition_layers, stage_chunks
 from parallel.pipeline.schedules import build_schedule
@@ -185,7 +186,11 @@ class Trainer:
         comm.all_reduce(total, group=self.groups.dp)
         return total.item() / (n * self.layout.dp)
 
-    def train_step(self, step: int) -> dict[str, Any]:
+    def train_step(self, step: int, measure_memory: bool = False) -> dict[str, Any]:
+        """One optimizer step over the global batch of ``step``; the record rank 0 logs.
+
+        ``measure_memory``: also count the activations autograd saves (first step's report).
+        """
         o = self.rc.optim
         lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                    max_steps=self.rc.train.max_steps, schedule=o.schedule)
@@ -195,17 +200,50 @@ class Trainer:
         scale = self.zero.scaler.scale if self.zero.scaler else 1.0  # loss_fn multiplies by it
         counter = comm.CommCounter()
         t0 = time.perf_counter()
-        with counter, self.zero.no_sync():
+        meter = SavedActivationMeter(self.stage_module.parameters()) if measure_memory else None
+        with counter, self.zero.no_sync(), meter or contextlib.nullcontext():
             loss = self.executor.run(inputs, targets)
+        if meter is not None:  # per (micro-batch, chunk) × the most the schedule held at once
+            pairs = self.layout.grad_accum * len(self.stage_module.chunks)
+            self.activation_bytes = meter.bytes / pairs * self.executor.peak_activations
         with counter:
             stats = self.zero.step()
+        if measure_memory:  # after the step: the optimizer state exists from its first step
+            self.model_state_bytes = self.zero.held_bytes()
         loss = loss.detach().float() / scale
         comm.all_reduce(loss, group=self.groups.dp)  # mean over DP replicas = the global batch
         loss /= self.layout.dp
         elapsed = time.perf_counter() - t0
         return {"loss": loss.item(), "lr": lr, "grad_norm": float(stats["grad_norm"]),
                 "skipped": bool(stats["skipped"]), "loss_scale": float(stats["loss_scale"]),
-                "step_time_s": elapsed, "comm_bytes": counter.sent_bytes()}
+                "step_time_s": elapsed, "comm_bytes": counter.sent_bytes(),
+                "comm_frac": min(1.0, counter.wait_seconds() / elapsed),
+                "mem_gb": peak_memory_bytes(self.device) / 2**30}
+
+    def memory_report(self) -> str | None:
+        """Rank 0: a table of what each rank class (pipeline stage) holds after the first step.
+
+        Collective (every rank calls it): one all-gather of five numbers per rank.
+        """
+        ms = self.model_state_bytes
+        mine = torch.tensor([ms["params"], ms["grads"], ms["optimizer"], self.activation_bytes,
+                             peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
+        world = self.topology.world_size
+        every = torch.empty(world * 5, dtype=torch.float64, device=self.device)
+        comm.all_gather(every, mine)
+        if self.rank != 0:
+            return None
+        every = every.view(world, 5).cpu()
+        mb = 2**20
+        lines = [f"memory per rank after the first step (MiB; max over each stage's ranks)",
+                 f"{'stage':>5} {'ranks':>6} {'params':>9} {'grads':>9} {'optimizer':>9} "
+                 f"{'activations':>11} {'model+act':>9} {'peak (process)':>14}"]
+        for stage in range(self.topology.pp):
+            ranks = [r for r in range(world) if self.topology.coords(r).pp == stage]
+            top = every[ranks].max(dim=0).values / mb
+            lines.append(f"{stage:>5} {len(ranks):>6} {top[0]:>9.1f} {top[1]:>9.1f} {top[2]:>9.1f} "
+                         f"{top[3]:>11.1f} {top[:4].sum():>9.1f} {top[4]:>14.1f}")
+        return "\n".join(lines)
 
 
 def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
@@ -226,7 +264,11 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     last: dict[str, Any] = {}
     try:
         for step in range(t.max_steps):
-            rec = trainer.train_step(step)
+            rec = trainer.train_step(step, measure_memory=step == 0)
+            if step == 0:
+                report = trainer.memory_report()
+                if report:
+                    log.info(report)
             rec["step"] = step + 1
             rec["tokens_per_s"] = tokens_per_step / rec["step_time_s"]
             if peak:
