@@ -141,3 +141,12 @@ def load_deepspeed_json(path: str | Path, dp: int) -> dict[str, Any]:
     if not isinstance(ds, dict):
         raise ConfigError(f"deepspeed={path}: expected a JSON object")
     return deepspeed_overrides(ds, dp)
+
+
+def apply_deepspeed(rc, path: str | Path, dp: int) -> dict[str, Any]:
+    """Set the recipe keys a DeepSpeed JSON file names on ``rc`` (in place); return them."""
+    overrides = load_deepspeed_json(path, dp)
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(rc, section), name, value)
+    return overrides

@@ -29,7 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.local import spawn_local, under_torchrun
 
-from .config import ConfigError, RecipeConfig, validate
+from .config import ConfigError, RecipeConfig, resolve_dp, validate
+from .deepspeed import apply_deepspeed
 
 _REGISTERED = False
 
@@ -79,14 +80,8 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         if rc.deepspeed:
-            from .deepspeed import load_deepspeed_json
-
             world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
-            from .config import resolve_dp
-
-            for key, value in load_deepspeed_json(rc.deepspeed, resolve_dp(rc.parallel, world)).items():
-                section, name = key.split(".")
-                setattr(getattr(rc, section), name, value)
+            apply_deepspeed(rc, rc.deepspeed, resolve_dp(rc.parallel, world))
         if rc.mode in ("plan", "recommend"):
             from .plan import run_plan
 

@@ -83,9 +83,12 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
                             step=record.get("step"))
-        if self._bar is not None:
-            keys = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_frac")
-            self._bar.set_postfix({k: _fmt(record[k]) for k in keys if k in record}, refresh=False)
+        keys = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_frac", "mem_gb")
+        shown = {k: _fmt(record[k]) for k in keys if k in record}
+        if self._bar is not None and not self._bar.disable:
+            self._bar.set_postfix(shown, refresh=False)
+        else:  # no terminal (a log file, CI, Slurm): one line per logged step instead of a bar
+            print(f"step {record.get('step')}: " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
 
     def advance(self, n: int = 1) -> None:
         if self._bar is not None:

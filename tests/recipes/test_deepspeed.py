@@ -5,7 +5,8 @@ import json
 import pytest
 
 from recipes.config import ConfigError
-from recipes.deepspeed import deepspeed_overrides, load_deepspeed_json
+from recipes.config import RecipeConfig, validate
+from recipes.deepspeed import apply_deepspeed, deepspeed_overrides, load_deepspeed_json
 
 DS = {
     "train_batch_size": 64,
@@ -61,3 +62,14 @@ def test_file_errors(tmp_path):
     p.write_text(json.dumps({"fp16": {"enabled": True}, "bf16": {"enabled": True}}))
     with pytest.raises(ConfigError, match="both fp16 and bf16"):
         load_deepspeed_json(p, dp=1)
+
+
+def test_applied_onto_a_recipe_config(tmp_path):
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+                             "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3},
+                             "fp16": {"enabled": True}}))
+    rc = RecipeConfig()
+    apply_deepspeed(rc, p, dp=2)
+    assert (rc.train.global_batch, rc.train.micro_batch, rc.parallel.zero, rc.train.precision) == (16, 2, 3, "fp16")
+    assert validate(rc, world_size=2).grad_accum == 4

@@ -108,3 +108,13 @@ def test_bad_layout_is_refused_before_spawning(tmp_path):
     p = run([sys.executable, "-m", "recipes.gpt_tiny", "model.n_layerz=3", f"hydra.run.dir={tmp_path}"],
             cwd=os.getcwd())
     assert p.returncode != 0 and "n_layerz" in p.stderr
+
+
+def test_torchrun_world_that_does_not_fit_fails_on_every_rank_quickly(tmp_path):
+    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+             "-m", "recipes.gpt_tiny", "parallel.tp=4", "parallel.pp=1", f"hydra.run.dir={tmp_path}", *TINY],
+            cwd=os.getcwd())
+    assert p.returncode != 0
+    # each of the two ranks names the numbers and points at the planner
+    assert p.stderr.count("world size 2 is not divisible by pp 1 × tp 4 = 4") == 2, p.stderr[-2000:]
+    assert "mode=plan" in p.stderr
