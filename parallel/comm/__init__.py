@@ -18,6 +18,22 @@ from .collectives import (
     send,
 )
 from .counter import SENT_FRACTION, CommCounter, record
+from .autograd import (
+    SplitError,
+    all_gather_along,
+    all_reduce_sum,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_along,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+    split_along,
+    tp_rank,
+    tp_world_size,
+)
 
 __all__ = [
     "CommCounter",
@@ -34,4 +50,19 @@ __all__ = [
     "recv",
     "reduce_scatter",
     "send",
+    # autograd-aware tensor-parallel regions
+    "SplitError",
+    "all_gather_along",
+    "all_reduce_sum",
+    "copy_to_tp_region",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tp_region",
+    "reduce_from_tp_region",
+    "reduce_scatter_along",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tp_region",
+    "split_along",
+    "tp_rank",
+    "tp_world_size",
 ]

@@ -1,0 +1,106 @@
+"""Typed model configuration and the named sizes (GPT-2/3 family, Llama)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ARCHS = ("gpt", "llama")
+CHECKPOINTING = ("none", "selective", "full")
+
+
+class ModelConfigError(ValueError):
+    """A model configuration that cannot be built (or not with this tp)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a GPT (learned positions, LayerNorm, GELU, biases) or Llama
+    (RoPE, RMSNorm, SwiGLU, GQA, no biases) decoder.
+
+    ``n_kv_heads`` defaults to ``n_heads`` and ``d_ff`` to ``4·d_model`` (GPT) or
+    Llama's ``multiple_of``-rounded ``8/3·d_model``. The vocabulary is padded to a
+    multiple of ``vocab_multiple · tp`` (:meth:`padded_vocab`).
+    """
+
+    arch: str = "gpt"
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    vocab_size: int = 256
+    seq_len: int = 128
+    tie_embeddings: bool = True
+    activation_checkpointing: str = "none"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    vocab_multiple: int = 128
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if self.d_ff is None:
+            if self.arch == "llama":
+                hidden = int(2 * 4 * self.d_model / 3)
+                object.__setattr__(self, "d_ff", 256 * -(-hidden // 256))
+            else:
+                object.__setattr__(self, "d_ff", 4 * self.d_model)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        step = self.vocab_multiple * tp
+        return -(-self.vocab_size // step) * step
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def validate(self, tp: int = 1) -> "ModelConfig":
+        """Raise :class:`ModelConfigError` naming the numbers if this config cannot run at ``tp``."""
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ModelConfigError(msg)
+
+        need(self.arch in ARCHS, f"arch {self.arch!r} not in {ARCHS}")
+        need(self.activation_checkpointing in CHECKPOINTING,
+             f"activation_checkpointing {self.activation_checkpointing!r} not in {CHECKPOINTING}")
+        for field in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
+            need(getattr(self, field) >= 1, f"{field} must be ≥ 1, got {getattr(self, field)}")
+        need(tp >= 1, f"tp must be ≥ 1, got {tp}")
+        need(self.d_model % self.n_heads == 0,
+             f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        need(self.head_dim % 2 == 0 or self.arch != "llama",
+             f"rotary embeddings need an even head_dim, got d_model {self.d_model} / n_heads {self.n_heads}")
+        need(self.n_heads % self.n_kv_heads == 0,
+             f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        need(self.n_heads % tp == 0, f"n_heads {self.n_heads} is not divisible by tp {tp}; "
+             f"choose tp among the divisors of {self.n_heads}")
+        need(self.n_kv_heads >= tp and self.n_kv_heads % tp == 0,
+             f"n_kv_heads {self.n_kv_heads} cannot be split over tp {tp} (kv heads are not replicated); "
+             f"use a tp that divides {self.n_kv_heads}")
+        need(self.d_ff % tp == 0, f"d_ff {self.d_ff} is not divisible by tp {tp}")
+        return self
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # trains on a CPU in minutes on bytes (vocab 256)
+    "gpt_tiny": ModelConfig(arch="gpt", n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128),
+    "llama_tiny": ModelConfig(arch="llama", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, d_ff=352,
+                              vocab_size=256, seq_len=128, tie_embeddings=False, norm_eps=1e-6),
+    "gpt2": ModelConfig(arch="gpt", n_layers=12, d_model=768, n_heads=12, vocab_size=50257, seq_len=1024),
+    "gpt3_175b": ModelConfig(arch="gpt", n_layers=96, d_model=12288, n_heads=96, vocab_size=50257,
+                             seq_len=2048),
+    "llama_7b": ModelConfig(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, d_ff=11008,
+                            vocab_size=32000, seq_len=4096, tie_embeddings=False, norm_eps=1e-6),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A named size (``gpt_tiny``, ``llama_tiny``, ``gpt2``, ``gpt3_175b``, ``llama_7b``), optionally changed."""
+    if name not in PRESETS:
+        raise ModelConfigError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)

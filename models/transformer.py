@@ -1,0 +1,217 @@
+"""GPT and Llama decoders as pipeline stages built from :mod:`parallel.layers`.
+
+A stage holds a contiguous range of the model's blocks, plus the embedding if it
+is the first pipeline stage and the final norm + output head if it is the last.
+Parameter names are global and layout-independent (``blocks.<i>.attn.q_proj.weight``
+with the *global* block index ``i``; ``tok_embed.weight``; ``lm_head.weight``), so
+checkpoints and Hugging Face weights map onto any tp / pp split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parallel import comm
+from parallel.layers import (
+    ColumnParallelLinear,
+    LayerNorm,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RMSNorm,
+    VocabParallelEmbedding,
+    gather_full_tensor,
+    init_parameters_,
+    mark_vocab_rows,
+    vocab_parallel_cross_entropy,
+)
+from parallel.params import mark_sequence_parallel, mark_shared_embedding
+
+from .config import CHECKPOINTING, ModelConfig, ModelConfigError
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    Its TP traffic per forward + backward is the attention's plus the MLP's: two
+    all-reduces of the activation forward and two backward (or, sequence-parallel,
+    two all-gathers + two reduce-scatters each way).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel=False, device=None, dtype=None):
+        super().__init__()
+        llama = cfg.arch == "llama"
+        kw = dict(device=device, dtype=dtype)
+        norm = RMSNorm if llama else LayerNorm
+        self.attn_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
+        self.attn = ParallelSelfAttention(
+            cfg.d_model, cfg.n_heads, cfg.n_kv_heads, tp_group=tp_group, sequence_parallel=sequence_parallel,
+            bias=not llama, rope=llama, rope_theta=cfg.rope_theta, **kw)
+        self.mlp_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
+        self.mlp = ParallelMLP(cfg.d_model, cfg.d_ff, activation="swiglu" if llama else "gelu",
+                               bias=not llama, tp_group=tp_group, sequence_parallel=sequence_parallel, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TransformerStage(nn.Module):
+    """Blocks ``layers`` of the model, with the embedding and/or head if asked (see module doc).
+
+    ``forward(x)``: token ids ``[b, s]`` if ``has_embedding`` else hidden ``[b, s, d]``
+    (``[b, s/tp, d]`` with sequence parallelism); returns hidden, or, if ``has_head``,
+    vocabulary-parallel logits ``[b, s, V_padded/tp]`` whose padding columns are
+    ``finfo.min`` (they never win). ``loss(logits, targets)``: mean token cross-entropy.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel=False, layers: range | None = None,
+                 has_embedding=True, has_head=True, device="cpu", dtype=torch.float32):
+        super().__init__()
+        tp = comm.tp_world_size(tp_group)
+        cfg.validate(tp=tp)
+        layers = range(cfg.n_layers) if layers is None else layers
+        if len(layers) and (layers.step != 1 or layers.start < 0 or layers.stop > cfg.n_layers):
+            raise ModelConfigError(
+                f"layers {layers} must be a contiguous range inside [0, {cfg.n_layers}) (n_layers {cfg.n_layers})")
+        self.cfg, self.tp_group, self.tp_size = cfg, tp_group, tp
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.layers, self.has_embedding, self.has_head = layers, has_embedding, has_head
+        self.padded_vocab = cfg.padded_vocab(tp)
+        kw = dict(device=device, dtype=dtype)
+        sp = self.sequence_parallel
+        if has_embedding:
+            self.tok_embed = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, tp_group=tp_group,
+                                                    vocab_size=cfg.vocab_size, sequence_parallel=sp, **kw)
+            if cfg.arch == "gpt":
+                self.pos_embed = nn.Embedding(cfg.seq_len, cfg.d_model, **kw)
+                if sp:
+                    mark_sequence_parallel(self.pos_embed.weight)
+        self.blocks = nn.ModuleDict({
+            str(i): TransformerBlock(cfg, tp_group=tp_group, sequence_parallel=sp, **kw) for i in layers})
+        if has_head:
+            norm = RMSNorm if cfg.arch == "llama" else LayerNorm
+            self.norm_f = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sp, **kw)
+            self.lm_head = ColumnParallelLinear(cfg.d_model, self.padded_vocab, tp_group=tp_group, bias=False,
+                                                sequence_parallel=sp, **kw)
+            mark_vocab_rows(self.lm_head.weight, cfg.vocab_size)
+            if cfg.tie_embeddings and has_embedding:
+                self.lm_head.weight = self.tok_embed.weight
+            elif cfg.tie_embeddings:
+                self.lm_head.weight.init_key = "tok_embed.weight"
+                mark_shared_embedding(self.lm_head.weight)
+        if cfg.tie_embeddings and has_embedding and not has_head:
+            mark_shared_embedding(self.tok_embed.weight)
+        self.activation_checkpointing = cfg.activation_checkpointing
+
+    # activation checkpointing ---------------------------------------------------
+    @property
+    def activation_checkpointing(self) -> str:
+        return self._checkpointing
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, mode: str) -> None:
+        """``none``; ``selective``: attention cores recomputed; ``full``: whole blocks recomputed."""
+        if mode not in CHECKPOINTING:
+            raise ModelConfigError(f"activation_checkpointing {mode!r} not in {CHECKPOINTING}")
+        self._checkpointing = mode
+        for block in self.blocks.values():
+            block.attn.recompute_core = mode == "selective"
+
+    # forward ----------------------------------------------------------------------
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2:
+            raise ModelConfigError(f"first stage expects token ids [batch, seq], got shape {tuple(ids.shape)}")
+        s = ids.shape[1]
+        if s > self.cfg.seq_len:
+            raise ModelConfigError(f"sequence length {s} exceeds the model's seq_len {self.cfg.seq_len}")
+        if self.sequence_parallel and s % self.tp_size:
+            raise ModelConfigError(
+                f"sequence parallelism splits the sequence over tp {self.tp_size}: length {s} is not divisible")
+        h = self.tok_embed(ids)
+        if self.cfg.arch == "gpt":
+            local = h.shape[1]
+            start = comm.tp_rank(self.tp_group) * local if self.sequence_parallel else 0
+            h = h + self.pos_embed(torch.arange(start, start + local, device=ids.device))
+        return h
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm_f(h))
+        local_v = logits.shape[-1]
+        start = comm.tp_rank(self.tp_group) * local_v
+        if start + local_v > self.cfg.vocab_size:
+            pad = torch.arange(start, start + local_v, device=logits.device) >= self.cfg.vocab_size
+            logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
+        return logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.has_embedding:
+            h = self._embed(x)
+        else:
+            if x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
+                raise ModelConfigError(
+                    f"stage without embedding expects hidden [batch, seq, {self.cfg.d_model}], got {tuple(x.shape)}")
+            h = x
+        for block in self.blocks.values():
+            if self._checkpointing == "full" and torch.is_grad_enabled():
+                h = checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
+        return self._head(h) if self.has_head else h
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token cross-entropy over vocabulary-parallel ``logits`` (see
+        :func:`~parallel.layers.vocab_parallel_cross_entropy` for its communication)."""
+        if not self.has_head:
+            raise ModelConfigError("loss() needs the stage that holds the head (has_head=True)")
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, vocab_size=self.cfg.vocab_size).mean()
+
+
+def init_rule(cfg: ModelConfig):
+    """GPT-2's initialisation: normal(0, init_std), residual output projections scaled by
+    ``1/sqrt(2·n_layers)``, biases zero, norm weights one."""
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+    def rule(name: str, p: nn.Parameter) -> tuple:
+        if name.endswith("bias"):
+            return ("zeros",)
+        if p.dim() == 1:
+            return ("ones",)
+        if name.endswith(("o_proj.weight", "fc_out.weight", "down_proj.weight")):
+            return ("normal", residual_std)
+        return ("normal", cfg.init_std)
+
+    return rule
+
+
+def build_model(cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False, layers: range | None = None,
+                has_embedding: bool = True, has_head: bool = True, device="cpu", dtype=torch.float32,
+                seed: int = 0) -> TransformerStage:
+    """Build (and, unless on ``meta``, initialise) one stage of the model; see :class:`TransformerStage`.
+
+    Initialisation is layout-independent (:func:`parallel.layers.init_parameters_`): same
+    ``seed`` and ``cfg`` give the same gathered weights for any tp and any ``layers`` split.
+    No communication.
+    """
+    stage = TransformerStage(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, layers=layers,
+                             has_embedding=has_embedding, has_head=has_head, device=device, dtype=dtype)
+    if torch.device(device).type != "meta":
+        init_parameters_(stage, seed=seed, tp_group=tp_group, rule=init_rule(cfg))
+    return stage
+
+
+def gather_full_state_dict(stage: nn.Module, tp_group=None, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full (unsharded, vocabulary padding removed) parameters by name, on every TP rank.
+
+    ``grads=True`` gathers the gradients instead (absent ones are skipped). One
+    all-gather per sharded tensor on ``tp_group`` (output = its full bytes).
+    """
+    out = {}
+    for name, p in stage.named_parameters():
+        if grads and p.grad is None:
+            continue
+        out[name] = gather_full_tensor(p, tp_group, data=p.grad if grads else None)
+    return out

@@ -1,0 +1,219 @@
+"""Autograd-aware tensor-parallel communication (Megatron's "f", "g" and friends).
+
+Each function is the forward of a collective whose backward is its adjoint, so a
+layer written with them gets the right gradients from ``loss.backward()``. All
+traffic goes through :mod:`parallel.comm` and is counted under the group's label.
+With ``group=None`` or a group of one rank every function is the identity (or a
+plain copy) and communicates nothing.
+
+Notation: ``X`` is the bytes of the function's *input* tensor, ``N`` the group
+size; "bytes sent" is per rank, as :class:`~parallel.comm.CommCounter` counts.
+
+==========================================  =====================  =====================
+function                                    forward                backward
+==========================================  =====================  =====================
+``copy_to_tp_region``            ("f")       identity               all-reduce (X)
+``reduce_from_tp_region``        ("g")       all-reduce (X)         identity
+``scatter_to_tp_region``                     keep own last-dim chunk all-gather last dim (X)
+``gather_from_tp_region``                    all-gather last dim    keep own chunk
+``scatter_to_sequence_parallel_region``      keep own seq chunk     all-gather seq (X)
+``gather_from_sequence_parallel_region``     all-gather seq (N·X)   reduce-scatter (N·X)
+``reduce_scatter_to_sequence_parallel_region`` reduce-scatter (X)   all-gather seq (X)
+==========================================  =====================  =====================
+
+Sequence-parallel activations are ``[batch, seq, ...]``; the sequence is dim 1
+(``seq_dim``) and rank ``r`` holds positions ``[r·s/N, (r+1)·s/N)``.
+An all-gather/reduce-scatter pair moves ``2 (N-1)/N`` of the full buffer, exactly
+what the all-reduce it replaces moves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import collectives as C
+
+SEQ_DIM = 1
+
+
+class SplitError(ValueError):
+    """A tensor cannot be split evenly over the tensor-parallel group."""
+
+
+def tp_world_size(group) -> int:
+    """Ranks in ``group``; ``None`` means "no tensor parallelism" (1), not the world."""
+    return 1 if group is None else C.group_size(group)
+
+
+def tp_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _check_divisible(x: torch.Tensor, dim: int, n: int, what: str) -> None:
+    if x.shape[dim] % n:
+        raise SplitError(
+            f"{what}: dim {dim} of a tensor of shape {tuple(x.shape)} has size {x.shape[dim]}, "
+            f"not divisible by the tensor-parallel size {n}; make it a multiple of {n}"
+        )
+
+
+def split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's contiguous chunk of ``x`` along ``dim`` (no communication)."""
+    n = tp_world_size(group)
+    if n == 1:
+        return x
+    _check_divisible(x, dim, n, "split")
+    return x.chunk(n, dim)[tp_rank(group)].contiguous()
+
+
+def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (all-gather of N·X bytes)."""
+    n = tp_world_size(group)
+    if n == 1:
+        return x
+    out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+    C.all_gather(out, x.contiguous().view(-1), group=group)
+    return torch.cat(out.view((n,) + tuple(x.shape)).unbind(0), dim=dim)
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's chunk along ``dim`` (reduce-scatter of X)."""
+    n = tp_world_size(group)
+    if n == 1:
+        return x
+    _check_divisible(x, dim, n, "reduce-scatter")
+    stacked = torch.stack(x.chunk(n, dim), 0)
+    out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
+    C.reduce_scatter(out.view(-1), stacked.view(-1), group=group)
+    return out
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum of ``x`` over the group, out of place (all-reduce of X)."""
+    if tp_world_size(group) == 1:
+        return x
+    out = x.contiguous().clone()
+    C.all_reduce(out, group=group)
+    return out
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_sum(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, -1, ctx.group), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_along(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_along(grad, -1, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_along(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, SEQ_DIM, ctx.group), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_along(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_along(grad, SEQ_DIM, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_along(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(grad, SEQ_DIM, ctx.group), None
+
+
+def _apply(fn, x: torch.Tensor, group) -> torch.Tensor:
+    return x if tp_world_size(group) == 1 else fn.apply(x, group)
+
+
+def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """"f": identity forward; backward all-reduces the gradient (X bytes, 2(N-1)/N·X sent)."""
+    return _apply(_CopyToRegion, x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """"g": forward all-reduces the partial sums (X bytes, 2(N-1)/N·X sent); backward identity."""
+    return _apply(_ReduceFromRegion, x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward keeps this rank's chunk of the last dim; backward all-gathers it (X bytes)."""
+    if tp_world_size(group) > 1:
+        _check_divisible(x, -1, tp_world_size(group), "scatter_to_tp_region")
+    return _apply(_ScatterLastDim, x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward all-gathers the last dim (output N·X bytes); backward keeps own chunk."""
+    return _apply(_GatherLastDim, x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward keeps this rank's sequence chunk; backward all-gathers the sequence (X bytes)."""
+    if tp_world_size(group) > 1:
+        _check_divisible(x, SEQ_DIM, tp_world_size(group), "scatter_to_sequence_parallel_region")
+    return _apply(_ScatterSeq, x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward all-gathers the sequence (output N·X bytes); backward reduce-scatters (N·X)."""
+    return _apply(_GatherSeq, x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward reduce-scatters along the sequence (input X bytes); backward all-gathers (X)."""
+    if tp_world_size(group) > 1:
+        _check_divisible(x, SEQ_DIM, tp_world_size(group), "reduce_scatter_to_sequence_parallel_region")
+    return _apply(_ReduceScatterSeq, x, group)

@@ -1,0 +1,39 @@
+"""Tensor-parallel layers: ordinary ``nn.Module``s that take their TP process group.
+
+With ``tp_group=None`` (or a group of one rank) every layer is the plain
+single-device layer and communicates nothing. Each class's docstring states the
+collectives it issues forward and backward, on which group, and their bytes.
+Parameters carry :mod:`parallel.params` marks (TP split dim, sequence-parallel,
+no weight decay); :func:`init_parameters_` initialises them independently of the
+layout, and :func:`gather_full_tensor` reassembles a sharded one.
+"""
+
+from .attention import ParallelSelfAttention, apply_rotary, check_heads, rotary_cos_sin
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding, mark_vocab_rows, padded_vocab_size
+from .init import gather_full_tensor, init_parameters_, init_tensor_shard_
+from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
+from .mlp import ParallelMLP
+from .norm import LayerNorm, RMSNorm, reduce_sequence_parallel_grads
+
+__all__ = [
+    "ColumnParallelLinear",
+    "LayerConfigError",
+    "LayerNorm",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "RMSNorm",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "apply_rotary",
+    "check_heads",
+    "divide",
+    "gather_full_tensor",
+    "init_parameters_",
+    "init_tensor_shard_",
+    "mark_vocab_rows",
+    "padded_vocab_size",
+    "reduce_sequence_parallel_grads",
+    "rotary_cos_sin",
+    "vocab_parallel_cross_entropy",
+]

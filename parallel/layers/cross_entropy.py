@@ -1,0 +1,85 @@
+"""Cross-entropy over vocabulary-parallel logits, without gathering them.
+
+Rank ``r`` holds logits ``[..., V/N]`` for vocabulary ids ``[r·V/N, (r+1)·V/N)``.
+The loss per token is ``logsumexp(z) - z[target]``; both parts are assembled with
+two all-reduces of per-token scalars, never of the logits:
+
+1. all-reduce MAX of the local maxima (``T·4`` bytes for ``T`` tokens, fp32),
+2. all-reduce SUM of ``[Σ exp(z - max), z[target] - max]`` (``2·T·4`` bytes).
+
+Backward computes ``softmax(z) - onehot(target)`` on the local slice: no
+communication. Columns ``≥ vocab_size`` (vocabulary padding) are excluded: they
+never win and never count. Targets equal to ``ignore_index`` give loss 0 and no
+gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .linear import LayerConfigError
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_size, ignore_index):
+        local_v = logits.shape[-1]
+        start = comm.tp_rank(group) * local_v
+        z = logits.float()
+        if vocab_size is not None and start + local_v > vocab_size:
+            pad = torch.arange(start, start + local_v, device=z.device) >= vocab_size
+            z = z.masked_fill(pad, float("-inf"))
+        zmax = z.amax(dim=-1)
+        if comm.tp_world_size(group) > 1:
+            comm.all_reduce(zmax, group=group, op=comm.ReduceOp.MAX)
+        z = z - zmax.unsqueeze(-1)
+        exp = z.exp()
+        ignored = targets == ignore_index
+        local_t = targets - start
+        mine = (local_t >= 0) & (local_t < local_v) & ~ignored
+        picked = z.gather(-1, local_t.clamp(0, local_v - 1).unsqueeze(-1)).squeeze(-1)
+        picked = picked.masked_fill(~mine, 0.0)
+        sums = torch.stack([exp.sum(dim=-1), picked])
+        if comm.tp_world_size(group) > 1:
+            comm.all_reduce(sums, group=group)
+        sum_exp, target_z = sums
+        loss = (sum_exp.log() - target_z).masked_fill(ignored, 0.0)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, mine, ignored)
+        ctx.in_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, mine, ignored = ctx.saved_tensors
+        grad = softmax
+        rows = grad.view(-1, grad.shape[-1])
+        idx = torch.nonzero(mine.view(-1), as_tuple=True)[0]
+        rows[idx, local_t.view(-1)[idx]] -= 1.0
+        grad = grad * grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group=None, *,
+                                 vocab_size: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token loss ``[...]`` from this rank's logits ``[..., V_padded/N]`` and full targets ``[...]``.
+
+    Communication on ``tp_group``: forward one all-reduce MAX of ``T·4`` bytes and one
+    all-reduce SUM of ``2·T·4`` bytes (``T`` = number of tokens); backward none.
+    ``vocab_size``: the real vocabulary; logits columns at or beyond it are padding.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise LayerConfigError(
+            f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and targets "
+            f"{tuple(targets.shape)} disagree; targets must be logits' shape without the vocab dim"
+        )
+    full_v = logits.shape[-1] * comm.tp_world_size(tp_group)
+    if vocab_size is not None and vocab_size > full_v:
+        raise LayerConfigError(f"vocab_size {vocab_size} exceeds the {full_v} logits columns over all ranks")
+    valid = targets != ignore_index
+    if valid.any() and (int(targets[valid].min()) < 0 or int(targets[valid].max()) >= (vocab_size or full_v)):
+        raise LayerConfigError(
+            f"vocab_parallel_cross_entropy: targets span [{int(targets[valid].min())}, "
+            f"{int(targets[valid].max())}], outside the vocabulary [0, {vocab_size or full_v})"
+        )
+    return _VocabParallelCrossEntropy.apply(logits, targets, tp_group, vocab_size, ignore_index)

@@ -1,0 +1,124 @@
+"""Initialisation that does not depend on the parallel layout, shard by shard.
+
+Every parameter is seen as its *global* (unsharded) tensor, viewed as a matrix
+``[rows, cols]`` (dim 0 × the rest) and cut into fixed tiles of
+``TILE_ROWS × TILE_COLS``. Tile ``(i, j)`` is drawn from its own generator, seeded
+by ``(seed, parameter key, i, j)``; a rank draws only the tiles that overlap its
+shard and keeps the overlap. So:
+
+* the gathered weights are bit-identical for every tp (and every pipeline split,
+  since keys are global parameter names);
+* no rank holds more than its shard plus one tile (``TILE_ROWS·TILE_COLS`` fp32
+  values, 4 MiB) of scratch, however large the parameter: a 175B model's shard is
+  initialised without its full matrices.
+
+Rows at or beyond a parameter's ``vocab_size`` mark (vocabulary padding) are zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..params import tp_shard_dim
+
+TILE_ROWS = 256
+TILE_COLS = 4096
+
+#: an init rule maps (name, parameter) to ("normal", std) | ("ones",) | ("zeros",)
+InitRule = Callable[[str, nn.Parameter], tuple]
+
+
+def default_init_rule(name: str, param: nn.Parameter, std: float = 0.02) -> tuple:
+    """Biases zero, 1-D weights (norms) one, every matrix normal(0, ``std``)."""
+    if name.endswith("bias"):
+        return ("zeros",)
+    if param.dim() == 1:
+        return ("ones",)
+    return ("normal", std)
+
+
+def _tile_seed(seed: int, key: str, i: int, j: int) -> int:
+    digest = hashlib.blake2b(f"{seed}|{key}|{i}|{j}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def init_tensor_shard_(shard: torch.Tensor, *, key: str, seed: int, std: float, shard_dim: int | None,
+                       tp_rank: int, tp_size: int, vocab_size: int | None = None) -> torch.Tensor:
+    """Fill ``shard`` (rank ``tp_rank`` of ``tp_size`` along ``shard_dim``) with normal(0, std).
+
+    The values are those of the global tensor drawn tile by tile (module docstring).
+    Returns ``shard``.
+    """
+    if shard_dim not in (None, 0, 1) or (shard_dim == 1 and shard.dim() != 2):
+        raise ValueError(f"layout-independent init supports sharding on dim 0 or dim 1 of a matrix, "
+                         f"got shard_dim {shard_dim} for shape {tuple(shard.shape)}")
+    local = shard.reshape(shard.shape[0], -1) if shard.dim() > 0 else shard.reshape(1, 1)
+    rows, cols = local.shape
+    r0 = rows * tp_rank if shard_dim == 0 else 0
+    c0 = cols * tp_rank if shard_dim == 1 else 0
+    global_cols = cols * tp_size if shard_dim == 1 else cols
+    with torch.no_grad():
+        for i in range(r0 // TILE_ROWS, math.ceil((r0 + rows) / TILE_ROWS)):
+            for j in range(c0 // TILE_COLS, math.ceil((c0 + cols) / TILE_COLS)):
+                tile_c = min(TILE_COLS, global_cols - j * TILE_COLS)
+                g = torch.Generator().manual_seed(_tile_seed(seed, key, i, j))
+                tile = torch.randn(TILE_ROWS, tile_c, generator=g).mul_(std)
+                gr0, gc0 = i * TILE_ROWS, j * TILE_COLS
+                lo_r, hi_r = max(gr0, r0), min(gr0 + TILE_ROWS, r0 + rows)
+                lo_c, hi_c = max(gc0, c0), min(gc0 + tile_c, c0 + cols)
+                local[lo_r - r0:hi_r - r0, lo_c - c0:hi_c - c0].copy_(
+                    tile[lo_r - gr0:hi_r - gr0, lo_c - gc0:hi_c - gc0])
+        if vocab_size is not None and shard_dim in (None, 0) and r0 + rows > vocab_size:
+            local[max(0, vocab_size - r0):].zero_()
+    if local.data_ptr() != shard.data_ptr():  # reshape copied (non-contiguous shard)
+        shard.copy_(local.view_as(shard))
+    return shard
+
+
+def init_parameters_(module: nn.Module, *, seed: int = 0, tp_group=None,
+                     rule: InitRule = default_init_rule) -> nn.Module:
+    """Initialise every parameter of ``module`` in place, independently of the TP layout.
+
+    The seeding key of a parameter is its name in ``module`` (or its ``init_key``
+    attribute, which a tied copy sets to the original's name). Meta tensors are
+    skipped. Communicates nothing.
+    """
+    tp, rank = comm.tp_world_size(tp_group), comm.tp_rank(tp_group)
+    for name, p in module.named_parameters():
+        if p.is_meta:
+            continue
+        how = rule(name, p)
+        with torch.no_grad():
+            if how[0] == "zeros":
+                p.zero_()
+            elif how[0] == "ones":
+                p.fill_(1.0)
+            else:
+                dim = tp_shard_dim(p)
+                init_tensor_shard_(p.data, key=getattr(p, "init_key", name), seed=seed, std=how[1],
+                                   shard_dim=dim, tp_rank=rank if dim is not None else 0,
+                                   tp_size=tp if dim is not None else 1,
+                                   vocab_size=getattr(p, "vocab_size", None))
+    return module
+
+
+def gather_full_tensor(param: torch.Tensor, tp_group, *, data: torch.Tensor | None = None) -> torch.Tensor:
+    """The full tensor of ``param`` (or of ``data`` laid out like it, e.g. its grad).
+
+    Sharded parameters are all-gathered along their ``tp_shard_dim`` on ``tp_group``
+    (output = full bytes); vocabulary padding rows are cut off. Replicated ones are
+    copied. Every rank of ``tp_group`` must call it (it is a collective).
+    """
+    t = (param if data is None else data).detach()
+    dim = tp_shard_dim(param)
+    full = t.clone() if dim is None else comm.all_gather_along(t, dim, tp_group)
+    if full is t:
+        full = t.clone()
+    vocab = getattr(param, "vocab_size", None)
+    return full[:vocab] if vocab is not None else full

@@ -1,0 +1,260 @@
+"""Run one stage's action list over the pipeline group.
+
+:class:`PipelineExecutor` does nothing on its own initiative: it walks the
+list a schedule function produced for this stage (:mod:`.schedules`),
+computing and transferring exactly as the list says, so the simulator's
+verdicts (deadlock-free, peak stored activations) hold for the real run.
+
+Communication (all through :mod:`parallel.comm`):
+
+* each batch of consecutive transfers is one ``comm.exchange`` (batched
+  ``isend``/``irecv``) on ``pp_group``, awaited before the next computation.
+  Shapes and dtype are fixed up front (``activation_shape``, ``dtype``): no
+  shape messages. Per transfer, ``prod(activation_shape) · itemsize`` bytes,
+  or ``1/tp`` of that with a ``tp_group`` (below).
+* with ``tp_group`` of size tp (Megatron's scatter-gather): the activation and
+  its gradient are replicated over the TP ranks, so TP rank r sends only slice
+  r of the flattened tensor to TP rank r of the peer stage, which rebuilds the
+  whole with one ``all_gather`` on ``tp_group`` (``prod(shape) · itemsize``
+  bytes gathered). No byte crosses the pipeline twice.
+* after the last backward: an ``all_reduce`` (sum) on ``embedding_group`` of
+  the gradient of every parameter marked
+  :func:`parallel.params.mark_shared_embedding` (tied input embedding on the
+  first stage, output head on the last), and a ``broadcast`` on ``pp_group``
+  of the step's loss (one float) from the last stage.
+
+The loss is ``loss_fn(output, target)`` of the last virtual stage; each
+micro-batch's backward starts from ``loss / m``, so the accumulated gradients
+are those of the mean loss over the step's micro-batches, and :meth:`run`
+returns that mean on every stage. Gradients accumulate into ``.grad`` (zero
+them before a step, as with any optimizer). A micro-batch's stored tensors
+are dropped the moment its backward has run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..params import is_shared_embedding
+from .schedules import (
+    Action,
+    Backward,
+    Compute,
+    Forward,
+    P2P,
+    RecvActivation,
+    RecvGrad,
+    ScheduleError,
+    SendActivation,
+    SendGrad,
+    batches,
+)
+from .simulator import Span
+
+
+class PipelineExecutor:
+    """Runs ``actions`` (this stage's list) with ``chunks`` (this rank's model chunks).
+
+    Args:
+        chunks: the rank's modules, chunk ``c`` being virtual stage ``c·pp + stage``.
+            Chunk 0 of stage 0 takes the micro-batch input; every other chunk takes
+            and every chunk but the very last returns a tensor of ``activation_shape``.
+        actions: this stage's list from a schedule function (same schedule on every rank).
+        pp_group: the pipeline group; its rank order is the stage order, peers named
+            in actions are indices into it.
+        activation_shape, dtype: of every tensor crossing a stage boundary.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last virtual stage.
+        tp_group: optional; enables the scatter-gather transfer described above.
+        embedding_group: optional; the first + last stage group for tied embeddings.
+        record_timeline: keep a :class:`~.simulator.Span` per computation / transfer batch.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        actions: Sequence[Action],
+        *,
+        pp_group: dist.ProcessGroup,
+        activation_shape: Sequence[int],
+        dtype: torch.dtype,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        tp_group: dist.ProcessGroup | None = None,
+        embedding_group: dist.ProcessGroup | None = None,
+        record_timeline: bool = False,
+    ):
+        self.chunks = list(chunks)
+        self.items = batches(actions)
+        self.pp_group = pp_group
+        self.stage_ranks = dist.get_process_group_ranks(pp_group)
+        self.pp = len(self.stage_ranks)
+        self.stage = self.stage_ranks.index(dist.get_rank())
+        self.vpp = len(self.chunks)
+        self.activation_shape = tuple(activation_shape)
+        self.dtype = dtype
+        self.loss_fn = loss_fn
+        self.tp_group = tp_group
+        self.tp = comm.group_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_group_rank(tp_group, dist.get_rank()) if self.tp > 1 else 0
+        self.embedding_group = embedding_group
+        self.record_timeline = record_timeline
+        self.timeline: list[Span] = []
+        self.peak_activations = 0
+        self.num_microbatches = self._check(actions)
+
+    # ------------------------------------------------------------ validation
+    def _check(self, actions: Sequence[Action]) -> int:
+        """Refuse a list that does not fit these chunks or shapes (before any p2p)."""
+        if not self.chunks:
+            raise ScheduleError("a pipeline stage needs at least one model chunk")
+        computes = [a for a in actions if isinstance(a, Compute)]
+        if not computes:
+            raise ScheduleError(f"stage {self.stage}: the action list has no computation")
+        bad = sorted({a.chunk for a in actions if not 0 <= a.chunk < self.vpp})
+        if bad:
+            raise ScheduleError(
+                f"stage {self.stage}: actions name chunks {bad} but this rank holds "
+                f"{self.vpp} chunk(s); build the schedule with vpp={self.vpp}"
+            )
+        numel = math.prod(self.activation_shape)
+        if numel % self.tp:
+            raise ScheduleError(
+                f"activation_shape {self.activation_shape} ({numel} elements) does not split "
+                f"over tp={self.tp} ranks for the scatter-gather transfer"
+            )
+        return 1 + max(a.mb for a in computes)
+
+    def _virtual(self, chunk: int) -> int:
+        return chunk * self.pp + self.stage
+
+    def _is_first(self, chunk: int) -> bool:
+        return self._virtual(chunk) == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self._virtual(chunk) == self.pp * self.vpp - 1
+
+    # -------------------------------------------------------------- the step
+    def run(
+        self,
+        microbatch_inputs: Sequence[torch.Tensor] | None = None,
+        microbatch_targets: Sequence[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One step: every action of this stage, then the tied-embedding
+        all-reduce and the loss broadcast. Returns the mean micro-batch loss
+        (a 0-d tensor) on every stage. Inputs are read on the first stage only,
+        targets on the last only; each must hold one tensor per micro-batch."""
+        m = self.num_microbatches
+        for name, seq, needed in (
+            ("microbatch_inputs", microbatch_inputs, self._is_first(0)),
+            ("microbatch_targets", microbatch_targets, self._is_last(self.vpp - 1)),
+        ):
+            if needed and (seq is None or len(seq) != m):
+                got = "none" if seq is None else len(seq)
+                raise ScheduleError(
+                    f"stage {self.stage}: the schedule runs {m} micro-batches but {name} has {got}"
+                )
+        self.device = next((p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
+        self._inputs = microbatch_inputs
+        self._targets = microbatch_targets
+        self._received: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self.peak_activations = 0
+        self.timeline = []
+        self._t0 = time.perf_counter()
+        for item in self.items:
+            start = time.perf_counter()
+            if isinstance(item, Forward):
+                self._forward(item)
+            elif isinstance(item, Backward):
+                self._backward(item)
+            else:
+                self._transfer(item)
+            if self.record_timeline:
+                label = item if isinstance(item, Compute) else tuple(item)
+                self.timeline.append(Span(label, start - self._t0, time.perf_counter() - self._t0))
+        if self._stored or self._outbox:
+            raise ScheduleError(
+                f"stage {self.stage}: step ended with unfinished micro-batches "
+                f"{sorted(self._stored)} / unsent {sorted(self._outbox)}"
+            )
+        self._reduce_shared_embedding()
+        loss = self._loss_sum / m  # meaningful on the last stage, which the broadcast copies
+        comm.broadcast(loss, src=self.stage_ranks[-1], group=self.pp_group)
+        return loss
+
+    def _forward(self, a: Forward) -> None:
+        if self._is_first(a.chunk):
+            x, kept = self._inputs[a.mb].to(self.device), None
+        else:
+            x = self._received.pop(("act", a.mb, a.chunk)).requires_grad_()
+            kept = x
+        out = self.chunks[a.chunk](x)
+        if self._is_last(a.chunk):
+            loss = self.loss_fn(out, self._targets[a.mb].to(self.device))
+            self._loss_sum += loss.detach().float()
+            out = loss / self.num_microbatches
+        else:
+            self._outbox[("act", a.mb, a.chunk)] = out.detach()
+        self._stored[(a.mb, a.chunk)] = (kept, out)
+        self.peak_activations = max(self.peak_activations, len(self._stored))
+
+    def _backward(self, a: Backward) -> None:
+        x, out = self._stored.pop((a.mb, a.chunk))
+        if self._is_last(a.chunk):
+            out.backward()
+        else:
+            out.backward(self._received.pop(("grad", a.mb, a.chunk)))
+        if x is not None:
+            self._outbox[("grad", a.mb, a.chunk)] = x.grad
+
+    # -------------------------------------------------------------- transfers
+    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+        """This TP rank's share of a replicated tensor (the whole of it without TP)."""
+        flat = t.contiguous().view(-1)
+        return flat if self.tp == 1 else flat.chunk(self.tp)[self.tp_rank].contiguous()
+
+    def _transfer(self, batch: list[P2P]) -> None:
+        sends, recvs, landing = [], [], []
+        for a in batch:
+            peer = self.stage_ranks[a.peer]
+            if isinstance(a, (SendActivation, SendGrad)):
+                kind = "act" if isinstance(a, SendActivation) else "grad"
+                t = self._outbox.pop((kind, a.mb, a.chunk))
+                if t is None or tuple(t.shape) != self.activation_shape or t.dtype != self.dtype:
+                    raise ScheduleError(
+                        f"stage {self.stage}: {a} has shape {None if t is None else tuple(t.shape)} / "
+                        f"{None if t is None else t.dtype}, expected {self.activation_shape} / {self.dtype}"
+                    )
+                sends.append((self._slice(t), peer))
+            else:
+                kind = "act" if isinstance(a, RecvActivation) else "grad"
+                buf = torch.empty(math.prod(self.activation_shape) // self.tp, dtype=self.dtype, device=self.device)
+                recvs.append((buf, peer))
+                landing.append(((kind, a.mb, a.chunk), buf))
+        for handle in comm.exchange(sends, recvs, group=self.pp_group):
+            handle.wait()
+        for key, buf in landing:
+            if self.tp > 1:
+                whole = torch.empty(buf.numel() * self.tp, dtype=self.dtype, device=self.device)
+                comm.all_gather(whole, buf, group=self.tp_group)
+                buf = whole
+            self._received[key] = buf.view(self.activation_shape)
+
+    def _reduce_shared_embedding(self) -> None:
+        """Sum the tied-embedding gradients of the first and last stage (middle stages skip)."""
+        if self.embedding_group is None or self.stage not in (0, self.pp - 1):
+            return
+        for chunk in self.chunks:
+            for p in chunk.parameters():
+                if is_shared_embedding(p):
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    comm.all_reduce(p.grad, group=self.embedding_group)

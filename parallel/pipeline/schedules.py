@@ -1,0 +1,225 @@
+"""Pipeline schedules as data: for every stage, the ordered list of actions.
+
+A schedule is ``list[list[Action]]``: ``schedule[s]`` is what pipeline stage
+``s`` does, in order. Pure functions build them; :mod:`.simulator` checks and
+times them without processes; :mod:`.executor` merely runs one stage's list.
+
+Actions name a micro-batch ``mb`` and a model ``chunk`` (the rank's virtual
+stage, 0 unless interleaved). Virtual stage ``v = chunk · pp + stage`` (rank
+``v % pp`` holds it); activations flow from ``v`` to ``v + 1``, gradients back.
+Transfers name the ``peer`` *stage* (its index in the pipeline group).
+
+Consecutive transfers form one **batch**, posted together (``batch_isend_irecv``)
+and awaited together: the sends after one computation and the receives
+before the next, e.g. Megatron's ``send_forward_recv_backward``. Batching is
+what makes the steady state of 1F1B free of send/recv ordering deadlocks.
+
+    >>> for a in one_f_one_b(pp=2, m=2)[1]: print(a)
+    RecvActivation(mb=0, chunk=0, peer=0)
+    Forward(mb=0, chunk=0)
+    Backward(mb=0, chunk=0)
+    SendGrad(mb=0, chunk=0, peer=0)
+    RecvActivation(mb=1, chunk=0, peer=0)
+    Forward(mb=1, chunk=0)
+    Backward(mb=1, chunk=0)
+    SendGrad(mb=1, chunk=0, peer=0)
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Iterable
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be built or run; the message names the numbers."""
+
+
+# --------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class Compute:
+    mb: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class Forward(Compute):
+    """Run ``chunk`` forward on micro-batch ``mb``; keep what backward needs."""
+
+
+@dataclass(frozen=True)
+class Backward(Compute):
+    """Backward of ``chunk`` for ``mb`` (input and weight gradients); frees its activations."""
+
+
+@dataclass(frozen=True)
+class P2P:
+    mb: int
+    chunk: int
+    peer: int
+
+
+@dataclass(frozen=True)
+class SendActivation(P2P):
+    """Send the output of (``mb``, ``chunk``) to stage ``peer``."""
+
+
+@dataclass(frozen=True)
+class RecvActivation(P2P):
+    """Receive the input of (``mb``, ``chunk``) from stage ``peer``."""
+
+
+@dataclass(frozen=True)
+class SendGrad(P2P):
+    """Send the gradient w.r.t. the input of (``mb``, ``chunk``) to stage ``peer``."""
+
+
+@dataclass(frozen=True)
+class RecvGrad(P2P):
+    """Receive the gradient w.r.t. the output of (``mb``, ``chunk``) from stage ``peer``."""
+
+
+Action = Compute | P2P
+
+
+# ------------------------------------------------------------------ validation
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_schedule_args(pp: int, m: int, vpp: int = 1, *, name: str = "schedule") -> None:
+    """Refuse sizes a schedule cannot use (pure: call it on every rank before any p2p)."""
+    _positive("pp", pp)
+    _positive("number of micro-batches m", m)
+    _positive("vpp", vpp)
+    if vpp > 1 and m % pp:
+        lo = max(pp, m - m % pp)
+        raise ScheduleError(
+            f"{name}: interleaved 1F1B needs the number of micro-batches to be a multiple of "
+            f"pp; got m={m}, pp={pp} (use m={lo} or {lo + pp}, or vpp=1)"
+        )
+
+
+# ------------------------------------------------------------------- builders
+def _with_p2p(
+    order: list[Compute], stage: int, pp: int, vpp: int, segments: list[int] | None = None
+) -> list[Action]:
+    """Insert the transfers each computation needs.
+
+    ``segments`` cuts ``order`` into consecutive runs (lengths; default: one
+    computation each). Before each run comes one batch: the sends of the
+    previous run, then the receives the run needs. Runs of two (a forward and
+    a backward, Megatron's interleaved steady state) prefetch the backward's
+    gradient together with the forward's input.
+    """
+    last = pp * vpp - 1
+    segments = segments or [1] * len(order)
+    if sum(segments) != len(order):
+        raise ScheduleError(f"segments {segments} do not cover {len(order)} computations")
+    out: list[Action] = []
+    pending_sends: list[P2P] = []
+    start = 0
+    for length in segments:
+        run = order[start:start + length]
+        start += length
+        recvs: list[P2P] = []
+        sends: list[P2P] = []
+        for a in run:
+            v = a.chunk * pp + stage
+            if isinstance(a, Forward) and v > 0:
+                recvs.append(RecvActivation(a.mb, a.chunk, (v - 1) % pp))
+            if isinstance(a, Backward) and v < last:
+                recvs.append(RecvGrad(a.mb, a.chunk, (v + 1) % pp))
+            if isinstance(a, Forward) and v < last:
+                sends.append(SendActivation(a.mb, a.chunk, (v + 1) % pp))
+            if isinstance(a, Backward) and v > 0:
+                sends.append(SendGrad(a.mb, a.chunk, (v - 1) % pp))
+        out += pending_sends + recvs + run
+        pending_sends = sends
+    return out + pending_sends
+
+
+def gpipe(pp: int, m: int) -> list[list[Action]]:
+    """GPipe: every forward, then every backward. Stage memory: all m micro-batches."""
+    check_schedule_args(pp, m, name="gpipe")
+    order = [Forward(i) for i in range(m)] + [Backward(i) for i in range(m)]
+    return [_with_p2p(order, s, pp, 1) for s in range(pp)]
+
+
+def one_f_one_b_order(pp: int, m: int, stage: int) -> list[Compute]:
+    """1F1B computation order of one stage: ``min(pp − stage − 1, m)`` warm-up
+    forwards, then one forward / one backward, then the cool-down backwards."""
+    warmup = min(pp - stage - 1, m)
+    order: list[Compute] = [Forward(i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [Forward(warmup + i), Backward(i)]
+    order += [Backward(i) for i in range(m - warmup, m)]
+    return order
+
+
+def one_f_one_b(pp: int, m: int) -> list[list[Action]]:
+    """1F1B (PipeDream-Flush): stage s holds at most min(pp − s, m) micro-batches."""
+    check_schedule_args(pp, m, name="1f1b")
+    return [_with_p2p(one_f_one_b_order(pp, m, s), s, pp, 1) for s in range(pp)]
+
+
+def _interleaved_unit(k: int, pp: int, vpp: int, forward: bool) -> tuple[int, int]:
+    """(micro-batch, chunk) of the k-th forward (or backward) of a stage (Megatron's order):
+    groups of pp micro-batches sweep chunk 0, 1, ... (backward: the last chunk first)."""
+    group, within = divmod(k, pp * vpp)
+    chunk = within // pp
+    return group * pp + within % pp, chunk if forward else vpp - 1 - chunk
+
+
+def interleaved_1f1b(pp: int, m: int, vpp: int) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B: each rank holds ``vpp`` model chunks, the
+    bubble shrinks ``vpp``-fold. Needs m a multiple of pp. Warm-up of stage s:
+    ``2·(pp − s − 1) + (vpp − 1)·pp`` forwards (all, when that exceeds m·vpp)."""
+    check_schedule_args(pp, m, vpp, name="interleaved_1f1b")
+    total = m * vpp
+    schedule = []
+    for s in range(pp):
+        warmup = min(2 * (pp - s - 1) + (vpp - 1) * pp, total)
+        fwd = [Forward(*_interleaved_unit(k, pp, vpp, True)) for k in range(total)]
+        bwd = [Backward(*_interleaved_unit(k, pp, vpp, False)) for k in range(total)]
+        steady = total - warmup
+        order: list[Compute] = fwd[:warmup]
+        for i in range(steady):
+            order += [fwd[warmup + i], bwd[i]]
+        order += bwd[steady:]
+        # one batch per forward/backward pair in the steady state (see _with_p2p)
+        segments = [1] * warmup + [2] * steady + [1] * warmup
+        schedule.append(_with_p2p(order, s, pp, vpp, segments))
+    return schedule
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action]]:
+    """The schedule called ``name`` (one of :data:`SCHEDULES`; config key ``parallel.pp_schedule``)."""
+    if name == "interleaved":
+        return interleaved_1f1b(pp, m, vpp)
+    if vpp != 1:
+        raise ScheduleError(f"schedule {name!r} runs one chunk per rank; got vpp={vpp} (use 'interleaved')")
+    builders = {"gpipe": gpipe, "1f1b": one_f_one_b}
+    if name not in builders:
+        raise ScheduleError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
+    return builders[name](pp, m)
+
+
+def batches(actions: Iterable[Action]) -> list[Compute | list[P2P]]:
+    """Group one stage's list into computations and batches of consecutive transfers."""
+    out: list[Compute | list[P2P]] = []
+    for a in actions:
+        if isinstance(a, P2P):
+            if out and isinstance(out[-1], list):
+                out[-1].append(a)
+            else:
+                out.append([a])
+        else:
+            out.append(a)
+    return out

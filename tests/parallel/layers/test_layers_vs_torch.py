@@ -1,0 +1,84 @@
+"""Each parallel layer against PyTorch's own single-device op, at tp=2 and without a group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from parallel import comm
+from parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_full_tensor,
+    vocab_parallel_cross_entropy,
+)
+from parallel.testing import run_ranks
+
+
+def _ref(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _load_shard(param, full, group):
+    with torch.no_grad():
+        dim = getattr(param, "tp_shard_dim", None)
+        param.copy_(full if dim is None else comm.split_along(full, dim, group))
+
+
+def _linear_rank():
+    group = dist.new_group([0, 1], group_desc="tp")
+    w1, b1, w2, b2, x = _ref(1, 12, 8), _ref(2, 12), _ref(3, 8, 12), _ref(4, 8), _ref(5, 2, 3, 8)
+    col = ColumnParallelLinear(8, 12, tp_group=group, gather_output=True)
+    row = RowParallelLinear(12, 8, tp_group=group, input_is_parallel=False)
+    for p, full in ((col.weight, w1), (col.bias, b1), (row.weight, w2), (row.bias, b2)):
+        _load_shard(p, full, group)
+    y = row(torch.relu(col(x)))
+    y.square().sum().backward()
+    return y.detach(), [gather_full_tensor(p, group, data=p.grad) for p in (col.weight, col.bias, row.weight, row.bias)]
+
+
+def test_column_then_row_parallel_linear_equal_torch_linear():
+    ps = [_ref(s, *shape).requires_grad_() for s, shape in ((1, (12, 8)), (2, (12,)), (3, (8, 12)), (4, (8,)))]
+    y = F.linear(torch.relu(F.linear(_ref(5, 2, 3, 8), ps[0], ps[1])), ps[2], ps[3])
+    y.square().sum().backward()
+    for out, grads in run_ranks(_linear_rank, 2):
+        torch.testing.assert_close(out, y.detach())
+        for g, p in zip(grads, ps):
+            torch.testing.assert_close(g, p.grad)
+
+
+def _ce_rank(logits, targets, vocab):
+    group = dist.new_group([0, 1], group_desc="tp")
+    local = comm.split_along(logits, -1, group).requires_grad_()
+    emb = VocabParallelEmbedding(logits.shape[-1], 4, tp_group=group, vocab_size=vocab)
+    _load_shard(emb.weight, _ref(9, logits.shape[-1], 4), group)
+    loss = vocab_parallel_cross_entropy(local, targets, group, vocab_size=vocab)
+    loss.sum().backward()
+    return loss.detach(), comm.all_gather_along(local.grad, -1, group), emb(targets.clamp(min=0)).detach()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vocab_parallel_cross_entropy_and_embedding_equal_torch(tp):
+    vocab, padded = 10, 16  # columns 10..15 are padding: they must neither win nor count
+    logits = _ref(6, 3, 5, padded) * 3
+    logits[..., vocab:] = 50.0  # would dominate if they counted
+    targets = torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(8))
+    targets[0, 0] = -100
+    ref_logits = logits[..., :vocab].clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.transpose(1, 2), targets, reduction="none")
+    ref.sum().backward()
+    ref_grad = torch.cat([ref_logits.grad, torch.zeros(3, 5, padded - vocab)], -1)
+    ref_emb = F.embedding(targets.clamp(min=0), _ref(9, padded, 4))
+    if tp == 1:
+        local = logits.clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, targets, vocab_size=vocab)
+        loss.sum().backward()
+        results = [(loss.detach(), local.grad, None)]
+    else:
+        results = run_ranks(_ce_rank, 2, logits, targets, vocab)
+    for loss, grad, emb in results:
+        torch.testing.assert_close(loss, ref)
+        torch.testing.assert_close(grad, ref_grad)
+        if emb is not None:
+            torch.testing.assert_close(emb, ref_emb)

@@ -1,0 +1,133 @@
+"""The executor trains the same model as one process, holds what the simulator says,
+and moves the bytes theory says."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+from parallel.pipeline.executor import PipelineExecutor
+from parallel.pipeline.partition import partition_layers, stage_chunks
+from parallel.pipeline.schedules import ScheduleError, build_schedule
+from parallel.pipeline.simulator import simulate
+from parallel.testing import run_ranks
+
+from .toy import ACTIVATION_SHAPE, Stage, data, loss_fn, make_groups, reference
+
+
+def _pipeline_step(n_layers, pp, m, schedule, vpp=1, tp=1, tied=True, pp_layers=None, count=False):
+    topo, groups = make_groups(pp, tp)
+    stage = topo.coords(dist.get_rank()).pp
+    ranges = partition_layers(n_layers, pp, vpp=vpp, pp_layers=pp_layers)
+    last_v = pp * vpp - 1
+    chunks = [
+        Stage(n_layers, layers, first=(c * pp + stage == 0), last=(c * pp + stage == last_v), tied=tied)
+        for c, layers in enumerate(stage_chunks(ranges, pp, stage))
+    ]
+    actions = build_schedule(schedule, pp, m, vpp)[stage]
+    ex = PipelineExecutor(
+        chunks, actions, pp_group=groups["pp"], activation_shape=ACTIVATION_SHAPE,
+        dtype=torch.float32, loss_fn=loss_fn,
+        tp_group=groups["tp"] if tp > 1 else None,
+        embedding_group=groups.get("embedding") if tied else None,
+    )
+    xs, ys = data(m)
+    counter = comm.CommCounter()
+    with counter:
+        loss = ex.run(xs, ys)
+    grads = {n: p.grad.clone() for c in chunks for n, p in c.named_parameters()}
+    return dict(stage=stage, loss=loss.item(), grads=grads, peak=ex.peak_activations,
+                counter=counter.summary() if count else None)
+
+
+def _sweep(pp, schedule, ms, vpp=1, n_layers=4):
+    return [_pipeline_step(n_layers, pp, m, schedule, vpp) for m in ms]
+
+
+def _assert_matches(results, n_layers, m, tied=True):
+    ref_loss, ref_grads = reference(n_layers, m, tied)
+    seen = set()
+    for r in results:
+        assert r["loss"] == pytest.approx(ref_loss, abs=1e-5)
+        for name, g in r["grads"].items():
+            torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+            seen.add(name)
+    assert seen == set(ref_grads)  # every parameter lives on some stage
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_same_loss_and_gradients_as_one_process_and_simulated_memory(pp, schedule):
+    vpp = 2 if schedule == "interleaved" else 1
+    ms = [4, 8] if schedule == "interleaved" else [1, 4, 8]
+    per_rank = run_ranks(_sweep, pp, pp, schedule, ms, vpp, 8, timeout=60)
+    for i, m in enumerate(ms):
+        results = [rank[i] for rank in per_rank]
+        _assert_matches(results, 8, m)
+        sim = simulate(build_schedule(schedule, pp, m, vpp))
+        assert [r["peak"] for r in results] == sim.peak_activations
+
+
+def test_uneven_and_explicit_splits_untied_head():
+    per_rank = run_ranks(_pipeline_step, 3, 7, 3, 4, "1f1b", tied=False, timeout=60)
+    _assert_matches(per_rank, 7, 4, tied=False)
+    assert [len({n.split(".")[1] for n in r["grads"] if n.startswith("blocks")}) for r in per_rank] == [3, 2, 2]
+    per_rank = run_ranks(_pipeline_step, 2, 5, 2, 4, "1f1b", pp_layers=[1, 4], timeout=60)
+    _assert_matches(per_rank, 5, 4)
+    assert sorted(n for n in per_rank[0]["grads"] if n.startswith("blocks")) == [
+        "blocks.0.linear.bias", "blocks.0.linear.weight"]
+
+
+def test_tensor_parallel_scatter_gather_sends_one_tp_share():
+    # dp=1, pp=2, tp=2: each TP rank runs a full replica of its stage; the activation is
+    # replicated, so each TP rank sends half of it and the receiver all-gathers.
+    m = 4
+    per_rank = run_ranks(_pipeline_step, 4, 4, 2, m, "1f1b", tp=2, count=True, timeout=60)
+    _assert_matches(per_rank, 4, m)
+    full_bytes = torch.Size(ACTIVATION_SHAPE).numel() * 4
+    for r in per_rank:
+        pp_sent = r["counter"]["pp"]["send"]
+        assert pp_sent["calls"] == m  # one activation (stage 0) or one gradient (stage 1) per micro-batch
+        assert pp_sent["payload_bytes"] == m * full_bytes // 2
+        gathered = r["counter"]["tp"]["all_gather"]
+        assert gathered["calls"] == m and gathered["payload_bytes"] == m * full_bytes
+
+
+def _bad_input(case):
+    topo, groups = make_groups(2)
+    stage = topo.coords(dist.get_rank()).pp
+    chunks = [Stage(4, range(2 * stage, 2 * stage + 2), first=stage == 0, last=stage == 1, tied=False)]
+    kwargs = dict(pp_group=groups["pp"], activation_shape=ACTIVATION_SHAPE, dtype=torch.float32, loss_fn=loss_fn)
+    counter = comm.CommCounter()
+    try:
+        with counter:
+            if case == "vpp":
+                partition_layers(6, 2, vpp=2)
+            elif case == "interleaved_m":
+                build_schedule("interleaved", 2, 3, 2)
+            elif case == "pp_gt_layers":
+                partition_layers(3, 4)
+            elif case == "chunks":
+                PipelineExecutor(chunks, build_schedule("interleaved", 2, 2, 2)[stage], **kwargs)
+            elif case == "inputs":
+                xs, ys = data(3)
+                PipelineExecutor(chunks, build_schedule("1f1b", 2, 4)[stage], **kwargs).run(xs, ys)
+    except ValueError as e:
+        return type(e).__name__, str(e), counter.calls("pp")
+    return None
+
+
+@pytest.mark.parametrize("case, words", [
+    ("vpp", ["vpp=2 does not divide", "[3, 3]"]),
+    ("interleaved_m", ["m=3", "pp=2", "m=2 or 4"]),
+    ("pp_gt_layers", ["4", "3 layers"]),
+    ("chunks", ["chunks [1]", "1 chunk"]),
+    ("inputs", ["4 micro-batches", "has 3"]),
+])
+def test_bad_input_fails_on_every_rank_before_any_p2p(case, words):
+    results = run_ranks(_bad_input, 2, case, timeout=30)
+    if case == "inputs":  # only the first stage reads inputs, only the last targets
+        assert [r is not None for r in results] == [True, True]
+    for r in results:
+        assert r is not None and r[2] == 0, r
+        assert all(w in r[1] for w in words), r[1]
