@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from models.config import ModelConfig, ModelConfigError
-from parallel.params import is_shared_embedding, tp_shard_dim
+from parallel.params import is_shared_embedding, tp_shard_dim, wants_weight_decay
 from parallel.plan import (Layout, Plan, PlanError, StageParams, Training, hardware_profile, plan_layout,
                            recommend)
 
@@ -24,17 +24,22 @@ from .config import ConfigError, RecipeConfig, model_config
 GB = 1e9
 
 
-def _count_module(module, tp: int) -> StageParams:
+def _count_module(module, tp: int, *, is_block: bool) -> StageParams:
     numel = replicated = full = tied = shared = 0
+    groups: tuple[list[int], list[int]] = ([], [])  # ZeRO's bucket classes: with / without weight decay
     for p in module.parameters():
         n = p.numel()
         sharded = tp_shard_dim(p) is not None
+        local = n // tp if sharded else n
         full += n
-        numel += n // tp if sharded else n
+        numel += local
         replicated += 0 if sharded else n
         tied += n if hasattr(p, "init_key") else 0  # the head's copy of a tied embedding
-        shared += (n // tp if sharded else n) if is_shared_embedding(p) else 0
-    return StageParams(numel, replicated, full, tied, shared)
+        shared += local if is_shared_embedding(p) else 0
+        groups[int(not wants_weight_decay(p))].append(local)
+    classes = (tuple(groups[0]), tuple(groups[1]))
+    return StageParams(numel, replicated, full, tied, shared, blocks=(classes,) if is_block else (),
+                       root=((), ()) if is_block else classes)
 
 
 def meta_param_counter(cfg: ModelConfig):
@@ -42,7 +47,7 @@ def meta_param_counter(cfg: ModelConfig):
 
     Counts the modules of :func:`models.transformer.build_model` on ``meta``: one
     block (all blocks are alike) times ``len(layers)``, plus the embedding / head
-    part built alone. The model is built at tp=1 with the vocabulary padded as
+    part built alone (ZeRO's units: each block, and the rest). The model is built at tp=1 with the vocabulary padded as
     for ``tp`` (``vocab_multiple · tp``); a parameter marked ``tp_shard_dim``
     holds ``1/tp`` of its elements per rank, others are replicated, exactly as
     the tensor-parallel layers split them.
@@ -58,7 +63,7 @@ def meta_param_counter(cfg: ModelConfig):
         padded = cfg.replace(vocab_multiple=cfg.vocab_multiple * tp)
         stage = build_model(padded, layers=range(0, n_layers), has_embedding=has_embedding, has_head=has_head,
                             device="meta")
-        return _count_module(stage, tp)
+        return _count_module(stage, tp, is_block=n_layers == 1)
 
     def count(layers: range, has_embedding: bool, has_head: bool, tp: int) -> StageParams:
         return part(1, False, False, tp).scaled(len(layers)) + part(0, has_embedding, has_head, tp)

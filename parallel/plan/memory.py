@@ -53,6 +53,9 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # fp32 tensors per paramet
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+Group = tuple[int, ...]  # per-rank element counts of the parameters of one ZeRO bucket class, in order
+
+
 @dataclass(frozen=True)
 class StageParams:
     """Parameters of one pipeline rank (all its chunks), as counted on the real model.
@@ -64,6 +67,11 @@ class StageParams:
     ``full`` that is a second copy of a tied embedding (the head on the last stage);
     ``shared_embedding``: per TP rank, the tied weight whose gradient is all-reduced
     over the embedding group (first and last stage).
+
+    ``blocks`` and ``root`` say how ZeRO packs them (:func:`zero_padded_numel`): per
+    transformer block (a ZeRO unit) and for the rank's other parameters (one more
+    unit), the per-rank sizes of the parameters with and without weight decay, in
+    ``named_parameters`` order. Empty when unknown: the whole rank is padded instead.
     """
 
     numel: int
@@ -71,20 +79,53 @@ class StageParams:
     full: int = 0
     tied_copy: int = 0
     shared_embedding: int = 0
+    blocks: tuple[tuple[Group, Group], ...] = ()
+    root: tuple[Group, Group] = ((), ())
 
     def __add__(self, other: "StageParams") -> "StageParams":
-        return StageParams(*(a + b for a, b in zip(self.astuple(), other.astuple())))
+        counts = (a + b for a, b in zip(self.counts(), other.counts()))
+        root = (self.root[0] + other.root[0], self.root[1] + other.root[1])
+        return StageParams(*counts, blocks=self.blocks + other.blocks, root=root)
 
     def scaled(self, n: int) -> "StageParams":
-        return StageParams(*(a * n for a in self.astuple()))
+        """``n`` copies of a stage made of blocks only (its root must be empty)."""
+        if any(self.root):
+            raise ValueError("scaled() repeats blocks; this StageParams has parameters outside blocks")
+        return StageParams(*(a * n for a in self.counts()), blocks=self.blocks * n)
 
-    def astuple(self) -> tuple[int, ...]:
+    def counts(self) -> tuple[int, ...]:
         return (self.numel, self.replicated, self.full, self.tied_copy, self.shared_embedding)
 
 
 def padded(numel: int, dp: int) -> int:
     """``numel`` rounded up to a multiple of ``dp`` (ZeRO's equal shards)."""
     return -(-numel // dp) * dp
+
+
+def _bucket_sizes(group: Group, bucket_elems: float) -> list[int]:
+    sizes, current = [], 0
+    for n in group:
+        if current and current + n > bucket_elems:
+            sizes.append(current)
+            current = 0
+        current += n
+    return sizes + ([current] if current else [])
+
+
+def zero_padded_numel(params: StageParams, dp: int, bucket_bytes: float, element_size: int) -> int:
+    """Elements of ZeRO's flat buffers on this rank, padding included.
+
+    ZeRO (``parallel.zero.layout.plan_buckets``) packs each unit's parameters of one
+    weight-decay class, in order, into buckets of at most ``bucket_bytes`` (a larger
+    parameter gets its own) and pads every bucket to a multiple of ``dp``.
+    """
+    if not params.blocks and not any(params.root):
+        return padded(params.numel, dp)
+    total = 0
+    for unit in params.blocks + (params.root,):
+        for group in unit:
+            total += sum(padded(n, dp) for n in _bucket_sizes(group, bucket_bytes / element_size))
+    return total
 
 
 def optimizer_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:
@@ -97,7 +138,8 @@ def optimizer_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:
 def model_state_bytes(psi: int, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw") -> dict:
     """Parameters, gradients, optimizer state one rank holds between steps (module table).
 
-    ``psi`` is this rank's parameter count; it is padded to a multiple of ``dp`` first.
+    ``psi`` is this rank's parameter count; it is padded to a multiple of ``dp`` first
+    (pass :func:`zero_padded_numel` for ZeRO's per-bucket padding).
     """
     if zero not in ZERO_STAGES:
         raise PlanError(f"ZeRO stage {zero!r} not in {ZERO_STAGES}")

@@ -246,11 +246,11 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one, exact=exact)
     ranks, dp_exposed = [], 0.0
     for s, (chunks, params, tp_axis, fwd, bwd, acts, flops_s) in enumerate(stage_info):
-        states = M.model_state_bytes(params.numel, L.zero, dp, training.precision, training.optimizer)
+        psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e)
+        states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer)
         if sp and t > 1 and params.replicated:
             tp_axis.add("all_reduce", params.replicated * c, 1, hw, "sequence-parallel parameter gradients")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
-        psi = M.padded(params.numel, dp)
         dp_times = dp_traffic(hw, dp_axis, psi=psi, zero=L.zero, micro_batches=m, param_bytes=e, comm_bytes=c,
                               compression=training.compression, topk_ratio=training.topk_ratio)
         dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap))

@@ -51,6 +51,8 @@ def test_per_rank_counts_sum_to_the_total(name):
             assert total == expected, (tp, pp, vpp)
             for s in stages:  # the shard plus the replicated parameters rebuild the stage
                 assert (s.numel - s.replicated) * tp + s.replicated == s.full
+                zero_groups = [g for unit in s.blocks + (s.root,) for g in unit]
+                assert sum(map(sum, zero_groups)) == s.numel  # ZeRO's bucket classes hold every parameter
             checked += 1
     assert checked >= 12
 

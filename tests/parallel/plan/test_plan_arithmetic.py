@@ -93,3 +93,16 @@ def test_profiles_custom_and_errors():
         hardware_profile("lab", {"lab": dict(peak_tflops_16=1)})
     with pytest.raises(PlanError, match="efficiency"):
         hardware_profile("cpu", efficiency=1.5)
+
+
+def test_zero_padding_per_bucket():
+    from parallel.plan.memory import StageParams, zero_padded_numel
+
+    block = ((10, 3, 5), (2,))  # weight-decay class packs as [10], [3, 5] under 12-element buckets
+    p = StageParams(20, blocks=(block, block), root=((7,), (1, 1)))
+    assert zero_padded_numel(p, 1, 12 * 4, 4) == 2 * 20 + 9  # dp=1: nothing added
+    # dp=4 per block: [10]→12, [8]→8, [2]→4; root: [7]→8, [2]→4
+    assert zero_padded_numel(p, 4, 12 * 4, 4) == 2 * (12 + 8 + 4) + 8 + 4
+    # a parameter larger than a bucket gets its own; without groups the whole rank is padded
+    assert zero_padded_numel(StageParams(5, root=((30, 1), ())), 4, 8, 4) == 32 + 4
+    assert zero_padded_numel(StageParams(10), 4, 8, 4) == 12
