@@ -15,6 +15,7 @@ traffic is then added where backward cannot hide it (:func:`_exposed_dp_time`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Callable
@@ -214,28 +215,15 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
     sp, ckpt, mb = L.sequence_parallel, training.checkpointing, training.micro_batch
     ranges = layer_partition(shape, pp, vpp, L.pp_layers)
     peak_flops = hw.peak_flops(training.precision) * hw.efficiency
-    tokens = mb * shape.seq_len
     gpn = hw.gpus_per_node
-    stage_info = []
+    stage_info, alike = [], {}  # stages with the same chunk shapes share their numbers
     for s in range(pp):
         chunks = [(v, ranges[v]) for v in range(s, pp * vpp, pp)]
-        params = M.StageParams(0)
-        tp_axis = AxisTraffic(t, group_crosses_node(1, t, gpn))
-        fwd = bwd = flops_s = 0.0
-        acts = []
-        for v, r in chunks:
-            first, last = _stage_flags(v, pp * vpp)
-            params = params + count_params(r, first, last, t)
-            f = forward_flops(shape, tokens, len(r), last, t)
-            rc = recompute_flops(shape, tokens, len(r), ckpt, t)
-            tf, tb = _tp_times(shape, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last,
-                               mb=mb, m=m, e=e, sp=sp, ckpt=ckpt)
-            fwd += f / peak_flops + tf
-            bwd += (2 * f + rc) / peak_flops + tb
-            flops_s += (3 * f + rc) / peak_flops
-            acts.append(M.stage_activation_bytes(shape, mb, len(r), has_embedding=first, has_head=last, tp=t,
-                                                 sequence_parallel=sp, checkpointing=ckpt,
-                                                 precision=training.precision))
+        key = tuple((len(r),) + _stage_flags(v, pp * vpp) for v, r in chunks)
+        if key not in alike:
+            alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops)
+        params, tp_axis, fwd, bwd, acts, flops_s = alike[key]
+        tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
         stage_info.append((chunks, params, tp_axis, fwd, bwd, acts, flops_s))
     # the slowest stage paces the pipeline; p2p of one activation between stages
     p2p_axis_proto = AxisTraffic(pp, group_crosses_node(t * dp, pp, gpn))
@@ -266,7 +254,7 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
         mem = {**{k: float(v) for k, v in states.items() if k != "total"}, "model_states": float(states["total"]),
                "activations": activations, "buffers": buffers}
         mem["total"] = mem["model_states"] + activations + buffers
-        traffic = {name: asdict(a) for name, a in
+        traffic = {name: a.as_dict() for name, a in
                    (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis))}
         ranks.append(RankClass(stage=s, layers=[(r.start, r.stop) for _, r in chunks], params=params, memory=mem,
                                in_flight=in_flight, activation_per_microbatch=sum(acts), forward_s=fwd,
@@ -291,6 +279,32 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
 
     plan.advice = advise(plan, shape, hw)
     return plan
+
+
+def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
+    """Parameters, TP traffic, per-micro-batch forward/backward seconds, activations per
+    chunk and the step's compute seconds of a rank holding ``chunks``."""
+    t, sp, ckpt, mb = L.tp, L.sequence_parallel, training.checkpointing, training.micro_batch
+    e = M.PRECISION_BYTES[training.precision]
+    tokens = mb * shape.seq_len
+    params = M.StageParams(0)
+    tp_axis = AxisTraffic(t, group_crosses_node(1, t, hw.gpus_per_node))
+    fwd = bwd = flops_s = 0.0
+    acts = []
+    for v, r in chunks:
+        first, last = _stage_flags(v, L.pp * L.vpp)
+        params = params + count_params(r, first, last, t)
+        f = forward_flops(shape, tokens, len(r), last, t)
+        rc = recompute_flops(shape, tokens, len(r), ckpt, t)
+        tf, tb = _tp_times(shape, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last,
+                           mb=mb, m=m, e=e, sp=sp, ckpt=ckpt)
+        fwd += f / peak_flops + tf
+        bwd += (2 * f + rc) / peak_flops + tb
+        flops_s += (3 * f + rc) / peak_flops
+        acts.append(M.stage_activation_bytes(shape, mb, len(r), has_embedding=first, has_head=last, tp=t,
+                                             sequence_parallel=sp, checkpointing=ckpt,
+                                             precision=training.precision))
+    return params, tp_axis, fwd, bwd, acts, flops_s
 
 
 def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) -> float:

@@ -35,6 +35,10 @@ class AxisTraffic:
     time_s: float = 0.0
     items: list[str] = field(default_factory=list)
 
+    def as_dict(self) -> dict:
+        return {"group_size": self.group_size, "crosses_node": self.crosses_node, "bytes": self.bytes,
+                "time_s": self.time_s, "items": list(self.items)}
+
     def add(self, kind: str, payload: float, count: float, hw: Hardware, what: str) -> float:
         """Account ``count`` collectives of ``kind`` on ``payload`` bytes; returns one's time."""
         n = self.group_size
