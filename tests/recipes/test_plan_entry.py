@@ -72,3 +72,11 @@ def test_command_line_multirun_gathers_one_table(tmp_path):
     assert "sweep summary" in res.stdout
     assert "parallel.tp=1" in res.stdout and "parallel.tp=2" in res.stdout and "tokens_per_s=" in res.stdout
     assert len(list(tmp_path.glob("*/plan.json"))) == 2
+
+
+def test_plain_table_without_rich(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # import fails: plain text
+    run_plan(scenario_config(["model.preset=gpt_tiny", "parallel.pp=2", "plan.hardware=cpu"]), str(tmp_path))
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "params/rank" in line)
+    assert "stage" in header and "┃" not in out and "total GB" in header
