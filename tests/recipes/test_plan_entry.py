@@ -80,3 +80,14 @@ def test_plain_table_without_rich(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if "params/rank" in line)
     assert "stage" in header and "┃" not in out and "total GB" in header
+
+
+def test_user_hardware_profile_from_config(tmp_path):
+    lab = {"peak_tflops_16": 100.0, "peak_tflops_32": 10.0, "memory_bytes": 1e6, "intra_node_gbps": 32.0,
+           "inter_node_gbps": 3.0, "gpus_per_node": 2}
+    rc = scenario_config(["model.preset=gpt_tiny", "plan.hardware=lab", "parallel.tp=4"]
+                         + [f"plan.profiles.lab.{k}={v}" for k, v in lab.items()])
+    summary = run_plan(rc, str(tmp_path))
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["hardware"]["name"] == "lab" and summary["fits"] is False  # 1 MB of memory
+    assert plan["ranks"][0]["traffic"]["tp"]["crosses_node"]  # tp=4 over 2-device nodes
