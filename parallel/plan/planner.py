@@ -23,9 +23,10 @@ from typing import Callable
 from ..pipeline.schedules import build_schedule
 from ..pipeline.simulator import simulate
 from . import memory as M
+from .advice import advise
 from .hardware import Hardware, PlanError
 from .shape import ModelShape, forward_flops, layer_partition, model_flops_per_token, recompute_flops
-from .traffic import AxisTraffic, dp_traffic, group_crosses_node
+from .traffic import AxisTraffic, dp_traffic, group_crosses_node, topk_kept, tp_traffic
 
 #: ``count(layers, has_embedding, has_head, tp)`` → the parameters of that chunk on one TP rank
 ParamCounter = Callable[[range, bool, bool, int], M.StageParams]
@@ -177,33 +178,6 @@ def _stage_flags(v: int, n_virtual: int) -> tuple[bool, bool]:
     return v == 0, v == n_virtual - 1
 
 
-def _tp_times(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt):
-    """TP collectives of a chunk: seconds per micro-batch (forward, backward); ``axis``
-    accumulates the bytes of all ``m`` micro-batches. Per block: two all-reduces of the
-    ``[b, s, d]`` activation forward and two backward (sequence parallel: each an
-    all-gather + a reduce-scatter, the same bytes), two more when recomputed."""
-    act = e * mb * shape.seq_len * shape.d_model
-
-    def op(kind, count, what, payload=act):
-        return count * axis.add(kind, payload, count * m, hw, what) if count else 0.0
-
-    def pair(count, what):
-        if sp:
-            return op("all_gather", count, what + " (all-gather)") + op("reduce_scatter", count, what + " (reduce-scatter)")
-        return op("all_reduce", count, what)
-
-    fwd = pair(2 * n_layers, "block forward")
-    bwd = pair(2 * n_layers, "block backward") + (pair(2 * n_layers, "block recomputation") if ckpt == "full" else 0.0)
-    if has_embedding:
-        fwd += op("reduce_scatter" if sp else "all_reduce", 1, "embedding forward")
-        bwd += op("all_gather", 1, "embedding backward") if sp else 0.0
-    if has_head:
-        fwd += op("all_gather", 1, "head forward") if sp else 0.0
-        bwd += op("reduce_scatter" if sp else "all_reduce", 1, "head input gradient")
-        fwd += op("all_reduce", 1, "cross-entropy max and sums", 12 * mb * shape.seq_len)
-    return fwd, bwd
-
-
 def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_params: ParamCounter,
                 *, world_size: int | None = None, exact: bool = True) -> Plan:
     """The per-rank-class memory, traffic and time of ``layout`` (module docstring)."""
@@ -250,7 +224,7 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
         in_flight = peaks[s]
         activations = in_flight * max(acts) + M.recompute_peak_bytes(
             shape, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision)
-        buffers = _buffer_bytes(shape, L, training, params, count_params, act_msg, e, c)
+        buffers = _buffer_bytes(L, training, params, count_params, act_msg, e, c)
         mem = {**{k: float(v) for k, v in states.items() if k != "total"}, "model_states": float(states["total"]),
                "activations": activations, "buffers": buffers}
         mem["total"] = mem["model_states"] + activations + buffers
@@ -258,7 +232,8 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
                    (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis))}
         ranks.append(RankClass(stage=s, layers=[(r.start, r.stop) for _, r in chunks], params=params, memory=mem,
                                in_flight=in_flight, activation_per_microbatch=sum(acts), forward_s=fwd,
-                               backward_s=bwd, compute_s=m * flops_s, traffic=traffic, fits=mem["total"] <= hw.memory_bytes))
+                               backward_s=bwd, compute_s=m * flops_s, traffic=traffic,
+                               fits=mem["total"] <= hw.memory_bytes))
     emb_time = max(r.traffic["embedding"]["time_s"] for r in ranks)
     step_time = makespan + dp_exposed + emb_time
     compute = max(r.compute_s for r in ranks)
@@ -275,8 +250,6 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
     }
     plan = Plan(model=asdict(shape), layout=asdict(layout), training=asdict(training), hardware=asdict(hw),
                 grad_accum=m, ranks=ranks, step=step)
-    from .advice import advise
-
     plan.advice = advise(plan, shape, hw)
     return plan
 
@@ -296,7 +269,7 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
         params = params + count_params(r, first, last, t)
         f = forward_flops(shape, tokens, len(r), last, t)
         rc = recompute_flops(shape, tokens, len(r), ckpt, t)
-        tf, tb = _tp_times(shape, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last,
+        tf, tb = tp_traffic(shape, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last,
                            mb=mb, m=m, e=e, sp=sp, ckpt=ckpt)
         fwd += f / peak_flops + tf
         bwd += (2 * f + rc) / peak_flops + tb
@@ -317,7 +290,7 @@ def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) ->
     return m * per_mb + max(0.0, dp["grad_per_step"] - bwd) + dp["param_after_step"]
 
 
-def _buffer_bytes(shape, L: Layout, tr: Training, params: M.StageParams, count, act_msg, e, c) -> float:
+def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg, e, c) -> float:
     """Communication buffers: a bucket in flight (two with overlap), stage 3's gathered blocks
     (current + prefetched), Top-K's fp32 residual and gathered values, four p2p messages."""
     bucket = tr.bucket_mb * 2**20 * (2 if tr.overlap else 1)
@@ -327,8 +300,6 @@ def _buffer_bytes(shape, L: Layout, tr: Training, params: M.StageParams, count, 
     if L.zero == 3 and L.dp > 1:
         total += 2 * e * count(range(0, 1), False, False, L.tp).numel
     if tr.compression == "topk":
-        from .traffic import topk_kept
-
         total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + 4)
     if L.pp > 1:
         total += 4 * act_msg

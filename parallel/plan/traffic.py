@@ -90,3 +90,39 @@ def dp_traffic(hw: Hardware, axis: AxisTraffic, *, psi: int, zero: int, micro_ba
         out["param_per_mb"] = axis.add("all_gather", psi * param_bytes, 2 * m, hw,
                                        "parameters before forward and backward")
     return out
+
+
+def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt):
+    """TP collectives of a chunk: seconds per micro-batch (forward, backward); ``axis``
+    accumulates the bytes of all ``m`` micro-batches. Per block: two all-reduces of the
+    ``[b, s, d]`` activation forward and two backward (sequence parallel: each an
+    all-gather + a reduce-scatter, the same bytes); full recomputation redoes all but
+    the last (one all-reduce, or two all-gathers and a reduce-scatter, per block)."""
+    act = e * mb * shape.seq_len * shape.d_model
+
+    def op(kind, count, what, payload=act):
+        return count * axis.add(kind, payload, count * m, hw, what) if count else 0.0
+
+    def pair(count, what):
+        if sp:
+            return (op("all_gather", count, what + " (all-gather)")
+                    + op("reduce_scatter", count, what + " (reduce-scatter)"))
+        return op("all_reduce", count, what)
+
+    fwd = pair(2 * n_layers, "block forward")
+    bwd = pair(2 * n_layers, "block backward")
+    if ckpt == "full":  # recomputation stops early (torch's non-reentrant checkpoint): the block's last
+        # collective, the MLP's output reduction, is not redone
+        if sp:
+            bwd += op("all_gather", 2 * n_layers, "recomputation (all-gather)")
+            bwd += op("reduce_scatter", n_layers, "recomputation (reduce-scatter)")
+        else:
+            bwd += op("all_reduce", n_layers, "recomputation (attention output)")
+    if has_embedding:
+        fwd += op("reduce_scatter" if sp else "all_reduce", 1, "embedding forward")
+        bwd += op("all_gather", 1, "embedding backward") if sp else 0.0
+    if has_head:
+        fwd += op("all_gather", 1, "head forward") if sp else 0.0
+        bwd += op("reduce_scatter" if sp else "all_reduce", 1, "head input gradient")
+        fwd += op("all_reduce", 1, "cross-entropy max and sums", 12 * mb * shape.seq_len)
+    return fwd, bwd

