@@ -192,11 +192,11 @@ def run_plan(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
                  f"{p.peak_memory / GB:.1f}", f"{p.step['step_time_s']:.3f}", f"{p.step['tokens_per_s']:,.0f}",
                  f"{p.step['mfu']:.1%}", f"{p.step['bubble_fraction']:.1%}"] for i, p in enumerate(plans)]
         print_table(f"best layouts for {rc.model.preset}", header, rows, plan_footer(plans[0]))
-        (out / "plan.json").write_text(json.dumps([p.to_dict() for p in plans], indent=1))
+        (out / "plan.json").write_text(json.dumps([p.to_dict() for p in plans], indent=1, allow_nan=False))
         return {**summary(plans[0]), "micro_batch": plans[0].training["micro_batch"],
                 "checkpointing": plans[0].training["checkpointing"]}
     plan = plan_from_config(rc)
     header, rows = plan_rows(plan)
     print_table(f"plan for {rc.model.preset}", header, rows, plan_footer(plan))
-    (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+    (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1, allow_nan=False))
     return summary(plan)

@@ -101,9 +101,19 @@ class Plan:
         return max(r.memory["total"] for r in self.ranks)
 
     def to_dict(self) -> dict:
+        """Plain JSON-able data (infinite ratios, e.g. compute/communication with no
+        communication, become ``None``)."""
         d = asdict(self)
         d["fits"], d["peak_memory_bytes"] = self.fits, self.peak_memory
-        return d
+        return _finite(d)
+
+
+def _finite(x):
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return None if isinstance(x, float) and x in (float("inf"), float("-inf")) else x
 
 
 def _positive(name: str, v) -> int:

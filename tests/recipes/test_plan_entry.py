@@ -91,3 +91,10 @@ def test_user_hardware_profile_from_config(tmp_path):
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["hardware"]["name"] == "lab" and summary["fits"] is False  # 1 MB of memory
     assert plan["ranks"][0]["traffic"]["tp"]["crosses_node"]  # tp=4 over 2-device nodes
+
+
+def test_one_device_plan_is_strict_json(tmp_path):
+    summary = run_plan(scenario_config(["model.preset=gpt_tiny", "plan.hardware=cpu"]), str(tmp_path))
+    plan = json.loads((tmp_path / "plan.json").read_text())  # written with allow_nan=False
+    assert plan["step"]["comm_s"] == 0 and plan["step"]["compute_comm_ratio"] is None
+    assert summary["fits"] is True
