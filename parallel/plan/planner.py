@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from ..pipeline.schedules import build_schedule
+from ..pipeline.schedules import ScheduleError, build_schedule
 from ..pipeline.simulator import simulate
 from . import memory as M
 from .advice import advise
@@ -140,6 +140,11 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
         raise PlanError(f"zero={layout.zero!r} not in {M.ZERO_STAGES}")
     if layout.schedule not in SCHEDULES:
         raise PlanError(f"pipeline schedule {layout.schedule!r} not in {SCHEDULES}")
+    if (layout.vpp > 1) != (layout.schedule == "interleaved"):
+        raise PlanError(f"vpp={layout.vpp} with schedule {layout.schedule!r}: virtual stages (vpp ≥ 2) go with "
+                        f"the interleaved schedule and only with it")
+    if shape.arch not in ("gpt", "llama"):
+        raise PlanError(f"arch {shape.arch!r} not in ('gpt', 'llama')")
     if training.checkpointing not in CHECKPOINTING:
         raise PlanError(f"activation checkpointing {training.checkpointing!r} not in {CHECKPOINTING}")
     if training.precision not in M.PRECISION_BYTES:
@@ -156,7 +161,12 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
         lo = max(1, training.global_batch // per_step) * per_step
         raise PlanError(f"global_batch {training.global_batch} is not a multiple of micro_batch "
                         f"{training.micro_batch} × dp {layout.dp} = {per_step}; use {lo} or {lo + per_step}")
-    return training.global_batch // per_step
+    m = training.global_batch // per_step
+    if layout.schedule == "interleaved" and m % layout.pp:
+        raise PlanError(f"the interleaved schedule needs the micro-batches per step ({m} = global_batch "
+                        f"{training.global_batch} / (micro_batch {training.micro_batch} × dp {layout.dp})) to be a "
+                        f"multiple of pp {layout.pp}")
+    return m
 
 
 @lru_cache(maxsize=4096)
@@ -177,7 +187,10 @@ def pipeline_time(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: flo
     if fwd <= 0:
         raise PlanError(f"forward time must be positive, got {fwd}")
     if exact or schedule == "interleaved":
-        span, bubble, peaks = _simulate(schedule, pp, m, vpp, round(bwd / fwd, 3), round(p2p / fwd, 3))
+        try:
+            span, bubble, peaks = _simulate(schedule, pp, m, vpp, round(bwd / fwd, 3), round(p2p / fwd, 3))
+        except ScheduleError as e:
+            raise PlanError(str(e)) from None
         return span * fwd, bubble, peaks
     span = (m + pp - 1) * (fwd + bwd) + (2 * (pp - 1) + m - 1) * p2p
     peaks = tuple(m if schedule == "gpipe" else min(pp - s, m) for s in range(pp))

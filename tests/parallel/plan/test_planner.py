@@ -104,8 +104,21 @@ def test_bad_input_names_the_numbers():
         check(SHAPE, Layout(dp=3), tr)
     with pytest.raises(PlanError, match="zero=5"):
         check(SHAPE, Layout(zero=5), tr)
+    with pytest.raises(PlanError, match="vpp=2 with schedule '1f1b'"):
+        check(SHAPE, Layout(pp=2, vpp=2), tr)
+    with pytest.raises(PlanError, match=r"micro-batches per step \(8 = .*\) to be a multiple of pp 3"):
+        check(SHAPE, Layout(pp=3, vpp=2, schedule="interleaved", pp_layers=None), tr)
     with pytest.raises(PlanError, match="Top-K compression needs zero=0"):
         check(SHAPE, Layout(dp=2, zero=2), dataclasses.replace(tr, compression="topk"))
+
+
+def test_interleaving_shrinks_the_bubble():
+    slow = dataclasses.replace(HW, peak_tflops_16=1e-3)  # compute-bound, not p2p-latency-bound
+    plain = plan_layout(SHAPE, Layout(pp=2), Training(16, 2), slow, count)
+    inter = plan_layout(SHAPE, Layout(pp=2, vpp=2, schedule="interleaved"), Training(16, 2), slow, count)
+    assert plain.step["bubble_fraction"] == pytest.approx(1 / 9, rel=0.01)  # (pp-1)/(m+pp-1)
+    assert inter.step["bubble_fraction"] < plain.step["bubble_fraction"]
+    assert [len(r.layers) for r in inter.ranks] == [2, 2]
 
 
 def test_advice_when_activations_dominate():
