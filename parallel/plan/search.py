@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from .hardware import Hardware, PlanError
-from .planner import Layout, ParamCounter, Plan, Training, plan_layout
+from .inputs import Layout, Training
+from .planner import ParamCounter, Plan, plan_layout
 from .shape import ModelShape
 
 
