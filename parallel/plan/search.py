@@ -43,7 +43,7 @@ def candidate_layouts(shape: ModelShape, world_size: int, hw: Hardware, zeros=(0
 def recommend(shape, world_size: int, training: Training, hw: Hardware, count_params: ParamCounter, *,
               top: int = 5, micro_batches=(1, 2, 4, 8), checkpointing=("none", "selective", "full"),
               zeros=(0, 1, 2, 3)) -> list[Plan]:
-    """The ``top`` fitting plans, fastest first (``training.micro_batch`` and
+    """The ``top`` fitting plans, fastest first, the leaner of equally fast ones first (``training.micro_batch`` and
     ``checkpointing`` are searched; the global batch and the rest are kept)."""
     shape = ModelShape.of(shape)
     if world_size < 1:
@@ -68,5 +68,5 @@ def recommend(shape, world_size: int, training: Training, hw: Hardware, count_pa
     rough.sort(key=lambda x: -x[0])
     exact = [plan_layout(shape, lay, tr, hw, count_params) for _, lay, tr in rough[: 3 * top]]
     exact = [p for p in exact if p.fits]
-    exact.sort(key=lambda p: -p.step["tokens_per_s"])
+    exact.sort(key=lambda p: (-round(p.step["tokens_per_s"], 6), p.peak_memory))  # ties: less memory first
     return exact[:top]
