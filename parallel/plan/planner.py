@@ -151,8 +151,10 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
         if sp and t > 1 and params.replicated:
             tp_axis.add("all_reduce", params.replicated * c, 1, hw, "sequence-parallel parameter gradients")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
+        root_psi = M.zero_padded_numel(M.StageParams(0, root=params.root), dp, training.bucket_mb * 2**20, e)
         dp_times = dp_traffic(hw, dp_axis, psi=psi, zero=L.zero, micro_batches=m, param_bytes=e, comm_bytes=c,
-                              compression=training.compression, topk_ratio=training.topk_ratio)
+                              compression=training.compression, topk_ratio=training.topk_ratio,
+                              regathered_psi=psi - root_psi)
         dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap))
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
@@ -223,8 +225,9 @@ def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) ->
     stages 2–3 during every backward (stage 3's gathers are prefetched behind compute); the
     all-gather of updated parameters (stages 1–2) follows the optimizer step."""
     if not overlap:
-        return m * (dp["grad_per_mb"] + dp["param_per_mb"]) + dp["grad_per_step"] + dp["param_after_step"]
-    per_mb = max(0.0, dp["grad_per_mb"] + dp["param_per_mb"] / 2 - bwd) + max(0.0, dp["param_per_mb"] / 2 - fwd)
+        per_mb = dp["grad_per_mb"] + dp["param_fwd_per_mb"] + dp["param_bwd_per_mb"]
+        return m * per_mb + dp["grad_per_step"] + dp["param_after_step"]
+    per_mb = max(0.0, dp["grad_per_mb"] + dp["param_bwd_per_mb"] - bwd) + max(0.0, dp["param_fwd_per_mb"] - fwd)
     return m * per_mb + max(0.0, dp["grad_per_step"] - bwd) + dp["param_after_step"]
 
 

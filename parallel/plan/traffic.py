@@ -62,18 +62,22 @@ def topk_kept(numel: int, ratio: float) -> int:
 
 
 def dp_traffic(hw: Hardware, axis: AxisTraffic, *, psi: int, zero: int, micro_batches: int, param_bytes: int,
-               comm_bytes: int, compression: str = "none", topk_ratio: float = 1.0) -> dict[str, float]:
+               comm_bytes: int, compression: str = "none", topk_ratio: float = 1.0,
+               regathered_psi: int | None = None) -> dict[str, float]:
     """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
 
     Stages 0–1 reduce gradients once per step (accumulated locally); stages 2–3
     reduce-scatter every micro-batch (keeping full gradients would undo them) and
-    stage 3 all-gathers the parameters before every forward and backward. Top-K
+    stage 3 all-gathers the parameters before every forward, and those inside units
+    (``regathered_psi``, default all: the blocks) again before every backward. Top-K
     (stage 0) all-gathers ``k`` values + int32 indices per rank instead of the
-    all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Returns the time of each kind of work
-    (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_per_mb``).
+    all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Returns the seconds of one of each kind
+    (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
+    ``param_bwd_per_mb``).
     """
     m, n = micro_batches, axis.group_size
-    out = {"grad_per_mb": 0.0, "grad_per_step": 0.0, "param_after_step": 0.0, "param_per_mb": 0.0}
+    out = dict.fromkeys(("grad_per_mb", "grad_per_step", "param_after_step", "param_fwd_per_mb",
+                         "param_bwd_per_mb"), 0.0)
     if zero == 0 and compression == "topk":
         k = topk_kept(psi, topk_ratio)
         one = axis.add("all_gather", n * k * (comm_bytes + 4), 1, hw, "Top-K gradients (values + int32 indices)")
@@ -87,8 +91,10 @@ def dp_traffic(hw: Hardware, axis: AxisTraffic, *, psi: int, zero: int, micro_ba
     if zero in (1, 2):
         out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters")
     if zero == 3:
-        out["param_per_mb"] = axis.add("all_gather", psi * param_bytes, 2 * m, hw,
-                                       "parameters before forward and backward")
+        again = psi if regathered_psi is None else regathered_psi
+        out["param_fwd_per_mb"] = axis.add("all_gather", psi * param_bytes, m, hw, "parameters before forward")
+        out["param_bwd_per_mb"] = axis.add("all_gather", again * param_bytes, m, hw,
+                                           "block parameters before backward")
     return out
 
 
