@@ -1,0 +1,1 @@
+"""Hydra configs of the recipes (one YAML per recipe; base.yaml is shared)."""

@@ -96,7 +96,6 @@ def _pipeline_bytes(rc, pp):
 
 
 def test_pipeline_and_tied_embedding_bytes_match_a_run():
-    # pp=2: build_groups cannot yet give middle stages (no embedding group) their groups
     rc = scenario_config(["model.preset=gpt_tiny", "model.d_model=64", "model.seq_len=16", "parallel.pp=2",
                           "train.precision=fp32", "train.micro_batch=2", "train.global_batch=8", "plan.hardware=cpu"])
     plan = plan_from_config(rc)
