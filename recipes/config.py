@@ -12,7 +12,7 @@ everywhere, never a hang.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from models.config import PRESETS, ModelConfig
 
@@ -121,6 +121,23 @@ def model_config(section: Any) -> ModelConfig:
     return PRESETS[section.preset].replace(**{k: v for k, v in changes.items() if v is not None})
 
 
+# --- planner keys (added by the planner branch; see docs/planner.md) -------------
+@dataclass
+class PlanSection:
+    """``plan.*`` keys for ``mode=plan`` / ``mode=recommend``; None keeps the profile's value."""
+
+    hardware: str = "a100_80gb"  # a100_80gb | h100_80gb | h200 | cpu | a name under profiles
+    world_size: Optional[int] = None  # devices: resolves dp=auto (plan) / the count to search (recommend)
+    top: int = 5  # recommend: layouts shown
+    gpus_per_node: Optional[int] = None
+    intra_node_gbps: Optional[float] = None  # GB/s per device per direction
+    inter_node_gbps: Optional[float] = None  # e.g. 12.5 for 100 Gb/s Ethernet
+    efficiency: Optional[float] = None  # achieved / peak FLOP/s
+    memory_gb: Optional[float] = None
+    profiles: Dict[str, Any] = field(default_factory=dict)  # user hardware: name -> Hardware fields
+# -------------------------------------------------------------------------------
+
+
 @dataclass
 class RecipeConfig:
     mode: str = "train"  # train | plan | recommend
@@ -132,6 +149,7 @@ class RecipeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     deepspeed: Optional[str] = None  # path to a DeepSpeed-style JSON mapped onto this config
+    plan: PlanSection = field(default_factory=PlanSection)  # planner keys (mode=plan / recommend)
 
 
 CHOICES = {

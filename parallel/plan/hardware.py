@@ -1,0 +1,100 @@
+"""Hardware profiles: what one device computes, holds and moves per second.
+
+A :class:`Hardware` is plain numbers; :data:`PROFILES` names the usual ones and
+:func:`hardware_profile` looks one up, optionally changed (``inter_node_gbps=12.5``
+for a 100 Gb/s Ethernet cluster) or defined from scratch by the user's config.
+
+Conventions: FLOP/s are dense (no 2:4 sparsity) tensor-core peaks; memory is in
+bytes (GiB for the "80GB" parts, as ``nvidia-smi`` reports 81,920 MiB);
+bandwidths are GB/s (10⁹ B/s) *per device and per direction*, the rate one rank
+sends at in a ring: NVLink inside a node, the device's share of the network
+(InfiniBand or Ethernet) between nodes. ``efficiency`` is the fraction of peak
+that large matmuls reach in practice (it scales compute time only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GiB = 2**30
+
+
+class PlanError(ValueError):
+    """Input the planner cannot use; the message names the numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops_16: float  # bf16 / fp16 dense tensor-core peak
+    peak_tflops_32: float  # fp32 (what an fp32 run gets)
+    memory_bytes: float
+    intra_node_gbps: float  # GB/s per device per direction (NVLink / shared memory)
+    inter_node_gbps: float  # GB/s per device per direction (InfiniBand / Ethernet)
+    gpus_per_node: int = 8
+    efficiency: float = 0.5  # achieved / peak for the model's matmuls
+    latency_us: float = 5.0  # per ring step of a collective or per p2p message
+
+    def __post_init__(self):
+        for name in ("peak_tflops_16", "peak_tflops_32", "memory_bytes", "intra_node_gbps", "inter_node_gbps"):
+            if not getattr(self, name) > 0:
+                raise PlanError(f"hardware {self.name!r}: {name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.efficiency <= 1:
+            raise PlanError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise PlanError(f"hardware {self.name!r}: gpus_per_node must be a positive integer, "
+                            f"got {self.gpus_per_node!r}")
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak FLOP/s for ``precision`` (``fp32`` or 16-bit ``bf16``/``fp16``)."""
+        return 1e12 * (self.peak_tflops_32 if precision == "fp32" else self.peak_tflops_16)
+
+    def bandwidth(self, crosses_node: bool) -> float:
+        """Bytes per second one rank sends at in a ring inside a node or across nodes."""
+        return 1e9 * (self.inter_node_gbps if crosses_node else self.intra_node_gbps)
+
+    def replace(self, **changes) -> "Hardware":
+        return dataclasses.replace(self, **changes)
+
+
+PROFILES: dict[str, Hardware] = {
+    # NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU
+    "a100_80gb": Hardware("a100_80gb", 312.0, 19.5, 80 * GiB, 300.0, 25.0, 8, 0.5),
+    # NVLink4 900 GB/s both ways; one NDR 400 Gb/s NIC per GPU
+    "h100_80gb": Hardware("h100_80gb", 989.0, 67.0, 80 * GiB, 450.0, 50.0, 8, 0.45),
+    "h200": Hardware("h200", 989.0, 67.0, 141e9, 450.0, 50.0, 8, 0.45),
+    # one process per core group of a server CPU, gloo over shared memory / 10 GbE
+    "cpu": Hardware("cpu", 1.0, 1.0, 64 * GiB, 5.0, 1.25, 1, 0.5, latency_us=50.0),
+}
+ALIASES = {"a100": "a100_80gb", "a100-80gb": "a100_80gb", "h100": "h100_80gb", "h100-80gb": "h100_80gb"}
+
+
+def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrides) -> Hardware:
+    """The profile called ``name`` (case-insensitive; ``custom`` profiles first), with ``overrides``.
+
+    ``custom`` maps names to the fields of :class:`Hardware` (all but ``name``),
+    e.g. from a config file. Raises :class:`PlanError` for an unknown name or field.
+    """
+    key = name.lower()
+    custom = {k.lower(): v for k, v in (custom or {}).items()}
+    fields = {f.name for f in dataclasses.fields(Hardware)} - {"name"}
+    if key in custom:
+        unknown = set(custom[key]) - fields
+        if unknown:
+            raise PlanError(f"hardware profile {name!r}: unknown fields {sorted(unknown)}; known: {sorted(fields)}")
+        missing = {f.name for f in dataclasses.fields(Hardware) if f.default is dataclasses.MISSING} - {"name"}
+        missing -= set(custom[key])
+        if missing:
+            raise PlanError(f"hardware profile {name!r}: missing fields {sorted(missing)}")
+        hw = Hardware(name=key, **custom[key])
+    else:
+        key = ALIASES.get(key, key)
+        if key not in PROFILES:
+            raise PlanError(f"unknown hardware profile {name!r}; known: {sorted(PROFILES) + sorted(custom)} "
+                            f"(or define your own under plan.profiles)")
+        hw = PROFILES[key]
+    unknown = set(overrides) - fields
+    if unknown:
+        raise PlanError(f"unknown hardware fields {sorted(unknown)}; known: {sorted(fields)}")
+    return hw.replace(**{k: v for k, v in overrides.items() if v is not None})

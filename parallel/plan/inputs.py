@@ -1,0 +1,95 @@
+"""What the planner is asked about: the layout and the training settings, checked up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import memory as M
+from .hardware import PlanError
+from .shape import ModelShape
+
+CHECKPOINTING = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    vpp: int = 1
+    sequence_parallel: bool = False
+    zero: int = 0
+    schedule: str = "1f1b"
+    pp_layers: tuple[int, ...] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+
+@dataclass(frozen=True)
+class Training:
+    global_batch: int
+    micro_batch: int
+    precision: str = "bf16"
+    checkpointing: str = "none"
+    optimizer: str = "adamw"
+    comm_dtype: str | None = None  # gradient collectives; default: the compute dtype
+    overlap: bool = True
+    compression: str = "none"  # none | topk
+    topk_ratio: float = 0.01
+    bucket_mb: float = 25.0
+
+
+def _positive(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise PlanError(f"{name} must be a positive integer, got {v!r}")
+    return v
+
+
+def check(shape: ModelShape, layout: Layout, training: Training, world_size: int | None = None) -> int:
+    """Refuse what cannot run, naming the numbers; return the micro-batches per step per DP rank."""
+    for name in ("dp", "pp", "tp", "vpp"):
+        _positive(f"layout.{name}", getattr(layout, name))
+    _positive("global_batch", training.global_batch)
+    _positive("micro_batch", training.micro_batch)
+    if world_size is not None and world_size != layout.world_size:
+        raise PlanError(f"world size {world_size} ≠ dp {layout.dp} × pp {layout.pp} × tp {layout.tp} = "
+                        f"{layout.world_size}; with pp={layout.pp} tp={layout.tp} the world must be a multiple "
+                        f"of {layout.pp * layout.tp}")
+    shape.check_tp(layout.tp)
+    if layout.pp * layout.vpp > shape.n_layers:
+        raise PlanError(f"pp {layout.pp} × vpp {layout.vpp} = {layout.pp * layout.vpp} stages but the model has "
+                        f"{shape.n_layers} layers; use pp·vpp ≤ {shape.n_layers}")
+    if layout.zero not in M.ZERO_STAGES:
+        raise PlanError(f"zero={layout.zero!r} not in {M.ZERO_STAGES}")
+    if layout.schedule not in SCHEDULES:
+        raise PlanError(f"pipeline schedule {layout.schedule!r} not in {SCHEDULES}")
+    if (layout.vpp > 1) != (layout.schedule == "interleaved"):
+        raise PlanError(f"vpp={layout.vpp} with schedule {layout.schedule!r}: virtual stages (vpp ≥ 2) go with "
+                        f"the interleaved schedule and only with it")
+    if shape.arch not in ("gpt", "llama"):
+        raise PlanError(f"arch {shape.arch!r} not in ('gpt', 'llama')")
+    if training.checkpointing not in CHECKPOINTING:
+        raise PlanError(f"activation checkpointing {training.checkpointing!r} not in {CHECKPOINTING}")
+    if training.precision not in M.PRECISION_BYTES:
+        raise PlanError(f"precision {training.precision!r} not in {sorted(M.PRECISION_BYTES)}")
+    if layout.sequence_parallel and (layout.tp == 1 or shape.seq_len % layout.tp):
+        raise PlanError(f"sequence parallelism needs tp > 1 dividing seq_len {shape.seq_len}; got tp={layout.tp}")
+    if training.compression not in ("none", "topk"):
+        raise PlanError(f"compression {training.compression!r} not in ('none', 'topk')")
+    if training.compression == "topk" and (layout.zero != 0 or not 0 < training.topk_ratio <= 1):
+        raise PlanError(f"Top-K compression needs zero=0 and 0 < topk_ratio ≤ 1; got zero={layout.zero}, "
+                        f"topk_ratio={training.topk_ratio}")
+    per_step = training.micro_batch * layout.dp
+    if training.global_batch % per_step:
+        lo = max(1, training.global_batch // per_step) * per_step
+        raise PlanError(f"global_batch {training.global_batch} is not a multiple of micro_batch "
+                        f"{training.micro_batch} × dp {layout.dp} = {per_step}; use {lo} or {lo + per_step}")
+    m = training.global_batch // per_step
+    if layout.schedule == "interleaved" and m % layout.pp:
+        raise PlanError(f"the interleaved schedule needs the micro-batches per step ({m} = global_batch "
+                        f"{training.global_batch} / (micro_batch {training.micro_batch} × dp {layout.dp})) to be a "
+                        f"multiple of pp {layout.pp}")
+    return m

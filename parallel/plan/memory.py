@@ -1,0 +1,213 @@
+"""Bytes one rank holds: model states (per ZeRO stage) and activations (per micro-batch).
+
+Pure arithmetic on the model's shape, the layout and the precision.
+
+**Model states** (the ZeRO paper's accounting, Ψ = this rank's parameters after
+tensor and pipeline splitting, padded to a multiple of N = dp so that it splits
+into N equal shards, as ZeRO's flat buffers are; b = 2 bytes for bf16/fp16
+training, 4 for fp32; K = 4 per fp32 optimizer state tensor (Adam: m and v) plus
+a 4-byte fp32 master copy when the parameters are 16-bit, so 12 for mixed
+precision Adam, 8 for fp32 Adam):
+
+=======  ==========  ==========  ==========
+ZeRO     parameters  gradients   optimizer
+=======  ==========  ==========  ==========
+0        b·Ψ         b·Ψ         K·Ψ
+1        b·Ψ         b·Ψ         K·Ψ/N
+2        b·Ψ         b·Ψ/N       K·Ψ/N
+3        b·Ψ/N       b·Ψ/N       K·Ψ/N
+=======  ==========  ==========  ==========
+
+**Activations** stored per transformer layer and micro-batch, in the style of
+Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+Models" (2022), but for *this* code base: no dropout, and attention through
+``scaled_dot_product_attention``'s flash kernels, which keep a ``[b, a, s]`` fp32
+log-sum-exp instead of the ``a·s²`` score matrices (so the paper's ``5as/h`` term
+is absent). With s = sequence, b = micro-batch, h = d_model, k = kv width
+(``n_kv_heads·head_dim``), f = d_ff, a = heads, e = bytes of the compute dtype,
+t = tp and t' = t with sequence parallelism (else 1), one layer saves for backward:
+
+=====================  ===============================================================
+piece                  bytes
+=====================  ===============================================================
+norms (×2)             LayerNorm: input e·sbh/t' + fp32 mean, rstd 8·sb/t';
+                       RMSNorm (fp32 math): fp32 input 4·sbh/t' + normalised e·sbh/t' + 4·sb/t'
+q/k/v, fc_in input     e·sbh each (the column-parallel inputs, gathered: full even with SP)
+q, k, v, attention out e·sb(2h + 2k)/t, plus the fp32 log-sum-exp 4·b·a·s/t
+MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·sbf/t
+=====================  ===============================================================
+
+``selective`` recomputes the attention core: its log-sum-exp is not stored (with
+flash attention that is all it saves). ``full`` stores only each block's input
+(e·sbh/t') and, while one layer's backward runs, that layer's full activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import PlanError
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # fp32 tensors per parameter
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+Group = tuple[int, ...]  # per-rank element counts of the parameters of one ZeRO bucket class, in order
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters of one pipeline rank (all its chunks), as counted on the real model.
+
+    ``numel``: on one TP rank (a shard); ``replicated``: of those, replicated over TP
+    (norms, row-parallel biases, positions: their gradients are all-reduced over TP
+    under sequence parallelism); ``full``: before TP sharding (what the rank's TP
+    group holds together, replicated ones once); ``tied_copy``: the part of
+    ``full`` that is a second copy of a tied embedding (the head on the last stage);
+    ``shared_embedding``: per TP rank, the tied weight whose gradient is all-reduced
+    over the embedding group (first and last stage).
+
+    ``blocks`` and ``root`` say how ZeRO packs them (:func:`zero_padded_numel`): per
+    transformer block (a ZeRO unit) and for the rank's other parameters (one more
+    unit), the per-rank sizes of the parameters with and without weight decay, in
+    ``named_parameters`` order. Empty when unknown: the whole rank is padded instead.
+    """
+
+    numel: int
+    replicated: int = 0
+    full: int = 0
+    tied_copy: int = 0
+    shared_embedding: int = 0
+    blocks: tuple[tuple[Group, Group], ...] = ()
+    root: tuple[Group, Group] = ((), ())
+
+    def __add__(self, other: "StageParams") -> "StageParams":
+        counts = (a + b for a, b in zip(self.counts(), other.counts()))
+        root = (self.root[0] + other.root[0], self.root[1] + other.root[1])
+        return StageParams(*counts, blocks=self.blocks + other.blocks, root=root)
+
+    def scaled(self, n: int) -> "StageParams":
+        """``n`` copies of a stage made of blocks only (its root must be empty)."""
+        if any(self.root):
+            raise ValueError("scaled() repeats blocks; this StageParams has parameters outside blocks")
+        return StageParams(*(a * n for a in self.counts()), blocks=self.blocks * n)
+
+    def counts(self) -> tuple[int, ...]:
+        return (self.numel, self.replicated, self.full, self.tied_copy, self.shared_embedding)
+
+
+def padded(numel: int, dp: int) -> int:
+    """``numel`` rounded up to a multiple of ``dp`` (ZeRO's equal shards)."""
+    return -(-numel // dp) * dp
+
+
+def _bucket_sizes(group: Group, bucket_elems: float) -> list[int]:
+    sizes, current = [], 0
+    for n in group:
+        if current and current + n > bucket_elems:
+            sizes.append(current)
+            current = 0
+        current += n
+    return sizes + ([current] if current else [])
+
+
+def zero_padded_numel(params: StageParams, dp: int, bucket_bytes: float, element_size: int) -> int:
+    """Elements of ZeRO's flat buffers on this rank, padding included.
+
+    ZeRO (``parallel.zero.layout.plan_buckets``) packs each unit's parameters of one
+    weight-decay class, in order, into buckets of at most ``bucket_bytes`` (a larger
+    parameter gets its own) and pads every bucket to a multiple of ``dp``.
+    """
+    if not params.blocks and not any(params.root):
+        return padded(params.numel, dp)
+    total = 0
+    for unit in params.blocks + (params.root,):
+        for group in unit:
+            total += sum(padded(n, dp) for n in _bucket_sizes(group, bucket_bytes / element_size))
+    return total
+
+
+def optimizer_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:
+    """K: 4 bytes per fp32 optimizer state tensor, plus a 4-byte fp32 master copy for 16-bit params."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise PlanError(f"optimizer {optimizer!r} not in {sorted(OPTIMIZER_STATES)}")
+    return 4 * OPTIMIZER_STATES[optimizer] + (4 if PRECISION_BYTES[precision] != 4 else 0)
+
+
+def model_state_bytes(psi: int, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw") -> dict:
+    """Parameters, gradients, optimizer state one rank holds between steps (module table).
+
+    ``psi`` is this rank's parameter count; it is padded to a multiple of ``dp`` first
+    (pass :func:`zero_padded_numel` for ZeRO's per-bucket padding).
+    """
+    if zero not in ZERO_STAGES:
+        raise PlanError(f"ZeRO stage {zero!r} not in {ZERO_STAGES}")
+    if precision not in PRECISION_BYTES:
+        raise PlanError(f"precision {precision!r} not in {sorted(PRECISION_BYTES)}")
+    b, k = PRECISION_BYTES[precision], optimizer_bytes_per_param(precision, optimizer)
+    p = padded(psi, dp)
+    params = b * (p // dp if zero >= 3 else p)
+    grads = b * (p // dp if zero >= 2 else p)
+    optim = k * (p // dp if zero >= 1 else p)
+    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+
+
+def _norm_bytes(arch: str, sbh: float, sb: float, e: int) -> float:
+    if arch == "llama":  # fp32 input copy, normalised output, rstd
+        return 4 * sbh + e * sbh + 4 * sb
+    return e * sbh + 8 * sb  # input, fp32 mean and rstd
+
+
+def layer_activation_bytes(shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
+                           checkpointing: str = "none", precision: str = "bf16") -> float:
+    """Bytes one transformer layer stores per micro-batch on one TP rank (module table)."""
+    e = PRECISION_BYTES[precision]
+    s, b, h = shape.seq_len, micro_batch, shape.d_model
+    sp = tp if sequence_parallel else 1
+    sbh, sb = s * b * h, s * b
+    if checkpointing == "full":
+        return e * sbh / sp
+    kv = shape.n_kv_heads * (h // shape.n_heads)
+    norms = 2 * _norm_bytes(shape.arch, sbh, sb, e) / sp
+    linear_inputs = 2 * e * sbh
+    attention = e * s * b * (2 * h + 2 * kv) / tp
+    lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0
+    mlp = (4 if shape.arch == "llama" else 2) * e * s * b * shape.d_ff / tp
+    return norms + linear_inputs + attention + lse + mlp
+
+
+def head_activation_bytes(shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
+                          precision: str = "bf16") -> float:
+    """The last stage's extra: final norm, the head's (gathered) input, the fp32 softmax
+    over this rank's ``V/t`` vocabulary columns that the cross-entropy keeps."""
+    e = PRECISION_BYTES[precision]
+    s, b, h = shape.seq_len, micro_batch, shape.d_model
+    sp = tp if sequence_parallel else 1
+    vocab = shape.padded_vocab(tp)
+    return _norm_bytes(shape.arch, s * b * h, s * b, e) / sp + e * s * b * h + 4 * s * b * vocab / tp
+
+
+def embedding_activation_bytes(shape, micro_batch: int) -> float:
+    """The first stage's extra: the int64 token ids the embedding's backward reads."""
+    return 8 * shape.seq_len * micro_batch
+
+
+def stage_activation_bytes(shape, micro_batch: int, n_layers: int, *, has_embedding: bool, has_head: bool,
+                           tp: int = 1, sequence_parallel: bool = False, checkpointing: str = "none",
+                           precision: str = "bf16") -> float:
+    """What one micro-batch leaves stored on a chunk of ``n_layers`` layers until its backward."""
+    kw = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision)
+    total = n_layers * layer_activation_bytes(shape, micro_batch, checkpointing=checkpointing, **kw)
+    if has_head:
+        total += head_activation_bytes(shape, micro_batch, **kw)
+    if has_embedding:
+        total += embedding_activation_bytes(shape, micro_batch)
+    return total
+
+
+def recompute_peak_bytes(shape, micro_batch: int, *, checkpointing: str, **kw) -> float:
+    """Transient bytes of one layer's recomputation during backward (``full`` only)."""
+    if checkpointing != "full":
+        return 0.0
+    return layer_activation_bytes(shape, micro_batch, checkpointing="none", **kw)

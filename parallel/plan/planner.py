@@ -1,0 +1,247 @@
+"""The plan of one layout: per pipeline rank, memory, traffic and time; for the step,
+time, throughput, MFU and advice. Pure: no process is started.
+
+The caller supplies the model's shape and a :data:`ParamCounter` that counts the
+parameters of a chunk of the real model (``recipes.plan`` builds it on the
+``meta`` device), so counts cannot drift from the code that trains.
+
+Step time: every micro-batch's forward and backward cost FLOPs / (peak ·
+efficiency) plus their tensor-parallel collectives (which sit on the critical
+path); the pipeline schedule is run on paper by the simulator with those costs
+(the slowest stage's, pipeline p2p as message latency), which gives the
+makespan, the bubble and the micro-batches each stage holds at its peak. DP
+traffic is then added where backward cannot hide it (:func:`_exposed_dp_time`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Callable
+
+from ..pipeline.schedules import ScheduleError, build_schedule
+from ..pipeline.simulator import simulate
+from . import memory as M
+from .advice import advise
+from .hardware import Hardware, PlanError
+from .inputs import Layout, Training, check
+from .shape import ModelShape, forward_flops, layer_partition, model_flops_per_token, recompute_flops
+from .traffic import AxisTraffic, dp_traffic, group_crosses_node, topk_kept, tp_traffic
+
+#: ``count(layers, has_embedding, has_head, tp)`` → the parameters of that chunk on one TP rank
+ParamCounter = Callable[[range, bool, bool, int], M.StageParams]
+
+
+@dataclass
+class RankClass:
+    """One pipeline stage's ranks (every DP and TP rank of a stage is alike)."""
+
+    stage: int
+    layers: list[tuple[int, int]]  # [start, stop) per chunk
+    params: M.StageParams
+    memory: dict[str, float]  # bytes: params, grads, optimizer, activations, buffers, total
+    in_flight: int  # (micro-batch, chunk) activations held at the peak
+    activation_per_microbatch: float
+    forward_s: float  # one micro-batch through all its chunks, TP collectives included
+    backward_s: float
+    compute_s: float  # FLOPs of the whole step / (peak · efficiency), recomputation included
+    traffic: dict[str, dict]  # per axis: group_size, crosses_node, bytes, time_s, items
+    fits: bool = True
+
+
+@dataclass
+class Plan:
+    model: dict
+    layout: dict
+    training: dict
+    hardware: dict
+    grad_accum: int
+    ranks: list[RankClass]
+    step: dict[str, float] = field(default_factory=dict)
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.ranks)
+
+    @property
+    def peak_memory(self) -> float:
+        return max(r.memory["total"] for r in self.ranks)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able data (infinite ratios, e.g. compute/communication with no
+        communication, become ``None``)."""
+        d = asdict(self)
+        d["fits"], d["peak_memory_bytes"] = self.fits, self.peak_memory
+        return _finite(d)
+
+
+def _finite(x):
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return None if isinstance(x, float) and x in (float("inf"), float("-inf")) else x
+
+@lru_cache(maxsize=4096)
+def _simulate(schedule: str, pp: int, m: int, vpp: int, bwd: float, p2p: float):
+    r = simulate(build_schedule(schedule, pp, m, vpp), forward=1.0, backward=bwd, p2p_latency=p2p)
+    return r.makespan, r.bubble_fraction, tuple(r.peak_activations)
+
+
+def pipeline_time(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float,
+                  *, exact: bool = True) -> tuple[float, float, tuple[int, ...]]:
+    """(makespan seconds, bubble fraction, peak in-flight activations per stage) of a step.
+
+    ``exact``: run the schedule in the simulator (costs normalised to the forward's,
+    rounded to 0.1 %, so layouts share simulations). Otherwise 1F1B's closed form
+    ``(m + pp − 1)(f + b)`` plus p2p latencies, with stage ``s`` holding
+    ``min(pp − s, m)`` micro-batches (GPipe: ``m``): the search's quick estimate.
+    """
+    if fwd <= 0:
+        raise PlanError(f"forward time must be positive, got {fwd}")
+    if exact or schedule == "interleaved":
+        try:
+            span, bubble, peaks = _simulate(schedule, pp, m, vpp, round(bwd / fwd, 3), round(p2p / fwd, 3))
+        except ScheduleError as e:
+            raise PlanError(str(e)) from None
+        return span * fwd, bubble, peaks
+    span = (m + pp - 1) * (fwd + bwd) + (2 * (pp - 1) + m - 1) * p2p
+    peaks = tuple(m if schedule == "gpipe" else min(pp - s, m) for s in range(pp))
+    return span, 1 - m * (fwd + bwd) / span, peaks
+
+
+def _stage_flags(v: int, n_virtual: int) -> tuple[bool, bool]:
+    return v == 0, v == n_virtual - 1
+
+
+def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_params: ParamCounter,
+                *, world_size: int | None = None, exact: bool = True) -> Plan:
+    """The per-rank-class memory, traffic and time of ``layout`` (module docstring)."""
+    shape = ModelShape.of(shape)
+    m = check(shape, layout, training, world_size)
+    L, t, dp, pp, vpp = layout, layout.tp, layout.dp, layout.pp, layout.vpp
+    e = M.PRECISION_BYTES[training.precision]
+    c = M.PRECISION_BYTES[training.comm_dtype or training.precision]
+    sp, ckpt, mb = L.sequence_parallel, training.checkpointing, training.micro_batch
+    ranges = layer_partition(shape, pp, vpp, L.pp_layers)
+    peak_flops = hw.peak_flops(training.precision) * hw.efficiency
+    gpn = hw.gpus_per_node
+    stage_info, alike = [], {}  # stages with the same chunk shapes share their numbers
+    for s in range(pp):
+        chunks = [(v, ranges[v]) for v in range(s, pp * vpp, pp)]
+        key = tuple((len(r),) + _stage_flags(v, pp * vpp) for v, r in chunks)
+        if key not in alike:
+            alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops)
+        params, tp_axis, fwd, bwd, acts, flops_s = alike[key]
+        tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
+        stage_info.append((chunks, params, tp_axis, fwd, bwd, acts, flops_s))
+    # the slowest stage paces the pipeline; p2p of one activation between stages
+    p2p_axis_proto = AxisTraffic(pp, group_crosses_node(t * dp, pp, gpn))
+    act_msg = e * mb * shape.seq_len * shape.d_model / (t if sp else 1)
+    p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + hw.latency_us * 1e-6) if pp > 1 else 0.0
+    slow_f = max(i[3] for i in stage_info) / vpp
+    slow_b = max(i[4] for i in stage_info) / vpp
+    makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one, exact=exact)
+    ranks, dp_exposed = [], 0.0
+    for s, (chunks, params, tp_axis, fwd, bwd, acts, flops_s) in enumerate(stage_info):
+        psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e)
+        states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer)
+        if sp and t > 1 and params.replicated:
+            tp_axis.add("all_reduce", params.replicated * c, 1, hw, "sequence-parallel parameter gradients")
+        dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
+        root_psi = M.zero_padded_numel(M.StageParams(0, root=params.root), dp, training.bucket_mb * 2**20, e)
+        dp_times = dp_traffic(hw, dp_axis, psi=psi, zero=L.zero, micro_batches=m, param_bytes=e, comm_bytes=c,
+                              compression=training.compression, topk_ratio=training.topk_ratio,
+                              regathered_psi=psi - root_psi)
+        dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap))
+        pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
+        sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
+        pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
+        emb_axis = AxisTraffic(2 if params.shared_embedding and pp > 1 else 1, pp_axis.crosses_node)
+        emb_axis.add("all_reduce", params.shared_embedding * c, 1, hw, "tied embedding gradient")
+        in_flight = peaks[s]
+        activations = in_flight * max(acts) + M.recompute_peak_bytes(
+            shape, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision)
+        buffers = _buffer_bytes(L, training, params, count_params, act_msg, e, c)
+        mem = {**{k: float(v) for k, v in states.items() if k != "total"}, "model_states": float(states["total"]),
+               "activations": activations, "buffers": buffers}
+        mem["total"] = mem["model_states"] + activations + buffers
+        traffic = {name: a.as_dict() for name, a in
+                   (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis))}
+        ranks.append(RankClass(stage=s, layers=[(r.start, r.stop) for _, r in chunks], params=params, memory=mem,
+                               in_flight=in_flight, activation_per_microbatch=sum(acts), forward_s=fwd,
+                               backward_s=bwd, compute_s=m * flops_s, traffic=traffic,
+                               fits=mem["total"] <= hw.memory_bytes))
+    emb_time = max(r.traffic["embedding"]["time_s"] for r in ranks)
+    step_time = makespan + dp_exposed + emb_time
+    compute = max(r.compute_s for r in ranks)
+    comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
+    tokens_step = training.global_batch * shape.seq_len
+    mfpt = model_flops_per_token(shape)
+    step = {
+        "step_time_s": step_time, "pipeline_s": makespan, "bubble_fraction": bubble,
+        "dp_exposed_s": dp_exposed, "tokens_per_s": tokens_step / step_time,
+        "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),
+        "compute_s": compute, "comm_s": comm_total,
+        "compute_comm_ratio": compute / comm_total if comm_total else float("inf"),
+        "model_flops_per_token": mfpt,
+    }
+    plan = Plan(model=asdict(shape), layout=asdict(layout), training=asdict(training), hardware=asdict(hw),
+                grad_accum=m, ranks=ranks, step=step)
+    plan.advice = advise(plan, shape, hw)
+    return plan
+
+
+def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
+    """Parameters, TP traffic, per-micro-batch forward/backward seconds, activations per
+    chunk and the step's compute seconds of a rank holding ``chunks``."""
+    t, sp, ckpt, mb = L.tp, L.sequence_parallel, training.checkpointing, training.micro_batch
+    e = M.PRECISION_BYTES[training.precision]
+    tokens = mb * shape.seq_len
+    params = M.StageParams(0)
+    tp_axis = AxisTraffic(t, group_crosses_node(1, t, hw.gpus_per_node))
+    fwd = bwd = flops_s = 0.0
+    acts = []
+    for v, r in chunks:
+        first, last = _stage_flags(v, L.pp * L.vpp)
+        params = params + count_params(r, first, last, t)
+        f = forward_flops(shape, tokens, len(r), last, t)
+        rc = recompute_flops(shape, tokens, len(r), ckpt, t)
+        tf, tb = tp_traffic(shape, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last,
+                           mb=mb, m=m, e=e, sp=sp, ckpt=ckpt)
+        fwd += f / peak_flops + tf
+        bwd += (2 * f + rc) / peak_flops + tb
+        flops_s += (3 * f + rc) / peak_flops
+        acts.append(M.stage_activation_bytes(shape, mb, len(r), has_embedding=first, has_head=last, tp=t,
+                                             sequence_parallel=sp, checkpointing=ckpt,
+                                             precision=training.precision))
+    return params, tp_axis, fwd, bwd, acts, flops_s
+
+
+def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) -> float:
+    """DP seconds backward cannot hide: stages 0–1 reduce during the last micro-batch's backward,
+    stages 2–3 during every backward (stage 3's gathers are prefetched behind compute); the
+    all-gather of updated parameters (stages 1–2) follows the optimizer step."""
+    if not overlap:
+        per_mb = dp["grad_per_mb"] + dp["param_fwd_per_mb"] + dp["param_bwd_per_mb"]
+        return m * per_mb + dp["grad_per_step"] + dp["param_after_step"]
+    per_mb = max(0.0, dp["grad_per_mb"] + dp["param_bwd_per_mb"] - bwd) + max(0.0, dp["param_fwd_per_mb"] - fwd)
+    return m * per_mb + max(0.0, dp["grad_per_step"] - bwd) + dp["param_after_step"]
+
+
+def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg, e, c) -> float:
+    """Communication buffers: a bucket in flight (two with overlap), stage 3's gathered blocks
+    (current + prefetched), Top-K's fp32 residual and gathered values, four p2p messages."""
+    bucket = tr.bucket_mb * 2**20 * (2 if tr.overlap else 1)
+    total = 0.0
+    if L.dp > 1 and (L.zero >= 2 or c != e):
+        total += bucket
+    if L.zero == 3 and L.dp > 1:
+        total += 2 * e * count(range(0, 1), False, False, L.tp).numel
+    if tr.compression == "topk":
+        total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + 4)
+    if L.pp > 1:
+        total += 4 * act_msg
+    return total

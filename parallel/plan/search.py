@@ -1,0 +1,72 @@
+"""``mode=recommend``: the layouts that fit a device count, ranked by predicted throughput.
+
+Searched: tp among the divisors of the heads that fit inside a node (DESIGN.md:
+TP stays inside a node), pp among the divisors of the rest up to the layer
+count, dp the remainder, ZeRO 0–3, micro-batches, checkpointing; sequence
+parallelism whenever tp > 1. Each candidate is first timed with the 1F1B
+closed form; the best are planned again with the simulator and re-ranked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .hardware import Hardware, PlanError
+from .inputs import Layout, Training
+from .planner import ParamCounter, Plan, plan_layout
+from .shape import ModelShape
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(shape: ModelShape, world_size: int, hw: Hardware, zeros=(0, 1, 2, 3)) -> list[Layout]:
+    """Every (dp, pp, tp, zero) the search considers for ``world_size`` devices."""
+    out = []
+    for tp in _divisors(min(hw.gpus_per_node, world_size)):
+        if hw.gpus_per_node % tp or world_size % tp or shape.n_heads % tp or shape.n_kv_heads % tp \
+                or shape.d_ff % tp:
+            continue
+        sp = tp > 1 and shape.seq_len % tp == 0
+        for pp in _divisors(world_size // tp):
+            if pp > shape.n_layers:
+                break
+            dp = world_size // (tp * pp)
+            for zero in zeros:
+                if dp == 1 and zero:
+                    continue
+                out.append(Layout(dp=dp, pp=pp, tp=tp, sequence_parallel=sp, zero=zero))
+    return out
+
+
+def recommend(shape, world_size: int, training: Training, hw: Hardware, count_params: ParamCounter, *,
+              top: int = 5, micro_batches=(1, 2, 4, 8), checkpointing=("none", "selective", "full"),
+              zeros=(0, 1, 2, 3)) -> list[Plan]:
+    """The ``top`` fitting plans, fastest first, the leaner of equally fast ones first (``training.micro_batch`` and
+    ``checkpointing`` are searched; the global batch and the rest are kept)."""
+    shape = ModelShape.of(shape)
+    if world_size < 1:
+        raise PlanError(f"world size must be positive, got {world_size}")
+    rough: list[tuple[float, Layout, Training]] = []
+    for layout in candidate_layouts(shape, world_size, hw, zeros):
+        for mb in micro_batches:
+            if training.global_batch % (mb * layout.dp):
+                continue
+            for ckpt in checkpointing:
+                tr = dataclasses.replace(training, micro_batch=mb, checkpointing=ckpt,
+                                         compression=training.compression if layout.zero == 0 else "none")
+                try:
+                    p = plan_layout(shape, layout, tr, hw, count_params, exact=False)
+                except PlanError:
+                    continue
+                if p.fits:
+                    rough.append((p.step["tokens_per_s"], layout, tr))
+    if not rough:
+        raise PlanError(f"no layout of {world_size} × {hw.name} fits this model at global batch "
+                        f"{training.global_batch}; add devices or choose a larger device profile")
+    rough.sort(key=lambda x: -x[0])
+    exact = [plan_layout(shape, lay, tr, hw, count_params) for _, lay, tr in rough[: 3 * top]]
+    exact = [p for p in exact if p.fits]
+    exact.sort(key=lambda p: (-round(p.step["tokens_per_s"], 6), p.peak_memory))  # ties: less memory first
+    return exact[:top]

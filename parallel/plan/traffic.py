@@ -1,0 +1,134 @@
+"""Bytes one rank sends per step on each axis, and how long that takes.
+
+Ring algorithms: over N ranks and a payload of B bytes, an all-reduce sends
+``2(N−1)/N·B`` bytes per rank in ``2(N−1)`` steps, a reduce-scatter or an
+all-gather (B = the full, gathered size) ``(N−1)/N·B`` in ``N−1`` steps. Time
+= sent / bandwidth + steps × latency, with the hardware's intra-node bandwidth
+when the group sits inside one node and its inter-node bandwidth otherwise.
+
+Rank order is Megatron's (tp fastest, then dp, then pp): a TP group is ``tp``
+consecutive ranks, a DP group has stride ``tp``, a pipeline stride ``tp·dp``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .hardware import Hardware
+
+RING_FACTOR = {"all_reduce": (2, 2), "reduce_scatter": (1, 1), "all_gather": (1, 1)}  # (bytes, steps) × (N-1)/N, N-1
+
+
+def group_crosses_node(stride: int, size: int, gpus_per_node: int) -> bool:
+    """Whether ranks ``0, stride, …, (size−1)·stride`` (the first group of an axis) span >1 node."""
+    return size > 1 and (size - 1) * stride // gpus_per_node > 0
+
+
+@dataclass
+class AxisTraffic:
+    """One axis' traffic per step from one rank: ``bytes`` sent, ``time_s`` it takes."""
+
+    group_size: int
+    crosses_node: bool
+    bytes: float = 0.0
+    time_s: float = 0.0
+    items: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"group_size": self.group_size, "crosses_node": self.crosses_node, "bytes": self.bytes,
+                "time_s": self.time_s, "items": list(self.items)}
+
+    def add(self, kind: str, payload: float, count: float, hw: Hardware, what: str) -> float:
+        """Account ``count`` collectives of ``kind`` on ``payload`` bytes; returns one's time."""
+        n = self.group_size
+        if n <= 1 or count == 0 or payload == 0:
+            return 0.0
+        if kind == "p2p":
+            sent, steps = payload, 1
+        else:
+            fb, fs = RING_FACTOR[kind]
+            sent, steps = fb * (n - 1) / n * payload, fs * (n - 1)
+        one = sent / hw.bandwidth(self.crosses_node) + steps * hw.latency_us * 1e-6
+        self.bytes += count * sent
+        self.time_s += count * one
+        self.items.append(f"{what}: {count:g} × {kind} of {payload / 1e6:,.1f} MB")
+        return one
+
+
+def topk_kept(numel: int, ratio: float) -> int:
+    """Entries Top-K keeps of ``numel``: ``ceil(ratio · numel)``, at least one."""
+    return max(1, math.ceil(ratio * numel))
+
+
+def dp_traffic(hw: Hardware, axis: AxisTraffic, *, psi: int, zero: int, micro_batches: int, param_bytes: int,
+               comm_bytes: int, compression: str = "none", topk_ratio: float = 1.0,
+               regathered_psi: int | None = None) -> dict[str, float]:
+    """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
+
+    Stages 0–1 reduce gradients once per step (accumulated locally); stages 2–3
+    reduce-scatter every micro-batch (keeping full gradients would undo them) and
+    stage 3 all-gathers the parameters before every forward, and those inside units
+    (``regathered_psi``, default all: the blocks) again before every backward. Top-K
+    (stage 0) all-gathers ``k`` values + int32 indices per rank instead of the
+    all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Returns the seconds of one of each kind
+    (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
+    ``param_bwd_per_mb``).
+    """
+    m, n = micro_batches, axis.group_size
+    out = dict.fromkeys(("grad_per_mb", "grad_per_step", "param_after_step", "param_fwd_per_mb",
+                         "param_bwd_per_mb"), 0.0)
+    if zero == 0 and compression == "topk":
+        k = topk_kept(psi, topk_ratio)
+        one = axis.add("all_gather", n * k * (comm_bytes + 4), 1, hw, "Top-K gradients (values + int32 indices)")
+        out["grad_per_step"] = one
+    elif zero == 0:
+        out["grad_per_step"] = axis.add("all_reduce", psi * comm_bytes, 1, hw, "gradients")
+    elif zero == 1:
+        out["grad_per_step"] = axis.add("reduce_scatter", psi * comm_bytes, 1, hw, "gradients")
+    else:
+        out["grad_per_mb"] = axis.add("reduce_scatter", psi * comm_bytes, m, hw, "gradients, every micro-batch")
+    if zero in (1, 2):
+        out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters")
+    if zero == 3:
+        again = psi if regathered_psi is None else regathered_psi
+        out["param_fwd_per_mb"] = axis.add("all_gather", psi * param_bytes, m, hw, "parameters before forward")
+        out["param_bwd_per_mb"] = axis.add("all_gather", again * param_bytes, m, hw,
+                                           "block parameters before backward")
+    return out
+
+
+def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt):
+    """TP collectives of a chunk: seconds per micro-batch (forward, backward); ``axis``
+    accumulates the bytes of all ``m`` micro-batches. Per block: two all-reduces of the
+    ``[b, s, d]`` activation forward and two backward (sequence parallel: each an
+    all-gather + a reduce-scatter, the same bytes); full recomputation redoes all but
+    the last (one all-reduce, or two all-gathers and a reduce-scatter, per block)."""
+    act = e * mb * shape.seq_len * shape.d_model
+
+    def op(kind, count, what, payload=act):
+        return count * axis.add(kind, payload, count * m, hw, what) if count else 0.0
+
+    def pair(count, what):
+        if sp:
+            return (op("all_gather", count, what + " (all-gather)")
+                    + op("reduce_scatter", count, what + " (reduce-scatter)"))
+        return op("all_reduce", count, what)
+
+    fwd = pair(2 * n_layers, "block forward")
+    bwd = pair(2 * n_layers, "block backward")
+    if ckpt == "full":  # recomputation stops early (torch's non-reentrant checkpoint): the block's last
+        # collective, the MLP's output reduction, is not redone
+        if sp:
+            bwd += op("all_gather", 2 * n_layers, "recomputation (all-gather)")
+            bwd += op("reduce_scatter", n_layers, "recomputation (reduce-scatter)")
+        else:
+            bwd += op("all_reduce", n_layers, "recomputation (attention output)")
+    if has_embedding:
+        fwd += op("reduce_scatter" if sp else "all_reduce", 1, "embedding forward")
+        bwd += op("all_gather", 1, "embedding backward") if sp else 0.0
+    if has_head:
+        fwd += op("all_gather", 1, "head forward") if sp else 0.0
+        bwd += op("reduce_scatter" if sp else "all_reduce", 1, "head input gradient")
+        fwd += op("all_reduce", 1, "cross-entropy max and sums", 12 * mb * shape.seq_len)
+    return fwd, bwd

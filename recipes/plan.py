@@ -1,0 +1,202 @@
+"""``mode=plan`` / ``mode=recommend``: the planner behind a recipe's config.
+
+Glue between ``models`` and the pure :mod:`parallel.plan`: parameter counts come
+from the real model built on the ``meta`` device (no memory, no process group)
+with the real partitioner; the plan is printed as a table (``rich`` when
+installed) and written to ``<run dir>/plan.json``. The returned dict is flat, so
+a Hydra multirun of ``mode=plan`` ends with one comparison table of its jobs.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from models.config import ModelConfig, ModelConfigError
+from parallel.params import is_shared_embedding, tp_shard_dim, wants_weight_decay
+from parallel.plan import (Layout, Plan, PlanError, StageParams, Training, hardware_profile, plan_layout,
+                           recommend)
+
+from .config import ConfigError, RecipeConfig, model_config
+
+GB = 1e9
+
+
+def _count_module(module, tp: int, *, is_block: bool) -> StageParams:
+    numel = replicated = full = tied = shared = 0
+    groups: tuple[list[int], list[int]] = ([], [])  # ZeRO's bucket classes: with / without weight decay
+    for p in module.parameters():
+        n = p.numel()
+        sharded = tp_shard_dim(p) is not None
+        local = n // tp if sharded else n
+        full += n
+        numel += local
+        replicated += 0 if sharded else n
+        tied += n if hasattr(p, "init_key") else 0  # the head's copy of a tied embedding
+        shared += local if is_shared_embedding(p) else 0
+        groups[int(not wants_weight_decay(p))].append(local)
+    classes = (tuple(groups[0]), tuple(groups[1]))
+    return StageParams(numel, replicated, full, tied, shared, blocks=(classes,) if is_block else (),
+                       root=((), ()) if is_block else classes)
+
+
+def meta_param_counter(cfg: ModelConfig):
+    """``count(layers, has_embedding, has_head, tp)`` → :class:`StageParams` of that chunk.
+
+    Counts the modules of :func:`models.transformer.build_model` on ``meta``: one
+    block (all blocks are alike) times ``len(layers)``, plus the embedding / head
+    part built alone (ZeRO's units: each block, and the rest). The model is built at tp=1 with the vocabulary padded as
+    for ``tp`` (``vocab_multiple · tp``); a parameter marked ``tp_shard_dim``
+    holds ``1/tp`` of its elements per rank, others are replicated, exactly as
+    the tensor-parallel layers split them.
+    """
+    from models.transformer import build_model
+
+    @lru_cache(maxsize=None)
+    def part(n_layers: int, has_embedding: bool, has_head: bool, tp: int) -> StageParams:
+        try:
+            cfg.validate(tp=tp)
+        except ModelConfigError as e:
+            raise PlanError(str(e)) from None
+        padded = cfg.replace(vocab_multiple=cfg.vocab_multiple * tp)
+        stage = build_model(padded, layers=range(0, n_layers), has_embedding=has_embedding, has_head=has_head,
+                            device="meta")
+        return _count_module(stage, tp, is_block=n_layers == 1)
+
+    def count(layers: range, has_embedding: bool, has_head: bool, tp: int) -> StageParams:
+        return part(1, False, False, tp).scaled(len(layers)) + part(0, has_embedding, has_head, tp)
+
+    return count
+
+
+def _training(rc: RecipeConfig, mc: ModelConfig) -> Training:
+    t, c = rc.train, rc.comm
+    return Training(global_batch=t.global_batch, micro_batch=t.micro_batch, precision=t.precision,
+                    checkpointing=mc.activation_checkpointing, optimizer=rc.optim.name, comm_dtype=c.dtype,
+                    overlap=c.overlap, compression=c.compression, topk_ratio=c.topk_ratio, bucket_mb=c.bucket_mb)
+
+
+def _hardware(rc: RecipeConfig):
+    s = rc.plan
+    overrides = {"intra_node_gbps": s.intra_node_gbps, "inter_node_gbps": s.inter_node_gbps,
+                 "efficiency": s.efficiency, "gpus_per_node": s.gpus_per_node,
+                 "memory_bytes": None if s.memory_gb is None else s.memory_gb * GB}
+    return hardware_profile(s.hardware, dict(s.profiles or {}), **overrides)
+
+
+def _layout(rc: RecipeConfig) -> Layout:
+    p = rc.parallel
+    if p.dp in (None, "auto"):
+        world = rc.plan.world_size
+        dp = world // (p.pp * p.tp) if world else 1
+        if world and world % (p.pp * p.tp):
+            raise PlanError(f"plan.world_size {world} is not a multiple of pp {p.pp} × tp {p.tp} = {p.pp * p.tp}")
+    else:
+        dp = p.dp
+    return Layout(dp=dp, pp=p.pp, tp=p.tp, vpp=p.vpp, sequence_parallel=p.sequence_parallel, zero=p.zero,
+                  schedule=p.pp_schedule, pp_layers=tuple(p.pp_layers) if p.pp_layers else None)
+
+
+def summary(plan: Plan) -> dict[str, Any]:
+    """The flat numbers a sweep compares."""
+    L, s = plan.layout, plan.step
+    return {"layout": f"dp{L['dp']}·pp{L['pp']}·tp{L['tp']} zero{L['zero']}", "fits": plan.fits,
+            "peak_gb": round(plan.peak_memory / GB, 2), "step_s": round(s["step_time_s"], 4),
+            "tokens_per_s": round(s["tokens_per_s"], 1), "mfu": round(s["mfu"], 4),
+            "bubble": round(s["bubble_fraction"], 4), "compute_comm": round(s["compute_comm_ratio"], 3)}
+
+
+def plan_from_config(rc: RecipeConfig) -> Plan:
+    """The plan of ``rc``'s layout (raises :class:`ConfigError` for input it cannot plan)."""
+    try:
+        mc = model_config(rc.model)
+        world = rc.plan.world_size
+        return plan_layout(mc, _layout(rc), _training(rc, mc), _hardware(rc), meta_param_counter(mc),
+                           world_size=world if rc.parallel.dp not in (None, "auto") else None)
+    except PlanError as e:
+        raise ConfigError(f"plan: {e}") from None
+
+
+def recommend_from_config(rc: RecipeConfig) -> list[Plan]:
+    try:
+        mc = model_config(rc.model)
+        hw = _hardware(rc)
+        world = rc.plan.world_size or rc.parallel.gpus_per_node
+        return recommend(mc, world, _training(rc, mc), hw, meta_param_counter(mc), top=rc.plan.top)
+    except PlanError as e:
+        raise ConfigError(f"recommend: {e}") from None
+
+
+# ---------------------------------------------------------------- printing
+def plan_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
+    header = ["stage", "layers", "params/rank", "weights GB", "grads GB", "optim GB", "activ. GB (×mb)",
+              "buffers GB", "total GB", "DP GB/s-step", "TP GB/s-step", "PP GB"]
+    rows = []
+    for r in plan.ranks:
+        m, t = r.memory, r.traffic
+        layers = ",".join(f"{a}-{b - 1}" for a, b in r.layers)
+        tp = f"{t['tp']['bytes'] / GB:.2f}/{t['tp']['time_s']:.3f}" + (" ⚠node" if t["tp"]["crosses_node"] else "")
+        rows.append([str(r.stage), layers, f"{r.params.numel:,}", f"{m['params'] / GB:.2f}", f"{m['grads'] / GB:.2f}",
+                     f"{m['optimizer'] / GB:.2f}", f"{m['activations'] / GB:.2f} (×{r.in_flight})",
+                     f"{m['buffers'] / GB:.2f}", f"{m['total'] / GB:.2f}" + ("" if r.fits else " ✗"),
+                     f"{t['dp']['bytes'] / GB:.2f}/{t['dp']['time_s']:.3f}", tp, f"{t['pp']['bytes'] / GB:.2f}"])
+    return header, rows
+
+
+def plan_footer(plan: Plan) -> list[str]:
+    s, L, hw = plan.step, plan.layout, plan.hardware
+    lines = [
+        f"{L['dp'] * L['pp'] * L['tp']} × {hw['name']} ({hw['memory_bytes'] / GB:.1f} GB): dp={L['dp']} pp={L['pp']} "
+        f"tp={L['tp']} zero={L['zero']} sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
+        f"{plan.grad_accum} per step, checkpointing {plan.training['checkpointing']}, {plan.training['precision']}",
+        f"fits: {'yes' if plan.fits else 'NO'} (peak {plan.peak_memory / GB:.2f} GB)  step {s['step_time_s']:.3f} s "
+        f"(pipeline {s['pipeline_s']:.3f}, bubble {s['bubble_fraction']:.1%}, exposed DP {s['dp_exposed_s']:.3f})  "
+        f"{s['tokens_per_s']:,.0f} tokens/s  MFU {s['mfu']:.1%}  compute/comm {s['compute_comm_ratio']:.2f}",
+    ]
+    return lines + [f"advice: {a}" for a in plan.advice]
+
+
+def format_plain(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]], footer: list[str]) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        print(format_plain(header, rows))
+    else:
+        table = Table(title=title)
+        for h in header:
+            table.add_column(h, justify="right")
+        for r in rows:
+            table.add_row(*r)
+        Console(width=200).print(table)
+    print("\n".join(footer))
+
+
+def run_plan(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
+    """Print the plan (or, ``mode=recommend``, the best layouts) and write ``plan.json``."""
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if rc.mode == "recommend":
+        plans = recommend_from_config(rc)
+        header = ["rank", "layout", "micro-batch", "checkpointing", "peak GB", "step s", "tokens/s", "MFU", "bubble"]
+        rows = [[str(i + 1), summary(p)["layout"], str(p.training["micro_batch"]), p.training["checkpointing"],
+                 f"{p.peak_memory / GB:.1f}", f"{p.step['step_time_s']:.3f}", f"{p.step['tokens_per_s']:,.0f}",
+                 f"{p.step['mfu']:.1%}", f"{p.step['bubble_fraction']:.1%}"] for i, p in enumerate(plans)]
+        print_table(f"best layouts for {rc.model.preset}", header, rows, plan_footer(plans[0]))
+        (out / "plan.json").write_text(json.dumps([p.to_dict() for p in plans], indent=1, allow_nan=False))
+        return {**summary(plans[0]), "micro_batch": plans[0].training["micro_batch"],
+                "checkpointing": plans[0].training["checkpointing"]}
+    plan = plan_from_config(rc)
+    header, rows = plan_rows(plan)
+    print_table(f"plan for {rc.model.preset}", header, rows, plan_footer(plan))
+    (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1, allow_nan=False))
+    return summary(plan)

@@ -1,0 +1,150 @@
+"""The planner on a small model: schedules, recomputation, overlap, accumulation, bad input."""
+
+import dataclasses
+
+import pytest
+
+from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.simulator import simulate
+from parallel.plan import (Layout, ModelShape, PlanError, StageParams, Training, check, hardware_profile,
+                           layer_activation_bytes, pipeline_time, plan_layout, predicted_vs_measured, recommend)
+from parallel.plan.report import format_comparison
+
+SHAPE = ModelShape(arch="gpt", n_layers=8, d_model=64, n_heads=4, n_kv_heads=4, d_ff=256, vocab_size=256,
+                   seq_len=16)
+HW = hardware_profile("a100_80gb")
+
+
+def count(layers, has_embedding, has_head, tp):
+    """A stand-in for the meta-model counter: 12·d² per block, V·d for embedding and head."""
+    d, v = SHAPE.d_model, SHAPE.padded_vocab(tp)
+    p = StageParams(numel=len(layers) * 12 * d * d // tp, full=len(layers) * 12 * d * d)
+    if has_embedding:
+        p = p + StageParams(v * d // tp, full=v * d)
+    if has_head:
+        p = p + StageParams(v * d // tp, full=v * d)
+    return p
+
+
+def plan(layout=Layout(), **training):
+    tr = dict(global_batch=16, micro_batch=2, precision="bf16")
+    return plan_layout(SHAPE, layout, Training(**{**tr, **training}), HW, count)
+
+
+def test_1f1b_first_stage_holds_pp_micro_batches_gpipe_all():
+    p = plan(Layout(dp=1, pp=4))  # 8 micro-batches
+    assert [r.in_flight for r in p.ranks] == [4, 3, 2, 1]
+    g = plan(Layout(dp=1, pp=4, schedule="gpipe"))
+    assert [r.in_flight for r in g.ranks] == [8, 8, 8, 8]
+    assert g.ranks[0].memory["activations"] == pytest.approx(2 * p.ranks[0].memory["activations"])
+
+
+def test_recomputation_lowers_activations_and_raises_compute():
+    runs = {c: plan(Layout(pp=2), checkpointing=c) for c in ("none", "selective", "full")}
+    act = {c: p.ranks[0].memory["activations"] for c, p in runs.items()}
+    comp = {c: p.step["compute_s"] for c, p in runs.items()}
+    assert act["none"] > act["selective"] > act["full"]
+    assert comp["none"] < comp["selective"] < comp["full"]
+    for tp in (1, 2, 4):
+        per = [layer_activation_bytes(SHAPE, 2, tp=tp, checkpointing=c) for c in ("none", "selective", "full")]
+        assert per == sorted(per, reverse=True)
+
+
+def test_sequence_parallel_and_tp_lower_activations():
+    base = layer_activation_bytes(SHAPE, 4)
+    tp = layer_activation_bytes(SHAPE, 4, tp=4)
+    sp = layer_activation_bytes(SHAPE, 4, tp=4, sequence_parallel=True)
+    assert base > tp > sp
+
+
+def test_gradient_accumulation_communicates_once_per_step():
+    """ZeRO-0/1: the DP bytes of a step do not grow with micro-batches; ZeRO-2 reduces every one."""
+    for zero, grows in ((0, False), (1, False), (2, True)):
+        one = plan(Layout(dp=4, zero=zero), global_batch=8).ranks[0].traffic["dp"]["bytes"]
+        four = plan(Layout(dp=4, zero=zero), global_batch=32).ranks[0].traffic["dp"]["bytes"]
+        assert (four > one) == grows, zero
+
+
+def test_overlap_hides_dp_behind_backward():
+    slow = dataclasses.replace(HW, intra_node_gbps=0.01, inter_node_gbps=0.01)
+    on = plan_layout(SHAPE, Layout(dp=8), Training(16, 2, overlap=True), slow, count)
+    off = plan_layout(SHAPE, Layout(dp=8), Training(16, 2, overlap=False), slow, count)
+    assert on.step["dp_exposed_s"] < off.step["dp_exposed_s"]
+    assert off.step["dp_exposed_s"] == pytest.approx(on.ranks[0].traffic["dp"]["time_s"])
+
+
+def test_tp_across_nodes_is_priced_and_flagged():
+    small_nodes = dataclasses.replace(HW, gpus_per_node=2)
+    inside = plan(Layout(tp=2))
+    across = plan_layout(SHAPE, Layout(tp=4), Training(16, 2), small_nodes, count)
+    assert not inside.ranks[0].traffic["tp"]["crosses_node"]
+    assert across.ranks[0].traffic["tp"]["crosses_node"]
+    assert any("spans nodes" in a for a in across.advice)
+
+
+def test_quick_pipeline_estimate_is_close_to_the_simulator():
+    for pp, m, f, b, d in [(4, 8, 1.0, 2.0, 0.1), (8, 16, 1.0, 2.3, 0.05), (3, 2, 0.5, 1.5, 0.0)]:
+        exact = pipeline_time("1f1b", pp, m, 1, f, b, d)
+        quick = pipeline_time("1f1b", pp, m, 1, f, b, d, exact=False)
+        assert quick[0] == pytest.approx(exact[0], rel=0.05)
+        assert quick[2] == exact[2]
+        sim = simulate(build_schedule("1f1b", pp, m), forward=f, backward=b, p2p_latency=d)
+        assert exact[0] == pytest.approx(sim.makespan, rel=1e-3)
+
+
+def test_bad_input_names_the_numbers():
+    tr = Training(16, 2)
+    with pytest.raises(PlanError, match="tp=3 does not divide n_heads=4"):
+        check(SHAPE, Layout(tp=3), tr)
+    with pytest.raises(PlanError, match="pp 16 × vpp 1 = 16 stages but the model has 8 layers"):
+        check(SHAPE, Layout(pp=16), tr)
+    with pytest.raises(PlanError, match="world size 16 ≠ dp 2 × pp 2 × tp 2 = 8"):
+        check(SHAPE, Layout(dp=2, pp=2, tp=2), tr, world_size=16)
+    with pytest.raises(PlanError, match="global_batch 16 is not a multiple of micro_batch 2 × dp 3 = 6"):
+        check(SHAPE, Layout(dp=3), tr)
+    with pytest.raises(PlanError, match="zero=5"):
+        check(SHAPE, Layout(zero=5), tr)
+    with pytest.raises(PlanError, match="vpp=2 with schedule '1f1b'"):
+        check(SHAPE, Layout(pp=2, vpp=2), tr)
+    with pytest.raises(PlanError, match=r"micro-batches per step \(8 = .*\) to be a multiple of pp 3"):
+        check(SHAPE, Layout(pp=3, vpp=2, schedule="interleaved", pp_layers=None), tr)
+    with pytest.raises(PlanError, match="Top-K compression needs zero=0"):
+        check(SHAPE, Layout(dp=2, zero=2), dataclasses.replace(tr, compression="topk"))
+
+
+def test_interleaving_shrinks_the_bubble():
+    slow = dataclasses.replace(HW, peak_tflops_16=1e-3)  # compute-bound, not p2p-latency-bound
+    plain = plan_layout(SHAPE, Layout(pp=2), Training(16, 2), slow, count)
+    inter = plan_layout(SHAPE, Layout(pp=2, vpp=2, schedule="interleaved"), Training(16, 2), slow, count)
+    assert plain.step["bubble_fraction"] == pytest.approx(1 / 9, rel=0.01)  # (pp-1)/(m+pp-1)
+    assert inter.step["bubble_fraction"] < plain.step["bubble_fraction"]
+    assert [len(r.layers) for r in inter.ranks] == [2, 2]
+
+
+def test_advice_when_activations_dominate():
+    tiny = dataclasses.replace(HW, memory_bytes=2e6)
+    p = plan_layout(SHAPE, Layout(), Training(16, 16), tiny, count)
+    assert not p.fits
+    assert any("activation checkpointing" in a for a in p.advice)
+
+
+def test_recommend_returns_fitting_layouts_fastest_first():
+    plans = recommend(SHAPE, 8, Training(32, 1), HW, count, top=4, micro_batches=(1, 2))
+    assert 1 <= len(plans) <= 4 and all(p.fits for p in plans)
+    speeds = [p.step["tokens_per_s"] for p in plans]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(p.layout["dp"] * p.layout["pp"] * p.layout["tp"] == 8 for p in plans)
+    with pytest.raises(PlanError, match="no layout"):
+        recommend(SHAPE, 8, Training(32, 1), dataclasses.replace(HW, memory_bytes=1e3), count)
+
+
+def test_predicted_vs_measured():
+    p = plan()
+    mem = p.ranks[0].memory
+    r = predicted_vs_measured(p, 0, {"params": mem["params"], "activations": mem["activations"] * 1.1})
+    assert r["params"]["ok"] and r["params"]["error"] == 0
+    assert r["activations"]["ok"] and r["activations"]["error"] == pytest.approx(1 / 1.1 - 1)
+    bad = predicted_vs_measured(p, 0, {"activations": mem["activations"] * 2})
+    assert not bad["activations"]["ok"] and "outside tolerance" in format_comparison(bad)
+    with pytest.raises(ValueError, match="stage 3 out of range"):
+        predicted_vs_measured(p, 3, {})
