@@ -26,13 +26,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 
-from models.config import ModelConfig
 from models.transformer import build_model
 from parallel import comm
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
 from parallel.memory import SavedActivationMeter, peak_memory_bytes
 from parallel.pipeline.executor import PipelineExecutor
-from parallel.pipeline.partition import partition_layers, stage_chunks
+from parallel.pipeline.partition import stage_chunks
+from parallel.plan.shape import ModelShape, layer_partition, model_flops_per_token
 from parallel.pipeline.schedules import build_schedule
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
@@ -67,17 +67,6 @@ class ChunkView(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._zero(x, chunk=self.chunk)
-
-
-def model_flops_per_token(cfg: ModelConfig) -> float:
-    """Training FLOPs per token (forward + backward = 3 × forward), PaLM-style:
-    6·N for the matmul parameters plus 12·L·d·s for attention scores."""
-    d, L = cfg.d_model, cfg.n_layers
-    kv = cfg.n_kv_heads * cfg.head_dim
-    mlp_mats = 3 if cfg.arch == "llama" else 2
-    n_block = d * (d + 2 * kv) + d * d + mlp_mats * d * cfg.d_ff
-    n = L * n_block + cfg.vocab_size * d  # the head matmul
-    return 6 * n + 12 * L * d * cfg.seq_len
 
 
 class Trainer:
@@ -116,10 +105,8 @@ class Trainer:
     # ------------------------------------------------------------------ model
     def _build_model(self) -> None:
         p, g, mc = self.rc.parallel, self.groups, self.model_cfg
-        embedding_cost = 1.0 / max(1, mc.n_layers)  # the embedding is a lookup: cheap
-        head_cost = (mc.vocab_size * mc.d_model) / (12 * mc.d_model**2 + 1)  # vs one block's matmuls
-        self.ranges = partition_layers(mc.n_layers, p.pp, layer_cost=1.0, embedding_cost=embedding_cost,
-                                       head_cost=head_cost, pp_layers=p.pp_layers, vpp=p.vpp)
+        # the planner's split, so that its per-stage predictions describe this very run
+        self.ranges = layer_partition(ModelShape.of(mc), p.pp, p.vpp, p.pp_layers)
         n_virtual = len(self.ranges)
         chunks = []
         for c, layers in enumerate(stage_chunks(self.ranges, p.pp, g.pp_rank)):
@@ -234,15 +221,23 @@ class Trainer:
         if self.rank != 0:
             return None
         every = every.view(world, 5).cpu()
+        try:  # the planner's figures for this very layout, beside the measured ones
+            from .plan import plan_from_config
+
+            plan = plan_from_config(self.rc)
+            predicted = [r.memory["model_states"] + r.memory["activations"] for r in plan.ranks]
+        except (ValueError, KeyError):
+            predicted = None
         mb = 2**20
-        lines = [f"memory per rank after the first step (MiB; max over each stage's ranks)",
+        lines = ["memory per rank after the first step (MiB; max over each stage's ranks)",
                  f"{'stage':>5} {'ranks':>6} {'params':>9} {'grads':>9} {'optimizer':>9} "
-                 f"{'activations':>11} {'model+act':>9} {'peak (process)':>14}"]
+                 f"{'activations':>11} {'model+act':>9} {'predicted':>9} {'peak (process)':>14}"]
         for stage in range(self.topology.pp):
             ranks = [r for r in range(world) if self.topology.coords(r).pp == stage]
             top = every[ranks].max(dim=0).values / mb
+            pred = f"{predicted[stage] / mb:>9.1f}" if predicted else f"{'-':>9}"
             lines.append(f"{stage:>5} {len(ranks):>6} {top[0]:>9.1f} {top[1]:>9.1f} {top[2]:>9.1f} "
-                         f"{top[3]:>11.1f} {top[:4].sum():>9.1f} {top[4]:>14.1f}")
+                         f"{top[3]:>11.1f} {top[:4].sum():>9.1f} {pred} {top[4]:>14.1f}")
         return "\n".join(lines)
 
 
@@ -258,7 +253,7 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         OmegaConf.save(OmegaConf.structured(rc), Path(run_dir) / "config.yaml")
         log.info(trainer.topology.describe(rc.parallel.gpus_per_node))
     tokens_per_step = t.global_batch * trainer.model_cfg.seq_len
-    flops_per_token = model_flops_per_token(trainer.model_cfg)
+    flops_per_token = model_flops_per_token(ModelShape.of(trainer.model_cfg))
     peak = rc.logger.peak_tflops or (measured_matmul_tflops() if trainer.device.type == "cpu" else None)
     world = trainer.topology.world_size
     last: dict[str, Any] = {}
