@@ -87,6 +87,7 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
 
             return run_plan(rc, run_dir)
         if under_torchrun():
+            validate(rc, world_size=int(os.environ["WORLD_SIZE"]))  # a clean message on every rank
             return worker(rc, run_dir)
         layout = validate(rc, world_size=None)
     except ConfigError as e:

@@ -116,5 +116,5 @@ def test_torchrun_world_that_does_not_fit_fails_on_every_rank_quickly(tmp_path):
             cwd=os.getcwd())
     assert p.returncode != 0
     # each of the two ranks names the numbers and points at the planner
-    assert p.stderr.count("world size 2 is not divisible by pp 1 × tp 4 = 4") == 2, p.stderr[-2000:]
+    assert p.stderr.count("error: world size 2 is not divisible by pp 1 × tp 4 = 4") == 2, p.stderr[-2000:]
     assert "mode=plan" in p.stderr
