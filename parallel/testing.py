@@ -71,6 +71,10 @@ def _child(fn, args, kwargs, rank, world_size, store_path, stack_path, conn, thr
             timeout=timedelta(seconds=pg_timeout),
         )
         result = fn(*args, **kwargs)
+        # no rank leaves while a peer may still be connecting to it (gloo connects lazily
+        # and per group; an early exit shows up in the peer as ConnectionRefused/Reset)
+        if dist.is_initialized():
+            dist.barrier()
         # Plain pickle, not Connection.send: torch registers multiprocessing reducers that
         # pass tensors as shared-memory file descriptors served by *this* process, which
         # exits right after sending, so the parent's fetch could meet a reset connection.
