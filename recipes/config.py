@@ -26,6 +26,7 @@ class ParallelConfig:
     dp: Any = "auto"  # int, or "auto": world_size / (pp·tp)
     pp: int = 1
     tp: int = 1
+    mp: Optional[int] = None  # alias of tp (Megatron's "model parallel" size)
     sequence_parallel: bool = False
     zero: int = 0  # 0-3
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved
@@ -202,12 +203,23 @@ def resolve_dp(parallel: ParallelConfig, world_size: int | None) -> int:
         raise ConfigError(f"{e}. (Try `mode=plan` to size a layout before launching.)") from None
 
 
+def resolve_aliases(cfg: Any) -> None:
+    """``parallel.mp`` is another name for ``parallel.tp``: fold it in (idempotent)."""
+    p = cfg.parallel
+    if p.mp is None:
+        return
+    if p.tp not in (1, p.mp):
+        raise ConfigError(f"parallel.mp={p.mp} and parallel.tp={p.tp} disagree (mp is an alias of tp); set one")
+    p.tp = p.mp
+
+
 def validate(cfg: Any, world_size: int | None = None) -> Layout:
     """Check every relation between keys; return the resolved :class:`Layout`.
 
     ``world_size`` is the number of launched processes (None when the recipe
     will spawn its own: dp=auto then means 1). Raises :class:`ConfigError`.
     """
+    resolve_aliases(cfg)
     for key, allowed in CHOICES.items():
         v = _get(cfg, key)
         if v not in allowed:

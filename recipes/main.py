@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.local import spawn_local, under_torchrun
 
-from .config import ConfigError, RecipeConfig, resolve_dp, validate
+from .config import ConfigError, RecipeConfig, resolve_aliases, resolve_dp, validate
 from .deepspeed import apply_deepspeed
 
 _REGISTERED = False
@@ -79,6 +79,7 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
     rc = _typed(cfg)
     run_dir = HydraConfig.get().runtime.output_dir
     try:
+        resolve_aliases(rc)
         if rc.deepspeed:
             world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
             apply_deepspeed(rc, rc.deepspeed, resolve_dp(rc.parallel, world))

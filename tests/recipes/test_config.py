@@ -58,3 +58,10 @@ def test_bad_configs_are_refused_with_numbers(changes, world, needle):
 def test_unknown_preset():
     with pytest.raises(ConfigError, match="model.preset='gpt5'"):
         model_config(ModelSection(preset="gpt5"))
+
+
+def test_mp_is_an_alias_of_tp():
+    rc = make(parallel__mp=2)
+    assert validate(rc, world_size=2).tp == 2 and rc.parallel.tp == 2
+    with pytest.raises(ConfigError, match="parallel.mp=2 and parallel.tp=4 disagree"):
+        validate(make(parallel__mp=2, parallel__tp=4), world_size=None)

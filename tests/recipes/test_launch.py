@@ -118,3 +118,12 @@ def test_torchrun_world_that_does_not_fit_fails_on_every_rank_quickly(tmp_path):
     # each of the two ranks names the numbers and points at the planner
     assert p.stderr.count("error: world size 2 is not divisible by pp 1 × tp 4 = 4") == 2, p.stderr[-2000:]
     assert "mode=plan" in p.stderr
+
+
+def test_slurm_sweeps_compose_through_the_submitit_launcher(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    p = run([sys.executable, "-m", "recipes.gpt_tiny", "hydra/launcher=submitit_slurm",
+             "hydra.launcher.gpus_per_node=8", "hydra.launcher.timeout_min=120", "--cfg", "hydra"],
+            cwd=os.getcwd())
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "SlurmLauncher" in p.stdout and "gpus_per_node: 8" in p.stdout
