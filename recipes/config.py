@@ -90,6 +90,7 @@ class LoggerConfig:
     wandb: str = "disabled"  # disabled | offline | online
     project: str = "gridtrain"
     peak_tflops: Optional[float] = None  # for MFU; default: measured (CPU) or device table
+    timeline: bool = False  # record step 2 on every stage; write timeline.png (the pipeline's bubble)
 
 
 @dataclass

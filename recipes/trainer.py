@@ -33,7 +33,9 @@ from parallel.memory import SavedActivationMeter, peak_memory_bytes
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.partition import stage_chunks
 from parallel.plan.shape import ModelShape, layer_partition, model_flops_per_token
-from parallel.pipeline.schedules import build_schedule
+from parallel.pipeline.schedules import Backward, Forward, build_schedule
+from parallel.pipeline.simulator import Span
+from parallel.pipeline.timeline import bubble_fraction, draw_timeline
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
 
@@ -207,6 +209,46 @@ class Trainer:
                 "comm_frac": min(1.0, counter.wait_seconds() / elapsed),
                 "mem_gb": peak_memory_bytes(self.device) / 2**30}
 
+    def timeline_step(self, step: int, path: str | Path) -> dict[str, Any]:
+        """Train ``step`` while recording every stage's actions; rank 0 draws ``path`` (PNG).
+
+        Collective. Stages start together (one world all-reduce), so the per-rank
+        clocks are aligned to within that collective's skew. Returns the step's
+        record with ``bubble`` (measured, from the recorded timeline) added.
+        """
+        comm.all_reduce(torch.zeros(1, device=self.device))
+        self.executor.record_timeline = True
+        try:
+            rec = self.train_step(step)
+        finally:
+            self.executor.record_timeline = False
+        kinds = {Forward: 0, Backward: 1}
+        rows = [[sp.start, sp.end, kinds.get(type(sp.action), 2),
+                 getattr(sp.action, "mb", -1), getattr(sp.action, "chunk", -1)] for sp in self.executor.timeline]
+        n = torch.tensor([len(rows)], dtype=torch.float64, device=self.device)
+        comm.all_reduce(n, op=comm.ReduceOp.MAX)
+        width = int(n.item())
+        mine = torch.full((width, 5), -1.0, dtype=torch.float64, device=self.device)
+        if rows:
+            mine[: len(rows)] = torch.tensor(rows, dtype=torch.float64)
+        every = torch.empty(self.topology.world_size * width * 5, dtype=torch.float64, device=self.device)
+        comm.all_gather(every, mine.view(-1))
+        every = every.view(self.topology.world_size, width, 5).cpu()
+        timeline = []
+        for stage in range(self.topology.pp):
+            spans = []
+            for start, end, kind, mb, chunk in every[self.topology.rank(dp=0, pp=stage, tp=0)].tolist():
+                if kind < 0:
+                    continue
+                action = (Forward, Backward)[int(kind)](int(mb), int(chunk)) if kind < 2 else ()
+                spans.append(Span(action, start, end))
+            timeline.append(spans)
+        rec["bubble"] = bubble_fraction(timeline)
+        if self.rank == 0:
+            draw_timeline(timeline, path, title=f"step {step + 1}: {self.rc.parallel.pp_schedule}, "
+                          f"pp={self.topology.pp}, m={self.layout.grad_accum}, vpp={self.rc.parallel.vpp}")
+        return rec
+
     def memory_report(self) -> str | None:
         """Rank 0: a table of what each rank class (pipeline stage) holds after the first step.
 
@@ -259,7 +301,10 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     last: dict[str, Any] = {}
     try:
         for step in range(t.max_steps):
-            rec = trainer.train_step(step, measure_memory=step == 0)
+            if rc.logger.timeline and step == 1:  # a steady step (step 0 warms up and measures memory)
+                rec = trainer.timeline_step(step, Path(run_dir) / "timeline.png")
+            else:
+                rec = trainer.train_step(step, measure_memory=step == 0)
             if step == 0:
                 report = trainer.memory_report()
                 if report:

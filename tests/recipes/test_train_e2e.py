@@ -70,3 +70,12 @@ def test_layouts_match_one_process(references, tmp_path, layout):
     assert loss == pytest.approx(ref_loss, abs=1e-4)
     assert norm == pytest.approx(ref_norm, rel=1e-4)
     assert loss[-1] < loss[0] - 0.3  # and it learns
+
+
+def test_timeline_of_a_real_step_is_drawn_and_its_bubble_logged(tmp_path):
+    rc = tiny_recipe(pp=2, parallel__pp_schedule="1f1b", logger__timeline=True, train__max_steps=2)
+    run_ranks(_train, 2, rc, str(tmp_path), timeout=300)
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert "bubble" not in rows[0] and 0.0 < rows[1]["bubble"] < 1.0
+    png = (tmp_path / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
