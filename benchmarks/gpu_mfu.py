@@ -147,8 +147,7 @@ def main(argv=None) -> list[dict]:
     if min(a.steps, a.micro_batch, a.global_batch) < 1 or a.warmup < 0:
         ap.error(f"--steps/--micro-batch/--global-batch must be ≥ 1 and --warmup ≥ 0, got "
                  f"{a.steps}/{a.micro_batch}/{a.global_batch} and {a.warmup}")
-    _single_process_env()
-    world = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     dry_run = not torch.cuda.is_available()
     if dry_run:
         print("No CUDA GPU here: a tiny CPU dry run of the same path (2 steps, 1 warm-up); no MFU figures.")
@@ -157,6 +156,7 @@ def main(argv=None) -> list[dict]:
     bad = [lay for lay in layouts if len(lay) != 3 or lay[0] * lay[1] * lay[2] != world]
     if bad:
         ap.error(f"layouts {bad} do not multiply to the world size {world} (give dp,pp,tp with dp·pp·tp = {world})")
+    _single_process_env()
     name = torch.cuda.get_device_name() if not dry_run else "CPU"
     peak = a.peak_tflops or (None if dry_run else peak_tflops(name))
     rank0 = int(os.environ["RANK"]) == 0

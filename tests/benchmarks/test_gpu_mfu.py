@@ -52,7 +52,10 @@ def test_dry_run_of_multi_gpu_layouts_trains_the_same_model():
         assert r["mfu"] is None  # no peak for a CPU
 
 
-def test_layouts_that_do_not_fill_the_world_are_refused(capsys):
+def test_layouts_that_do_not_fill_the_world_are_refused(capsys, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)  # restored afterwards: later tests spawn launchers
     with pytest.raises(SystemExit):
         gpu_mfu.main(["--layout", "2,1,1"])  # one process
     assert "dp·pp·tp = 1" in capsys.readouterr().err
+    assert "WORLD_SIZE" not in __import__("os").environ  # refused before touching the environment
