@@ -21,13 +21,16 @@ def time_alternating(steps_by_name: dict[str, Callable[[], object]], steps: int,
                      barrier: bool = True) -> dict[str, list[float]]:
     """Seconds of each contender's step, ``steps`` rounds after ``warmup`` rounds.
 
-    Each round runs every contender once, in order, so that a change in machine
-    load (other processes on shared cores) hits all of them alike. With
+    Each round runs every contender once, so that a change in machine load (other
+    processes on shared cores) hits all of them alike; odd rounds run them in
+    reverse order, so that no contender always goes first (after the barrier, with
+    caches left by another model) or always follows the same one. With
     ``barrier`` all ranks start each step together (a benchmark-only barrier
     that moves no payload)."""
     times: dict[str, list[float]] = {name: [] for name in steps_by_name}
+    order = list(steps_by_name.items())
     for i in range(steps + warmup):
-        for name, step in steps_by_name.items():
+        for name, step in order if i % 2 == 0 else order[::-1]:
             if barrier:
                 dist.barrier()
             t0 = time.perf_counter()

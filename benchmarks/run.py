@@ -169,7 +169,7 @@ def chart(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds, sequence 32 (under 2 minutes)")
-    ap.add_argument("--steps", type=int, help="timed rounds (default 10, quick 4)")
+    ap.add_argument("--steps", type=int, help="timed rounds (default 20, quick 4)")
     ap.add_argument("--warmup", type=int, help="untimed rounds first (default 2, quick 1)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -178,7 +178,7 @@ def main(argv=None) -> list[dict]:
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         ap.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
-    steps = a.steps or (4 if a.quick else 10)
+    steps = a.steps or (4 if a.quick else 20)
     warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     if steps < 1 or warmup < 0:
         ap.error(f"--steps must be ≥ 1 and --warmup ≥ 0, got {steps} and {warmup}")
