@@ -1,19 +1,19 @@
 """Tokens/s, TFLOP/s and MFU of a ~1B-parameter GPT trained in bf16 through our trainer.
 
     python -m benchmarks.gpu_mfu                               # one GPU (or a CPU dry run)
-    torchrun --nproc-per-node 8 -m benchmarks.gpu_mfu          # (8,1,1) (1,1,8) (1,8,1) (2,2,2)
+    torchrun --nproc-per-node 8 -m benchmarks.gpu_mfu          # (8,1,1) (1,1,8) (2,2,2)
     torchrun --nproc-per-node 4 -m benchmarks.gpu_mfu --layout 2,1,2 --layout 1,2,2
 
 Each layout (dp, pp, tp) is a :class:`recipes.trainer.Trainer` (ZeRO-1, bf16
 compute with fp32 master weights, fused AdamW on CUDA, SDPA restricted to the
 flash / memory-efficient / cuDNN kernels so a silent fall-back to the math kernel
 fails loudly) running ``--warmup`` then ``--steps`` timed steps of the same
-global batch. Per layout it prints tokens/s, achieved TFLOP/s per GPU
-(``recipes.trainer.model_flops_per_token``: 6·N + attention), MFU against the
-GPU's dense bf16 peak (:data:`PEAK_BF16_TFLOPS`, or ``--peak-tflops``) and the
-peak memory allocated (max over ranks). The default model (20 layers, d_model
-2048, seq 2048, vocab 50304 tied: 1.1 B parameters) at micro-batch 4 needs
-≈ 35 GB on one GPU and runs the default steps in well under 5 minutes on an A100.
+global batch (default: 4 micro-batches of 4 × 2048 tokens per GPU). Per layout it
+prints tokens/s, achieved TFLOP/s per GPU (``recipes.trainer.model_flops_per_token``:
+6·N + attention), MFU against the GPU's dense bf16 peak (:data:`PEAK_BF16_TFLOPS`,
+or ``--peak-tflops``) and the peak memory allocated (max over ranks). The default
+model (20 layers, d_model 2048, seq 2048, vocab 50304 tied: 1.1 B parameters) at
+micro-batch 4 needs ≈ 35 GB on one GPU (estimate, not measured here).
 
 Without CUDA it says so, runs the same code path on a tiny model for two steps
 on the CPU (bf16 as well) and exits 0.
@@ -140,14 +140,16 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--global-batch", type=int, default=0,
+                    help="sequences per step (default: 4 micro-batches per rank, micro-batch × 4 × world)")
     ap.add_argument("--layout", action="append", help="dp,pp,tp (repeatable); default: see the module doc")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, if not in the table")
     a = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    a.global_batch = a.global_batch or a.micro_batch * 4 * world
     if min(a.steps, a.micro_batch, a.global_batch) < 1 or a.warmup < 0:
         ap.error(f"--steps/--micro-batch/--global-batch must be ≥ 1 and --warmup ≥ 0, got "
                  f"{a.steps}/{a.micro_batch}/{a.global_batch} and {a.warmup}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     dry_run = not torch.cuda.is_available()
     if dry_run:
         print("No CUDA GPU here: a tiny CPU dry run of the same path (2 steps, 1 warm-up); no MFU figures.")

@@ -19,6 +19,15 @@ def test_peak_table_and_layouts():
     assert gpu_mfu.default_layouts(4) == [(4, 1, 1), (1, 1, 4), (1, 4, 1)]
 
 
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_default_layouts_are_valid_recipes(world):
+    from recipes.config import validate
+
+    for dp, pp, tp in gpu_mfu.default_layouts(world):
+        rc = gpu_mfu.recipe(dp, pp, tp, dry_run=False, micro_batch=4, global_batch=4 * 4 * world)
+        assert validate(rc, world_size=world).dp == dp  # refused with a ConfigError otherwise
+
+
 def test_the_gpu_model_is_about_one_billion_parameters():
     from models.transformer import build_model
     from recipes.config import model_config
