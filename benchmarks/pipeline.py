@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,26 +30,14 @@ from parallel.pipeline.simulator import Span
 from parallel.pipeline.timeline import bubble_fraction, draw_timeline
 from parallel.testing import run_ranks
 
+from .common import time_alternating
+
 
 def _stage(layers: range, n_layers: int, d: int, first: bool, last: bool) -> nn.Sequential:
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(n_layers)]
     mods = ([nn.Linear(d, d)] if first else []) + [blocks[i] for i in layers] + ([nn.Linear(d, d)] if last else [])
     return nn.Sequential(*mods)
-
-
-def _time_alternating(steps_by_name: dict, steps: int) -> dict[str, list[float]]:
-    """Step times of each contender, alternating step by step so that a change in
-    machine load (other processes on shared cores) hits both alike; two warm-up rounds."""
-    times: dict[str, list[float]] = {name: [] for name in steps_by_name}
-    for i in range(steps + 2):
-        for name, step in steps_by_name.items():
-            dist.barrier()  # benchmark-only synchronisation, moves no payload
-            t0 = time.perf_counter()
-            step()
-            if i >= 2:
-                times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def _rank(pp: int, m: int, n_layers: int, d: int, mbs: int, seq: int, steps: int):
@@ -88,7 +75,7 @@ def _rank(pp: int, m: int, n_layers: int, d: int, mbs: int, seq: int, steps: int
         else:
             sched.step()
 
-    times = _time_alternating({"ours": our_step, "torch": their_step}, steps)
+    times = time_alternating({"ours": our_step, "torch": their_step}, steps)
     return times["ours"], times["torch"], timelines[-1]
 
 

@@ -32,6 +32,8 @@ from parallel import comm
 from parallel.testing import run_ranks
 from parallel.zero import ZeroDataParallel
 
+from .common import COUNT_TORCH, count_torch_collectives, ddp_comm_hook, torch_state_bytes
+
 
 class Block(nn.Module):
     def __init__(self, d: int):
@@ -51,53 +53,6 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t  # DTensor (FSDP2) -> this rank's shard
-
-
-def _torch_state_bytes(model, opt) -> int:
-    """Bytes of the distinct storages behind parameters, gradients and optimizer state."""
-    tensors = [_local(p) for p in model.parameters()] + [_local(p.grad) for p in model.parameters()
-                                                         if p.grad is not None]
-    tensors += [_local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
-# torch.distributed collectives PyTorch's own wrappers call; counted only while one of them runs
-_WRAPPED = {"all_reduce": "all_reduce", "broadcast": "broadcast",
-            "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter"}
-_ORIGINAL: dict = {}
-_COUNT_TORCH = {"on": False}
-
-
-def _count_torch_collectives() -> None:
-    """Report torch.distributed's collectives to parallel.comm's counter (benchmark only)."""
-    for name, op in _WRAPPED.items():
-        if name in _ORIGINAL:
-            continue
-        _ORIGINAL[name] = original = getattr(dist, name)
-
-        def counted(*args, _original=original, _op=op, **kwargs):
-            if _COUNT_TORCH["on"]:
-                group = kwargs.get("group")
-                # all_reduce/broadcast: the tensor; all_gather: the (gathered) output; reduce_scatter: the input
-                names = ("input",) if _op == "reduce_scatter" else ("tensor", "output_tensor")
-                pos = 1 if _op == "reduce_scatter" else 0
-                t = args[pos] if len(args) > pos else next(kwargs[n] for n in names if n in kwargs)
-                comm.record(comm.group_label(group), _op, t.numel() * t.element_size(), dist.get_world_size(group))
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
-
-def _ddp_comm_hook(_, bucket):
-    """DDP's default all-reduce of one bucket, made visible to the counter."""
-    t = bucket.buffer().div_(dist.get_world_size())
-    comm.record("world", "all_reduce", t.numel() * t.element_size(), dist.get_world_size())
-    return _ORIGINAL["all_reduce"](t, async_op=True).get_future().then(lambda f: f.value()[0])
-
-
 def _build(kind: str, d: int, blocks: int):
     model = make_model(d, blocks)
     if kind.startswith("ours"):
@@ -110,10 +65,10 @@ def _build(kind: str, d: int, blocks: int):
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-        ddp.register_comm_hook(None, _ddp_comm_hook)
+        ddp.register_comm_hook(None, ddp_comm_hook)
         opt = adamw(ddp.parameters()) if kind == "ddp" else ZeroRedundancyOptimizer(
             ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
-        state = lambda: _torch_state_bytes(model, opt.optim if kind != "ddp" else opt)  # noqa: E731
+        state = lambda: torch_state_bytes(model, opt.optim if kind != "ddp" else opt)  # noqa: E731
         return ddp, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()), state
     if kind == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -125,19 +80,19 @@ def _build(kind: str, d: int, blocks: int):
         fully_shard(model, mesh=mesh)
         opt = adamw(model.parameters())
         return (model, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()),
-                lambda: _torch_state_bytes(model, opt))
+                lambda: torch_state_bytes(model, opt))
     raise ValueError(f"unknown configuration {kind!r}")
 
 
 def _run(kinds, d, blocks, steps, batch):
-    _count_torch_collectives()
+    count_torch_collectives()
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(batch, d, generator=g), torch.randn(batch, generator=g)) for _ in range(steps + 3)]
     rows = {}
     for kind in kinds:
         model, backward, step, state_bytes = _build(kind, d, blocks)
-        _COUNT_TORCH["on"] = not kind.startswith("ours")
+        COUNT_TORCH["on"] = not kind.startswith("ours")
         times, counter, held = [], comm.CommCounter(), 0
         for i, (x, y) in enumerate(data):
             x, y = x.chunk(dist.get_world_size())[rank], y.chunk(dist.get_world_size())[rank]

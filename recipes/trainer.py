@@ -122,11 +122,13 @@ class Trainer:
         units = [b for ch in chunks for b in ch.blocks.values()]
         o, t, cm = self.rc.optim, self.rc.train, self.rc.comm
 
+        fused = True if self.device.type == "cuda" else None  # one kernel for all tensors; None: foreach
+
         def optimizer_factory(param_groups):
             if o.name == "sgd":
                 return torch.optim.SGD(param_groups, lr=o.lr, weight_decay=o.weight_decay)
             return torch.optim.AdamW(param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                     weight_decay=o.weight_decay)
+                                     weight_decay=o.weight_decay, fused=fused)
 
         self.zero = ZeroDataParallel(
             self.stage_module, dp_group=g.dp, stage=p.zero, optimizer_factory=optimizer_factory,
@@ -201,9 +203,9 @@ class Trainer:
             self.model_state_bytes = self.zero.held_bytes()
         loss = loss.detach().float() / scale
         comm.all_reduce(loss, group=self.groups.dp)  # mean over DP replicas = the global batch
-        loss /= self.layout.dp
+        loss_value = (loss / self.layout.dp).item()  # waits for the device: the step's work is all in
         elapsed = time.perf_counter() - t0
-        return {"loss": loss.item(), "lr": lr, "grad_norm": float(stats["grad_norm"]),
+        return {"loss": loss_value, "lr": lr, "grad_norm": float(stats["grad_norm"]),
                 "skipped": bool(stats["skipped"]), "loss_scale": float(stats["loss_scale"]),
                 "step_time_s": elapsed, "comm_bytes": counter.sent_bytes(),
                 "comm_frac": min(1.0, counter.wait_seconds() / elapsed),

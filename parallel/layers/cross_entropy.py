@@ -16,6 +16,7 @@ gradient.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import comm
 from .linear import LayerConfigError
@@ -76,10 +77,16 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     full_v = logits.shape[-1] * comm.tp_world_size(tp_group)
     if vocab_size is not None and vocab_size > full_v:
         raise LayerConfigError(f"vocab_size {vocab_size} exceeds the {full_v} logits columns over all ranks")
-    valid = targets != ignore_index
-    if valid.any() and (int(targets[valid].min()) < 0 or int(targets[valid].max()) >= (vocab_size or full_v)):
-        raise LayerConfigError(
-            f"vocab_parallel_cross_entropy: targets span [{int(targets[valid].min())}, "
-            f"{int(targets[valid].max())}], outside the vocabulary [0, {vocab_size or full_v})"
-        )
+    if targets.numel():  # one reduction and one host sync per call: this runs every micro-batch
+        lo, hi = torch.stack(torch.aminmax(targets.masked_fill(targets == ignore_index, 0))).tolist()
+        if lo < 0 or hi >= (vocab_size or full_v):
+            raise LayerConfigError(
+                f"vocab_parallel_cross_entropy: targets span [{lo}, {hi}] (ignore_index {ignore_index} "
+                f"aside), outside the vocabulary [0, {vocab_size or full_v})"
+            )
+    if comm.tp_world_size(tp_group) == 1:  # one rank holds every column: PyTorch's fused kernel
+        z = logits.float()[..., :vocab_size] if vocab_size is not None else logits.float()
+        loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
+                               reduction="none")
+        return loss.view(targets.shape)
     return _VocabParallelCrossEntropy.apply(logits, targets, tp_group, vocab_size, ignore_index)

@@ -63,10 +63,10 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
             raise LayerConfigError(f"VocabParallelEmbedding: token ids must be integers, got {ids.dtype}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist() if ids.numel() else (0, 0)  # one host sync
+        if lo < 0 or hi >= self.vocab_size:
             raise LayerConfigError(
-                f"VocabParallelEmbedding: token ids span [{int(ids.min())}, {int(ids.max())}], "
-                f"outside the vocabulary [0, {self.vocab_size})"
+                f"VocabParallelEmbedding: token ids span [{lo}, {hi}], outside the vocabulary [0, {self.vocab_size})"
             )
         if comm.tp_world_size(self.tp_group) == 1:
             out = F.embedding(ids, self.weight)

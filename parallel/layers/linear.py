@@ -140,6 +140,8 @@ class RowParallelLinear(nn.Module):
         else:
             _check_last_dim(x, self.in_features, type(self).__name__)
             x = comm.scatter_to_tp_region(x, self.tp_group)
+        if self.tp_size == 1:  # nothing to reduce: the bias joins the matmul (one addmm, as nn.Linear)
+            return F.linear(x, self.weight, self.bias)
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)

@@ -113,11 +113,16 @@ class FlatBucket:
     def adopt_grad(self, param, slot_index: int) -> None:
         """Stages 0–1: if ``param.grad`` is no longer a view of ``flat_grad`` (the user set it to
         None, e.g. ``model.zero_grad()``), take the fresh gradient in and re-point it."""
+        grad = param.grad
+        if grad is None:
+            return
         slot = self.layout.slots[slot_index]
+        # runs per parameter per micro-batch: compare addresses before building any view
+        if grad.data_ptr() == self.flat_grad.data_ptr() + slot.offset * self.flat_grad.element_size():
+            return
         view = self.flat_grad[slot.offset:slot.end]
-        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad.reshape(-1))
-            param.grad = view.view(slot.shape)
+        view.copy_(grad.reshape(-1))
+        param.grad = view.view(slot.shape)
 
     def has_unreduced_grads(self) -> bool:
         if self.stage <= 1:

@@ -15,7 +15,7 @@ A bucket never mixes
   tensor in a single optimizer parameter group and any elementwise torch
   optimizer (AdamW, SGD, ...) runs on it unchanged; nor
 * parameters of different *units* (stage 3 gathers one unit, e.g. one
-  transformer block, at a time); nor
+  transformer block, at a time; the engine gives units only at stage 3); nor
 * parameters whose gradient needs one more reduction over another group
   (``extra_reduce``: "embedding" for a word embedding tied across pipeline
   stages, "tp" for a sequence-parallel parameter) with ones that do not: such a

@@ -82,3 +82,28 @@ def test_vocab_parallel_cross_entropy_and_embedding_equal_torch(tp):
         torch.testing.assert_close(grad, ref_grad)
         if emb is not None:
             torch.testing.assert_close(emb, ref_emb)
+
+
+def test_row_parallel_linear_without_group_is_torch_linear():
+    w, b, x = _ref(1, 8, 12).requires_grad_(), _ref(2, 8).requires_grad_(), _ref(3, 2, 3, 12)
+    F.linear(x, w, b).square().sum().backward()
+    row = RowParallelLinear(12, 8)
+    with torch.no_grad():
+        row.weight.copy_(w)
+        row.bias.copy_(b)
+    y = row(x)
+    y.square().sum().backward()
+    torch.testing.assert_close(y, F.linear(x, w, b))
+    torch.testing.assert_close(row.weight.grad, w.grad)
+    torch.testing.assert_close(row.bias.grad, b.grad)
+
+
+def test_out_of_vocabulary_ids_and_targets_are_refused_with_their_span():
+    from parallel.layers import LayerConfigError
+
+    with pytest.raises(LayerConfigError, match=r"targets span \[0, 9\].*\[0, 8\)"):
+        vocab_parallel_cross_entropy(torch.randn(2, 3, 8), torch.tensor([[1, -100, 9], [0, 1, 2]]), vocab_size=8)
+    with pytest.raises(LayerConfigError, match=r"token ids span \[-1, 1\]"):
+        VocabParallelEmbedding(8, 4)(torch.tensor([[1, -1]]))
+    # every target ignored: loss 0, nothing refused
+    assert vocab_parallel_cross_entropy(torch.randn(2, 3, 8), torch.full((2, 3), -100)).abs().sum() == 0

@@ -1,0 +1,181 @@
+"""Tokens/s, TFLOP/s and MFU of a ~1B-parameter GPT trained in bf16 through our trainer.
+
+    python -m benchmarks.gpu_mfu                               # one GPU (or a CPU dry run)
+    torchrun --nproc-per-node 8 -m benchmarks.gpu_mfu          # (8,1,1) (1,1,8) (2,2,2)
+    torchrun --nproc-per-node 4 -m benchmarks.gpu_mfu --layout 2,1,2 --layout 1,2,2
+
+Each layout (dp, pp, tp) is a :class:`recipes.trainer.Trainer` (ZeRO-1, bf16
+compute with fp32 master weights, fused AdamW on CUDA, SDPA restricted to the
+flash / memory-efficient / cuDNN kernels so a silent fall-back to the math kernel
+fails loudly) running ``--warmup`` then ``--steps`` timed steps of the same
+global batch (default: 4 micro-batches of 4 × 2048 tokens per GPU). Per layout it
+prints tokens/s, achieved TFLOP/s per GPU (``recipes.trainer.model_flops_per_token``:
+6·N + attention), MFU against the GPU's dense bf16 peak (:data:`PEAK_BF16_TFLOPS`,
+or ``--peak-tflops``) and the peak memory allocated (max over ranks). The default
+model (20 layers, d_model 2048, seq 2048, vocab 50304 tied: 1.1 B parameters) at
+micro-batch 4 needs ≈ 35 GB on one GPU (estimate, not measured here).
+
+Without CUDA it says so, runs the same code path on a tiny model for two steps
+on the CPU (bf16 as well) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import socket
+import sys
+import time
+
+if __package__ in (None, ""):  # `python benchmarks/gpu_mfu.py`: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+# dense bf16 tensor-core peak per GPU, TFLOP/s (vendor data sheets, SXM parts)
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named ``device_name`` (``None`` if not in the table)."""
+    for key, value in PEAK_BF16_TFLOPS.items():
+        if key in device_name.upper():
+            return value
+    return None
+
+
+def recipe(dp: int, pp: int, tp: int, *, dry_run: bool, micro_batch: int, global_batch: int):
+    from recipes.config import RecipeConfig
+
+    rc = RecipeConfig()
+    rc.model.preset = "gpt_tiny"
+    if dry_run:
+        rc.model.n_layers, rc.model.d_model, rc.model.n_heads, rc.model.seq_len = 2, 64, 4, 32
+        rc.train.threads = 1
+        rc.data.embedded_mb = 0.25
+    else:
+        rc.model.n_layers, rc.model.d_model, rc.model.n_heads = 20, 2048, 16
+        rc.model.n_kv_heads, rc.model.d_ff = 16, 4 * 2048  # the preset's derived 4 and 512 would stick
+        rc.model.seq_len, rc.model.vocab_size = 2048, 50304
+    rc.parallel.dp, rc.parallel.pp, rc.parallel.tp, rc.parallel.zero = dp, pp, tp, 1
+    rc.train.precision = "bf16"
+    rc.train.global_batch, rc.train.micro_batch = global_batch, micro_batch
+    rc.train.eval_every, rc.train.grad_clip, rc.train.max_steps = 0, 1.0, 1000
+    rc.optim.warmup_steps = 0
+    rc.logger.progress = False
+    return rc
+
+
+def default_layouts(world: int) -> list[tuple[int, int, int]]:
+    """Pure DP, pure TP, pure PP of the world (what divides the default model), and (2,2,2) on 8."""
+    layouts = [(world, 1, 1)]
+    if world > 1:
+        if 16 % world == 0:  # heads
+            layouts.append((1, 1, world))
+        if 20 % world == 0:  # layers
+            layouts.append((1, world, 1))
+        if world == 8:
+            layouts.append((2, 2, 2))
+    return layouts
+
+
+def _sdpa_without_math_kernel():
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+
+
+def measure(layout: tuple[int, int, int], a, dry_run: bool) -> dict:
+    """Train ``layout`` for ``a.warmup + a.steps`` steps; rank 0's view of the timed ones."""
+    from parallel import comm
+    from recipes.trainer import Trainer, model_flops_per_token
+
+    dp, pp, tp = layout
+    rc = recipe(dp, pp, tp, dry_run=dry_run, micro_batch=a.micro_batch, global_batch=a.global_batch)
+    trainer = Trainer(rc, run_dir=".")
+    cuda = trainer.device.type == "cuda"
+    with _sdpa_without_math_kernel():
+        for step in range(a.warmup):
+            trainer.train_step(step)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for step in range(a.warmup, a.warmup + a.steps):
+            loss = trainer.train_step(step)["loss"]  # waits for the device
+        elapsed = (time.perf_counter() - t0) / a.steps
+    world = trainer.topology.world_size
+    peak_mem = torch.tensor([torch.cuda.max_memory_allocated() if cuda else 0], dtype=torch.float64,
+                            device=trainer.device)
+    comm.all_reduce(peak_mem, op=torch.distributed.ReduceOp.MAX)  # world group
+    cfg = trainer.model_cfg
+    tokens_per_s = rc.train.global_batch * cfg.seq_len / elapsed
+    tflops = tokens_per_s * model_flops_per_token(cfg) / world / 1e12
+    n_params = sum(p.numel() for p in trainer.stage_module.parameters())
+    del trainer
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"layout": layout, "step_s": elapsed, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
+            "peak_mem_GB": peak_mem.item() / 1e9, "loss": loss, "rank0_params": n_params}
+
+
+def _single_process_env() -> None:
+    """Run without torchrun: a one-rank world on this machine."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--global-batch", type=int, default=0,
+                    help="sequences per step (default: 4 micro-batches per rank, micro-batch × 4 × world)")
+    ap.add_argument("--layout", action="append", help="dp,pp,tp (repeatable); default: see the module doc")
+    ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, if not in the table")
+    a = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    a.global_batch = a.global_batch or a.micro_batch * 4 * world
+    if min(a.steps, a.micro_batch, a.global_batch) < 1 or a.warmup < 0:
+        ap.error(f"--steps/--micro-batch/--global-batch must be ≥ 1 and --warmup ≥ 0, got "
+                 f"{a.steps}/{a.micro_batch}/{a.global_batch} and {a.warmup}")
+    dry_run = not torch.cuda.is_available()
+    if dry_run:
+        print("No CUDA GPU here: a tiny CPU dry run of the same path (2 steps, 1 warm-up); no MFU figures.")
+        a.steps, a.warmup, a.micro_batch, a.global_batch = 2, 1, 2, 4 * world
+    layouts = [tuple(int(v) for v in s.split(",")) for s in a.layout] if a.layout else default_layouts(world)
+    bad = [lay for lay in layouts if len(lay) != 3 or lay[0] * lay[1] * lay[2] != world]
+    if bad:
+        ap.error(f"layouts {bad} do not multiply to the world size {world} (give dp,pp,tp with dp·pp·tp = {world})")
+    _single_process_env()
+    name = torch.cuda.get_device_name() if not dry_run else "CPU"
+    peak = a.peak_tflops or (None if dry_run else peak_tflops(name))
+    rank0 = int(os.environ["RANK"]) == 0
+    results = []
+    for layout in layouts:
+        r = measure(layout, a, dry_run)
+        r["mfu"] = r["tflops_per_gpu"] / peak if peak else None
+        results.append(r)
+        if rank0:
+            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (peak unknown: --peak-tflops)"
+            print(f"{name} ×{world} (dp,pp,tp)={layout}: {r['step_s'] * 1e3:.0f} ms/step, "
+                  f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {mfu}, "
+                  f"peak memory {r['peak_mem_GB']:.1f} GB/GPU (max over ranks), loss {r['loss']:.3f}", flush=True)
+    if dry_run and rank0:
+        print("dry run done (exit 0); run on a CUDA machine for the real figures")
+    return results
+
+
+if __name__ == "__main__":
+    main()

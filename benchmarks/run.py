@@ -1,0 +1,197 @@
+"""The whole suite: each of our layouts next to PyTorch's own equivalent, on one small GPT.
+
+    python -m benchmarks [--quick] [--out DIR] [--steps N] [--only dp,tp]
+
+Rows (all ranks are forked gloo CPU processes, one thread each):
+
+* ``single``: our trainer step at dp=pp=tp=1 vs a plain PyTorch GPT step (same weights);
+* ``dp ZeRO-k`` (2 ranks): ZeRO stages 0/1/2/3 vs DDP / ZeroRedundancyOptimizer /
+  FSDP2 without / with resharding after forward;
+* ``tp`` (2 ranks): our Megatron TP vs ``torch.distributed.tensor.parallel``;
+* ``pp 1f1b`` / ``pp interleaved`` (2 ranks): our executor vs ``torch.distributed.pipelining``
+  ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``;
+* ``3d`` (8 ranks): ours at (dp, pp, tp) = (2, 2, 2) vs DDP at (8, 1, 1).
+
+In each row both contenders live in the same processes and alternate step by step
+(a row's contenders all take one turn per round), so machine drift hits both; the
+ratio ours/theirs is taken per round (slowest rank of each) and reported as median
+with its interquartile range. Also per row: model-state MB per rank (max over ranks),
+MB sent per rank per step (mean over ranks, :class:`parallel.comm.CommCounter`) vs
+theory (:mod:`benchmarks.theory`), and for our pipelines the bubble measured on the
+executor's timeline vs ``(p-1)/(v·m+p-1)``. Writes ``results.md``, ``results.json``
+and ``ratios.png`` into ``--out`` (default ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from parallel.pipeline.timeline import bubble_fraction
+from parallel.testing import run_ranks
+
+from . import theory
+from .common import compare, slowest_rank, time_alternating
+from .contenders import Ours, Theirs
+from .gpt import suite_recipe
+
+# section -> (world size, [(row name, our recipe's parallel settings, PyTorch's contender)])
+SECTIONS: dict[str, tuple[int, list[tuple[str, dict, str]]]] = {
+    "single": (1, [("single process", {}, "plain")]),
+    "dp": (2, [("dp ZeRO-0", dict(zero=0), "ddp"), ("dp ZeRO-1", dict(zero=1), "zero_redundancy"),
+               ("dp ZeRO-2", dict(zero=2), "fsdp2_zero2"), ("dp ZeRO-3", dict(zero=3), "fsdp2_zero3")]),
+    "tp": (2, [("tp=2", dict(tp=2), "dtensor_tp")]),
+    "pp": (2, [("pp=2 1F1B", dict(pp=2), "torch_1f1b"),
+               ("pp=2 interleaved v=2", dict(pp=2, pp_schedule="interleaved", vpp=2), "torch_interleaved")]),
+    "3d": (8, [("3d (2,2,2) ZeRO-1", dict(dp=2, pp=2, tp=2, zero=1), "ddp")]),
+}
+LABELS = {"plain": "plain PyTorch", "ddp": "DDP", "zero_redundancy": "DDP + ZeroRedundancyOptimizer",
+          "fsdp2_zero2": "FSDP2 (no reshard)", "fsdp2_zero3": "FSDP2 (reshard)", "dtensor_tp": "DTensor TP",
+          "torch_1f1b": "pipelining Schedule1F1B", "torch_interleaved": "pipelining ScheduleInterleaved1F1B"}
+
+
+def expected_bytes(ours: Ours) -> float:
+    """What our step should send from this rank (DP + TP + PP, :mod:`benchmarks.theory`)."""
+    tr = ours.trainer
+    lay, p, mc = tr.layout, tr.rc.parallel, tr.model_cfg
+    m, mb = lay.grad_accum, lay.micro_batch
+    sent = 0.0
+    if lay.dp > 1:
+        psi = sum(q.numel() for q in tr.stage_module.parameters())
+        in_units = sum(q.numel() for ch in tr.stage_module.chunks for q in ch.blocks.parameters())
+        sent += theory.dp_bytes(psi, p.zero, lay.dp, m, regathered_psi=in_units)
+    if lay.tp > 1:
+        for chunk in tr.stage_module.chunks:
+            sent += theory.tp_bytes(lay.tp, m, mb, mc.seq_len, mc.d_model, len(chunk.layers),
+                                    chunk.has_embedding, chunk.has_head)
+    if lay.pp > 1:
+        sent += theory.pp_bytes(lay.pp, m, mb, mc.seq_len, mc.d_model, p.vpp)
+    return sent
+
+
+def _section_rank(pairs: list[tuple[str, dict, str]], quick: bool, steps: int, warmup: int) -> list[dict]:
+    """This rank's measurements of every pair of a section (run under run_ranks)."""
+    contenders = {}
+    for name, parallel, kind in pairs:
+        ours = Ours(suite_recipe(quick=quick, **parallel), record_timeline=parallel.get("pp", 1) > 1)
+        contenders[f"{name}|ours"], contenders[f"{name}|theirs"] = ours, Theirs(kind, ours)
+    times = time_alternating({k: c.step for k, c in contenders.items()}, steps, warmup)
+    out = []
+    for name, parallel, kind in pairs:
+        ours, theirs = contenders[f"{name}|ours"], contenders[f"{name}|theirs"]
+        g = ours.trainer.groups
+        out.append({"ours_s": times[f"{name}|ours"], "theirs_s": times[f"{name}|theirs"],
+                    "ours_state": ours.state_bytes(), "theirs_state": theirs.state_bytes(),
+                    "ours_sent": ours.sent_bytes, "theirs_sent": theirs.sent_bytes,
+                    "theory_sent": expected_bytes(ours), "m": ours.trainer.layout.grad_accum,
+                    "timeline": ours.timeline() if g.pp_size > 1 and g.dp_rank == 0 and g.tp_rank == 0 else None})
+    return out
+
+
+def _mean(xs):
+    return None if any(x is None for x in xs) else sum(xs) / len(xs)
+
+
+def summarize(name: str, parallel: dict, kind: str, world: int, ranks: list[dict]) -> dict:
+    """One table row from every rank's measurements of one pair."""
+    row = {"row": name, "world": world, "ours": "gridtrain " + ",".join(f"{k}={v}" for k, v in parallel.items()),
+           "theirs": LABELS[kind]}
+    row.update(compare(slowest_rank([r["ours_s"] for r in ranks]), slowest_rank([r["theirs_s"] for r in ranks])))
+    mb = 2**20
+    row["ours_state_MB"] = max(r["ours_state"] for r in ranks) / mb
+    row["theirs_state_MB"] = max(r["theirs_state"] for r in ranks) / mb
+    for key in ("ours_sent", "theirs_sent", "theory_sent"):
+        value = _mean([r[key] for r in ranks])
+        row[key + "_MB"] = None if value is None else value / mb
+    theory_mb = row["theory_sent_MB"]
+    row["sent_vs_theory"] = row["ours_sent_MB"] / theory_mb - 1 if theory_mb else None
+    timelines = [r["timeline"] for r in ranks if r["timeline"] is not None]
+    pp, vpp = parallel.get("pp", 1), parallel.get("vpp", 1)
+    row["bubble"] = bubble_fraction(timelines) if timelines else None
+    row["bubble_theory"] = theory.bubble_fraction(pp, ranks[0]["m"], vpp) if pp > 1 else None
+    return row
+
+
+def run_suite(sections: list[str], quick: bool, steps: int, warmup: int) -> list[dict]:
+    rows = []
+    for section in sections:
+        world, pairs = SECTIONS[section]
+        t0 = time.perf_counter()
+        per_rank = run_ranks(_section_rank, world, pairs, quick, steps, warmup, timeout=600)
+        for i, (name, parallel, kind) in enumerate(pairs):
+            rows.append(summarize(name, parallel, kind, world, [r[i] for r in per_rank]))
+        print(f"[{section}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    return rows
+
+
+def _fmt(x, spec, none="—"):
+    return none if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| row | ranks | PyTorch | ours ms | PyTorch ms | ours/PyTorch [IQR] | state MB/rank ours / PyTorch "
+            "| sent MB/rank ours / PyTorch / theory (Δ) | bubble ours / theory |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        delta = "" if r["sent_vs_theory"] is None else f" ({r['sent_vs_theory']:+.1%})"
+        lines.append(
+            f"| {r['row']} | {r['world']} | {r['theirs']} | {r['ours_ms']:.1f} | {r['theirs_ms']:.1f} "
+            f"| {r['ratio']:.2f} [{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}] "
+            f"| {r['ours_state_MB']:.2f} / {r['theirs_state_MB']:.2f} "
+            f"| {_fmt(r['ours_sent_MB'], '.3f')} / {_fmt(r['theirs_sent_MB'], '.3f')} / "
+            f"{_fmt(r['theory_sent_MB'], '.3f')}{delta} "
+            f"| {_fmt(r['bubble'], '.1%')} / {_fmt(r['bubble_theory'], '.1%')} |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["row"] for r in rows][::-1]
+    ratios = [r["ratio"] for r in rows][::-1]
+    err = [[r["ratio"] - r["ratio_lo"] for r in rows][::-1], [r["ratio_hi"] - r["ratio"] for r in rows][::-1]]
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
+    ax.barh(names, ratios, xerr=err, color=["tab:green" if x <= 1 else "tab:orange" for x in ratios])
+    ax.axvline(1.0, color="black", lw=1)
+    ax.set_xlabel("step time ours / PyTorch (median per round, IQR bars)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds, sequence 32 (under 2 minutes)")
+    ap.add_argument("--steps", type=int, help="timed rounds (default 20, quick 4)")
+    ap.add_argument("--warmup", type=int, help="untimed rounds first (default 2, quick 1)")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    a = ap.parse_args(argv)
+    sections = [s for s in a.only.split(",") if s]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    steps = a.steps or (4 if a.quick else 20)
+    warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
+    if steps < 1 or warmup < 0:
+        ap.error(f"--steps must be ≥ 1 and --warmup ≥ 0, got {steps} and {warmup}")
+    t0 = time.perf_counter()
+    rows = run_suite(sections, a.quick, steps, warmup)
+    table = markdown(rows)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"torch": torch.__version__, "quick": a.quick, "steps": steps, "warmup": warmup,
+            "wall_s": time.perf_counter() - t0}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "results.md").write_text(table + "\n")
+    chart(rows, out / "ratios.png")
+    print(table)
+    print(f"wrote {out}/results.md, results.json, ratios.png in {meta['wall_s']:.0f} s")
+    return rows

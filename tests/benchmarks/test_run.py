@@ -1,0 +1,69 @@
+"""The suite measures what it claims: bytes as theory says, bubbles from real timelines,
+both contenders on the same data, and it writes its table, JSON and chart."""
+
+import json
+
+import pytest
+
+from benchmarks import run
+from parallel.testing import run_ranks
+
+TWO_RANK_PAIRS = run.SECTIONS["dp"][1] + run.SECTIONS["tp"][1] + run.SECTIONS["pp"][1]
+
+
+@pytest.fixture(scope="module")
+def two_rank_rows():
+    per_rank = run_ranks(run._section_rank, 2, TWO_RANK_PAIRS, True, 1, 0, timeout=240)
+    return {name: run.summarize(name, parallel, kind, 2, [r[i] for r in per_rank])
+            for i, (name, parallel, kind) in enumerate(TWO_RANK_PAIRS)}
+
+
+def test_our_bytes_match_theory_in_every_two_rank_row(two_rank_rows):
+    for name, row in two_rank_rows.items():
+        assert row["theory_sent_MB"] > 0, name
+        assert row["ours_sent_MB"] == pytest.approx(row["theory_sent_MB"], rel=0.02), name
+
+
+def test_pytorch_traffic_is_counted_where_visible(two_rank_rows):
+    # DDP all-reduces the same gradients ZeRO-0 does: the same ring volume
+    assert two_rank_rows["dp ZeRO-0"]["theirs_sent_MB"] == pytest.approx(two_rank_rows["dp ZeRO-0"]["theory_sent_MB"],
+                                                                         rel=0.02)
+    # FSDP2 without resharding: an all-gather per micro-batch's forward, one reduce-scatter (gradient
+    # sync only on the last); ours stage 2 the reverse (a reduce-scatter per micro-batch, one all-gather)
+    m, rs = 4, two_rank_rows["dp ZeRO-0"]["theory_sent_MB"] / 2  # all-reduce 2ρ·Ψ·4 B; its half ρ·Ψ·4 B
+    assert two_rank_rows["dp ZeRO-2"]["theirs_sent_MB"] == pytest.approx((m + 1) * rs, rel=0.02)
+    # FSDP2 resharding: all-gathers in forward and backward of every micro-batch, one reduce-scatter
+    assert two_rank_rows["dp ZeRO-3"]["theirs_sent_MB"] == pytest.approx((2 * m + 1) * rs, rel=0.02)
+    assert two_rank_rows["tp=2"]["theirs_sent_MB"] is None  # DTensor's functional collectives: not seen
+
+
+def test_bubble_is_measured_only_for_pipelines(two_rank_rows):
+    pp = two_rank_rows["pp=2 1F1B"]
+    assert pp["bubble_theory"] == pytest.approx(1 / 9)  # m = 16 / 2 = 8 micro-batches on 2 stages
+    assert 0 < pp["bubble"] < 1
+    assert two_rank_rows["pp=2 interleaved v=2"]["bubble_theory"] == pytest.approx(1 / 17)
+    assert two_rank_rows["dp ZeRO-1"]["bubble"] is None
+
+
+def test_model_state_per_rank_follows_the_zero_stage(two_rank_rows):
+    state = [two_rank_rows[f"dp ZeRO-{k}"]["ours_state_MB"] for k in range(4)]
+    # fp32 AdamW, bytes per parameter on 2 ranks: 4 + 4 + 8 = 16; optimizer state halved: 12;
+    # and gradients: 10; and parameters: 8
+    assert [s / state[0] for s in state] == pytest.approx([1, 12 / 16, 10 / 16, 8 / 16], rel=0.02)
+
+
+def test_main_writes_table_json_and_chart(tmp_path):
+    rows = run.main(["--only", "single", "--quick", "--steps", "2", "--warmup", "0", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(rows))
+    (row,) = rows
+    assert row["rounds"] == 2 and row["ours_sent_MB"] == 0 and row["theory_sent_MB"] == 0
+    assert row["ours_state_MB"] == pytest.approx(row["theirs_state_MB"], rel=1e-6)  # same params, grads, AdamW
+    assert "| single process | 1 | plain PyTorch |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "ratios.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_section_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        run.main(["--only", "dp,bogus"])
+    assert "bogus" in capsys.readouterr().err

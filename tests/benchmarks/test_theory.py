@@ -1,0 +1,45 @@
+"""Theory the suite compares against: pure formulas, checked by hand and against the ZeRO module."""
+
+import pytest
+
+from benchmarks import theory
+from benchmarks.common import compare, quantile, slowest_rank
+from parallel.zero.theory import step_sent_bytes
+
+
+def test_bubble():
+    assert theory.bubble_fraction(2, 8) == pytest.approx(1 / 9)
+    assert theory.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert theory.bubble_fraction(2, 8, vpp=2) == pytest.approx(1 / 17)
+    assert theory.bubble_fraction(1, 5) == 0
+    with pytest.raises(ValueError, match="m=0"):
+        theory.bubble_fraction(2, 0)
+
+
+def test_dp_bytes_per_stage():
+    psi, n = 1000, 4
+    assert theory.dp_bytes(psi, 0, n, m=8) == step_sent_bytes(psi, 0, n) == 2 * 0.75 * 4000
+    assert theory.dp_bytes(psi, 1, n, m=8) == 2 * 0.75 * 4000  # reduce-scatter + all-gather, once
+    assert theory.dp_bytes(psi, 2, n, m=3) == 3 * 3000 + 3000  # a reduce-scatter per micro-batch
+    assert theory.dp_bytes(psi, 3, n, m=2, regathered_psi=600) == 2 * (3000 + 3000 + 0.75 * 2400)
+
+
+def test_tp_and_pp_bytes():
+    a = 2 * 16 * 64 * 4  # one fp32 activation [2, 16, 64]
+    # one stage with embedding, 3 blocks and head, tp=2 (ρ = 1/2), 4 micro-batches
+    assert theory.tp_bytes(2, 4, 2, 16, 64, 3, True, True) == 4 * (0.5 * a * (2 + 24 + 2) + 0.5 * 24 * 32)
+    assert theory.tp_bytes(2, 1, 2, 16, 64, 2, False, False) == 0.5 * a * 16
+    assert theory.pp_bytes(2, 8, 2, 16, 64) == 8 * a  # each rank sends m activations or m gradients
+    assert theory.pp_bytes(2, 8, 2, 16, 64, vpp=2) == 3 * 8 * a  # 3 boundaries each way over 2 ranks
+
+
+def test_compare_takes_ratios_round_by_round():
+    ours, theirs = [2.0, 4.0, 6.0, 100.0], [1.0, 4.0, 3.0, 50.0]
+    r = compare(ours, theirs)
+    assert r["ratio"] == pytest.approx(2.0)  # per-round ratios 2, 1, 2, 2
+    assert r["ours_ms"] == pytest.approx(5000.0) and r["theirs_ms"] == pytest.approx(3500.0)
+    assert (r["ratio_lo"], r["ratio_hi"]) == (pytest.approx(1.75), pytest.approx(2.0))
+    assert slowest_rank([[1, 5], [3, 2]]) == [3, 5]
+    assert quantile([1, 2, 3, 4, 5], 0.5) == 3
+    with pytest.raises(ValueError, match="same non-zero number"):
+        compare([1.0], [])
