@@ -9,7 +9,7 @@ compute with fp32 master weights, fused AdamW on CUDA, SDPA restricted to the
 flash / memory-efficient / cuDNN kernels so a silent fall-back to the math kernel
 fails loudly) running ``--warmup`` then ``--steps`` timed steps of the same
 global batch (default: 4 micro-batches of 4 × 2048 tokens per GPU). Per layout it
-prints tokens/s, achieved TFLOP/s per GPU (``recipes.trainer.model_flops_per_token``:
+prints tokens/s, achieved TFLOP/s per GPU (``parallel.plan.shape.model_flops_per_token``:
 6·N + attention), MFU against the GPU's dense bf16 peak (:data:`PEAK_BF16_TFLOPS`,
 or ``--peak-tflops``) and the peak memory allocated (max over ranks). The default
 model (20 layers, d_model 2048, seq 2048, vocab 50304 tied: 1.1 B parameters) at
@@ -92,7 +92,8 @@ def _sdpa_without_math_kernel():
 def measure(layout: tuple[int, int, int], a, dry_run: bool) -> dict:
     """Train ``layout`` for ``a.warmup + a.steps`` steps; rank 0's view of the timed ones."""
     from parallel import comm
-    from recipes.trainer import Trainer, model_flops_per_token
+    from parallel.plan.shape import model_flops_per_token
+    from recipes.trainer import Trainer
 
     dp, pp, tp = layout
     rc = recipe(dp, pp, tp, dry_run=dry_run, micro_batch=a.micro_batch, global_batch=a.global_batch)

@@ -42,11 +42,13 @@ class ModelConfig:
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.d_ff is None:
-            if self.arch == "llama":
-                hidden = int(2 * 4 * self.d_model / 3)
-                object.__setattr__(self, "d_ff", 256 * -(-hidden // 256))
-            else:
-                object.__setattr__(self, "d_ff", 4 * self.d_model)
+            object.__setattr__(self, "d_ff", self._default_d_ff())
+
+    def _default_d_ff(self) -> int:
+        if self.arch == "llama":
+            hidden = int(2 * 4 * self.d_model / 3)
+            return 256 * -(-hidden // 256)
+        return 4 * self.d_model
 
     @property
     def head_dim(self) -> int:
@@ -57,6 +59,13 @@ class ModelConfig:
         return -(-self.vocab_size // step) * step
 
     def replace(self, **changes) -> "ModelConfig":
+        """A changed copy. Sizes this config derived (``d_ff`` from ``d_model``, ``n_kv_heads``
+        from ``n_heads``) are derived again from the new values unless given too, so
+        ``preset("gpt_tiny", d_model=256)`` has ``d_ff`` 1024, not the preset's 512."""
+        if "d_ff" not in changes and self.d_ff == self._default_d_ff():
+            changes["d_ff"] = None
+        if "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
+            changes["n_kv_heads"] = None
         return dataclasses.replace(self, **changes)
 
     def validate(self, tp: int = 1) -> "ModelConfig":

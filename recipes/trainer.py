@@ -297,7 +297,7 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         OmegaConf.save(OmegaConf.structured(rc), Path(run_dir) / "config.yaml")
         log.info(trainer.topology.describe(rc.parallel.gpus_per_node))
     tokens_per_step = t.global_batch * trainer.model_cfg.seq_len
-    flops_per_token = model_flops_per_token(ModelShape.of(trainer.model_cfg))
+    flops_per_token = model_flops_per_token(trainer.model_cfg)
     peak = rc.logger.peak_tflops or (measured_matmul_tflops() if trainer.device.type == "cpu" else None)
     world = trainer.topology.world_size
     last: dict[str, Any] = {}

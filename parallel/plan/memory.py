@@ -112,17 +112,23 @@ def _bucket_sizes(group: Group, bucket_elems: float) -> list[int]:
     return sizes + ([current] if current else [])
 
 
-def zero_padded_numel(params: StageParams, dp: int, bucket_bytes: float, element_size: int) -> int:
+def zero_padded_numel(params: StageParams, dp: int, bucket_bytes: float, element_size: int,
+                      per_unit: bool = True) -> int:
     """Elements of ZeRO's flat buffers on this rank, padding included.
 
-    ZeRO (``parallel.zero.layout.plan_buckets``) packs each unit's parameters of one
-    weight-decay class, in order, into buckets of at most ``bucket_bytes`` (a larger
-    parameter gets its own) and pads every bucket to a multiple of ``dp``.
+    ZeRO (``parallel.zero.layout.plan_buckets``) packs the parameters of one
+    weight-decay class, blocks first and the rest last, into buckets of at most
+    ``bucket_bytes`` (a larger parameter gets its own) and pads every bucket to a
+    multiple of ``dp``. At stage 3 (``per_unit``) a bucket never spans two units
+    (each block, and the rest), since they are gathered one at a time.
     """
     if not params.blocks and not any(params.root):
         return padded(params.numel, dp)
+    units = params.blocks + (params.root,)
+    if not per_unit:  # one unit: each weight-decay class in the engine's order
+        units = (tuple(tuple(n for unit in units for n in unit[c]) for c in range(2)),)
     total = 0
-    for unit in params.blocks + (params.root,):
+    for unit in units:
         for group in unit:
             total += sum(padded(n, dp) for n in _bucket_sizes(group, bucket_bytes / element_size))
     return total

@@ -146,7 +146,7 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one, exact=exact)
     ranks, dp_exposed = [], 0.0
     for s, (chunks, params, tp_axis, fwd, bwd, acts, flops_s) in enumerate(stage_info):
-        psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e)
+        psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=L.zero == 3)
         states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer)
         if sp and t > 1 and params.replicated:
             tp_axis.add("all_reduce", params.replicated * c, 1, hw, "sequence-parallel parameter gradients")

@@ -89,6 +89,9 @@ def recompute_flops(shape: ModelShape, tokens: int, n_layers: int, checkpointing
 
 
 def model_flops_per_token(shape: ModelShape) -> float:
-    """Training FLOPs per token without recomputation (PaLM's 6·N + 12·L·d·s; the MFU numerator)."""
+    """Training FLOPs per token without recomputation (PaLM's 6·N + 12·L·d·s; the MFU numerator).
+
+    ``shape``: a :class:`ModelShape` or anything with its attributes (a ``ModelConfig``)."""
+    shape = ModelShape.of(shape)
     n = shape.n_layers * shape.block_matmul_params() + shape.vocab_size * shape.d_model
     return 6 * n + 12 * shape.n_layers * shape.d_model * shape.seq_len

@@ -182,9 +182,9 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                     raise ZeroConfigError(f"a parameter belongs to units {unit_of[id(p)]} and {u}; units must be disjoint")
                 unit_of[id(p)] = u
         root = len(self.units)
+        order = sorted(named.items(), key=lambda kv: unit_of.get(id(kv[1]), root))  # units, then the rest
         if self.stage < 3:  # only stage 3 gathers per unit: fewer, larger buckets are fewer collectives
             unit_of = {}
-        order = sorted(named.items(), key=lambda kv: unit_of.get(id(kv[1]), root))  # stable sort
         specs = [(n, tuple(p.shape), wants_weight_decay(p), unit_of.get(id(p), root), _extra_reduce(n, p, self))
                  for n, p in order if p.requires_grad]
         if not specs:

@@ -49,7 +49,7 @@ def _dry_run_layouts():
 
 
 def test_dry_run_of_multi_gpu_layouts_trains_the_same_model():
-    from recipes.trainer import model_flops_per_token
+    from parallel.plan.shape import model_flops_per_token
     from recipes.config import model_config
 
     results = run_ranks(_dry_run_layouts, 2, timeout=120)[0]

@@ -133,3 +133,13 @@ def test_bf16_stage_trains_with_bf16_grads_and_nearly_the_fp32_loss(cfg):
         assert all(p.grad.dtype == dtype for p in model.parameters())
         losses[dtype] = loss.item()
     assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], abs=2e-2)
+
+
+def test_changing_a_preset_re_derives_what_it_derived():
+    from models.config import preset
+
+    assert preset("gpt_tiny", d_model=256).d_ff == 1024
+    assert preset("gpt_tiny", n_heads=8).n_kv_heads == 8
+    assert preset("llama_tiny", n_heads=8).n_kv_heads == 2  # set explicitly by the preset: kept
+    assert preset("llama_tiny", d_model=64).d_ff == 352  # likewise
+    assert preset("gpt_tiny", d_model=256, d_ff=300).d_ff == 300
