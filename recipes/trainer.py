@@ -36,6 +36,7 @@ from parallel.pipeline.schedules import build_schedule
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
 
+from . import checkpointing
 from .config import Layout, RecipeConfig, validate
 from .data import open_data
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
@@ -208,6 +209,16 @@ class Trainer:
                 "step_time_s": elapsed, "comm_bytes": counter.sent_bytes()}
 
 
+    # ------------------------------------------------------ checkpoint (recipes/checkpointing.py)
+    def state_dict(self) -> dict:
+        """This rank's checkpoint pieces by global key (views into ZeRO's shards; no copies)."""
+        return checkpointing.state_pieces(self)
+
+    def load_state_dict(self, ckpt: str | Path) -> int:
+        """Load a checkpoint directory saved by any layout; return the step to continue from."""
+        return checkpointing.load(self, ckpt)
+
+
 def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     """Run a whole training job as this rank; return a summary (rank 0's is the job's)."""
     trainer = Trainer(rc, run_dir)
@@ -224,8 +235,16 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     peak = rc.logger.peak_tflops or (measured_matmul_tflops() if trainer.device.type == "cpu" else None)
     world = trainer.topology.world_size
     last: dict[str, Any] = {}
+    # --- checkpoint: resume, pre-emption (recipes/checkpointing.py) ---
+    resume_from = checkpointing.find_resume_point(t.resume, run_dir)
+    if resume_from is not None:
+        log.info(f"resuming from {resume_from} (step {trainer.load_state_dict(resume_from)})")
+    preemption = checkpointing.Preemption()
+    preempted = False
+    # --- end checkpoint ---
     try:
-        for step in range(t.max_steps):
+        for step in range(trainer.step, t.max_steps):
+            checkpointing.fault_drill(t.fault, trainer.rank, step + 1)  # checkpoint: fault drills
             rec = trainer.train_step(step)
             rec["step"] = step + 1
             rec["tokens_per_s"] = tokens_per_step / rec["step_time_s"]
@@ -237,7 +256,19 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
             log.advance()
             if (step + 1) % t.log_every == 0 or step == 0 or step + 1 == t.max_steps or "val_loss" in rec:
                 log.log(rec)
+            # --- checkpoint: periodic / final save, SIGTERM → save and stop ---
+            trainer.step = step + 1
+            preempted = preemption.requested()
+            if checkpointing.save_due(trainer.step, rc) or preempted:
+                path = checkpointing.save(trainer, on_written=lambda: checkpointing.fault_drill(
+                    t.fault, trainer.rank, trainer.step, where="save"))
+                log.info(f"checkpoint {path}")
+            if preempted:
+                log.info(f"SIGTERM: stopped after step {trainer.step} with a checkpoint")
+                break
+            # --- end checkpoint ---
     finally:
+        preemption.close()
         log.close()
-    return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": t.max_steps,
-            "run_dir": str(run_dir)}
+    return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": trainer.step,
+            "run_dir": str(run_dir), "preempted": preempted}
