@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
+import threading
 from pathlib import Path
 
 import torch
@@ -120,31 +122,64 @@ def save_due(step: int, rc) -> bool:
 class Preemption:
     """Turns SIGTERM (Slurm pre-emption, torchrun shutting down) into "checkpoint, then stop".
 
-    The handler only sets a flag; :meth:`requested` agrees on it across ranks
-    (a 4-byte ``all_reduce`` MAX over the world, once per step), so all ranks
-    save the same step and stop together even if the signal reached only some.
+    :meth:`requested`, called at each step's end, agrees on the flag across ranks
+    (a 4-byte ``all_reduce`` MAX over the world), so all ranks save the same step
+    and stop together even if the signal reached only some. A rank that cannot
+    reach a step's end — blocked in a collective with a dead peer, which is how
+    torchrun's SIGTERM usually finds the survivors of a failure — must still
+    die: a watchdog thread wakes on the signal at once (``signal.set_wakeup_fd``
+    writes even while the main thread is inside C++) and exits the process
+    with status 143 if the main thread has not acknowledged it within
+    ``grace_s`` seconds.
     """
 
-    def __init__(self):
+    def __init__(self, grace_s: float):
         self.flag = False
+        self.grace_s = grace_s
+        self._acknowledged = threading.Event()
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._previous_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
         self._previous = signal.signal(signal.SIGTERM, self._handle)
+        threading.Thread(target=self._watch, name="sigterm-watchdog", daemon=True).start()
 
     def _handle(self, signum, frame) -> None:
         self.flag = True
 
+    def _watch(self) -> None:
+        try:
+            while True:
+                data = self._read.recv(64)
+                if not data:
+                    return  # closed
+                if signal.SIGTERM in data:
+                    self.flag = True
+                    if not self._acknowledged.wait(self.grace_s):
+                        os._exit(128 + signal.SIGTERM)
+                    return
+        except OSError:
+            return
+
     def requested(self) -> bool:
         t = torch.tensor([float(self.flag)])
         comm.all_reduce(t, op=comm.ReduceOp.MAX)
+        if t.item():
+            self._acknowledged.set()
         return bool(t.item())
 
     def close(self) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
         signal.signal(signal.SIGTERM, self._previous)
+        self._acknowledged.set()
+        self._write.close()
+        self._read.close()
 
 
 def fault_drill(fault: str | None, rank: int, step: int, where: str = "step") -> None:
-    """``train.fault``: ``raise@r:s`` / ``kill@r:s`` make rank ``r`` raise / die by SIGKILL as it
-    starts step ``s``; ``kill_in_save@r:s`` kills it after it wrote its shards of step ``s``'s
-    checkpoint, before publication. Only on a job's first attempt (torchrun restarts run clean)."""
+    """``train.fault``: ``raise@r:s`` / ``kill@r:s`` / ``term@r:s`` make rank ``r`` raise / die by
+    SIGKILL / receive SIGTERM as it starts step ``s``; ``kill_in_save@r:s`` kills it after it wrote
+    its shards of step ``s``'s checkpoint, before publication. Only on a job's first attempt
+    (``TORCHELASTIC_RESTART_COUNT`` 0: a restarted job runs clean)."""
     if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     kind, at = fault.split("@")
@@ -153,7 +188,7 @@ def fault_drill(fault: str | None, rank: int, step: int, where: str = "step") ->
         return
     if kind == "raise":
         raise RuntimeError(f"fault drill: rank {rank} raises at step {step} (train.fault={fault})")
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGTERM if kind == "term" else signal.SIGKILL)
 
 
 __all__ = ["CheckpointError", "Preemption", "checkpoint_root", "fault_drill", "find_resume_point",

@@ -239,7 +239,7 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     resume_from = checkpointing.find_resume_point(t.resume, run_dir)
     if resume_from is not None:
         log.info(f"resuming from {resume_from} (step {trainer.load_state_dict(resume_from)})")
-    preemption = checkpointing.Preemption()
+    preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
     preempted = False
     # --- end checkpoint ---
     try:
