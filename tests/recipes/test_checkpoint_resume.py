@@ -49,3 +49,39 @@ def test_other_layout_resumes_within_1e4(uninterrupted, tmp_path, layout):
     run_ranks(_train, 8, rc, str(tmp_path), timeout=300)
     got = losses(tmp_path)[0]
     assert len(got) == 1 and got[0] == pytest.approx(full[4], abs=1e-4)
+
+
+def _full_params_after_load(rc, run_dir, ckpt):
+    from recipes.checkpointing import global_names
+    from recipes.trainer import Trainer
+
+    trainer = Trainer(rc, run_dir)
+    trainer.load_state_dict(ckpt)
+    names = global_names(trainer.stage_module)
+    return {names[k]: v for k, v in trainer.zero.full_parameters().items()}
+
+
+def test_inspect_lists_it_and_exports_what_a_loaded_trainer_holds(uninterrupted, tmp_path, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    from models.hf import load_hf_weights
+    from models.transformer import build_model
+    from recipes.inspect_checkpoint import main, saved_model_config
+
+    run_dir, _ = uninterrupted
+    assert main([str(run_dir), "--consolidated", str(tmp_path / "all.safetensors"), "--hf", str(tmp_path / "hf")]) == 0
+    out = capsys.readouterr().out
+    assert "step 4, saved by 8 ranks" in out and "dp=2 pp=2" in out
+    assert "model/blocks.3.attn.q_proj.weight" in out and "optim/blocks.3.attn.q_proj.weight/exp_avg_sq" in out
+    consolidated = load_file(str(tmp_path / "all.safetensors"))
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    (run_dir / "one").mkdir()
+    full = run_ranks(_full_params_after_load, 1, tiny_recipe(), str(run_dir / "one"), ckpt, timeout=120)[0]
+    assert sorted(full) == sorted(consolidated)
+    for name, t in consolidated.items():  # ZeRO's own gather after our resharding load == DCP's whole tensors
+        assert torch.equal(full[name][: t.shape[0]], t), name
+    stage = build_model(saved_model_config(ckpt), device="cpu", dtype=torch.float32, seed=99)
+    load_hf_weights(stage, str(tmp_path / "hf"))
+    for name, p in stage.named_parameters():
+        assert torch.equal(p.detach()[: consolidated[name].shape[0]], consolidated[name]), name
