@@ -121,6 +121,8 @@ def save_checkpoint(state: dict, root: str | os.PathLike, step: int, *, meta: di
         else:
             os.rename(tmp, final)
         _write_durably(root / LATEST, name + "\n")
+        for stale in root.glob(".tmp-step_*"):  # saves that died earlier (no other save runs now)
+            shutil.rmtree(stale, ignore_errors=True)
         prune(root, keep)
     barrier(group)  # nobody returns before `latest` has moved
     return final

@@ -1,24 +1,27 @@
 """Faults end the job promptly, name the rank, and a restarted job resumes by itself.
 
-The launcher tests run the real elastic agent (``launch.local.spawn_local``, the
-code torchrun runs) with spawned workers: they are about processes.
+The launcher tests run real jobs (``python -m recipes.gpt_tiny``, which spawns its
+workers through the elastic agent, and ``torchrun``): they are about processes.
 """
 
 import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from launch.local import spawn_local
 from parallel import comm
 from parallel.checkpoint import latest_checkpoint
 from parallel.groups import build_groups
 from parallel.testing import run_ranks
 from parallel.topology import Topology
-from recipes.main import worker
 
 from .test_train_e2e import _train, tiny_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def small_recipe(**kw):
@@ -53,30 +56,43 @@ def test_collective_times_out_after_the_configured_seconds():
     assert 0.9 < elapsed < 3.0, message
 
 
-@pytest.mark.timeout(180)
+def cli_overrides(run_dir, **train) -> list[str]:
+    """``small_recipe`` as command-line overrides, for the launcher tests (real processes)."""
+    keys = dict(parallel__dp=2, parallel__zero=1, model__n_layers=2, model__d_model=32, model__n_heads=2,
+                model__n_kv_heads=2, model__seq_len=16, train__global_batch=4, train__micro_batch=2,
+                train__eval_every=0, train__threads=1, train__log_every=1, train__sigterm_grace_s=5,
+                optim__warmup_steps=2, logger__progress="false", logger__peak_tflops=1.0, data__embedded_mb=0.25)
+    keys.update({f"train__{k}": v for k, v in train.items()})
+    return [f"{k.replace('__', '.')}={v}" for k, v in keys.items()] + [f"hydra.run.dir={run_dir}"]
+
+
+def launch(args, timeout):
+    """Run a launcher in its own process (the test process never hosts an elastic agent:
+    its threads would make later forked test ranks deadlock)."""
+    t0 = time.perf_counter()
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return done, time.perf_counter() - t0
+
+
 @pytest.mark.parametrize("kind, says", [("raise", "fault drill: rank 1 raises at step 2"),
                                         ("kill", "Signal 9 (SIGKILL)")])
-def test_failing_rank_ends_the_job_naming_it(tmp_path, kind, says):
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    rc = small_recipe(train__max_steps=50, train__fault=f"{kind}@1:2")
-    t0 = time.perf_counter()
-    with pytest.raises(ChildFailedError) as err:
-        spawn_local(worker, 2, rc, str(tmp_path))
-    elapsed = time.perf_counter() - t0
-    text = str(err.value)
-    assert "rank      : 1" in text and says in text, text
+def test_failing_rank_ends_the_self_spawned_job_naming_it(tmp_path, kind, says):
+    args = [sys.executable, "-m", "recipes.gpt_tiny", *cli_overrides(tmp_path, max_steps=50, fault=f"{kind}@1:2")]
+    done, elapsed = launch(args, timeout=120)
+    assert done.returncode != 0
+    assert "rank      : 1" in done.stderr and says in done.stderr, done.stderr[-3000:]
     assert len(metrics(tmp_path)) == 1  # step 1 ran, then the job ended: no survivor went on
-    assert elapsed < 90  # the start of two spawned workers dominates; a hang would hit the timeout
+    assert elapsed < 90  # starting the processes dominates; a hang would hit the timeout
 
 
-@pytest.mark.timeout(240)
-def test_sigkilled_rank_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
-    rc = small_recipe(train__max_steps=4, train__ckpt_every=2, train__resume="auto", train__fault="kill@1:3")
-    results = spawn_local(worker, 2, rc, str(tmp_path), max_restarts=1)
-    assert results[0]["steps"] == 4
-    steps = [m["step"] for m in metrics(tmp_path)]
-    assert steps == [1, 2, 3, 4]  # attempt 0 logged 1–2 and died starting 3; attempt 1 resumed at 2
+def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", "1", "-m", "recipes.gpt_tiny",
+            *cli_overrides(tmp_path, max_steps=4, ckpt_every=2, resume="auto", fault="kill@1:3")]
+    done, _ = launch(args, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]  # died starting 3; attempt 1 resumed at 2
+    assert "resuming from" in done.stdout + done.stderr
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
 
 

@@ -86,16 +86,15 @@ def test_rows_split_saved_then_read_as_column_blocks(tmp_path):
 
 def test_kill_during_save_leaves_previous_checkpoint_published(tmp_path):
     run_ranks(_save, 2, tmp_path, [1])
-    with pytest.raises(RankFailure) as err:
+    with pytest.raises(RankFailure):  # rank 1's death, or rank 0's barrier failing on it: whichever is seen first
         run_ranks(_save, 2, tmp_path, [2], kill_rank_at=(1, 2), timeout=60)
-    assert err.value.rank == 1
     assert (tmp_path / ".tmp-step_00000002").is_dir()  # it did die while writing step 2
     assert latest_checkpoint(tmp_path).name == "step_00000001"
     assert [p.name for p in published(tmp_path)] == ["step_00000001"]
     local, step, _ = run_ranks(_load_columns, 1, latest_checkpoint(tmp_path))[0]
     assert torch.equal(local, reference(1)) and step == 1.0
-    run_ranks(_save, 2, tmp_path, [2])  # the next save cleans up and publishes
-    assert latest_checkpoint(tmp_path).name == "step_00000002"
+    run_ranks(_save, 2, tmp_path, [3])  # the next save cleans up (any step) and publishes
+    assert latest_checkpoint(tmp_path).name == "step_00000003"
     assert not (tmp_path / ".tmp-step_00000002").exists()
 
 
