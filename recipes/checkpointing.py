@@ -137,6 +137,9 @@ class Preemption:
         self.flag = False
         self.grace_s = grace_s
         self._acknowledged = threading.Event()
+        self._installed = threading.current_thread() is threading.main_thread()  # signals need it
+        if not self._installed:
+            return
         self._read, self._write = socket.socketpair()
         self._write.setblocking(False)
         self._previous_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
@@ -168,6 +171,8 @@ class Preemption:
         return bool(t.item())
 
     def close(self) -> None:
+        if not self._installed:
+            return
         signal.set_wakeup_fd(self._previous_fd)
         signal.signal(signal.SIGTERM, self._previous)
         self._acknowledged.set()

@@ -208,7 +208,6 @@ class Trainer:
                 "skipped": bool(stats["skipped"]), "loss_scale": float(stats["loss_scale"]),
                 "step_time_s": elapsed, "comm_bytes": counter.sent_bytes()}
 
-
     # ------------------------------------------------------ checkpoint (recipes/checkpointing.py)
     def state_dict(self) -> dict:
         """This rank's checkpoint pieces by global key (views into ZeRO's shards; no copies)."""
