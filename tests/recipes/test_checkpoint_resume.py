@@ -40,13 +40,14 @@ def test_same_layout_resume_is_bit_exact(uninterrupted, tmp_path):
     dict(dp=4, pp=1, tp=2, zero=1),
     dict(dp=1, pp=2, tp=4, zero=1),
     dict(dp=2, pp=2, tp=2, zero=3),
-], ids=lambda d: "dp{dp}-pp{pp}-tp{tp}-zero{zero}".format(**d))
+    dict(dp=2, pp=2, tp=1, zero=2, parallel__pp_schedule="interleaved", parallel__vpp=2),  # 4 ranks, vpp
+], ids=lambda d: "dp{dp}-pp{pp}-tp{tp}-zero{zero}".format(**d) + ("-vpp2" if "parallel__vpp" in d else ""))
 def test_other_layout_resumes_within_1e4(uninterrupted, tmp_path, layout):
     """The next step's loss (step 5) is computed before step 5's update, so one step suffices
     (max_steps=5 changes only the learning rate of that update)."""
     run_dir, full = uninterrupted
     rc = tiny_recipe(**layout, train__max_steps=5, train__resume=str(run_dir / "checkpoints" / "step_00000004"))
-    run_ranks(_train, 8, rc, str(tmp_path), timeout=300)
+    run_ranks(_train, layout["dp"] * layout["pp"] * layout["tp"], rc, str(tmp_path), timeout=300)
     got = losses(tmp_path)[0]
     assert len(got) == 1 and got[0] == pytest.approx(full[4], abs=1e-4)
 
