@@ -65,6 +65,9 @@ def init_distributed(
         kwargs["rank"] = rank
     if world_size is not None:
         kwargs["world_size"] = world_size
+    store = _per_attempt_store(timeout_s) if init_method is None else None
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(
         backend=backend,
         init_method=init_method,
@@ -72,6 +75,21 @@ def init_distributed(
         **kwargs,
     )
     return dist.get_rank(), dist.get_world_size()
+
+
+def _per_attempt_store(timeout_s: float):
+    """The agent's store under a key prefix of this restart attempt, or None on the first attempt.
+
+    A restarted torchelastic job (``--max-restarts``) reuses the agent's store;
+    without a fresh prefix a rank may read the dead attempt's gloo addresses
+    and fail with "Connection refused" (seen with torch 2.13's c10d rendezvous).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                        timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"gridtrain/attempt_{attempt}", tcp)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ everywhere, never a hang.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -51,7 +52,10 @@ class TrainConfig:
     eval_batches: int = 4
     ckpt_every: int = 0  # 0: only at the end (if ckpt_at_end)
     ckpt_at_end: bool = False
-    resume: Optional[str] = None  # auto | path
+    resume: Optional[str] = None  # auto (the run's checkpoints/latest, if any) | a checkpoint path
+    sigterm_grace_s: float = 60.0  # after SIGTERM, a rank not at a step's end by then exits (143)
+    ckpt_keep: int = 3  # published checkpoints kept (0: all)
+    fault: Optional[str] = None  # fault drill: "<raise|kill|term|kill_in_save>@<rank>:<step>" (checkpointing.py)
     threads: int = 0  # intra-op threads per rank on CPU; 0: cores / local ranks
 
 
@@ -280,4 +284,9 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
     if p.timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s must be positive, got {p.timeout_s}")
+    if t.ckpt_every < 0 or t.ckpt_keep < 0:
+        raise ConfigError(f"train.ckpt_every ({t.ckpt_every}) and train.ckpt_keep ({t.ckpt_keep}) must be ≥ 0")
+    if t.fault is not None and not re.fullmatch(r"(raise|kill|term|kill_in_save)@\d+:\d+", t.fault):
+        raise ConfigError(f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind "
+                          f"raise, kill, term or kill_in_save")
     return Layout(dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc)

@@ -39,6 +39,7 @@ from parallel.pipeline.timeline import bubble_fraction, draw_timeline
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
 
+from . import checkpointing
 from .config import Layout, RecipeConfig, validate
 from .data import open_data
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
@@ -284,6 +285,15 @@ class Trainer:
                          f"{top[3]:>11.1f} {top[:4].sum():>9.1f} {pred} {top[4]:>14.1f}")
         return "\n".join(lines)
 
+    # ------------------------------------------------------ checkpoint (recipes/checkpointing.py)
+    def state_dict(self) -> dict:
+        """This rank's checkpoint pieces by global key (views into ZeRO's shards; no copies)."""
+        return checkpointing.state_pieces(self)
+
+    def load_state_dict(self, ckpt: str | Path) -> int:
+        """Load a checkpoint directory saved by any layout; return the step to continue from."""
+        return checkpointing.load(self, ckpt)
+
 
 def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     """Run a whole training job as this rank; return a summary (rank 0's is the job's)."""
@@ -301,13 +311,23 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     peak = rc.logger.peak_tflops or (measured_matmul_tflops() if trainer.device.type == "cpu" else None)
     world = trainer.topology.world_size
     last: dict[str, Any] = {}
+    # --- checkpoint: resume, pre-emption (recipes/checkpointing.py) ---
+    resume_from = checkpointing.find_resume_point(t.resume, run_dir)
+    if resume_from is not None:
+        log.info(f"resuming from {resume_from} (step {trainer.load_state_dict(resume_from)})")
+        log.advance(trainer.step)
+    preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
+    preempted = False
+    # --- end checkpoint ---
     try:
-        for step in range(t.max_steps):
-            if rc.logger.timeline and step == 1:  # a steady step (step 0 warms up and measures memory)
+        first = trainer.step  # 0, or the step a resumed checkpoint continues from
+        for step in range(first, t.max_steps):
+            checkpointing.fault_drill(t.fault, trainer.rank, step + 1)  # checkpoint: fault drills
+            if rc.logger.timeline and step == first + 1:  # a steady step (the first warms up, measures memory)
                 rec = trainer.timeline_step(step, Path(run_dir) / "timeline.png")
             else:
-                rec = trainer.train_step(step, measure_memory=step == 0)
-            if step == 0:
+                rec = trainer.train_step(step, measure_memory=step == first)
+            if step == first:
                 report = trainer.memory_report()
                 if report:
                     log.info(report)
@@ -319,9 +339,21 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
                 rec["val_loss"] = trainer.evaluate()
             last = rec
             log.advance()
-            if (step + 1) % t.log_every == 0 or step == 0 or step + 1 == t.max_steps or "val_loss" in rec:
+            if (step + 1) % t.log_every == 0 or step == first or step + 1 == t.max_steps or "val_loss" in rec:
                 log.log(rec)
+            # --- checkpoint: periodic / final save, SIGTERM → save and stop ---
+            trainer.step = step + 1
+            preempted = preemption.requested()
+            if checkpointing.save_due(trainer.step, rc) or preempted:
+                path = checkpointing.save(trainer, on_written=lambda: checkpointing.fault_drill(
+                    t.fault, trainer.rank, trainer.step, where="save"))
+                log.info(f"checkpoint {path}")
+            if preempted:
+                log.info(f"SIGTERM: stopped after step {trainer.step} with a checkpoint")
+                break
+            # --- end checkpoint ---
     finally:
+        preemption.close()
         log.close()
-    return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": t.max_steps,
-            "run_dir": str(run_dir)}
+    return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": trainer.step,
+            "run_dir": str(run_dir), "preempted": preempted}

@@ -1,0 +1,200 @@
+"""The trainer's checkpoints: what goes in, when, resuming, pre-emption, fault drills.
+
+A checkpoint (``<run dir>/checkpoints/step_<n>/``, written by
+:func:`parallel.checkpoint.save_checkpoint`) holds
+
+* the fp32 master weights and every optimizer state tensor, as *global*
+  tensors by layout-independent name (``model/blocks.3.attn.q_proj.weight``,
+  ``optim/<name>/exp_avg`` ...), each rank writing the pieces its ZeRO shard of
+  its TP shard covers — so any dp/pp/tp/vpp/ZeRO stage loads it;
+* each rank's RNG states (``rng/<rank>/cpu``), restored only into the same layout;
+* in the manifest (JSON): the step (which is also the data position and the LR
+  schedule position — both are pure functions of the step), the fp16 loss
+  scaler, the layout it was saved with and the whole config.
+
+Resuming the same layout is bit-exact in fp32; another layout continues within
+float rounding (the reductions add in another order).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from parallel import comm
+from parallel.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    prepare_optimizer_state,
+    publish,
+    resolve_checkpoint,
+    save_checkpoint,
+    saved_tensors,
+    verify_checkpoint,
+    zero_state_pieces,
+)
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def global_names(stage_module) -> dict[str, str]:
+    """Local parameter name → layout-independent name: drop the ``chunks.<c>.`` prefix of
+    :class:`~recipes.trainer.StageChunks`; a tied head on the last stage is the embedding."""
+    out = {}
+    for local, p in stage_module.named_parameters():
+        name = re.sub(r"^chunks\.\d+\.", "", local)
+        out[local] = getattr(p, "init_key", None) or name
+    return out
+
+
+def layout_of(trainer) -> dict:
+    p = trainer.rc.parallel
+    return {"world_size": trainer.topology.world_size, "dp": trainer.layout.dp, "pp": p.pp, "tp": p.tp,
+            "vpp": p.vpp, "zero": p.zero, "sequence_parallel": p.sequence_parallel,
+            "pp_schedule": p.pp_schedule, "precision": trainer.rc.train.precision}
+
+
+def state_pieces(trainer, *, with_rng: bool = True) -> dict:
+    """This rank's part of the checkpoint: ``{key: Chunked | tensor}`` (views, no copies)."""
+    names = global_names(trainer.stage_module)
+    state = zero_state_pieces(trainer.zero, global_name=names.__getitem__, tp_group=trainer.groups.tp)
+    if with_rng:
+        state[f"rng/{trainer.rank}/cpu"] = torch.get_rng_state()
+        if torch.cuda.is_available() and trainer.device.type == "cuda":
+            state[f"rng/{trainer.rank}/cuda"] = torch.cuda.get_rng_state(trainer.device)
+    return state
+
+
+def save(trainer, *, on_written=None) -> Path:
+    """Save the trainer's state at ``trainer.step`` (collective over the world)."""
+    scaler = trainer.zero.scaler
+    meta = {"step": trainer.step, "layout": layout_of(trainer),
+            "scaler": scaler.state_dict() if scaler else None,
+            "config": OmegaConf.to_container(OmegaConf.structured(trainer.rc))}
+    return save_checkpoint(state_pieces(trainer), checkpoint_root(trainer.run_dir), trainer.step, meta=meta,
+                           keep=trainer.rc.train.ckpt_keep, on_written=on_written)
+
+
+def load(trainer, ckpt: str | Path) -> int:
+    """Load ``ckpt`` (any layout's) into the trainer; return the step to continue from."""
+    manifest = verify_checkpoint(ckpt)
+    names = global_names(trainer.stage_module)
+    prepare_optimizer_state(trainer.zero, saved_tensors(ckpt), names.__getitem__)
+    same_layout = manifest["meta"].get("layout") == layout_of(trainer)
+    state = state_pieces(trainer, with_rng=same_layout)
+    load_checkpoint(state, ckpt, verify=False)
+    publish(trainer.zero)
+    if same_layout:
+        torch.set_rng_state(state[f"rng/{trainer.rank}/cpu"])
+        if f"rng/{trainer.rank}/cuda" in state:
+            torch.cuda.set_rng_state(state[f"rng/{trainer.rank}/cuda"], trainer.device)
+    if trainer.zero.scaler and manifest["meta"].get("scaler"):
+        trainer.zero.scaler.load_state_dict(manifest["meta"]["scaler"])
+    trainer.step = int(manifest["step"])
+    return trainer.step
+
+
+def find_resume_point(resume: str | None, run_dir: str | Path) -> Path | None:
+    """``train.resume``: None → start fresh; ``auto`` → the run's ``checkpoints/latest`` if any;
+    else a checkpoint, checkpoint root or run directory that must hold one."""
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest_checkpoint(checkpoint_root(run_dir))
+    return resolve_checkpoint(resume)
+
+
+def save_due(step: int, rc) -> bool:
+    t = rc.train
+    return bool((t.ckpt_every and step % t.ckpt_every == 0) or (t.ckpt_at_end and step == t.max_steps))
+
+
+class Preemption:
+    """Turns SIGTERM (Slurm pre-emption, torchrun shutting down) into "checkpoint, then stop".
+
+    :meth:`requested`, called at each step's end, agrees on the flag across ranks
+    (a 4-byte ``all_reduce`` MAX over the world), so all ranks save the same step
+    and stop together even if the signal reached only some. A rank that cannot
+    reach a step's end — blocked in a collective with a dead peer, which is how
+    torchrun's SIGTERM usually finds the survivors of a failure — must still
+    die: a watchdog thread wakes on the signal at once (``signal.set_wakeup_fd``
+    writes even while the main thread is inside C++) and exits the process
+    with status 143 if the main thread has not acknowledged it within
+    ``grace_s`` seconds.
+    """
+
+    def __init__(self, grace_s: float):
+        self.flag = False
+        self.grace_s = grace_s
+        self._acknowledged = threading.Event()
+        self._installed = threading.current_thread() is threading.main_thread()  # signals need it
+        if not self._installed:
+            return
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._previous_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        threading.Thread(target=self._watch, name="sigterm-watchdog", daemon=True).start()
+
+    def _handle(self, signum, frame) -> None:
+        self.flag = True
+
+    def _watch(self) -> None:
+        try:
+            while True:
+                data = self._read.recv(64)
+                if not data:
+                    return  # closed
+                if signal.SIGTERM in data:
+                    self.flag = True
+                    if not self._acknowledged.wait(self.grace_s):
+                        os._exit(128 + signal.SIGTERM)
+                    return
+        except OSError:
+            return
+
+    def requested(self) -> bool:
+        t = torch.tensor([float(self.flag)])
+        comm.all_reduce(t, op=comm.ReduceOp.MAX)
+        if t.item():
+            self._acknowledged.set()
+        return bool(t.item())
+
+    def close(self) -> None:
+        if not self._installed:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        signal.signal(signal.SIGTERM, self._previous)
+        self._acknowledged.set()
+        self._write.close()
+        self._read.close()
+
+
+def fault_drill(fault: str | None, rank: int, step: int, where: str = "step") -> None:
+    """``train.fault``: ``raise@r:s`` / ``kill@r:s`` / ``term@r:s`` make rank ``r`` raise / die by
+    SIGKILL / receive SIGTERM as it starts step ``s``; ``kill_in_save@r:s`` kills it after it wrote
+    its shards of step ``s``'s checkpoint, before publication. Only on a job's first attempt
+    (``TORCHELASTIC_RESTART_COUNT`` 0: a restarted job runs clean)."""
+    if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    kind, at = fault.split("@")
+    r, s = (int(x) for x in at.split(":"))
+    if r != rank or s != step or (kind == "kill_in_save") != (where == "save"):
+        return
+    if kind == "raise":
+        raise RuntimeError(f"fault drill: rank {rank} raises at step {step} (train.fault={fault})")
+    os.kill(os.getpid(), signal.SIGTERM if kind == "term" else signal.SIGKILL)
+
+
+__all__ = ["CheckpointError", "Preemption", "checkpoint_root", "fault_drill", "find_resume_point",
+           "global_names", "load", "save", "save_due", "state_pieces"]
