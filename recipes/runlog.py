@@ -28,8 +28,11 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
 
 
-def measured_matmul_tflops(n: int = 1024, repeats: int = 3, dtype=torch.float32) -> float:
-    """This machine's achieved dense-matmul TFLOP/s on the current device (the CPU MFU peak)."""
+def measured_matmul_tflops(n: int = 2048, repeats: int = 5, dtype=torch.float32) -> float:
+    """This machine's achieved dense-matmul TFLOP/s on the current device (the CPU MFU peak).
+
+    Best of ``repeats`` timings, so a machine busy with other work at that moment reads
+    low and the MFU computed against it high: set ``logger.peak_tflops`` to pin it."""
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
     a @ b  # warm-up
