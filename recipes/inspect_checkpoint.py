@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from parallel.checkpoint import (
+    CheckpointError,
     LoadPlanner,
     SafeFileSystemReader,
     read_manifest,
@@ -93,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--consolidated", metavar="FILE", help="write all weights, whole, to one safetensors file")
     ap.add_argument("--hf", metavar="FOLDER", help="write a Hugging Face model.safetensors into FOLDER")
     args = ap.parse_args(argv)
-    ckpt = resolve_checkpoint(args.path)
+    try:
+        ckpt = resolve_checkpoint(args.path)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(describe(ckpt))
     if args.consolidated:
         from safetensors.torch import save_file

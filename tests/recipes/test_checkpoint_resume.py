@@ -86,3 +86,5 @@ def test_inspect_lists_it_and_exports_what_a_loaded_trainer_holds(uninterrupted,
     load_hf_weights(stage, str(tmp_path / "hf"))
     for name, p in stage.named_parameters():
         assert torch.equal(p.detach()[: consolidated[name].shape[0]], consolidated[name]), name
+    assert main([str(tmp_path / "nothing-here")]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err
