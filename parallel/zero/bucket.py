@@ -161,7 +161,13 @@ class FlatBucket:
             self.free_params()
 
     def free_params(self) -> None:
-        """Stage 3: release the gathered parameters' storage (the views stay, empty)."""
+        """Stage 3: release the gathered parameters' storage (the views stay, empty).
+
+        A gather still in flight (a prefetch) is awaited first: its buffer must not be
+        released under it, and the next :meth:`start_gather` must start afresh."""
+        if self._gather is not None:
+            self._gather.wait()
+            self._gather = None
         self.flat_param.untyped_storage().resize_(0)
         self.gathered = False
 

@@ -247,8 +247,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         bucket.ready += 1
         if self.overlap and bucket.ready == len(bucket.params):
             self._reduce(bucket, wait=False)
-            if self.stage == 3:
-                bucket.free_params()  # its backward is over: nothing reads these parameters again
+            if self._frees_after_backward(bucket):
+                bucket.free_params()  # this micro-batch's backward of its unit is over
 
     def _reduce(self, bucket: FlatBucket, wait: bool) -> None:
         bucket.launch_reduction()
@@ -266,8 +266,14 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             b.finish_reduction()
             if self.stage >= 2:
                 b.ready = 0
-            if self.stage == 3 and not b.has_unreduced_grads():
+            if self._frees_after_backward(b) and not b.has_unreduced_grads():
                 b.free_params()
+
+    def _frees_after_backward(self, bucket: FlatBucket) -> bool:
+        """Stage 3 frees a block unit once its backward has run (the unit's grad hook gathers
+        it again for the next micro-batch's backward); the root unit has no such hook, so it
+        stays gathered until the optimizer step publishes new parameters."""
+        return self.stage == 3 and bucket.layout.unit != len(self.units)
 
     # the optimizer step -------------------------------------------------------------
     def _finish_gradients(self) -> list[torch.Tensor]:

@@ -12,7 +12,8 @@ training step each unit's buckets are ``all_gather``-ed on the DP group
   freed once its gradients have been reduce-scattered (by the engine).
 
 The root unit is gathered when the wrapped module's forward starts and freed
-with its gradients, so it is gathered once per step: stage 3 sends
+after the optimizer step (it has no backward hook to gather it again for a later
+micro-batch's backward), so it is gathered once per step: stage 3 sends
 ``(N-1)/N · (Ψ + Ψ_units)`` bytes of parameters per rank and step.
 """
 

@@ -60,6 +60,10 @@ def references(tmp_path_factory):
     dict(dp=1, pp=2, tp=1, zero=1, parallel__pp_schedule="interleaved", parallel__vpp=2),
     dict(dp=2, pp=2, tp=1, zero=3, model__preset="llama_tiny"),
     dict(dp=1, pp=1, tp=2, zero=0, model__preset="llama_tiny", parallel__sequence_parallel=True),
+    # ZeRO-3 with recomputation, with GPipe (several backwards before the root is freed), interleaved
+    dict(dp=2, pp=1, tp=1, zero=3, model__activation_checkpointing="full"),
+    dict(dp=1, pp=2, tp=1, zero=3, parallel__pp_schedule="gpipe"),
+    dict(dp=2, pp=2, tp=1, zero=3, parallel__pp_schedule="interleaved", parallel__vpp=2),
 ], ids=lambda d: ",".join(f"{k.split('__')[-1]}={v}" for k, v in d.items()))
 def test_layouts_match_one_process(references, tmp_path, layout):
     world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
