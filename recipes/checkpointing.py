@@ -164,7 +164,7 @@ class Preemption:
             return
 
     def requested(self) -> bool:
-        t = torch.tensor([float(self.flag)])
+        t = torch.tensor([float(self.flag)], device=comm.device_for())
         comm.all_reduce(t, op=comm.ReduceOp.MAX)
         if t.item():
             self._acknowledged.set()

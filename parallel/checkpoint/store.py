@@ -63,7 +63,7 @@ def _rank_world(group) -> tuple[int, int]:
 def barrier(group=None) -> None:
     """Every rank of ``group`` has reached this point (a 4-byte all-reduce, counted)."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        comm.all_reduce(torch.zeros(1), group=group)
+        comm.all_reduce(torch.zeros(1, device=comm.device_for(group)), group=group)
 
 
 def _digest(path: Path) -> dict:
@@ -208,7 +208,7 @@ def verify_checkpoint(ckpt: str | os.PathLike, group=None) -> dict:
     rank, world = _rank_world(group)
     manifest = read_manifest(ckpt)
     problems = find_damage(ckpt, rank, world)
-    flag = torch.tensor([float(len(problems) > 0)])
+    flag = torch.tensor([float(len(problems) > 0)], device=comm.device_for(group))
     if world > 1:
         comm.all_reduce(flag, group=group, op=comm.ReduceOp.MAX)
     if problems:

@@ -43,6 +43,16 @@ class _Done:
         return True
 
 
+def device_for(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor must live to travel through ``group``: this rank's GPU under NCCL, else the CPU.
+
+    For the small control tensors (flags, barriers) code creates for a collective."""
+    backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
+    if "nccl" in backend and "cpu:" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 

@@ -161,3 +161,10 @@ def test_counter_reports_time_blocked_in_communication():
     (w0, total0), (w1, _) = run_ranks(_timed_wait, 2)
     assert w0 >= 0.9 and total0 == w0  # rank 0 was blocked while rank 1 slept
     assert w1 < 0.9
+
+
+def test_control_tensors_live_where_the_backend_wants_them():
+    def check():
+        return str(comm.device_for()), str(comm.device_for(build_groups(Topology(2, 1, 1)).dp))
+
+    assert run_ranks(check, 2) == [("cpu", "cpu")] * 2  # gloo; under NCCL: this rank's GPU
