@@ -255,6 +255,16 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     grad_accum = t.global_batch // per_replica
     if p.pp_schedule == "interleaved" and p.vpp < 2:
         raise ConfigError("parallel.pp_schedule=interleaved needs parallel.vpp ≥ 2 virtual stages per rank")
+    if p.pp_schedule == "interleaved" and p.pp < 2:
+        raise ConfigError("parallel.pp_schedule=interleaved needs parallel.pp ≥ 2 (with pp=1 use 1f1b)")
+    if p.pp_schedule == "interleaved" and grad_accum % p.pp:
+        raise ConfigError(
+            f"the interleaved schedule needs the micro-batches per step (global_batch {t.global_batch} / "
+            f"(micro_batch {t.micro_batch} × dp {dp}) = {grad_accum}) to be a multiple of pp {p.pp}; "
+            f"use train.global_batch={(grad_accum // p.pp + 1) * p.pp * per_replica}"
+        )
+    if t.eval_every and t.eval_batches < 1:
+        raise ConfigError(f"train.eval_batches must be ≥ 1 when train.eval_every={t.eval_every} (or set eval_every=0)")
     if p.vpp > 1 and p.pp_schedule != "interleaved":
         raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp_schedule=interleaved")
     if p.pp_layers is not None:

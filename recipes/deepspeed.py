@@ -64,6 +64,12 @@ def deepspeed_overrides(ds: dict, dp: int) -> dict[str, Any]:
     Raises :class:`ConfigError` for keys it cannot honour or an inconsistent batch.
     """
     flat = _flatten(ds)
+    autos = [k for k, v in flat.items() if v == "auto"]
+    if autos:
+        raise ConfigError(
+            "DeepSpeed config values 'auto' (filled in by the Hugging Face Trainer) cannot be honoured: "
+            + ", ".join(autos) + "; write the numbers, or leave the keys out and set the recipe keys"
+        )
     out: dict[str, Any] = {}
     unknown: list[str] = []
     for key, v in flat.items():

@@ -96,8 +96,10 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
         raise SystemExit(2) from None
     results = spawn_local(worker, layout.world_size, rc, run_dir)
     summary = results[0]
-    print(f"done: {summary.get('steps')} steps, final loss {summary.get('final_loss'):.4f}, "
-          f"run directory {run_dir}")
+    loss = summary.get("final_loss")
+    print(f"done: {summary.get('steps')} steps"
+          + (f", final loss {loss:.4f}" if loss is not None else " (nothing left to train)")
+          + f", run directory {run_dir}")
     return summary
 
 

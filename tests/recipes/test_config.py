@@ -48,6 +48,10 @@ def test_model_section_mirrors_every_model_config_field():
     (dict(comm__compression="topk", parallel__zero=1), None, "parallel.zero=0 only"),
     (dict(train__micro_batch=0), None, "train.micro_batch must be a positive integer"),
     (dict(parallel__dp="two"), None, "parallel.dp must be a positive integer or 'auto'"),
+    (dict(parallel__pp_schedule="interleaved", parallel__vpp=2), None, "needs parallel.pp ≥ 2"),
+    (dict(parallel__pp=2, parallel__pp_schedule="interleaved", parallel__vpp=2, train__global_batch=12,
+          train__micro_batch=4), None, "(micro_batch 4 × dp 1) = 3) to be a multiple of pp 2"),
+    (dict(train__eval_every=10, train__eval_batches=0), None, "train.eval_batches must be ≥ 1"),
 ])
 def test_bad_configs_are_refused_with_numbers(changes, world, needle):
     with pytest.raises(ConfigError) as e:

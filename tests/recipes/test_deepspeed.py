@@ -73,3 +73,17 @@ def test_applied_onto_a_recipe_config(tmp_path):
     apply_deepspeed(rc, p, dp=2)
     assert (rc.train.global_batch, rc.train.micro_batch, rc.parallel.zero, rc.train.precision) == (16, 2, 3, "fp16")
     assert validate(rc, world_size=2).grad_accum == 4
+
+
+def test_auto_values_are_refused_by_name():
+    with pytest.raises(ConfigError, match="'auto'.*train_batch_size, train_micro_batch_size_per_gpu"):
+        deepspeed_overrides({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}, dp=1)
+
+
+def test_the_readme_example_file_maps_and_validates():
+    from pathlib import Path
+
+    rc = RecipeConfig()
+    apply_deepspeed(rc, Path(__file__).parents[2] / "examples" / "ds_config.json", dp=1)
+    assert (rc.train.global_batch, rc.train.micro_batch, rc.parallel.zero, rc.optim.warmup_steps) == (16, 4, 1, 20)
+    assert validate(rc, world_size=1).grad_accum == 4
