@@ -119,6 +119,20 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
     return cfg.replace(**overrides)
 
 
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """The ``config.json`` of the ``transformers`` model that ``cfg`` is (inverse of :func:`config_from_hf`)."""
+    if cfg.arch == "gpt":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": cfg.n_layers,
+                "n_embd": cfg.d_model, "n_head": cfg.n_heads, "n_inner": cfg.d_ff, "vocab_size": cfg.vocab_size,
+                "n_positions": cfg.seq_len, "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
+                "tie_word_embeddings": cfg.tie_embeddings}
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": cfg.n_layers,
+            "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+            "intermediate_size": cfg.d_ff, "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
+            "tie_word_embeddings": cfg.tie_embeddings}
+
+
 class _Source:
     """Read HF tensors by name from a state dict or a folder of safetensors files, lazily."""
 

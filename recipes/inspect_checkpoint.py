@@ -75,8 +75,9 @@ def saved_model_config(ckpt: Path):
 
 
 def export_hf(ckpt: Path, folder: str | Path) -> str:
-    """Write ``folder/model.safetensors`` in Hugging Face names/layouts; return its path."""
-    from models.hf import export_hf_state_dict, save_hf_safetensors
+    """Write ``folder/model.safetensors`` and ``config.json`` in Hugging Face names/layouts
+    (``from_pretrained(folder)`` loads it); return the weights' path."""
+    from models.hf import export_hf_state_dict, hf_config_dict, save_hf_safetensors
     from models.transformer import build_model
 
     cfg = saved_model_config(ckpt)
@@ -85,7 +86,7 @@ def export_hf(ckpt: Path, folder: str | Path) -> str:
     with torch.no_grad():
         for name, p in stage.named_parameters():
             p[: weights[name].shape[0]].copy_(weights[name])  # padded vocabulary rows stay as built
-    return save_hf_safetensors(export_hf_state_dict(stage), str(folder))
+    return save_hf_safetensors(export_hf_state_dict(stage), str(folder), hf_config=hf_config_dict(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:

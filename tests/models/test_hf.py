@@ -88,3 +88,12 @@ def test_mismatched_vocab_refused_with_shapes():
     cfg = config_from_hf(hf.config, vocab_size=90)
     with pytest.raises(ValueError, match=r"wte.weight has shape \(100, 32\)"):
         load_hf_weights(build_model(cfg), hf.state_dict())
+
+
+def test_config_json_round_trips_for_both_architectures():
+    from models.config import preset
+    from models.hf import config_from_hf, hf_config_dict
+
+    for name in ("gpt_tiny", "llama_tiny", "gpt2", "llama_7b"):
+        cfg = preset(name)
+        assert config_from_hf(hf_config_dict(cfg)) == cfg, name

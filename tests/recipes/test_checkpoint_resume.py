@@ -86,5 +86,10 @@ def test_inspect_lists_it_and_exports_what_a_loaded_trainer_holds(uninterrupted,
     load_hf_weights(stage, str(tmp_path / "hf"))
     for name, p in stage.named_parameters():
         assert torch.equal(p.detach()[: consolidated[name].shape[0]], consolidated[name]), name
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))  # config.json written too
+    ids = torch.randint(0, 256, (1, 8))
+    ours = stage(ids)[..., :256]
+    torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=1e-4)
     assert main([str(tmp_path / "nothing-here")]) == 2
     assert "no checkpoint at" in capsys.readouterr().err
