@@ -28,13 +28,17 @@ def dp_bytes(psi: int, stage: int, dp: int, m: int, regathered_psi: int | None =
     (fp32, ``psi`` parameters on this rank). Stages 0–1 communicate once per step;
     stage 2 reduce-scatters every micro-batch into its gradient shard and
     all-gathers the updated parameters once; stage 3 does its whole exchange
-    (reduce-scatter, forward and backward all-gathers) every micro-batch."""
+    (reduce-scatter, forward and backward all-gathers) every micro-batch, except
+    that the parameters outside the blocks are gathered once per step."""
     if stage <= 1:
         return step_sent_bytes(psi, stage, dp, param_bytes)
     rho = (dp - 1) / dp
     if stage == 2:
         return m * rho * psi * param_bytes + rho * psi * param_bytes
-    return m * step_sent_bytes(psi, 3, dp, param_bytes, regathered_psi=regathered_psi)
+    # blocks: reduce-scatter + forward and backward gathers every micro-batch; the rest (embedding,
+    # head) is gathered once per step and stays until the optimizer step
+    rest = 0 if regathered_psi is None else psi - regathered_psi
+    return m * step_sent_bytes(psi, 3, dp, param_bytes, regathered_psi=regathered_psi) - (m - 1) * rho * rest * param_bytes
 
 
 def tp_bytes(tp: int, m: int, micro_batch: int, seq: int, d_model: int, layers: int, first: bool, last: bool,

@@ -68,8 +68,9 @@ def dp_traffic(hw: Hardware, axis: AxisTraffic, *, psi: int, zero: int, micro_ba
 
     Stages 0–1 reduce gradients once per step (accumulated locally); stages 2–3
     reduce-scatter every micro-batch (keeping full gradients would undo them) and
-    stage 3 all-gathers the parameters before every forward, and those inside units
-    (``regathered_psi``, default all: the blocks) again before every backward. Top-K
+    stage 3 all-gathers the parameters inside units (``regathered_psi``, default all:
+    the blocks) before every forward and again before every backward, and the rest
+    once per step (it stays gathered until the optimizer step). Top-K
     (stage 0) all-gathers ``k`` values + int32 indices per rank instead of the
     all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Returns the seconds of one of each kind
     (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
@@ -91,10 +92,14 @@ def dp_traffic(hw: Hardware, axis: AxisTraffic, *, psi: int, zero: int, micro_ba
     if zero in (1, 2):
         out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters")
     if zero == 3:
-        again = psi if regathered_psi is None else regathered_psi
-        out["param_fwd_per_mb"] = axis.add("all_gather", psi * param_bytes, m, hw, "parameters before forward")
-        out["param_bwd_per_mb"] = axis.add("all_gather", again * param_bytes, m, hw,
+        blocks = psi if regathered_psi is None else regathered_psi
+        out["param_fwd_per_mb"] = axis.add("all_gather", blocks * param_bytes, m, hw,
+                                           "block parameters before forward")
+        out["param_bwd_per_mb"] = axis.add("all_gather", blocks * param_bytes, m, hw,
                                            "block parameters before backward")
+        if psi > blocks:  # the rest (embedding, head) stays gathered from the first forward to the step
+            out["param_after_step"] = axis.add("all_gather", (psi - blocks) * param_bytes, 1, hw,
+                                               "parameters outside the blocks, once per step")
     return out
 
 

@@ -25,7 +25,7 @@ Stages (Ψ parameters, N = DP size; :mod:`parallel.zero.theory` has the bytes):
    is all-gathered just before its forward and again before its backward and
    freed right after; the next unit's gather is launched ahead (prefetch).
    Parameters outside every unit form one more unit, gathered when the
-   wrapped module's forward starts and freed once their gradients are sent.
+   wrapped module's forward starts and kept until the optimizer step (once per step).
 
 Gradient accumulation: under :meth:`no_sync` stages 0–1 only accumulate, and
 communicate once, on the last micro-batch (or at :meth:`step`). Stages 2–3

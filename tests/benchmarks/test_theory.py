@@ -21,7 +21,9 @@ def test_dp_bytes_per_stage():
     assert theory.dp_bytes(psi, 0, n, m=8) == step_sent_bytes(psi, 0, n) == 2 * 0.75 * 4000
     assert theory.dp_bytes(psi, 1, n, m=8) == 2 * 0.75 * 4000  # reduce-scatter + all-gather, once
     assert theory.dp_bytes(psi, 2, n, m=3) == 3 * 3000 + 3000  # a reduce-scatter per micro-batch
-    assert theory.dp_bytes(psi, 3, n, m=2, regathered_psi=600) == 2 * (3000 + 3000 + 0.75 * 2400)
+    # per micro-batch: reduce-scatter of all + the blocks gathered for forward and for backward;
+    # the other 400 parameters gathered once per step
+    assert theory.dp_bytes(psi, 3, n, m=2, regathered_psi=600) == 2 * (3000 + 2 * 0.75 * 2400) + 0.75 * 1600
 
 
 def test_tp_and_pp_bytes():
