@@ -17,12 +17,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch import nn
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.groups import build_groups, default_backend
 from parallel.testing import run_ranks
-from parallel.topology import Topology, TopologyError
+from parallel.topology import Topology
 
 
 def _group_sums():
