@@ -44,8 +44,8 @@ def test_column_then_row_parallel_linear_equal_torch_linear():
     y.square().sum().backward()
     for out, grads in run_ranks(_linear_rank, 2):
         torch.testing.assert_close(out, y.detach())
-        for g, p in zip(grads, ps):
-            torch.testing.assert_close(g, p.grad)
+        for g, p in zip(grads, ps):  # gradients reach ~800: fp32 sums in another order differ by ~1e-5
+            torch.testing.assert_close(g, p.grad, rtol=1.3e-6, atol=1e-7 * p.grad.abs().max().item())
 
 
 def _ce_rank(logits, targets, vocab):
