@@ -73,7 +73,7 @@ class OptimConfig:
 
 @dataclass
 class CommConfig:
-    dtype: Optional[str] = None  # gradient communication dtype; default: the compute dtype
+    dtype: Optional[str] = None  # gradient communication dtype; default fp32 (parallel.zero.theory.grad_comm_dtype)
     bucket_mb: float = 25.0
     overlap: bool = True
     compression: str = "none"  # none | topk

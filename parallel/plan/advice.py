@@ -68,7 +68,7 @@ def advise(plan, shape, hw) -> list[str]:
         out.append(f"{step['dp_exposed_s']:.2f} s of the {step['step_time_s']:.2f} s step waits for data-parallel "
                    f"gradients: raise gradient accumulation, turn on overlap, or lower dp.")
     if T["compression"] == "topk":
-        c = M.PRECISION_BYTES[T["comm_dtype"] or T["precision"]]
+        c = M.comm_bytes(T["precision"], T["comm_dtype"])
         if L["dp"] * T["topk_ratio"] * (c + 4) / c >= 2:
             out.append(f"Top-K at ratio {T['topk_ratio']:g} sends more than the dense all-reduce over dp={L['dp']} "
                        f"(it all-gathers k values + indices from every rank: pays off only while "

@@ -35,7 +35,7 @@ class Training:
     precision: str = "bf16"
     checkpointing: str = "none"
     optimizer: str = "adamw"
-    comm_dtype: str | None = None  # gradient collectives; default: the compute dtype
+    comm_dtype: str | None = None  # gradient collectives; default fp32 (parallel.zero.theory.grad_comm_dtype)
     overlap: bool = True
     compression: str = "none"  # none | topk
     topk_ratio: float = 0.01

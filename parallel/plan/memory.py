@@ -5,18 +5,25 @@ Pure arithmetic on the model's shape, the layout and the precision.
 **Model states** (the ZeRO paper's accounting, Ψ = this rank's parameters after
 tensor and pipeline splitting, padded to a multiple of N = dp so that it splits
 into N equal shards, as ZeRO's flat buffers are; b = 2 bytes for bf16/fp16
-training, 4 for fp32; K = 4 per fp32 optimizer state tensor (Adam: m and v) plus
+training, 4 for fp32; g = 4, the fp32 gradient buffer gradients accumulate in at
+every precision; K = 4 per fp32 optimizer state tensor (Adam: m and v) plus
 a 4-byte fp32 master copy when the parameters are 16-bit, so 12 for mixed
-precision Adam, 8 for fp32 Adam):
+precision Adam, 8 for fp32 Adam). The formulas live in :mod:`parallel.zero.theory`
+(the engine's home); this module pads Ψ and names precisions:
 
 =======  ==========  ==========  ==========
 ZeRO     parameters  gradients   optimizer
 =======  ==========  ==========  ==========
-0        b·Ψ         b·Ψ         K·Ψ
-1        b·Ψ         b·Ψ         K·Ψ/N
-2        b·Ψ         b·Ψ/N       K·Ψ/N
-3        b·Ψ/N       b·Ψ/N       K·Ψ/N
+0        b·Ψ         g·Ψ         K·Ψ
+1        b·Ψ         g·Ψ         K·Ψ/N
+2        b·Ψ         g·Ψ/N       K·Ψ/N
+3        b·Ψ/N       g·Ψ/N       K·Ψ/N
 =======  ==========  ==========  ==========
+
+Mixed-precision Adam at stage 0 is 2 + 4 + 12 = 18 bytes per parameter (the ZeRO
+paper's 16 keeps 16-bit gradients; accumulating many micro-batches in 16 bits
+drifts by ~5e-3 over 24 of them). Gradients travel in ``comm.dtype``, by default
+fp32 (:func:`parallel.zero.theory.grad_comm_dtype`).
 
 **Activations** stored per transformer layer and micro-batch, in the style of
 Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..zero import theory as zero_theory
 from .hardware import PlanError
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -138,7 +146,12 @@ def optimizer_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:
     """K: 4 bytes per fp32 optimizer state tensor, plus a 4-byte fp32 master copy for 16-bit params."""
     if optimizer not in OPTIMIZER_STATES:
         raise PlanError(f"optimizer {optimizer!r} not in {sorted(OPTIMIZER_STATES)}")
-    return 4 * OPTIMIZER_STATES[optimizer] + (4 if PRECISION_BYTES[precision] != 4 else 0)
+    return zero_theory.optimizer_bytes_per_param(PRECISION_BYTES[precision], OPTIMIZER_STATES[optimizer])
+
+
+def comm_bytes(precision: str, comm_dtype: str | None) -> int:
+    """Bytes per element of the gradient collectives (``comm.dtype``, default fp32)."""
+    return PRECISION_BYTES[zero_theory.grad_comm_dtype(comm_dtype)]
 
 
 def model_state_bytes(psi: int, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw") -> dict:
@@ -151,12 +164,10 @@ def model_state_bytes(psi: int, zero: int, dp: int, precision: str = "bf16", opt
         raise PlanError(f"ZeRO stage {zero!r} not in {ZERO_STAGES}")
     if precision not in PRECISION_BYTES:
         raise PlanError(f"precision {precision!r} not in {sorted(PRECISION_BYTES)}")
-    b, k = PRECISION_BYTES[precision], optimizer_bytes_per_param(precision, optimizer)
-    p = padded(psi, dp)
-    params = b * (p // dp if zero >= 3 else p)
-    grads = b * (p // dp if zero >= 2 else p)
-    optim = k * (p // dp if zero >= 1 else p)
-    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+    optimizer_bytes_per_param(precision, optimizer)  # refuses an unknown optimizer
+    theory = zero_theory.model_state_bytes(padded(psi, dp), zero, dp, PRECISION_BYTES[precision],
+                                           OPTIMIZER_STATES[optimizer])
+    return {k: int(v) for k, v in theory.items()}  # exact: the padded count divides by dp
 
 
 def _norm_bytes(arch: str, sbh: float, sb: float, e: int) -> float:

@@ -123,7 +123,7 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
     m = check(shape, layout, training, world_size)
     L, t, dp, pp, vpp = layout, layout.tp, layout.dp, layout.pp, layout.vpp
     e = M.PRECISION_BYTES[training.precision]
-    c = M.PRECISION_BYTES[training.comm_dtype or training.precision]
+    c = M.comm_bytes(training.precision, training.comm_dtype)
     sp, ckpt, mb = L.sequence_parallel, training.checkpointing, training.micro_batch
     ranges = layer_partition(shape, pp, vpp, L.pp_layers)
     peak_flops = hw.peak_flops(training.precision) * hw.efficiency

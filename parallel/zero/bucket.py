@@ -10,15 +10,24 @@ buffer            stages 0 / 1 / 2            stage 3
 ``flat_param``    n · b, the parameters are   n · b while gathered, storage
                   views into it               freed (size 0) otherwise
 ``param_shard``   –                           s · b, persistent
-``flat_grad``     n · b, ``p.grad`` are views –
-                  into it (stages 0, 1)
-``grad_shard``    – / – / s · b               s · b
+``flat_grad``     n · 4, fp32 (stages 0, 1)   –
+``grad_shard``    – / – / s · 4, fp32         s · 4, fp32
 ``master``        the fp32 weights the optimizer steps: a view of
                   ``flat_param`` (stage 0: all of it, 1–2: the shard) or of
                   ``param_shard`` in fp32; a separate fp32 copy otherwise
 ================  ==========================  ===============================
 
-Collectives, all on the DP group through :mod:`parallel.comm`:
+Gradients accumulate in fp32 at every precision (Megatron's main gradient;
+:data:`parallel.zero.theory.GRAD_BYTES`). In fp32 the parameters' ``.grad`` are
+views into ``flat_grad`` and autograd accumulates there. In bf16/fp16 autograd
+produces a 16-bit ``.grad`` per micro-batch; :meth:`take_grad` (from the
+post-accumulate-grad hook) adds it into ``flat_grad`` and drops it, so at most one
+micro-batch's 16-bit gradient of a parameter exists at a time. Stages 2–3 send
+each micro-batch's gradient and add the reduced shard into the fp32 ``grad_shard``.
+
+Collectives, all on the DP group through :mod:`parallel.comm`, gradients in
+``comm_dtype`` (cast from the fp32 accumulation for the collective when it is
+16-bit, an n · c transient, and the result cast back into fp32):
 
 * stage 0: ``all_reduce`` of the bucket's gradient (n · c bytes payload), or
   with top-k compression an ``all_gather`` of values + indices;
@@ -54,12 +63,13 @@ class FlatBucket:
         self.master_is_separate = self.master.data_ptr() != home.data_ptr()
         self.flat_grad = None
         self.grad_shard = None
+        self.grad_views = stage <= 1 and param_dtype == torch.float32  # .grad are views of flat_grad
         if stage <= 1:
-            self.flat_grad = torch.zeros_like(self.flat_param)
-            for p, slot in zip(self.params, layout.slots):
+            self.flat_grad = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
+            for p, slot in zip(self.params, layout.slots) if self.grad_views else ():
                 p.grad = self.flat_grad[slot.offset:slot.end].view(slot.shape)
         else:
-            self.grad_shard = torch.zeros(self.hi - self.lo, dtype=param_dtype, device=device)
+            self.grad_shard = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
         self._stage1_shard = None
         self.ready = 0  # parameters whose gradient has been accumulated in this backward
         self.reduced = False  # stages 0-1: this step's reduction was launched
@@ -76,7 +86,7 @@ class FlatBucket:
             handle, gathered = self.compressor.start(self.flat_grad, self.group)
             self._pending = (handle, lambda: self.compressor.finish(gathered, self.flat_grad))
         elif self.stage == 0:
-            buf = self.flat_grad if self.comm_dtype == self.param_dtype else self.flat_grad.to(self.comm_dtype)
+            buf = self.flat_grad if self.comm_dtype == self.flat_grad.dtype else self.flat_grad.to(self.comm_dtype)
             handle = comm.all_reduce(buf, group=self.group, async_op=True)
             self._pending = (handle, (lambda: None) if buf is self.flat_grad else (lambda: self.flat_grad.copy_(buf)))
         else:
@@ -110,13 +120,20 @@ class FlatBucket:
             finish()
             self._pending = None
 
-    def adopt_grad(self, param, slot_index: int) -> None:
-        """Stages 0–1: if ``param.grad`` is no longer a view of ``flat_grad`` (the user set it to
-        None, e.g. ``model.zero_grad()``), take the fresh gradient in and re-point it."""
+    def take_grad(self, param, slot_index: int) -> None:
+        """Stages 0–1, after autograd accumulated ``param.grad``: make ``flat_grad`` hold it.
+
+        16-bit parameters: add it into the fp32 ``flat_grad`` and drop it. fp32: if ``param.grad``
+        is no longer a view of ``flat_grad`` (the user set it to None, e.g. ``model.zero_grad()``),
+        take the fresh gradient in and re-point it."""
         grad = param.grad
         if grad is None:
             return
         slot = self.layout.slots[slot_index]
+        if not self.grad_views:
+            self.flat_grad[slot.offset:slot.end].add_(grad.reshape(-1))
+            param.grad = None
+            return
         # runs per parameter per micro-batch: compare addresses before building any view
         if grad.data_ptr() == self.flat_grad.data_ptr() + slot.offset * self.flat_grad.element_size():
             return
@@ -144,7 +161,7 @@ class FlatBucket:
             self.flat_grad.zero_()
         if self.grad_shard is not None:
             self.grad_shard.zero_()
-        for p in self.params if self.stage >= 2 else ():
+        for p in self.params if not self.grad_views else ():
             p.grad = None
         self._stage1_shard = None
         self.ready, self.reduced = 0, False

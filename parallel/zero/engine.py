@@ -47,7 +47,10 @@ their shard alone, after the DP reduction, at every stage.
 
 Mixed precision (``precision``): the module's parameters are held in bf16/fp16,
 floating-point inputs are cast to it, and the optimizer steps fp32 master
-weights (its own shard from stage 1 on). fp16 scales the loss dynamically
+weights (its own shard from stage 1 on). Gradients accumulate in an fp32 buffer
+at every precision (the main gradient, :mod:`parallel.zero.bucket`) and travel
+in ``comm_dtype``, by default fp32 (:data:`parallel.zero.theory.DEFAULT_COMM_DTYPE`;
+``"bf16"`` halves the traffic for one bf16 rounding of each sum). fp16 scales the loss dynamically
 (:class:`~parallel.zero.scaler.DynamicLossScaler`); a step whose gradients hold
 an inf/NaN on any rank of the DP, TP or ``clip_groups`` is skipped on all.
 """
@@ -69,6 +72,7 @@ from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
+from .theory import grad_comm_dtype
 from .units import UnitGatherer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -148,7 +152,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         super().__init__()
         compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio)
         self.param_dtype = _dtype(precision, "precision")
-        self.comm_dtype = _dtype(comm_dtype, "comm_dtype") if comm_dtype else self.param_dtype
+        self.comm_dtype = _dtype(grad_comm_dtype(comm_dtype), "comm_dtype")
         self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
         for name, p in module.named_parameters():
             _extra_reduce(name, p, self)
@@ -241,7 +245,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         bucket = self._param_bucket[param]
         if bucket.flat_grad is not None:
-            bucket.adopt_grad(param, self._slot_index[param])
+            bucket.take_grad(param, self._slot_index[param])
         if not self._communicates_now():
             return
         bucket.ready += 1

@@ -5,21 +5,43 @@ the buckets' ``padded_numel``, to compare with a run exactly), the DP size N
 and the byte sizes. The ZeRO paper's notation: ``param_bytes`` b (4 fp32, 2
 bf16/fp16), ``K`` the optimizer's bytes per parameter: 4 per fp32 state
 tensor (Adam: m and v, 8) plus 4 for an fp32 master copy when the parameters
-are held in 16 bits.
+are held in 16 bits; and ``g`` the gradient buffer's bytes per parameter.
 
 =======  ============================================
 stage    model-state bytes per rank
 =======  ============================================
-0        b·Ψ + b·Ψ + K·Ψ
-1        b·Ψ + b·Ψ + K·Ψ/N
-2        b·Ψ + b·Ψ/N + K·Ψ/N
-3        (b·Ψ + b·Ψ + K·Ψ)/N
+0        b·Ψ + g·Ψ + K·Ψ
+1        b·Ψ + g·Ψ + K·Ψ/N
+2        b·Ψ + g·Ψ/N + K·Ψ/N
+3        (b·Ψ + g·Ψ + K·Ψ)/N
 =======  ============================================
 
-With bf16 and Adam at stage 0: 2 + 2 + 12 = 16 bytes per parameter.
+**Gradients accumulate in fp32 at every precision** (``g = GRAD_BYTES = 4``,
+Megatron's "main_grad"): a 16-bit gradient is added into an fp32 buffer as soon
+as autograd produces it, so accumulating many micro-batches does not round each
+partial sum to 8 (bf16) or 11 (fp16) bits of mantissa. The ZeRO paper counts
+``g = b`` (2 + 2 + 12 = 16 bytes per parameter for mixed-precision Adam at
+stage 0); ours is 2 + 4 + 12 = 18, as Megatron's (its distributed optimizer:
+6 + 12/N). At stages 2–3 the extra is 2·Ψ/N.
+
+**The wire dtype** of the gradient collectives is ``comm_dtype``; by default
+(``DEFAULT_COMM_DTYPE``) fp32, the accumulation dtype, as Megatron reduces bf16
+gradients in fp32 unless asked otherwise. ``comm_dtype="bf16"`` halves the
+gradient traffic at the price of one bf16 rounding of each reduced sum (the
+accumulated gradient is cast for the collective and the result cast back into
+the fp32 buffer).
 """
 
 from __future__ import annotations
+
+GRAD_BYTES = 4  # the fp32 main gradient, at every precision
+DEFAULT_COMM_DTYPE = "fp32"  # gradients travel in the dtype they accumulate in unless comm_dtype says otherwise
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def grad_comm_dtype(comm_dtype: str | None) -> str:
+    """The name of the dtype gradient collectives use: ``comm_dtype``, or :data:`DEFAULT_COMM_DTYPE`."""
+    return comm_dtype or DEFAULT_COMM_DTYPE
 
 
 def optimizer_bytes_per_param(param_bytes: int, state_tensors: int = 2) -> int:
@@ -27,11 +49,13 @@ def optimizer_bytes_per_param(param_bytes: int, state_tensors: int = 2) -> int:
     return 4 * state_tensors + (4 if param_bytes != 4 else 0)
 
 
-def model_state_bytes(psi: int, stage: int, dp: int, param_bytes: int = 4, state_tensors: int = 2) -> dict:
-    """Bytes of parameters, gradients and optimizer state one rank holds between steps."""
+def model_state_bytes(psi: int, stage: int, dp: int, param_bytes: int = 4, state_tensors: int = 2,
+                      grad_bytes: int = GRAD_BYTES) -> dict:
+    """Bytes of parameters, gradients and optimizer state one rank holds between steps
+    (``grad_bytes``: the engine's fp32 main gradient; pass ``param_bytes`` for the ZeRO paper's count)."""
     k = optimizer_bytes_per_param(param_bytes, state_tensors)
     params = param_bytes * psi / (dp if stage >= 3 else 1)
-    grads = param_bytes * psi / (dp if stage >= 2 else 1)
+    grads = grad_bytes * psi / (dp if stage >= 2 else 1)
     optim = k * psi / (dp if stage >= 1 else 1)
     return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
@@ -43,9 +67,10 @@ def step_sent_bytes(psi: int, stage: int, dp: int, param_bytes: int = 4, comm_by
     stage 0: all-reduce ``2(N-1)/N·Ψ·c``; stages 1–2: reduce-scatter ``(N-1)/N·Ψ·c`` + all-gather
     ``(N-1)/N·Ψ·b``; stage 3: reduce-scatter + all-gather for forward + all-gather again for
     backward of ``regathered_psi`` (the parameters inside units; default all Ψ): ≈ 1.5 × stage 0.
+    ``comm_bytes`` c: the gradients' wire dtype, default :data:`DEFAULT_COMM_DTYPE`'s.
     Excludes the 4-byte norm all-reduce.
     """
-    c = param_bytes if comm_bytes is None else comm_bytes
+    c = DTYPE_BYTES[DEFAULT_COMM_DTYPE] if comm_bytes is None else comm_bytes
     f = (dp - 1) / dp
     if stage == 0:
         return 2 * f * psi * c

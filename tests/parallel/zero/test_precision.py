@@ -11,9 +11,9 @@ from parallel.zero import DynamicLossScaler, ZeroDataParallel
 from .toy import adamw, batches, make_model
 
 
-def _zdp(stage, precision, **kw):
+def _zdp(stage, precision, optimizer_factory=adamw, **kw):
     model = make_model()
-    return ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw,
+    return ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=optimizer_factory,
                             units=list(model.blocks), precision=precision, **kw)
 
 
@@ -72,3 +72,57 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_all_and_backs_off_the_scale(stag
         assert bad["skipped"] and unchanged and bad["loss_scale"] == 2.0**9
         assert not good["skipped"] and changed and good["loss_scale"] == 2.0**9
         assert good["grad_norm"] > 0 and good["grad_norm"] < float("inf")
+
+
+class _Recorder(torch.optim.Optimizer):
+    """Keeps the gradient ZeRO hands the optimizer (this rank's fp32 shard), changes nothing."""
+
+    def __init__(self, groups):
+        super().__init__(groups, {})
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen = [p.grad.detach().clone() for g in self.param_groups for p in g["params"]]
+
+
+def _accumulated_grads(micro, comm_dtype):
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(2, 16, generator=g), torch.randn(2, generator=g)) for _ in range(micro * dp)]
+    # the reference: every micro-batch's bf16 gradient (the same bf16 weights, the same kernels), summed in fp64
+    ref_model = make_model().to(torch.bfloat16)
+    ref = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in ref_model.named_parameters()}
+    for x, y in data:
+        ref_model.zero_grad()
+        (nn.functional.mse_loss(ref_model(x.to(torch.bfloat16)).float(), y) / micro).backward()
+        for n, p in ref_model.named_parameters():
+            ref[n] += p.grad.double()
+    errors = {}
+    for stage in range(4):
+        zdp = _zdp(stage, "bf16", comm_dtype=comm_dtype, optimizer_factory=_Recorder)
+        for m in range(micro):
+            x, y = data[rank * micro + m]
+            with zdp.no_sync() if m < micro - 1 else torch.enable_grad():
+                zdp.backward(nn.functional.mse_loss(zdp(x).float(), y) / micro)
+        zdp.step()
+        got, want = [], []
+        for b, grad in zip([b for b in zdp.buckets if b.layout.weight_decay] +
+                           [b for b in zdp.buckets if not b.layout.weight_decay], zdp.optimizer.seen):
+            flat = torch.zeros(b.layout.padded_numel, dtype=torch.float64)
+            for s in b.layout.slots:
+                flat[s.offset:s.end] = ref[s.name].reshape(-1) / dp
+            got.append(grad.double())
+            want.append(flat[b.lo:b.hi])
+        got, want = torch.cat(got), torch.cat(want)
+        errors[stage] = float((got - want).norm() / want.norm())
+    return errors
+
+
+def test_bf16_gradients_accumulate_over_24_micro_batches_in_fp32():
+    """Issue 12 §3.3: accumulated in bf16, 24 micro-batches drift ~5e-3 from the fp32 sum; the fp32
+    main gradient (and the default fp32 wire) leave only fp32 rounding."""
+    for errors in run_ranks(_accumulated_grads, 2, 24, None, timeout=120):
+        assert all(e < 1e-5 for e in errors.values()), errors
+    # bf16 on the wire, asked for: one bf16 rounding of the accumulated sum, still no accumulation drift
+    for errors in run_ranks(_accumulated_grads, 2, 24, "bf16", timeout=120):
+        assert all(e < 4e-3 for e in errors.values()), errors
