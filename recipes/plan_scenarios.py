@@ -13,13 +13,15 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from parallel.plan import model_state_bytes
+
 from .config import RecipeConfig
 from .plan import GB, plan_from_config
 
 LLAMA_7B = ["model.preset=llama_7b", "train.precision=fp16"]
 LLAMA_13B = ["model.preset=llama_7b", "model.n_layers=40", "model.d_model=5120", "model.n_heads=40",
              "model.n_kv_heads=40", "model.d_ff=13824", "model.seq_len=512", "train.precision=fp16",
-             "plan.inter_node_gbps=12.5"]
+             "comm.dtype=fp16", "plan.inter_node_gbps=12.5"]  # the brief's 26 GB all-reduce: fp16 on the wire
 GPT3 = ["model.preset=gpt3_175b", "train.precision=bf16", "parallel.dp=64", "parallel.pp=35", "parallel.tp=8",
         "parallel.sequence_parallel=true", "train.micro_batch=1", "train.global_batch=1536"]
 
@@ -51,13 +53,14 @@ def scenario_7b() -> tuple[list[str], list[list[str]], dict]:
     rows = [
         ["static state per GPU, no ZeRO", "14 + 14 + 42 = 70 GB",
          f"{_gb(ra['params'])} + {_gb(ra['grads'])} + {_gb(ra['optimizer'])} = {_gb(ra['model_states'])}",
-         "Adam's fp32 master, m and v are 4 B each: 12 B per parameter, not 6"],
+         "Adam's fp32 master, m and v are 4 B each: 12 B per parameter, not 6; gradients accumulate in fp32"],
         ["activations, micro-batch 1 (seq 4096)", "> 10 GB", _gb(ra["activations"]),
          "the brief gives a lower bound; ours sums what each layer saves"],
         ["fits 80 GB at micro-batch 1?", "no (OOM)", "yes" if pa.fits else f"no ({_gb(pa.peak_memory)})", ""],
         ["ZeRO-2 over 8: optimizer state per GPU", "5.25 GB", _gb(rb["optimizer"]), "12 B/param ÷ 8, not 6 B ÷ 8"],
         ["ZeRO-2 + full recomputation, micro-batch 8: peak per GPU", "≈ 45 GB", _gb(pb.peak_memory),
-         "weights 13.5 + grads 1.7 + optimizer 10.1 + activations"],
+         (f"weights {rb['params'] / GB:.1f} + fp32 grads {rb['grads'] / GB:.1f} + optimizer "
+          f"{rb['optimizer'] / GB:.1f} + activations")],
         ["fits?", "yes", "yes" if pb.fits else "no", ""],
     ]
     return [_cmd(a), _cmd(b)], rows, {"no_zero": pa, "zero2": pb}
@@ -104,7 +107,8 @@ def scenario_13b() -> tuple[list[str], list[list[str]], dict]:
          f"(dense, ×4, overlap); {scaling(True):.0%} with Top-K 50 %",
          "8 GPUs share one node's NVLink; 64 cross 100 Gb/s Ethernet"],
         ["fits 80 GB (plain DP)?", "(not discussed)", "yes" if base.fits else f"no ({_gb(base.peak_memory)})",
-         "16 B/param × 13B = 208 GB of model states per GPU without ZeRO"],
+         (f"{base.ranks[0].memory['model_states'] / base.ranks[0].params.numel:.0f} B/param × 13B = "
+          f"{_gb(base.ranks[0].memory['model_states'])} of model states per GPU without ZeRO")],
     ]
     return [_cmd(_13b(8, False)), _cmd(_13b(64, False)), _cmd(_13b(64, True))], rows, runs
 
@@ -119,7 +123,7 @@ def scenario_175b() -> tuple[list[str], list[list[str]], dict]:
         ["layers per stage", "(uneven)", ", ".join(sorted({str(b - a) for r in p.ranks for a, b in r.layers})),
          "96 layers over 35 stages, embedding and head weighed"],
         ["memory per GPU", "≈ 70 GB", f"{_gb(min(r.memory['total'] for r in p.ranks))} – {_gb(p.peak_memory)}",
-         f"{worst.params.numel / 1e9:.2f}B parameters per GPU: {_gb(16 * worst.params.numel)} of model states "
+         f"{worst.params.numel / 1e9:.2f}B parameters per GPU: {_gb(model_state_bytes(worst.params.numel, 0, 1)['total'])} of model states "
          f"without ZeRO, {_gb(worst.memory['model_states'])} with ZeRO-1 over 64, plus "
          f"{_gb(worst.memory['activations'])} of activations ({worst.in_flight} micro-batches in flight)"],
         ["time not spent computing", "< 20 %", f"{comm_share:.0%} (bubble {p.step['bubble_fraction']:.0%})",
