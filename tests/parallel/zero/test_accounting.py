@@ -152,3 +152,55 @@ def test_overlap_launches_bucket_collectives_during_backward(stage):
     in_flight, n_buckets = run_ranks(_in_flight_before_backward_ends, 2, stage, True)[0]
     assert 1 <= in_flight <= n_buckets  # launched, not yet waited for
     assert run_ranks(_in_flight_before_backward_ends, 2, stage, False)[0][0] == 0
+
+
+class _Recomputed(nn.Module):
+    """The toy with full activation recomputation: each block under a non-reentrant checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.toy = make_model()
+        self.blocks = self.toy.blocks
+
+    def forward(self, x):
+        x = self.toy.inp(x)
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+        return self.toy.head(x).squeeze(-1)
+
+
+def _backward_gathers(recompute: bool):
+    model = _Recomputed() if recompute else make_model()
+    zdp = ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=3, optimizer_factory=adamw,
+                           units=list(model.blocks))
+    n_units = len(zdp.units)
+    peak = [0]
+
+    def sample(*_):  # block units whose full parameters occupy memory now (gathered or gather in flight)
+        held = sum(any(b.flat_param.untyped_storage().nbytes() for b in bs) for bs in zdp._unit_buckets[:n_units])
+        peak[0] = max(peak[0], held)
+
+    for p in zdp.module.parameters():
+        p.register_hook(sample)  # before each gradient is accumulated
+    for block in zdp.module.blocks:
+        block.register_forward_pre_hook(sample)  # in backward: the recomputation, after ZeRO's pre-hook
+    (x, y), = batches(1)
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    per = x.shape[0] // dp
+    loss = nn.functional.mse_loss(zdp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+    counter = comm.CommCounter()
+    peak[0] = 0
+    with counter:
+        zdp.backward(loss)
+    zdp.step()
+    block_buckets = sum(len(bs) for bs in zdp._unit_buckets[:n_units])
+    return counter.calls("world", "all_gather"), peak[0], block_buckets
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_stage3_backward_gathers_each_unit_once_even_under_full_recomputation(recompute):
+    """Issue 12 §3.2: the recomputed forward's pre-hook used to prefetch the next unit, whose backward
+    was over, and nothing freed it: every unit ended up gathered (twice the all-gathers)."""
+    for gathers, peak, block_buckets in run_ranks(_backward_gathers, 2, recompute):
+        assert gathers == block_buckets  # each unit's buckets once (the root stays gathered from forward)
+        assert peak <= 2  # the unit whose backward runs and the prefetched one before it
