@@ -154,6 +154,8 @@ class Trainer:
             activation_shape=(lay.micro_batch, seq, mc.d_model), dtype=self.dtype, loss_fn=loss_fn,
             tp_group=None if p.sequence_parallel else g.tp,
             embedding_group=None,  # ZeRO sums the tied-embedding gradient (on its shard, any stage)
+            # ZeRO 0-1 run the step under no_sync(); each chunk's last backward launches its DP reduction
+            final_backward=lambda chunk: self.zero.sync_gradients(),
         )
 
     # ------------------------------------------------------------------- step

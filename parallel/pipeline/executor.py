@@ -28,6 +28,13 @@ Communication (all through :mod:`parallel.comm`):
   first stage, output head on the last), and a ``broadcast`` on ``pp_group``
   of the step's loss (one float) from the last stage.
 
+``final_backward(chunk)`` (optional) returns a context manager the executor
+enters around the *last* backward of each chunk in the step (its last
+``Backward`` action in the list), e.g. ``ZeroDataParallel.sync_gradients`` so
+that the data-parallel reduction of a chunk's gradients launches during that
+backward, bucket by bucket, while the other micro-batches' and chunks' work goes
+on (Megatron's ``overlap_grad_reduce``), instead of after the whole step.
+
 The loss is ``loss_fn(output, target)`` of the last virtual stage; each
 micro-batch's backward starts from ``loss / m``, so the accumulated gradients
 are those of the mean loss over the step's micro-batches, and :meth:`run`
@@ -83,6 +90,8 @@ class PipelineExecutor:
         record_timeline: keep a :class:`~.simulator.Span` per computation / transfer batch
             in ``timeline``, in seconds since ``timeline_origin`` (a ``time.perf_counter()``
             value: the same clock for every process of one machine, so stages align).
+        final_backward: optional ``final_backward(chunk) -> context manager``, entered around
+            the last backward of each chunk (see the module docstring).
     """
 
     def __init__(
@@ -97,8 +106,10 @@ class PipelineExecutor:
         tp_group: dist.ProcessGroup | None = None,
         embedding_group: dist.ProcessGroup | None = None,
         record_timeline: bool = False,
+        final_backward: Callable[[int], contextlib.AbstractContextManager] | None = None,
     ):
         self.chunks = list(chunks)
+        self.final_backward = final_backward
         self.pp_group = pp_group
         self.stage_ranks = dist.get_process_group_ranks(pp_group)
         self.pp = len(self.stage_ranks)
@@ -128,6 +139,7 @@ class PipelineExecutor:
         self.timeline: list[Span] = []
         self.peak_activations = 0
         self.num_microbatches = self._check(actions)
+        self._last_backward = {a.chunk: a for a in actions if isinstance(a, Backward)}  # the last one wins
 
     # ------------------------------------------------------------ validation
     def _check(self, actions: Sequence[Action]) -> int:
@@ -257,10 +269,10 @@ class PipelineExecutor:
 
     def _backward(self, a: Backward) -> None:
         x, out = self._stored.pop((a.mb, a.chunk))
-        if self._is_last(a.chunk):
-            out.backward()
-        else:
-            out.backward(self._received.pop(("grad", a.mb, a.chunk)))
+        grad = None if self._is_last(a.chunk) else self._received.pop(("grad", a.mb, a.chunk))
+        final = self.final_backward is not None and self._last_backward[a.chunk] == a
+        with self.final_backward(a.chunk) if final else contextlib.nullcontext():
+            out.backward(grad)
         if x is not None:
             self._outbox[("grad", a.mb, a.chunk)] = x.grad
 

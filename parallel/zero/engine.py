@@ -28,7 +28,9 @@ Stages (Ψ parameters, N = DP size; :mod:`parallel.zero.theory` has the bytes):
    wrapped module's forward starts and kept until the optimizer step (once per step).
 
 Gradient accumulation: under :meth:`no_sync` stages 0–1 only accumulate, and
-communicate once, on the last micro-batch (or at :meth:`step`). Stages 2–3
+communicate once, on the last micro-batch (or at :meth:`step`); inside
+:meth:`sync_gradients` (a pipeline's last backward of each chunk) they launch
+each bucket's reduction as its gradients become final. Stages 2–3
 reduce-scatter every micro-batch into the accumulated gradient shard: keeping
 the full gradient across micro-batches would give up the memory these stages
 exist to save (DeepSpeed and FSDP do the same).
@@ -236,6 +238,21 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         finally:
             self._sync = previous
 
+    @contextlib.contextmanager
+    def sync_gradients(self):
+        """Communicate during this backward even inside :meth:`no_sync` (stages 0–1).
+
+        For the last backward of a micro-batch loop that runs under ``no_sync()``: each
+        bucket's reduction launches (with ``overlap``) as soon as its last gradient is
+        accumulated — a pipeline with several model chunks enters it around each chunk's
+        last backward (``PipelineExecutor(final_backward=...)``); a bucket that spans chunks
+        launches once the gradients of all of them are final."""
+        previous, self._sync = self._sync, True
+        try:
+            yield
+        finally:
+            self._sync = previous
+
     def _communicates_now(self) -> bool:
         return self._sync or self.stage >= 2
 
@@ -264,7 +281,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         if not self._communicates_now():
             return
         for b in self.buckets:
-            if not self.overlap and b.ready == len(b.params):
+            if not self.overlap and b.ready == len(b.params) and b.has_unreduced_grads():
                 self._reduce(b, wait=False)
         for b in self.buckets:
             b.finish_reduction()
