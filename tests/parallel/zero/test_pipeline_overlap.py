@@ -4,7 +4,6 @@ and the step still equals one process."""
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parallel import comm
