@@ -72,7 +72,9 @@ class TransformerStage(nn.Module):
     factor ``ρ = (N-1)/N``, ``A`` = bytes of the activation ``[b, s, d]``, ``T = b·s``):
     ``ρ·A·(2 + 8·L + 2) + 2ρ·12·T`` — embedding 2ρA, each block 8ρA (two all-reduces
     each way, or their all-gather/reduce-scatter halves), head input 2ρA, cross-entropy
-    2ρ·12T. The same with and without sequence parallelism. ``full`` checkpointing
+    2ρ·12T. Sequence parallelism adds one all-gather of ``A`` in backward per column-parallel
+    input (the input is saved as a sequence chunk and gathered again): 2ρA per block and ρA for
+    the head. ``full`` checkpointing
     recomputes each block's forward up to the last tensor backward needs (torch's
     non-reentrant checkpoint skips the final reduction): 2ρA more per block, 3ρA with
     sequence parallelism. ``reduce_sequence_parallel_grads`` is extra.

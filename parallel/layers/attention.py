@@ -96,10 +96,9 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3:
             raise LayerConfigError(f"ParallelSelfAttention: expected [batch, seq, d_model], got {tuple(x.shape)}")
-        h = self.q_proj.enter(x)
-        q = self._heads(self.q_proj.local_forward(h), self.local_heads)
-        k = self._heads(self.k_proj.local_forward(h), self.local_kv_heads)
-        v = self._heads(self.v_proj.local_forward(h), self.local_kv_heads)
+        q, k, v = ColumnParallelLinear.shared_forward(x, self.q_proj, self.k_proj, self.v_proj)
+        q = self._heads(q, self.local_heads)
+        k, v = self._heads(k, self.local_kv_heads), self._heads(v, self.local_kv_heads)
         if self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:

@@ -5,7 +5,9 @@ the column layer splits the output features (each rank computes a slice of the
 hidden activations, no communication inside), the row layer splits the input
 features (each rank holds a partial sum of the output) and reduces once. One
 block therefore costs one all-reduce forward and one backward (or, with
-sequence parallelism, an all-gather + a reduce-scatter each way: the same bytes).
+sequence parallelism, an all-gather + a reduce-scatter each way: the same bytes,
+plus one all-gather in backward, since the column layer keeps only its sequence
+chunk of the input for backward and gathers it again).
 
 Weights follow ``torch.nn.Linear``: ``[out_features, in_features]``.
 """
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from ..comm.autograd import SEQ_DIM
 from ..params import mark_no_weight_decay, mark_sequence_parallel, mark_tp_sharded
 
 
@@ -41,6 +44,56 @@ def _check_last_dim(x: torch.Tensor, expected: int, who: str) -> None:
         )
 
 
+class _SequenceParallelColumns(torch.autograd.Function):
+    """``[F.linear(gather(x), w_i, b_i) for i]`` for column layers reading one sequence-parallel input.
+
+    ``x`` is this rank's sequence chunk ``[b, s/N, in]``. Forward all-gathers it along the
+    sequence and applies every layer to the whole; it saves only ``x`` (1/N of the gathered
+    input, Megatron's choice) and the weights. Backward all-gathers ``x`` again, launched
+    asynchronously and overlapped with the input-gradient matmuls ``Σ_i dy_i · w_i``; then the
+    input gradient's reduce-scatter is launched asynchronously and overlapped with the weight
+    gradients ``dy_iᵀ · gather(x)``. Collectives on ``group`` (``X`` = bytes of ``x``): forward
+    one all-gather (N·X), backward one all-gather (N·X) and one reduce-scatter (N·X).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, *params):
+        ctx.group, ctx.has_bias = group, [b is not None for b in params[1::2]]
+        total = comm.all_gather_along(x, SEQ_DIM, group)
+        weights = params[0::2]
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(total, w, b) for w, b in zip(weights, params[1::2]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        group, n = ctx.group, comm.tp_world_size(ctx.group)
+        gathered = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+        gather = comm.all_gather(gathered, x.contiguous().view(-1), group=group, async_op=True)
+        used = [(g, w) for g, w in zip(grads, weights) if g is not None]
+        grad_total = None
+        if ctx.needs_input_grad[0] and used:
+            grad_total = sum(g.matmul(w) for g, w in used)  # [b, s, in], while the gather runs
+        gather.wait()
+        total = torch.cat(gathered.view((n,) + tuple(x.shape)).unbind(0), dim=SEQ_DIM)
+        grad_x, scatter = None, None
+        if grad_total is not None:
+            stacked = torch.stack(grad_total.chunk(n, SEQ_DIM), 0).contiguous()
+            grad_x = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+            scatter = comm.reduce_scatter(grad_x.view(-1), stacked.view(-1), group=group, async_op=True)
+        flat_total = total.reshape(-1, total.shape[-1])
+        out = []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            if g is None:
+                out += [None, None]
+                continue
+            flat_g = g.reshape(-1, g.shape[-1])
+            out += [flat_g.t().matmul(flat_total).to(w.dtype), flat_g.sum(0) if has_bias else None]
+        if scatter is not None:
+            scatter.wait()
+        return (grad_x, None, *out)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x Wᵀ + b`` with ``W``'s output rows split over the TP group.
 
@@ -51,13 +104,16 @@ class ColumnParallelLinear(nn.Module):
 
     * plain: forward none; backward all-reduce of the input gradient (X bytes, "f").
     * ``sequence_parallel``: the input is this rank's sequence chunk ``[b, s/N, in]``;
-      forward all-gathers it (N·X bytes), backward reduce-scatters the input gradient
-      (N·X bytes).
+      forward all-gathers it (N·X bytes); backward all-gathers it again (N·X bytes,
+      overlapped with the input-gradient matmul) and reduce-scatters the input gradient
+      (N·X bytes, overlapped with the weight gradient). Only the chunk is saved for
+      backward, not the gathered input (Megatron's sequence parallelism, Korthikanti et
+      al. 2022): N times less activation memory for one more all-gather.
     * ``gather_output``: forward also all-gathers the output's last dim (``[.., out]``
       bytes); backward keeps this rank's slice.
 
-    Several column layers reading the same input (q/k/v, SwiGLU's gate/up) share one
-    collective: call :meth:`enter` once, then :meth:`local_forward` on each.
+    Several column layers reading the same input (q/k/v, SwiGLU's gate/up) share those
+    collectives: :meth:`shared_forward`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
@@ -77,19 +133,24 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """The input collective: copy-to-region ("f"), or the sequence all-gather."""
-        _check_last_dim(x, self.in_features, type(self).__name__)
-        if self.sequence_parallel:
-            return comm.gather_from_sequence_parallel_region(x, self.tp_group)
-        return comm.copy_to_tp_region(x, self.tp_group)
-
-    def local_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's output slice for an input already through :meth:`enter`."""
-        return F.linear(x, self.weight, self.bias)
+    @staticmethod
+    def shared_forward(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tensor, ...]:
+        """Every layer's output slice for one input ``x``, with one input collective for all:
+        "f" (copy-to-region), or with sequence parallelism the all-gather forward and the
+        all-gather + reduce-scatter backward described above (the layers' settings must agree)."""
+        first = layers[0]
+        for layer in layers:
+            _check_last_dim(x, layer.in_features, type(layer).__name__)
+            if (layer.tp_group, layer.sequence_parallel) != (first.tp_group, first.sequence_parallel):
+                raise LayerConfigError("shared_forward: the layers must share tp_group and sequence_parallel")
+        if first.sequence_parallel and first.tp_size > 1:
+            params = [t for layer in layers for t in (layer.weight, layer.bias)]
+            return _SequenceParallelColumns.apply(x, first.tp_group, *params)
+        h = comm.copy_to_tp_region(x, first.tp_group)
+        return tuple(F.linear(h, layer.weight, layer.bias) for layer in layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.local_forward(self.enter(x))
+        (y,) = self.shared_forward(x, self)
         return comm.gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -42,5 +42,5 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation == "gelu":
             return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
-        h = self.gate_proj.enter(x)
-        return self.down_proj(F.silu(self.gate_proj.local_forward(h)) * self.up_proj.local_forward(h))
+        gate, up = ColumnParallelLinear.shared_forward(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)

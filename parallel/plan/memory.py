@@ -39,7 +39,8 @@ piece                  bytes
 =====================  ===============================================================
 norms (×2)             LayerNorm: input e·sbh/t' + fp32 mean, rstd 8·sb/t';
                        RMSNorm (fp32 math): fp32 input 4·sbh/t' + normalised e·sbh/t' + 4·sb/t'
-q/k/v, fc_in input     e·sbh each (the column-parallel inputs, gathered: full even with SP)
+q/k/v, fc_in input     e·sbh/t' each (the column-parallel inputs; with SP the sequence chunk,
+                       gathered again in backward, as Megatron does)
 q, k, v, attention out e·sb(2h + 2k)/t, plus the fp32 log-sum-exp 4·b·a·s/t
 MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·sbf/t
 =====================  ===============================================================
@@ -47,6 +48,13 @@ MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·s
 ``selective`` recomputes the attention core: its log-sum-exp is not stored (with
 flash attention that is all it saves). ``full`` stores only each block's input
 (e·sbh/t') and, while one layer's backward runs, that layer's full activations.
+
+Against the paper (:func:`korthikanti_layer_bytes`, 16-bit, per layer ``sbh(10 + 24/t + 5as/ht)``,
+with SP ``sbh/t·(34 + 5as/h)``, selective ``sbh/t·34``), a GPT layer (f = 4h, k = h) here
+stores the paper's figure less its two 1-byte dropout masks (2·sbh/t'), less ``5as/h``
+(flash attention), plus LayerNorm's fp32 statistics (16·sb/t') and, without recomputation,
+the log-sum-exp: at GPT-3 175B, tp = 8, SP, selective, micro-batch 1, 100.7 MB against the
+paper's 107.0 MB.
 """
 
 from __future__ import annotations
@@ -187,22 +195,38 @@ def layer_activation_bytes(shape, micro_batch: int, *, tp: int = 1, sequence_par
         return e * sbh / sp
     kv = shape.n_kv_heads * (h // shape.n_heads)
     norms = 2 * _norm_bytes(shape.arch, sbh, sb, e) / sp
-    linear_inputs = 2 * e * sbh
+    linear_inputs = 2 * e * sbh / sp
     attention = e * s * b * (2 * h + 2 * kv) / tp
     lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0
     mlp = (4 if shape.arch == "llama" else 2) * e * s * b * shape.d_ff / tp
     return norms + linear_inputs + attention + lse + mlp
 
 
+def korthikanti_layer_bytes(shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
+                            checkpointing: str = "none") -> float:
+    """Korthikanti et al. 2022 (Table 2), bytes per GPT layer in 16-bit with dropout:
+    ``sbh(10 + 24/t + 5as/ht)``; with sequence parallelism ``sbh/t·(34 + 5as/h)``;
+    ``selective`` drops the ``5as/h`` term; ``full`` keeps ``2sbh/t'``. The reference the
+    module docstring compares :func:`layer_activation_bytes` with."""
+    s, b, h, a, t = shape.seq_len, micro_batch, shape.d_model, shape.n_heads, tp
+    sbh = s * b * h
+    if checkpointing == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    attention = 0.0 if checkpointing == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return sbh / t * (34 + attention)
+    return sbh * (10 + 24 / t + attention / t)
+
+
 def head_activation_bytes(shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
                           precision: str = "bf16") -> float:
-    """The last stage's extra: final norm, the head's (gathered) input, the fp32 softmax
-    over this rank's ``V/t`` vocabulary columns that the cross-entropy keeps."""
+    """The last stage's extra: final norm, the head's input (with SP its sequence chunk), the
+    fp32 softmax over this rank's ``V/t`` vocabulary columns that the cross-entropy keeps."""
     e = PRECISION_BYTES[precision]
     s, b, h = shape.seq_len, micro_batch, shape.d_model
     sp = tp if sequence_parallel else 1
     vocab = shape.padded_vocab(tp)
-    return _norm_bytes(shape.arch, s * b * h, s * b, e) / sp + e * s * b * h + 4 * s * b * vocab / tp
+    return (_norm_bytes(shape.arch, s * b * h, s * b, e) + e * s * b * h) / sp + 4 * s * b * vocab / tp
 
 
 def embedding_activation_bytes(shape, micro_batch: int) -> float:

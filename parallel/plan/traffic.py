@@ -107,7 +107,8 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
     """TP collectives of a chunk: seconds per micro-batch (forward, backward); ``axis``
     accumulates the bytes of all ``m`` micro-batches. Per block: two all-reduces of the
     ``[b, s, d]`` activation forward and two backward (sequence parallel: each an
-    all-gather + a reduce-scatter, the same bytes); full recomputation redoes all but
+    all-gather + a reduce-scatter, the same bytes, and two more all-gathers in backward:
+    ``ColumnParallelLinear`` saves its input's sequence chunk and gathers it again); full recomputation redoes all but
     the last (one all-reduce, or two all-gathers and a reduce-scatter, per block)."""
     act = e * mb * shape.seq_len * shape.d_model
 
@@ -122,6 +123,8 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
 
     fwd = pair(2 * n_layers, "block forward")
     bwd = pair(2 * n_layers, "block backward")
+    if sp:  # the column layers saved their input's sequence chunk: gathered again in backward
+        bwd += op("all_gather", 2 * n_layers, "block backward (column inputs, gathered again)")
     if ckpt == "full":  # recomputation stops early (torch's non-reentrant checkpoint): the block's last
         # collective, the MLP's output reduction, is not redone
         if sp:
@@ -135,5 +138,6 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
     if has_head:
         fwd += op("all_gather", 1, "head forward") if sp else 0.0
         bwd += op("reduce_scatter" if sp else "all_reduce", 1, "head input gradient")
+        bwd += op("all_gather", 1, "head backward (input, gathered again)") if sp else 0.0
         fwd += op("all_reduce", 1, "cross-entropy max and sums", 12 * mb * shape.seq_len)
     return fwd, bwd

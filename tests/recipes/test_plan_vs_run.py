@@ -103,3 +103,36 @@ def test_pipeline_and_tied_embedding_bytes_match_a_run():
         traffic = plan.ranks[stage].traffic
         assert traffic["pp"]["bytes"] == pytest.approx(pp_sent, abs=8)  # + the 4-byte loss broadcast
         assert traffic["embedding"]["bytes"] == pytest.approx(emb_sent)
+
+
+def _saved_per_layer(preset_name, tp):
+    from models.config import preset
+    from parallel.memory import SavedActivationMeter
+
+    groups = build_groups(Topology(1, 1, tp))
+    saved = []
+    for n_layers in (1, 3):  # the difference over two layers: embedding and head cancel
+        cfg = preset(preset_name, d_model=64, seq_len=32, n_layers=n_layers, activation_checkpointing="selective")
+        model = build_model(cfg, tp_group=groups.tp, sequence_parallel=True, seed=0)
+        ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+        meter = SavedActivationMeter(model.parameters())
+        with meter:
+            loss = model.loss(model(ids), ids)
+        loss.backward()
+        saved.append(meter.bytes)
+    return (saved[1] - saved[0]) / 2, cfg
+
+
+@pytest.mark.parametrize("preset_name", ["gpt_tiny", "llama_tiny"])
+def test_sequence_parallel_layer_saves_input_shards(preset_name):
+    """Issue 12 §3.5: with SP a layer used to save the all-gathered inputs of its column-parallel
+    layers (2·e·sbh); it saves their sequence chunks (2·e·sbh/t), as the planner and Korthikanti et al. say."""
+    from parallel.plan.memory import layer_activation_bytes
+
+    for measured, cfg in run_ranks(_saved_per_layer, 2, preset_name, 2, timeout=60):
+        planned = layer_activation_bytes(cfg, 2, tp=2, sequence_parallel=True, checkpointing="selective",
+                                         precision="fp32")
+        assert measured == planned
+        gathered_inputs = 2 * 4 * 2 * cfg.seq_len * cfg.d_model  # what the gathered q/k/v and MLP inputs held
+        without_sp = layer_activation_bytes(cfg, 2, tp=2, checkpointing="selective", precision="fp32")
+        assert without_sp - measured > gathered_inputs / 2  # SP now divides them too

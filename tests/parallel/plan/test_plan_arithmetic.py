@@ -2,7 +2,8 @@
 
 import pytest
 
-from parallel.plan import PlanError, hardware_profile, model_state_bytes
+from parallel.plan import ModelShape, PlanError, hardware_profile, model_state_bytes
+from parallel.plan.memory import korthikanti_layer_bytes, layer_activation_bytes
 from parallel.plan.traffic import AxisTraffic, dp_traffic, group_crosses_node
 
 GB = 1e9
@@ -108,3 +109,22 @@ def test_zero_padding_per_bucket():
     # a parameter larger than a bucket gets its own; without groups the whole rank is padded
     assert zero_padded_numel(StageParams(5, root=((30, 1), ())), 4, 8, 4) == 32 + 4
     assert zero_padded_numel(StageParams(10), 4, 8, 4) == 12
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_layer_activations_are_korthikanti_without_dropout_with_flash_attention(sp, checkpointing):
+    """GPT-3 175B at tp=8 in bf16: the paper's bytes per layer, less its two 1-byte dropout masks and
+    the 5as/h score terms, plus LayerNorm's fp32 statistics and (no recomputation) flash's log-sum-exp."""
+    shape = ModelShape("gpt", 96, 12288, 96, 96, 4 * 12288, 50257, 2048)  # GPT-3 175B
+    t, b = 8, 1
+    s, h, a = shape.seq_len, shape.d_model, shape.n_heads
+    ts = t if sp else 1
+    ours = layer_activation_bytes(shape, b, tp=t, sequence_parallel=sp, checkpointing=checkpointing)
+    paper = korthikanti_layer_bytes(shape, b, tp=t, sequence_parallel=sp, checkpointing=checkpointing)
+    scores = 5 * a * s * s * b / t if checkpointing == "none" else 0.0
+    lse = 4 * b * a * s / t if checkpointing == "none" else 0.0
+    assert ours == pytest.approx(paper - scores - 2 * s * b * h / ts + 16 * s * b / ts + lse, rel=1e-12)
+    if sp and checkpointing == "selective":  # the issue's figure: 34·sbh/t = 107 MB; ours 100.7 MB (was 189)
+        assert paper == 34 * s * b * h / t
+        assert ours == pytest.approx(100.67e6, rel=1e-4)
