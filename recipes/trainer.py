@@ -217,7 +217,7 @@ class Trainer:
         clocks are aligned to within that collective's skew. Returns the step's
         record with ``bubble`` (measured, from the recorded timeline) added.
         """
-        comm.all_reduce(torch.zeros(1, device=self.device))
+        comm.barrier()  # host-synchronising: a queued all-reduce would not align the clocks on NCCL
         self.executor.record_timeline = True
         try:
             rec = self.train_step(step)
