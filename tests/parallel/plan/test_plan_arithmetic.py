@@ -106,3 +106,15 @@ def test_zero_padding_per_bucket():
     # a parameter larger than a bucket gets its own; without groups the whole rank is padded
     assert zero_padded_numel(StageParams(5, root=((30, 1), ())), 4, 8, 4) == 32 + 4
     assert zero_padded_numel(StageParams(10), 4, 8, 4) == 12
+
+
+@pytest.mark.parametrize("name, bf16, fp32, ring_gbps", [
+    ("a100_80gb", 312.0, 19.5, 300.0),  # datasheet: 624 TFLOP/s with sparsity; NVLink3 600 GB/s both ways
+    ("h100_sxm", 989.0, 67.0, 450.0),  # 1,979 with sparsity; NVLink4 900 GB/s both ways
+    ("h100_pcie", 756.0, 51.0, 64.0),  # 1,513 with sparsity; PCIe Gen5 x16 128 GB/s both ways
+    ("h200", 989.0, 67.0, 450.0),  # the H100 SXM's compute with HBM3e
+])
+def test_profiles_hold_the_datasheets_dense_peaks(name, bf16, fp32, ring_gbps):
+    hw = hardware_profile(name)
+    assert hw.peak_flops("bf16") == bf16 * 1e12 and hw.peak_flops("fp32") == fp32 * 1e12
+    assert hw.bandwidth(crosses_node=False) == ring_gbps * 1e9
