@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from parallel.plan.shape import ModelShape, layer_partition, model_flops_per_tok
 from parallel.pipeline.schedules import Backward, Forward, build_schedule
 from parallel.pipeline.simulator import Span
 from parallel.pipeline.timeline import bubble_fraction, draw_timeline
+from parallel.timing import StepClock
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
 
@@ -189,7 +189,8 @@ class Trainer:
         inputs, targets = self.microbatches(step)
         scale = self.zero.scaler.scale if self.zero.scaler else 1.0  # loss_fn multiplies by it
         counter = comm.CommCounter()
-        t0 = time.perf_counter()
+        clock = StepClock(self.device)  # CUDA events on a GPU (host clocks would time enqueueing)
+        t0 = clock.mark()
         meter = SavedActivationMeter(self.stage_module.parameters()) if measure_memory else None
         with counter, self.zero.no_sync(), meter or contextlib.nullcontext():
             loss = self.executor.run(inputs, targets)
@@ -203,7 +204,7 @@ class Trainer:
         loss = loss.detach().float() / scale
         comm.all_reduce(loss, group=self.groups.dp)  # mean over DP replicas = the global batch
         loss_value = (loss / self.layout.dp).item()  # waits for the device: the step's work is all in
-        elapsed = time.perf_counter() - t0
+        elapsed = clock.seconds(t0, clock.mark())
         return {"loss": loss_value, "lr": lr, "grad_norm": float(stats["grad_norm"]),
                 "skipped": bool(stats["skipped"]), "loss_scale": float(stats["loss_scale"]),
                 "step_time_s": elapsed, "comm_bytes": counter.sent_bytes(),

@@ -23,13 +23,12 @@ Conventions:
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..timing import named_range
+from ..timing import clock_for, named_range
 from .counter import counting, record, record_time
 from .late import complete_pending, defer, late_active
 
@@ -77,15 +76,18 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class TimedWork:
-    """An asynchronous handle whose ``wait()`` reports its blocked time to the counters."""
+    """An asynchronous handle whose ``wait()`` reports its blocked time to the counters.
 
-    def __init__(self, work, label: str, op: str):
-        self._work, self._label, self._op = work, label, op
+    Timed on ``clock`` (:class:`parallel.timing.StepClock` of the tensors' device): on CUDA, events on
+    the compute stream around ``wait()``, i.e. how long that stream stalls for the collective."""
+
+    def __init__(self, work, label: str, op: str, clock):
+        self._work, self._label, self._op, self._clock = work, label, op, clock
 
     def wait(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        start = self._clock.mark()
         out = self._work.wait(*args, **kwargs)
-        record_time(self._label, self._op, time.perf_counter() - t0)
+        record_time(self._label, self._op, self._clock.interval(start, self._clock.mark()))
         return out
 
     def __getattr__(self, name):
@@ -103,10 +105,13 @@ def _call(label: str, name: str, async_op: bool, tensors: tuple, fn, *args, **kw
         if not counting():
             work = fn(*args, async_op=async_op, **kwargs)
             return work if async_op else None
-        t0 = time.perf_counter()
-        work = fn(*args, async_op=async_op, **kwargs)
-        record_time(label, name, time.perf_counter() - t0)
-        return TimedWork(work, label, name) if async_op else None
+        clock = clock_for(tensors[0].device)
+        if async_op:
+            return TimedWork(fn(*args, async_op=True, **kwargs), label, name, clock)
+        start = clock.mark()
+        fn(*args, async_op=False, **kwargs)
+        record_time(label, name, clock.interval(start, clock.mark()))
+        return None
 
 
 def barrier(group=None) -> None:
@@ -196,10 +201,11 @@ def _p2p(name: str, tensor: torch.Tensor, peer: int, group) -> None:
             start = dist.isend if name == "send" else dist.irecv
             defer(start(tensor, peer, group=group), tensor, what=f"{name}[{label}]")
             return
-        t0 = time.perf_counter()
+        clock = clock_for(tensor.device)
+        start = clock.mark() if counting() else None
         (dist.send if name == "send" else dist.recv)(tensor, peer, group=group)
         if counting():
-            record_time(label, name, time.perf_counter() - t0)
+            record_time(label, name, clock.interval(start, clock.mark()))
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
@@ -236,4 +242,7 @@ def exchange(
         return []
     with named_range(f"comm.p2p[{label}]"):
         works = dist.batch_isend_irecv(ops)
-    return [TimedWork(w, label, "p2p") for w in works] if counting() else works
+    if not counting():
+        return works
+    clock = clock_for(ops[0].tensor.device)
+    return [TimedWork(w, label, "p2p", clock) for w in works]
