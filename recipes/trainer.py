@@ -40,6 +40,7 @@ from parallel.zero import ZeroDataParallel
 from . import checkpointing
 from .config import Layout, RecipeConfig, validate
 from .data import open_data
+from .profiling import StepProfiler, profile_steps
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -318,14 +319,17 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
     preempted = False
     # --- end checkpoint ---
+    profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
     try:
         first = trainer.step  # 0, or the step a resumed checkpoint continues from
         for step in range(first, t.max_steps):
             checkpointing.fault_drill(t.fault, trainer.rank, step + 1)  # checkpoint: fault drills
+            profiler.before(step + 1)  # logger.profile
             if rc.logger.timeline and step == first + 1:  # a steady step (the first warms up, measures memory)
                 rec = trainer.timeline_step(step, Path(run_dir) / "timeline.png")
             else:
                 rec = trainer.train_step(step, measure_memory=step == first)
+            profiler.after(step + 1)
             if step == first:
                 report = trainer.memory_report()
                 if report:
@@ -352,6 +356,7 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
                 break
             # --- end checkpoint ---
     finally:
+        profiler.close()
         preemption.close()
         log.close()
     return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": trainer.step,
