@@ -79,6 +79,21 @@ ALIASES = {"a100": "a100_80gb", "a100-80gb": "a100_80gb", "h100": "h100_80gb", "
            "h100_sxm": "h100_80gb", "h100-sxm": "h100_80gb", "h100-pcie": "h100_pcie"}
 
 
+# substrings of torch.cuda.get_device_name() (upper-cased) → profile, most specific first; None: no profile
+# (the H100 NVL's 835 TFLOP/s dense differs from both H100 profiles)
+DEVICE_NAMES = (("H100 NVL", None), ("H100 PCIE", "h100_pcie"), ("H100", "h100_80gb"), ("H200", "h200"),
+                ("A100", "a100_80gb"))
+
+
+def profile_for_device(device_name: str) -> Hardware | None:
+    """The profile of a GPU called ``device_name`` (``"NVIDIA H100 PCIe"``), or None if none fits."""
+    upper = device_name.upper()
+    for key, profile in DEVICE_NAMES:
+        if key in upper:
+            return PROFILES[profile] if profile else None
+    return None
+
+
 def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrides) -> Hardware:
     """The profile called ``name`` (case-insensitive; ``custom`` profiles first), with ``overrides``.
 
