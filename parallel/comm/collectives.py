@@ -98,7 +98,7 @@ def _call(label: str, name: str, async_op: bool, tensors: tuple, fn, *args, **kw
     """Run a torch.distributed call; time it (blocking) or wrap its handle (async) while counting.
 
     ``tensors``: what the call reads and writes (late-completion mode waits for it when they are touched)."""
-    with named_range(f"comm.{name}[{label}]"):
+    with named_range(lambda: f"comm.{name}[{label}]"):
         if not async_op and late_active():  # test mode: return once queued, as NCCL does
             defer(fn(*args, async_op=True, **kwargs), *tensors, what=f"{name}[{label}]")
             return None
@@ -196,7 +196,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
 def _p2p(name: str, tensor: torch.Tensor, peer: int, group) -> None:
     label = group_label(group)
     record(label, name, _nbytes(tensor), 2)
-    with named_range(f"comm.{name}[{label}]"):
+    with named_range(lambda: f"comm.{name}[{label}]"):
         if late_active():
             start = dist.isend if name == "send" else dist.irecv
             defer(start(tensor, peer, group=group), tensor, what=f"{name}[{label}]")
@@ -240,7 +240,7 @@ def exchange(
         ops.append(dist.P2POp(dist.irecv, t, peer, group))
     if not ops:
         return []
-    with named_range(f"comm.p2p[{label}]"):
+    with named_range(lambda: f"comm.p2p[{label}]"):
         works = dist.batch_isend_irecv(ops)
     if not counting():
         return works

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -91,7 +92,8 @@ class PipelineExecutor:
             in ``timeline``, in seconds since the start of :meth:`run`, timed with
             :class:`parallel.timing.StepClock` (CUDA events on the compute stream on a GPU,
             resolved once after the step; host clock on the CPU). Stages align when they
-            start together (a host-synchronising barrier before the step).
+            start together (a host-synchronising barrier before the step) or by adding
+            ``timeline_origin``, the host ``time.perf_counter()`` at the start.
     """
 
     def __init__(
@@ -221,6 +223,8 @@ class PipelineExecutor:
         self.timeline = []
         clock = StepClock(self.device, self.event_class) if self.record_timeline else None
         origin, marks = clock and clock.mark(), []
+        # host time of the start (aligns the ranks of one machine); on the CPU the very origin of the spans
+        self.timeline_origin = origin if isinstance(origin, float) else time.perf_counter()
         self._forward_only = forward_only
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for item in self.forward_items if forward_only else self.items:
