@@ -5,7 +5,7 @@
 Trains a small GPT for 4 steps through :func:`recipes.trainer.train`, saving at
 step 2 and 4, then trains a second run resumed from step 2's checkpoint
 (``train.resume=<its directory>``) to step 4 and compares the losses of steps
-3 and 4: bit-exact on the CPU; on a GPU within 1e-5 (atomics in some CUDA
+3 and 4: bit-exact on the CPU; on a GPU within 1e-4 (atomics in some CUDA
 backward kernels, the embedding's among them, sum in a varying order). Also
 checks the resumed run started at step 2 and restored the RNG states
 (``rng/0/cuda`` on a GPU). Exits 0 on success, 1 with the numbers otherwise.
@@ -67,7 +67,7 @@ def main() -> int:
 
     _single_process_env()
     cuda = torch.cuda.is_available()
-    tolerance = 1e-5 if cuda else 0.0
+    tolerance = 1e-4 if cuda else 0.0
     with tempfile.TemporaryDirectory(prefix="gridtrain-gpu-check-") as tmp:
         full, resumed = Path(tmp) / "full", Path(tmp) / "resumed"
         train(_recipe(cuda), str(full))
