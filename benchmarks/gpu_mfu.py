@@ -10,10 +10,13 @@ flash / memory-efficient / cuDNN kernels so a silent fall-back to the math kerne
 fails loudly) running ``--warmup`` then ``--steps`` timed steps of the same
 global batch (default: 4 micro-batches of 4 × 2048 tokens per GPU). Per layout it
 prints tokens/s, achieved TFLOP/s per GPU (``parallel.plan.shape.model_flops_per_token``:
-6·N + attention), MFU against the GPU's dense bf16 peak (:data:`PEAK_BF16_TFLOPS`,
-or ``--peak-tflops``) and the peak memory allocated (max over ranks). The default
-model (20 layers, d_model 2048, seq 2048, vocab 50304 tied: 1.1 B parameters) at
-micro-batch 4 needs ≈ 35 GB on one GPU (estimate, not measured here).
+6·N + attention), MFU against the GPU's dense bf16 peak (its profile in
+:mod:`parallel.plan.hardware`, found by device name, or ``--peak-tflops``) and
+``torch.cuda.max_memory_allocated`` (max over ranks) beside the planner's
+prediction for the same layout (:func:`recipes.plan.plan_from_config`: model
+states + activations of the fullest rank). The default model (20 layers, d_model
+2048, seq 2048, vocab 50304 tied: 1.1 B parameters) at micro-batch 4: the planner
+predicts 30.3 GB on one GPU (17.8 GB model states, 12.5 GB activations).
 
 Without CUDA it says so, runs the same code path on a tiny model for two steps
 on the CPU (bf16 as well) and exits 0.
@@ -34,16 +37,13 @@ if __package__ in (None, ""):  # `python benchmarks/gpu_mfu.py`: make the reposi
 
 import torch  # noqa: E402
 
-# dense bf16 tensor-core peak per GPU, TFLOP/s (vendor data sheets, SXM parts)
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
-
 
 def peak_tflops(device_name: str) -> float | None:
-    """The dense bf16 peak of a GPU named ``device_name`` (``None`` if not in the table)."""
-    for key, value in PEAK_BF16_TFLOPS.items():
-        if key in device_name.upper():
-            return value
-    return None
+    """The dense bf16 peak of a GPU named ``device_name`` (its hardware profile; ``None`` if it has none)."""
+    from parallel.plan.hardware import profile_for_device
+
+    hw = profile_for_device(device_name)
+    return hw.peak_tflops_16 if hw else None
 
 
 def recipe(dp: int, pp: int, tp: int, *, dry_run: bool, micro_batch: int, global_batch: int):
@@ -93,6 +93,7 @@ def measure(layout: tuple[int, int, int], a, dry_run: bool) -> dict:
     """Train ``layout`` for ``a.warmup + a.steps`` steps; rank 0's view of the timed ones."""
     from parallel import comm
     from parallel.plan.shape import model_flops_per_token
+    from recipes.plan import plan_from_config
     from recipes.trainer import Trainer
 
     dp, pp, tp = layout
@@ -121,8 +122,14 @@ def measure(layout: tuple[int, int, int], a, dry_run: bool) -> dict:
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+    try:
+        fullest = max(plan_from_config(rc).ranks, key=lambda r: r.memory["total"]).memory
+    except ValueError:  # ConfigError: a layout the planner cannot describe
+        fullest = {"total": float("nan"), "model_states": float("nan"), "activations": float("nan")}
     return {"layout": layout, "step_s": elapsed, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
-            "peak_mem_GB": peak_mem.item() / 1e9, "loss": loss, "rank0_params": n_params}
+            "peak_mem_GB": peak_mem.item() / 1e9, "loss": loss, "rank0_params": n_params,
+            "predicted_mem_GB": fullest["total"] / 1e9, "predicted_states_GB": fullest["model_states"] / 1e9,
+            "predicted_activations_GB": fullest["activations"] / 1e9}
 
 
 def _single_process_env() -> None:
@@ -172,7 +179,9 @@ def main(argv=None) -> list[dict]:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (peak unknown: --peak-tflops)"
             print(f"{name} ×{world} (dp,pp,tp)={layout}: {r['step_s'] * 1e3:.0f} ms/step, "
                   f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {mfu}, "
-                  f"peak memory {r['peak_mem_GB']:.1f} GB/GPU (max over ranks), loss {r['loss']:.3f}", flush=True)
+                  f"max_memory_allocated {r['peak_mem_GB']:.2f} GB/GPU (max over ranks) vs planner "
+                  f"{r['predicted_mem_GB']:.2f} GB (model states {r['predicted_states_GB']:.2f} + activations "
+                  f"{r['predicted_activations_GB']:.2f}), loss {r['loss']:.3f}", flush=True)
     if dry_run and rank0:
         print("dry run done (exit 0); run on a CUDA machine for the real figures")
     return results

@@ -39,6 +39,22 @@ def default_device(backend: str | None = None, local_rank: int | None = None) ->
     return torch.device("cpu")
 
 
+def check_local_gpus(local_rank: int, local_world_size: int, gpus: int) -> None:
+    """Refuse (``ValueError`` naming the numbers and the fix) when this node runs more ranks than it has GPUs.
+
+    Under NCCL each local rank drives its own GPU ``cuda:LOCAL_RANK``; two ranks on
+    one GPU would fail inside NCCL ("Duplicate GPU detected") or hang."""
+    if local_rank < gpus and local_world_size <= gpus:
+        return
+    raise ValueError(
+        f"this node runs {local_world_size} ranks (LOCAL_WORLD_SIZE={local_world_size}, this one LOCAL_RANK="
+        f"{local_rank}) but sees {gpus} GPU(s) (torch.cuda.device_count()={gpus}; CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): NCCL needs one GPU per rank. Launch at most {gpus} "
+        f"processes per node (torchrun --nproc-per-node={gpus}, Slurm --ntasks-per-node={gpus}) and spread the "
+        f"world over more nodes, or run on the CPU with parallel.backend=gloo"
+    )
+
+
 def init_distributed(
     backend: str | None = None,
     timeout_s: float = 600.0,
@@ -59,7 +75,10 @@ def init_distributed(
         return dist.get_rank(), dist.get_world_size()
     backend = backend or default_backend()
     if backend == "nccl":
-        torch.cuda.set_device(default_device(backend))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        check_local_gpus(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)),
+                         torch.cuda.device_count())
+        torch.cuda.set_device(default_device(backend, local_rank))
     kwargs = {}
     if rank is not None:
         kwargs["rank"] = rank

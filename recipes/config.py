@@ -95,6 +95,7 @@ class LoggerConfig:
     project: str = "gridtrain"
     peak_tflops: Optional[float] = None  # for MFU; default: measured (CPU) or device table
     timeline: bool = False  # record step 2 on every stage; write timeline.png (the pipeline's bubble)
+    profile: Optional[list[int]] = None  # [first, last] step: torch.profiler traces (recipes/profiling.py)
 
 
 @dataclass
@@ -292,6 +293,9 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         raise ConfigError("comm.compression=topk is implemented for parallel.zero=0 only")
     if cfg.data.source == "memmap" and not cfg.data.path:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
+    from .profiling import profile_steps  # logger.profile
+
+    profile_steps(cfg.logger.profile, t.max_steps)
     if p.timeout_s <= 0:
         raise ConfigError(f"parallel.timeout_s must be positive, got {p.timeout_s}")
     if t.ckpt_every < 0 or t.ckpt_keep < 0:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from parallel.timing import StepClock
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, schedule: str) -> float:
@@ -28,19 +29,22 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
 
 
-def measured_matmul_tflops(n: int = 2048, repeats: int = 5, dtype=torch.float32) -> float:
-    """This machine's achieved dense-matmul TFLOP/s on the current device (the CPU MFU peak).
+def measured_matmul_tflops(n: int = 2048, repeats: int = 5, dtype=torch.float32, device="cpu") -> float:
+    """This machine's achieved dense-matmul TFLOP/s on ``device`` (the CPU MFU peak).
 
     Best of ``repeats`` timings, so a machine busy with other work at that moment reads
-    low and the MFU computed against it high: set ``logger.peak_tflops`` to pin it."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+    low and the MFU computed against it high: set ``logger.peak_tflops`` to pin it.
+    Timed with :class:`parallel.timing.StepClock` (CUDA events on a GPU)."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
     a @ b  # warm-up
-    best = math.inf
+    clock = StepClock(torch.device(device))
+    marks = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         a @ b
-        best = min(best, time.perf_counter() - t0)
+        marks.append((t0, clock.mark()))
+    best = min(clock.seconds(t0, t1) for t0, t1 in marks)
     return 2 * n**3 / best / 1e12
 
 

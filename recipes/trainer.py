@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,14 @@ from parallel.plan.shape import ModelShape, layer_partition, model_flops_per_tok
 from parallel.pipeline.schedules import Backward, Forward, build_schedule
 from parallel.pipeline.simulator import Span
 from parallel.pipeline.timeline import bubble_fraction, draw_timeline
+from parallel.timing import StepClock
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
 
 from . import checkpointing
 from .config import Layout, RecipeConfig, validate
 from .data import open_data
+from .profiling import StepProfiler, profile_steps
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -191,7 +192,8 @@ class Trainer:
         inputs, targets = self.microbatches(step)
         scale = self.zero.scaler.scale if self.zero.scaler else 1.0  # loss_fn multiplies by it
         counter = comm.CommCounter()
-        t0 = time.perf_counter()
+        clock = StepClock(self.device)  # CUDA events on a GPU (host clocks would time enqueueing)
+        t0 = clock.mark()
         meter = SavedActivationMeter(self.stage_module.parameters()) if measure_memory else None
         with counter, self.zero.no_sync(), meter or contextlib.nullcontext():
             loss = self.executor.run(inputs, targets)
@@ -205,7 +207,7 @@ class Trainer:
         loss = loss.detach().float() / scale
         comm.all_reduce(loss, group=self.groups.dp)  # mean over DP replicas = the global batch
         loss_value = (loss / self.layout.dp).item()  # waits for the device: the step's work is all in
-        elapsed = time.perf_counter() - t0
+        elapsed = clock.seconds(t0, clock.mark())
         return {"loss": loss_value, "lr": lr, "grad_norm": float(stats["grad_norm"]),
                 "skipped": bool(stats["skipped"]), "loss_scale": float(stats["loss_scale"]),
                 "step_time_s": elapsed, "comm_bytes": counter.sent_bytes(),
@@ -219,7 +221,7 @@ class Trainer:
         clocks are aligned to within that collective's skew. Returns the step's
         record with ``bubble`` (measured, from the recorded timeline) added.
         """
-        comm.all_reduce(torch.zeros(1, device=self.device))
+        comm.barrier()  # host-synchronising: a queued all-reduce would not align the clocks on NCCL
         self.executor.record_timeline = True
         try:
             rec = self.train_step(step)
@@ -319,14 +321,17 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
     preempted = False
     # --- end checkpoint ---
+    profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
     try:
         first = trainer.step  # 0, or the step a resumed checkpoint continues from
         for step in range(first, t.max_steps):
             checkpointing.fault_drill(t.fault, trainer.rank, step + 1)  # checkpoint: fault drills
+            profiler.before(step + 1)  # logger.profile
             if rc.logger.timeline and step == first + 1:  # a steady step (the first warms up, measures memory)
                 rec = trainer.timeline_step(step, Path(run_dir) / "timeline.png")
             else:
                 rec = trainer.train_step(step, measure_memory=step == first)
+            profiler.after(step + 1)
             if step == first:
                 report = trainer.memory_report()
                 if report:
@@ -353,6 +358,7 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
                 break
             # --- end checkpoint ---
     finally:
+        profiler.close()
         preemption.close()
         log.close()
     return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": trainer.step,

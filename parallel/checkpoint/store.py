@@ -23,7 +23,9 @@ spread over the ranks; the verdict all-reduced so all ranks fail together,
 naming the file), then reads with DCP, which reshards.
 
 Communication: the barriers are 1-element ``all_reduce``s through
-:mod:`parallel.comm` on ``group`` (4 bytes each); DCP itself gathers the
+:mod:`parallel.comm` on ``group`` (4 bytes each), each followed by a host read
+of its result, so the host really waits for every peer on NCCL too (tests run
+the publication under :func:`parallel.comm.late_completion`); DCP itself gathers the
 ranks' plans and scatters the global plan (its own collectives on ``group``,
 a few KB of metadata per rank; tensor bytes go to files, never between ranks).
 """
@@ -61,9 +63,11 @@ def _rank_world(group) -> tuple[int, int]:
 
 
 def barrier(group=None) -> None:
-    """Every rank of ``group`` has reached this point (a 4-byte all-reduce, counted)."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        comm.all_reduce(torch.zeros(1, device=comm.device_for(group)), group=group)
+    """Return once every rank of ``group`` has reached this point (:func:`parallel.comm.barrier`:
+    a 4-byte all-reduce *and a host read of it*; a queued all-reduce alone would not make the
+    host wait under NCCL, and rank 0 could read files its peers have not written yet)."""
+    if dist.is_initialized():
+        comm.barrier(group)
 
 
 def _digest(path: Path) -> dict:

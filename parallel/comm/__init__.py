@@ -9,6 +9,7 @@ from .collectives import (
     all_gather,
     all_reduce,
     all_to_all,
+    barrier,
     broadcast,
     device_for,
     exchange,
@@ -19,6 +20,7 @@ from .collectives import (
     send,
 )
 from .counter import SENT_FRACTION, CommCounter, record
+from .late import late_completion, pending_count
 from .autograd import (
     SplitError,
     all_gather_along,
@@ -43,11 +45,14 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "barrier",
     "broadcast",
     "device_for",
     "exchange",
     "group_label",
     "group_size",
+    "late_completion",
+    "pending_count",
     "record",
     "recv",
     "reduce_scatter",

@@ -13,6 +13,12 @@ Conventions:
 * ``async_op=True`` returns a handle with ``wait()``, as torch does (a finished
   one for size-1 groups).
 * Peers (``src``, ``dst``) are *global* ranks, as in ``torch.distributed``.
+* A blocking call returns, under NCCL, once the collective is *queued*: the
+  host has not waited for the peers. Host code that relies on the peers having
+  arrived calls :func:`barrier` (or reads the result); :func:`late_completion`
+  makes gloo behave the same way in tests (see :mod:`.late`).
+* Every call is a named range (``comm.<op>[<group>]``) for torch.profiler and,
+  under ``nsys``, NVTX; free when no profiler runs (:func:`parallel.timing.named_range`).
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-import time
-
+from ..timing import clock_for, named_range
 from .counter import counting, record, record_time
+from .late import complete_pending, defer, late_active
 
 ReduceOp = dist.ReduceOp
 
@@ -70,30 +76,57 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class TimedWork:
-    """An asynchronous handle whose ``wait()`` reports its blocked time to the counters."""
+    """An asynchronous handle whose ``wait()`` reports its blocked time to the counters.
 
-    def __init__(self, work, label: str, op: str):
-        self._work, self._label, self._op = work, label, op
+    Timed on ``clock`` (:class:`parallel.timing.StepClock` of the tensors' device): on CUDA, events on
+    the compute stream around ``wait()``, i.e. how long that stream stalls for the collective."""
+
+    def __init__(self, work, label: str, op: str, clock):
+        self._work, self._label, self._op, self._clock = work, label, op, clock
 
     def wait(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        start = self._clock.mark()
         out = self._work.wait(*args, **kwargs)
-        record_time(self._label, self._op, time.perf_counter() - t0)
+        record_time(self._label, self._op, self._clock.interval(start, self._clock.mark()))
         return out
 
     def __getattr__(self, name):
         return getattr(self._work, name)
 
 
-def _call(label: str, name: str, async_op: bool, fn, *args, **kwargs):
-    """Run a torch.distributed call; time it (blocking) or wrap its handle (async) while counting."""
-    if not counting():
-        work = fn(*args, async_op=async_op, **kwargs)
-        return work if async_op else None
-    t0 = time.perf_counter()
-    work = fn(*args, async_op=async_op, **kwargs)
-    record_time(label, name, time.perf_counter() - t0)
-    return TimedWork(work, label, name) if async_op else None
+def _call(label: str, name: str, async_op: bool, tensors: tuple, fn, *args, **kwargs):
+    """Run a torch.distributed call; time it (blocking) or wrap its handle (async) while counting.
+
+    ``tensors``: what the call reads and writes (late-completion mode waits for it when they are touched)."""
+    with named_range(lambda: f"comm.{name}[{label}]"):
+        if not async_op and late_active():  # test mode: return once queued, as NCCL does
+            defer(fn(*args, async_op=True, **kwargs), *tensors, what=f"{name}[{label}]")
+            return None
+        if not counting():
+            work = fn(*args, async_op=async_op, **kwargs)
+            return work if async_op else None
+        clock = clock_for(tensors[0].device)
+        if async_op:
+            return TimedWork(fn(*args, async_op=True, **kwargs), label, name, clock)
+        start = clock.mark()
+        fn(*args, async_op=False, **kwargs)
+        record_time(label, name, clock.interval(start, clock.mark()))
+        return None
+
+
+def barrier(group=None) -> None:
+    """Return only once every rank of ``group`` has reached its own call: a host-synchronising barrier.
+
+    A 4-byte all-reduce followed by a host read of its result (on NCCL the read
+    waits for the device, so for every peer; torch's own NCCL barrier is the same
+    all-reduce plus a device synchronisation, uncounted). Use it before host code
+    that relies on other ranks' progress (files they wrote, directories they made).
+    Also completes everything :func:`late_completion` left pending."""
+    if group_size(group) > 1:
+        flag = torch.zeros(1, device=device_for(group))
+        all_reduce(flag, group=group)
+        flag.item()  # the host read that makes this a barrier (see docstring)
+    complete_pending()
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
@@ -102,7 +135,8 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
     if n == 1:
         return _Done() if async_op else None
     record(group_label(group), "all_reduce", _nbytes(tensor), n)
-    return _call(group_label(group), "all_reduce", async_op, dist.all_reduce, tensor, op=op, group=group)
+    return _call(group_label(group), "all_reduce", async_op, (tensor,), dist.all_reduce, tensor, op=op,
+                 group=group)
 
 
 def reduce_scatter(
@@ -119,8 +153,8 @@ def reduce_scatter(
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     record(group_label(group), "reduce_scatter", _nbytes(input), n)
-    return _call(group_label(group), "reduce_scatter", async_op, _reduce_scatter_tensor, output, input,
-                 op=op, group=group)
+    return _call(group_label(group), "reduce_scatter", async_op, (output, input), _reduce_scatter_tensor,
+                 output, input, op=op, group=group)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -135,7 +169,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     record(group_label(group), "all_gather", _nbytes(output), n)
-    return _call(group_label(group), "all_gather", async_op, _all_gather_tensor, output, input, group=group)
+    return _call(group_label(group), "all_gather", async_op, (output, input), _all_gather_tensor, output, input,
+                 group=group)
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -145,7 +180,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         output.copy_(input)
         return _Done() if async_op else None
     record(group_label(group), "all_to_all", _nbytes(input), n)
-    return _call(group_label(group), "all_to_all", async_op, dist.all_to_all_single, output, input, group=group)
+    return _call(group_label(group), "all_to_all", async_op, (output, input), dist.all_to_all_single, output,
+                 input, group=group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -154,27 +190,32 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     if n == 1:
         return _Done() if async_op else None
     record(group_label(group), "broadcast", _nbytes(tensor), n)
-    return _call(group_label(group), "broadcast", async_op, dist.broadcast, tensor, src=src, group=group)
+    return _call(group_label(group), "broadcast", async_op, (tensor,), dist.broadcast, tensor, src=src, group=group)
+
+
+def _p2p(name: str, tensor: torch.Tensor, peer: int, group) -> None:
+    label = group_label(group)
+    record(label, name, _nbytes(tensor), 2)
+    with named_range(lambda: f"comm.{name}[{label}]"):
+        if late_active():
+            start = dist.isend if name == "send" else dist.irecv
+            defer(start(tensor, peer, group=group), tensor, what=f"{name}[{label}]")
+            return
+        clock = clock_for(tensor.device)
+        start = clock.mark() if counting() else None
+        (dist.send if name == "send" else dist.recv)(tensor, peer, group=group)
+        if counting():
+            record_time(label, name, clock.interval(start, clock.mark()))
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
     """Blocking send to global rank ``dst``."""
-    label = group_label(group)
-    record(label, "send", _nbytes(tensor), 2)
-    t0 = time.perf_counter()
-    dist.send(tensor, dst=dst, group=group)
-    if counting():
-        record_time(label, "send", time.perf_counter() - t0)
+    _p2p("send", tensor, dst, group)
 
 
 def recv(tensor: torch.Tensor, src: int, group=None) -> None:
     """Blocking receive from global rank ``src`` into ``tensor``."""
-    label = group_label(group)
-    record(label, "recv", _nbytes(tensor), 2)
-    t0 = time.perf_counter()
-    dist.recv(tensor, src=src, group=group)
-    if counting():
-        record_time(label, "recv", time.perf_counter() - t0)
+    _p2p("recv", tensor, src, group)
 
 
 def exchange(
@@ -199,5 +240,9 @@ def exchange(
         ops.append(dist.P2POp(dist.irecv, t, peer, group))
     if not ops:
         return []
-    works = dist.batch_isend_irecv(ops)
-    return [TimedWork(w, label, "p2p") for w in works] if counting() else works
+    with named_range(lambda: f"comm.p2p[{label}]"):
+        works = dist.batch_isend_irecv(ops)
+    if not counting():
+        return works
+    clock = clock_for(ops[0].tensor.device)
+    return [TimedWork(w, label, "p2p", clock) for w in works]

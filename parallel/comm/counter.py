@@ -24,11 +24,15 @@ Counting is off unless a counter is active::
         loss.backward()
     counter.sent_bytes("dp")          # bytes this rank sent on its DP group
 
-Each counter also adds up the wall time this rank spent *blocked* in
+Each counter also adds up the time this rank spent *blocked* in
 communication per group (a blocking call's duration, or an asynchronous
-handle's ``wait()``): the "waiting on communication" share of a step. On
-GPUs this is host-side time (NCCL runs on its own stream); use the profiler
-for the device view.
+handle's ``wait()``): the "waiting on communication" share of a step. Times
+are taken with :class:`parallel.timing.StepClock`: on the CPU host seconds,
+on a GPU CUDA events on the compute stream around the call (a blocking NCCL
+call, or ``wait()``, makes that stream wait for the collective), so the figure
+is the time the *device* stalled, not the time the host took to enqueue. The
+events are resolved when :meth:`CommCounter.wait_seconds` is asked, after the
+step: timing never synchronises the host.
 
 Active counters live in a :mod:`contextvars` variable (like a profiler), so two
 counters can nest and nothing leaks between threads or tests. When none is
@@ -39,7 +43,8 @@ from __future__ import annotations
 
 import contextvars
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 _ACTIVE: contextvars.ContextVar[tuple["CommCounter", ...]] = contextvars.ContextVar(
     "gridtrain_comm_counters", default=()
@@ -64,6 +69,14 @@ class OpStats:
     sent_bytes: float = 0.0
     recv_bytes: float = 0.0
     wait_s: float = 0.0
+    unresolved: list[Any] = field(default_factory=list, repr=False)  # Intervals (CUDA events) not yet read
+
+    def resolve(self) -> float:
+        """``wait_s`` with every unresolved interval added in (reads the events once)."""
+        if self.unresolved:
+            self.wait_s += sum(i.seconds() for i in self.unresolved)
+            self.unresolved.clear()
+        return self.wait_s
 
 
 class CommCounter:
@@ -108,9 +121,14 @@ class CommCounter:
             # collectives are symmetric; a recv receives its whole payload
             s.recv_bytes += payload_bytes if op == "recv" else (0 if op == "send" else frac * payload_bytes)
 
-    def add_time(self, group: str, op: str, seconds: float) -> None:
-        if self.enabled:
+    def add_time(self, group: str, op: str, seconds) -> None:
+        """Add blocked time: seconds, or an :class:`~parallel.timing.Interval` resolved on query."""
+        if not self.enabled:
+            return
+        if isinstance(seconds, (int, float)):
             self.stats[(group, op)].wait_s += seconds
+        else:
+            self.stats[(group, op)].unresolved.append(seconds)
 
     # queries ----------------------------------------------------------------
     def _select(self, group: str | None, op: str | None):
@@ -131,8 +149,9 @@ class CommCounter:
         return sum(s.payload_bytes for s in self._select(group, op))
 
     def wait_seconds(self, group: str | None = None, op: str | None = None) -> float:
-        """Wall time this rank spent blocked in communication (see module docstring)."""
-        return sum(s.wait_s for s in self._select(group, op))
+        """Time this rank spent blocked in communication (see module docstring); on CUDA this reads
+        the recorded events, waiting for the last of them: call it after the step."""
+        return sum(s.resolve() for s in self._select(group, op))
 
     def calls(self, group: str | None = None, op: str | None = None) -> int:
         return sum(s.calls for s in self._select(group, op))
@@ -141,7 +160,8 @@ class CommCounter:
         """``{group: {op: {calls, payload_bytes, sent_bytes, recv_bytes}}}`` (JSON-able)."""
         out: dict[str, dict[str, dict[str, float]]] = {}
         for (g, o), s in sorted(self.stats.items()):
-            out.setdefault(g, {})[o] = dict(s.__dict__)
+            s.resolve()
+            out.setdefault(g, {})[o] = {k: v for k, v in s.__dict__.items() if k != "unresolved"}
         return out
 
 
@@ -156,7 +176,7 @@ def counting() -> bool:
     return bool(_ACTIVE.get())
 
 
-def record_time(group: str, op: str, seconds: float) -> None:
+def record_time(group: str, op: str, seconds) -> None:
     """Report time spent blocked in one communication call to every active counter."""
     for c in _ACTIVE.get():
         c.add_time(group, op, seconds)

@@ -56,6 +56,7 @@ from torch import nn
 
 from .. import comm
 from ..params import is_shared_embedding
+from ..timing import StepClock, named_range
 from .schedules import (
     Action,
     Backward,
@@ -70,6 +71,13 @@ from .schedules import (
     batches,
 )
 from .simulator import Span
+
+
+def _range_name(item: Compute | list[P2P]) -> str:
+    """The profiler range of one schedule item: ``Forward(mb=3, chunk=0)``, ``Send+Recv[...]`` for a batch."""
+    if isinstance(item, Compute):
+        return f"{type(item).__name__}(mb={item.mb}, chunk={item.chunk})"
+    return "+".join(f"{type(a).__name__}(mb={a.mb}, chunk={a.chunk})" for a in item)
 
 
 class PipelineExecutor:
@@ -88,8 +96,11 @@ class PipelineExecutor:
         tp_group: optional; enables the scatter-gather transfer described above.
         embedding_group: optional; the first + last stage group for tied embeddings.
         record_timeline: keep a :class:`~.simulator.Span` per computation / transfer batch
-            in ``timeline``, in seconds since ``timeline_origin`` (a ``time.perf_counter()``
-            value: the same clock for every process of one machine, so stages align).
+            in ``timeline``, in seconds since the start of :meth:`run`, timed with
+            :class:`parallel.timing.StepClock` (CUDA events on the compute stream on a GPU,
+            resolved once after the step; host clock on the CPU). Stages align when they
+            start together (a host-synchronising barrier before the step) or by adding
+            ``timeline_origin``, the host ``time.perf_counter()`` at the start.
         final_backward: optional ``final_backward(chunk) -> context manager``, entered around
             the last backward of each chunk (see the module docstring).
     """
@@ -136,6 +147,7 @@ class PipelineExecutor:
         self.tp_rank = dist.get_group_rank(tp_group, dist.get_rank()) if self.tp > 1 else 0
         self.embedding_group = embedding_group
         self.record_timeline = record_timeline
+        self.event_class = None  # StepClock's CUDA event class (tests inject a fake)
         self.timeline: list[Span] = []
         self.peak_activations = 0
         self.num_microbatches = self._check(actions)
@@ -221,20 +233,23 @@ class PipelineExecutor:
         self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self.peak_activations = 0
         self.timeline = []
-        self.timeline_origin = self._t0 = time.perf_counter()
+        clock = StepClock(self.device, self.event_class) if self.record_timeline else None
+        origin, marks = clock and clock.mark(), []
+        # host time of the start (aligns the ranks of one machine); on the CPU the very origin of the spans
+        self.timeline_origin = origin if isinstance(origin, float) else time.perf_counter()
         self._forward_only = forward_only
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for item in self.forward_items if forward_only else self.items:
-                start = time.perf_counter()
-                if isinstance(item, Forward):
-                    self._forward(item)
-                elif isinstance(item, Backward):
-                    self._backward(item)
-                else:
-                    self._transfer(item)
-                if self.record_timeline:
-                    label = item if isinstance(item, Compute) else tuple(item)
-                    self.timeline.append(Span(label, start - self._t0, time.perf_counter() - self._t0))
+                start = clock and clock.mark()
+                with named_range(lambda: _range_name(item)):
+                    if isinstance(item, Forward):
+                        self._forward(item)
+                    elif isinstance(item, Backward):
+                        self._backward(item)
+                    else:
+                        self._transfer(item)
+                if clock:
+                    marks.append((item if isinstance(item, Compute) else tuple(item), start, clock.mark()))
         for handle in self._pending_sends:
             handle.wait()
         self._pending_sends, self._send_buffers = [], []
@@ -247,6 +262,8 @@ class PipelineExecutor:
             self._reduce_shared_embedding()
         loss = self._loss_sum / m  # meaningful on the last stage, which the broadcast copies
         comm.broadcast(loss, src=self.stage_ranks[-1], group=self.pp_group)
+        if clock:  # resolved once, after the step (on CUDA: one wait for the last event)
+            self.timeline = [Span(label, clock.seconds(origin, a), clock.seconds(origin, b)) for label, a, b in marks]
         return loss
 
     def _forward(self, a: Forward) -> None:

@@ -59,15 +59,39 @@ class Hardware:
 
 
 PROFILES: dict[str, Hardware] = {
-    # NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU
+    # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
+    # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU
     "a100_80gb": Hardware("a100_80gb", 312.0, 19.5, 80 * GiB, 300.0, 25.0, 8, 0.5),
-    # NVLink4 900 GB/s both ways; one NDR 400 Gb/s NIC per GPU
+    # H100 SXM5 80GB. NVIDIA H100 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense, FP32 67;
+    # NVLink4 900 GB/s both ways; one NDR 400 Gb/s NIC per GPU (DGX H100)
     "h100_80gb": Hardware("h100_80gb", 989.0, 67.0, 80 * GiB, 450.0, 50.0, 8, 0.45),
+    # H100 PCIe 80GB (350 W, fewer SMs and lower clocks). NVIDIA H100 datasheet / product brief PB-11133-001:
+    # BF16 tensor 1,513 TFLOP/s with sparsity = 756 dense, FP32 51; GPUs talk over PCIe Gen5 x16, 128 GB/s
+    # both ways (an NVLink bridge joins pairs only, so a ring over 8 runs at PCIe speed); NDR 400 Gb/s per GPU
+    "h100_pcie": Hardware("h100_pcie", 756.0, 51.0, 80 * GiB, 64.0, 50.0, 8, 0.45),
+    # H200 SXM 141GB. NVIDIA H200 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense (the H100 SXM
+    # compute, more and faster HBM3e: 141 GB, 4.8 TB/s); NVLink4 900 GB/s both ways; NDR 400 Gb/s per GPU
     "h200": Hardware("h200", 989.0, 67.0, 141e9, 450.0, 50.0, 8, 0.45),
     # one process per core group of a server CPU, gloo over shared memory / 10 GbE
     "cpu": Hardware("cpu", 1.0, 1.0, 64 * GiB, 5.0, 1.25, 1, 0.5, latency_us=50.0),
 }
-ALIASES = {"a100": "a100_80gb", "a100-80gb": "a100_80gb", "h100": "h100_80gb", "h100-80gb": "h100_80gb"}
+ALIASES = {"a100": "a100_80gb", "a100-80gb": "a100_80gb", "h100": "h100_80gb", "h100-80gb": "h100_80gb",
+           "h100_sxm": "h100_80gb", "h100-sxm": "h100_80gb", "h100-pcie": "h100_pcie"}
+
+
+# substrings of torch.cuda.get_device_name() (upper-cased) → profile, most specific first; None: no profile
+# (the H100 NVL's 835 TFLOP/s dense differs from both H100 profiles)
+DEVICE_NAMES = (("H100 NVL", None), ("H100 PCIE", "h100_pcie"), ("H100", "h100_80gb"), ("H200", "h200"),
+                ("A100", "a100_80gb"))
+
+
+def profile_for_device(device_name: str) -> Hardware | None:
+    """The profile of a GPU called ``device_name`` (``"NVIDIA H100 PCIe"``), or None if none fits."""
+    upper = device_name.upper()
+    for key, profile in DEVICE_NAMES:
+        if key in upper:
+            return PROFILES[profile] if profile else None
+    return None
 
 
 def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrides) -> Hardware:

@@ -13,6 +13,8 @@ def test_peak_table_and_layouts():
     assert gpu_mfu.peak_tflops("NVIDIA H100 80GB HBM3") == 989
     assert gpu_mfu.peak_tflops("NVIDIA A100-SXM4-80GB") == 312
     assert gpu_mfu.peak_tflops("NVIDIA H200") == 989
+    assert gpu_mfu.peak_tflops("NVIDIA H100 PCIe") == 756
+    assert gpu_mfu.peak_tflops("NVIDIA H100 NVL") is None  # 835 dense: no profile, ask for --peak-tflops
     assert gpu_mfu.peak_tflops("Tesla T4") is None
     assert gpu_mfu.default_layouts(1) == [(1, 1, 1)]
     assert gpu_mfu.default_layouts(8) == [(8, 1, 1), (1, 1, 8), (2, 2, 2)]
@@ -59,6 +61,7 @@ def test_dry_run_of_multi_gpu_layouts_trains_the_same_model():
     for r in results:
         assert r["tflops_per_gpu"] == pytest.approx(r["tokens_per_s"] * model_flops_per_token(cfg) / 2 / 1e12)
         assert r["mfu"] is None  # no peak for a CPU
+        assert 0 < r["predicted_states_GB"] < r["predicted_mem_GB"]  # the planner's figure beside the measured
 
 
 def test_layouts_that_do_not_fill_the_world_are_refused(capsys, monkeypatch):

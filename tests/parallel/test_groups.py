@@ -168,3 +168,30 @@ def test_control_tensors_live_where_the_backend_wants_them():
         return str(comm.device_for()), str(comm.device_for(build_groups(Topology(2, 1, 1)).dp))
 
     assert run_ranks(check, 2) == [("cpu", "cpu")] * 2  # gloo; under NCCL: this rank's GPU
+
+
+def test_more_local_ranks_than_gpus_is_refused_with_the_numbers_before_set_device(monkeypatch):
+    """Under NCCL, LOCAL_RANK 2 of 4 on a 2-GPU node must not reach torch.cuda.set_device."""
+    from parallel import groups
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"runs 4 ranks .*LOCAL_RANK=2.* sees 2 GPU.*--nproc-per-node=2"):
+        groups.init_distributed(backend="nccl")
+    assert calls == []
+    monkeypatch.setenv("LOCAL_RANK", "0")  # rank 0 of the same over-full node refuses too
+    with pytest.raises(ValueError, match="runs 4 ranks"):
+        groups.init_distributed(backend="nccl")
+
+
+def test_as_many_local_ranks_as_gpus_pass_the_check():
+    from parallel.groups import check_local_gpus
+
+    check_local_gpus(7, 8, 8)
+    check_local_gpus(0, 1, 8)
+    with pytest.raises(ValueError, match="sees 0 GPU"):
+        check_local_gpus(0, 1, 0)

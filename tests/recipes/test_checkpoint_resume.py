@@ -93,3 +93,18 @@ def test_inspect_lists_it_and_exports_what_a_loaded_trainer_holds(uninterrupted,
     torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=1e-4)
     assert main([str(tmp_path / "nothing-here")]) == 2
     assert "no checkpoint at" in capsys.readouterr().err
+
+
+def _train_late(rc, run_dir):
+    from parallel import comm
+
+    with comm.late_completion():  # collectives return once queued, as under NCCL
+        return _train(rc, run_dir)
+
+
+def test_training_and_saving_are_unchanged_when_collectives_complete_late(uninterrupted, tmp_path):
+    """No host code of the step or the save relies on a queued collective having finished."""
+    run_ranks(_train_late, 8, tiny_recipe(**SAVED, train__max_steps=4, train__ckpt_every=4), str(tmp_path),
+              timeout=300)
+    assert losses(tmp_path)[0] == uninterrupted[1][:4]
+    assert read_manifest(latest_checkpoint(tmp_path / "checkpoints"))["step"] == 4

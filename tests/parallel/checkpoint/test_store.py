@@ -3,11 +3,13 @@
 import os
 import pickle
 import signal
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from parallel import comm
 from parallel.checkpoint import (
     CheckpointError,
     Chunked,
@@ -128,3 +130,29 @@ def test_metadata_with_foreign_classes_is_not_unpickled(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         read_dcp_metadata(tmp_path)
+
+
+def _save_with_a_slow_rank(root, slow_rank, slow_part):
+    """Save under NCCL-like late completion while one rank lags in one part of the save; return
+    whether every rank, once save_checkpoint returned, sees that very checkpoint published."""
+    from parallel.checkpoint import store
+
+    if dist.get_rank() == slow_rank:
+        real = getattr(store, slow_part)
+
+        def slow(*args):
+            time.sleep(0.5)
+            return real(*args)
+
+        setattr(store, slow_part, slow)
+    with comm.late_completion():
+        final = save_checkpoint(flat_half_state(1), root, 1)
+        return latest_checkpoint(root) == final
+
+
+@pytest.mark.parametrize("slow_rank, slow_part", [
+    (1, "_digest"),  # rank 0 must not read sums.1.json before rank 1 wrote it
+    (0, "prune"),    # rank 1 must not return before rank 0 moved `latest`
+])
+def test_publication_waits_for_every_rank_when_collectives_complete_late(tmp_path, slow_rank, slow_part):
+    assert run_ranks(_save_with_a_slow_rank, 2, tmp_path, slow_rank, slow_part, timeout=60) == [True, True]

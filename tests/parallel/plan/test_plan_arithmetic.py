@@ -128,3 +128,15 @@ def test_layer_activations_are_korthikanti_without_dropout_with_flash_attention(
     if sp and checkpointing == "selective":  # the figure: 34·sbh/t = 107 MB; ours 100.7 MB (was 189)
         assert paper == 34 * s * b * h / t
         assert ours == pytest.approx(100.67e6, rel=1e-4)
+
+
+@pytest.mark.parametrize("name, bf16, fp32, ring_gbps", [
+    ("a100_80gb", 312.0, 19.5, 300.0),  # datasheet: 624 TFLOP/s with sparsity; NVLink3 600 GB/s both ways
+    ("h100_sxm", 989.0, 67.0, 450.0),  # 1,979 with sparsity; NVLink4 900 GB/s both ways
+    ("h100_pcie", 756.0, 51.0, 64.0),  # 1,513 with sparsity; PCIe Gen5 x16 128 GB/s both ways
+    ("h200", 989.0, 67.0, 450.0),  # the H100 SXM's compute with HBM3e
+])
+def test_profiles_hold_the_datasheets_dense_peaks(name, bf16, fp32, ring_gbps):
+    hw = hardware_profile(name)
+    assert hw.peak_flops("bf16") == bf16 * 1e12 and hw.peak_flops("fp32") == fp32 * 1e12
+    assert hw.bandwidth(crosses_node=False) == ring_gbps * 1e9
