@@ -30,8 +30,11 @@ def default_backend() -> str:
 
 
 def default_device(backend: str | None = None, local_rank: int | None = None) -> torch.device:
-    """The device this rank computes on: its local GPU under NCCL, else the CPU."""
+    """The device this rank computes on: its local GPU under NCCL, ``meta`` under torch's
+    ``fake`` backend (a dry run: tensors hold no memory, collectives move nothing), else the CPU."""
     backend = backend or default_backend()
+    if "fake" in backend:  # "fake" or "cpu:fake,meta:fake"
+        return torch.device("meta")
     if backend == "nccl":
         if local_rank is None:
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -104,18 +104,20 @@ class Trainer:
         self.model_cfg = self.layout.model
         self._build_model()
         self._build_pipeline()
-        self.train_data = open_data(rc.data.source, rc.data.path, "train", self.model_cfg.seq_len,
-                                    rc.data.embedded_mb, rc.data.val_fraction)
+        self.train_data = self.open_data("train")
         if self.train_data.vocab_size > self.model_cfg.vocab_size:
             raise ValueError(
                 f"the data's vocabulary ({self.train_data.vocab_size}) is larger than "
                 f"model.vocab_size {self.model_cfg.vocab_size}; set model.vocab_size="
                 f"{self.train_data.vocab_size}"
             )
-        self.val_data = (open_data(rc.data.source, rc.data.path, "val", self.model_cfg.seq_len,
-                                   rc.data.embedded_mb, rc.data.val_fraction)
-                         if t.eval_every else None)
+        self.val_data = self.open_data("val") if t.eval_every else None
         self.step = 0
+
+    def open_data(self, split: str):
+        """The token dataset of ``split`` ("train" / "val") that ``rc.data`` names."""
+        d = self.rc.data
+        return open_data(d.source, d.path, split, self.model_cfg.seq_len, d.embedded_mb, d.val_fraction)
 
     # ------------------------------------------------------------------ model
     def _build_model(self) -> None:
@@ -182,8 +184,10 @@ class Trainer:
             check_token_ids(y, self.model_cfg.vocab_size, what="targets")
         return [x.to(self.device) for x, _ in mbs], [y.to(self.device) for _, y in mbs]
 
-    def evaluate(self) -> float:
-        """Mean loss over ``train.eval_batches`` fixed global batches of the held-out split."""
+    def evaluate(self, read: bool = True) -> float | torch.Tensor:
+        """Mean loss over ``train.eval_batches`` fixed global batches of the held-out split.
+
+        ``read=False``: the mean as a device tensor, unread."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         n = self.rc.train.eval_batches
         scale = self.zero.scaler.scale if self.zero.scaler else 1.0  # loss_fn multiplies by it
@@ -191,7 +195,8 @@ class Trainer:
             inputs, targets = self.microbatches(i, data=self.val_data, seed=self.rc.train.seed + 1)
             total += self.executor.run(inputs, targets, forward_only=True).float() / scale
         comm.all_reduce(total, group=self.groups.dp)
-        return total.item() / (n * self.layout.dp)
+        mean = total / (n * self.layout.dp)
+        return mean.item() if read else mean
 
     def train_step(self, step: int, measure_memory: bool = False, read: bool = True) -> dict[str, Any]:
         """One optimizer step over the global batch of ``step``; the record rank 0 logs.

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import time
 
 from .counter import counting, record, record_time
+from .recorder import note
 
 ReduceOp = dist.ReduceOp
 
@@ -46,8 +47,11 @@ class _Done:
 def device_for(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where a tensor must live to travel through ``group``: this rank's GPU under NCCL, else the CPU.
 
-    For the small control tensors (flags, barriers) code creates for a collective."""
+    For the small control tensors (flags, barriers) code creates for a collective. Under
+    torch's ``fake`` backend (a dry run) the ``meta`` device, where tensors hold no memory."""
     backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
+    if "fake" in backend:
+        return torch.device("meta")
     if "nccl" in backend and "cpu:" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -102,6 +106,7 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
     if n == 1:
         return _Done() if async_op else None
     record(group_label(group), "all_reduce", _nbytes(tensor), n)
+    note(group_label(group), group, "all_reduce", tensor)
     return _call(group_label(group), "all_reduce", async_op, dist.all_reduce, tensor, op=op, group=group)
 
 
@@ -119,6 +124,7 @@ def reduce_scatter(
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     record(group_label(group), "reduce_scatter", _nbytes(input), n)
+    note(group_label(group), group, "reduce_scatter", input, also=(output,))
     return _call(group_label(group), "reduce_scatter", async_op, _reduce_scatter_tensor, output, input,
                  op=op, group=group)
 
@@ -135,6 +141,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     record(group_label(group), "all_gather", _nbytes(output), n)
+    note(group_label(group), group, "all_gather", output, also=(input,))
     return _call(group_label(group), "all_gather", async_op, _all_gather_tensor, output, input, group=group)
 
 
@@ -145,6 +152,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         output.copy_(input)
         return _Done() if async_op else None
     record(group_label(group), "all_to_all", _nbytes(input), n)
+    note(group_label(group), group, "all_to_all", input, also=(output,))
     return _call(group_label(group), "all_to_all", async_op, dist.all_to_all_single, output, input, group=group)
 
 
@@ -154,6 +162,7 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     if n == 1:
         return _Done() if async_op else None
     record(group_label(group), "broadcast", _nbytes(tensor), n)
+    note(group_label(group), group, "broadcast", tensor)
     return _call(group_label(group), "broadcast", async_op, dist.broadcast, tensor, src=src, group=group)
 
 
@@ -161,6 +170,7 @@ def send(tensor: torch.Tensor, dst: int, group=None) -> None:
     """Blocking send to global rank ``dst``."""
     label = group_label(group)
     record(label, "send", _nbytes(tensor), 2)
+    note(label, group, "send", tensor, peer=dst)
     t0 = time.perf_counter()
     dist.send(tensor, dst=dst, group=group)
     if counting():
@@ -171,6 +181,7 @@ def recv(tensor: torch.Tensor, src: int, group=None) -> None:
     """Blocking receive from global rank ``src`` into ``tensor``."""
     label = group_label(group)
     record(label, "recv", _nbytes(tensor), 2)
+    note(label, group, "recv", tensor, peer=src)
     t0 = time.perf_counter()
     dist.recv(tensor, src=src, group=group)
     if counting():
@@ -193,9 +204,11 @@ def exchange(
     label = group_label(group)
     for t, peer in sends:
         record(label, "send", _nbytes(t), 2)
+        note(label, group, "send", t, peer=peer)
         ops.append(dist.P2POp(dist.isend, t, peer, group))
     for t, peer in recvs:
         record(label, "recv", _nbytes(t), 2)
+        note(label, group, "recv", t, peer=peer)
         ops.append(dist.P2POp(dist.irecv, t, peer, group))
     if not ops:
         return []

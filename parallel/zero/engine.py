@@ -353,7 +353,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         separate fp32 master (16-bit precisions) plus every per-element optimizer
         state tensor (0-dim scalars such as Adam's ``step`` are left out).
         """
-        nbytes = lambda t: t.untyped_storage().nbytes() if t.data_ptr() else 0  # noqa: E731
+        nbytes = lambda t: t.untyped_storage().nbytes()  # noqa: E731 - 0 once freed (stage 3)
         params = grads = optim = 0
         for b in self.buckets:
             params += nbytes(b.flat_param) + (b.param_shard.nbytes if b.param_shard is not None else 0)
