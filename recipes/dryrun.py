@@ -154,10 +154,10 @@ def _cpu_seconds() -> float:
 
 
 def _piece_bytes(v) -> int:
+    """Bytes of one checkpoint entry: a tensor, or a ``Chunked`` of this rank's pieces."""
     if torch.is_tensor(v):
         return v.numel() * v.element_size()
-    t = getattr(v, "tensor", None) or getattr(v, "local", None)
-    return t.numel() * t.element_size() if torch.is_tensor(t) else 0
+    return sum(t.numel() * t.element_size() for t in getattr(v, "pieces", {}).values())
 
 
 def _worker_main(argv: list[str]) -> None:
@@ -232,13 +232,15 @@ def format_rank(result: dict, comparison: dict | None) -> str:
         lines.append(f"  {'planner':<14}" + "".join(f"{plan_mem[k] / mib:>13.1f}" for k in (*MEMORY_KEYS, "total")))
         ratio = result["memory"]["total"] / plan_mem["total"] if plan_mem["total"] else float("nan")
         lines.append(f"  peak dry run / planner: {ratio:.3f}")
-    lines.append(f"  {'group':<10}{'op':<16}{'calls':>7}{'sent MiB':>12}{'planner MiB':>13}")
+    lines.append(f"  {'group':<10}{'sent bytes':>16}{'planner':>16}  calls")
     planned = comparison["bytes"]["plan"] if comparison else {}
     for group, ops in sorted(result["comm"].items()):
-        for i, (op, s) in enumerate(sorted(ops.items())):
-            plan_cell = (f"{planned[group] / mib:>13.1f}" if group in planned else f"{'-':>13}") if i == 0 else ""
-            lines.append(f"  {group if i == 0 else '':<10}{op:<16}{s['calls']:>7}{s['sent_bytes'] / mib:>12.1f}"
-                         f"{plan_cell}")
+        sent = sum(s["sent_bytes"] for s in ops.values())
+        plan = planned.get(group)
+        mark = "" if plan is None else ("  =" if round(sent) == round(plan) else "  ≠")
+        calls = ", ".join(f"{s['calls']} {op}" for op, s in sorted(ops.items()) if s["calls"])
+        plan_cell = f"{plan:>16,.0f}" if plan is not None else f"{'-':>16}"
+        lines.append(f"  {group:<10}{sent:>16,.0f}{plan_cell}{mark}  {calls}")
     bad = result["misplaced"]
     lines.append(f"  device check: {'every collective tensor on ' + 'meta' if not bad else str(len(bad)) + ' misplaced'}")
     lines.extend(f"    {m}" for m in bad[:10])
