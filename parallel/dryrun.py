@@ -15,14 +15,23 @@ backend: shapes and dtypes are exact, no byte is allocated), and measures:
   fragmentation or rounding).
 * :class:`parallel.comm.CommCounter` / :class:`parallel.comm.CallRecorder`: every
   collective and p2p, per group, and whether its tensors were on the rank's device.
+
+Kernels: on ``meta`` tensors ``F.scaled_dot_product_attention`` always takes its
+*math* path, which materialises fp32 ``[b, heads, s, s]`` scores and probabilities
+(576 MiB per GPT-3 layer on one TP rank) that a GPU's flash / memory-efficient
+kernel never holds. :class:`FlashAttentionOnMeta` asks for the flash kernel
+instead (its meta implementation gives the exact output and log-sum-exp shapes),
+so the measured memory is the GPU's, as the planner assumes.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Self
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -107,7 +116,7 @@ class LiveMemory(TorchDispatchMode):
                 self._track(t)
         return out
 
-    def __enter__(self) -> LiveMemory:
+    def __enter__(self) -> Self:
         super().__enter__()
         self._saved_hooks.__enter__()
         return self
@@ -115,3 +124,41 @@ class LiveMemory(TorchDispatchMode):
     def __exit__(self, *exc) -> None:
         self._saved_hooks.__exit__(*exc)
         super().__exit__(*exc)
+
+
+class FlashAttentionOnMeta:
+    """While active, ``F.scaled_dot_product_attention`` on meta tensors runs the flash kernel.
+
+    Only where the GPU would run flash too: no mask, no dropout. Grouped-query
+    attention repeats K/V first (flash-attention 2 does not need that copy on a GPU:
+    the dry run then overstates temporaries by K and V's size). It swaps the
+    function in ``torch.nn.functional`` (callers look it up at call time), not a
+    torch-function mode: activation recomputation runs in autograd's thread, which
+    does not see such modes.
+    """
+
+    def __enter__(self) -> Self:
+        self._original = F.scaled_dot_product_attention
+        original = self._original
+
+        def sdpa(*args, **kwargs):
+            if _flash_eligible(*args, **kwargs):
+                return _flash(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        F.scaled_dot_product_attention = sdpa
+        return self
+
+    def __exit__(self, *exc) -> None:
+        F.scaled_dot_product_attention = self._original
+
+
+def _flash_eligible(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return q.device.type == "meta" and attn_mask is None and dropout_p == 0.0 and q.dim() == 4
+
+
+def _flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head serves q_heads / kv_heads heads
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[0]

@@ -92,7 +92,7 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
     import torch.distributed as dist
 
     from parallel import comm
-    from parallel.dryrun import LiveMemory, init_fake_world
+    from parallel.dryrun import FlashAttentionOnMeta, LiveMemory, init_fake_world
 
     t0 = time.perf_counter()
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
@@ -106,7 +106,7 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
         return real_new_group(*args, **kwargs)
 
     dist.new_group = counted_new_group
-    with LiveMemory(device) as mem:
+    with LiveMemory(device) as mem, FlashAttentionOnMeta():  # the GPU's attention kernel (parallel/dryrun.py)
         try:
             trainer = DryRunTrainer(rc, run_dir)
         finally:
@@ -132,8 +132,8 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
     ckpt_bytes = sum(_piece_bytes(v) for v in pieces.values())
     done = time.perf_counter()
     return {
-        "rank": rank, "coords": trainer.groups.coords._asdict() if hasattr(trainer.groups.coords, "_asdict")
-        else dict(dp=trainer.groups.coords.dp, pp=trainer.groups.coords.pp, tp=trainer.groups.coords.tp),
+        "rank": rank,
+        "coords": {"dp": trainer.groups.coords.dp, "pp": trainer.groups.coords.pp, "tp": trainer.groups.coords.tp},
         "new_group_calls": new_groups,
         "memory": memory,
         "comm": counter.summary(),
@@ -219,11 +219,11 @@ def format_rank(result: dict, comparison: dict | None) -> str:
     mib = 2**20
     c = result["coords"]
     sec = result["seconds"]
-    lines = [f"rank {result['rank']} (dp {c['dp']}, pp {c['pp']}, tp {c['tp']}): "
-             f"{sec['total']:.1f} s (build {sec['build']:.1f}, steps {sec['warmup_step']:.1f} + {sec['step']:.1f}; "
-             f"CPU {result['cpu_seconds']:.1f} s with imports), "
-             f"max RSS {result['max_rss_bytes'] / 2**30:.2f} GiB, {len(result['new_group_calls'])} new_group calls "
-             f"({', '.join(result['new_group_calls'])})"]
+    lines = [(f"rank {result['rank']} (dp {c['dp']}, pp {c['pp']}, tp {c['tp']}): "
+              f"{sec['total']:.1f} s (build {sec['build']:.1f}, steps {sec['warmup_step']:.1f} + {sec['step']:.1f}; "
+              f"CPU {result['cpu_seconds']:.1f} s with imports), "
+              f"max RSS {result['max_rss_bytes'] / 2**30:.2f} GiB, {len(result['new_group_calls'])} new_group calls "
+              f"({', '.join(result['new_group_calls'])})")]
     plan_mem = comparison["memory"]["plan"] if comparison else {}
     lines.append(f"  {'memory (MiB)':<14}" + "".join(f"{k:>13}" for k in (*MEMORY_KEYS, "peak")))
     lines.append(f"  {'dry run':<14}" + "".join(f"{result['memory'][k] / mib:>13.1f}"
@@ -270,7 +270,7 @@ def run_dryrun(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     results = run_ranks(rc, ranks, world, run_dir, jobs=rc.dryrun.jobs)
     try:
         plan = plan_from_config(rc)
-    except Exception as e:  # the planner refuses some layouts the trainer runs; say so, keep the dry run
+    except (ValueError, KeyError) as e:  # the planner refuses some layouts the trainer runs: say so
         print(f"(no planner figures: {e})")
         plan = None
     report: dict[str, Any] = {"world_size": world, "ranks": {}, "seconds": time.perf_counter() - t0}

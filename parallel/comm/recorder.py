@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 from dataclasses import asdict, dataclass
+from typing import Self
 
 import torch
 
@@ -64,7 +65,7 @@ class CallRecorder:
         self._wrong: list[tuple[int, str]] = []  # (index in calls, expected device)
         self._tokens: list[contextvars.Token] = []
 
-    def __enter__(self) -> CallRecorder:
+    def __enter__(self) -> Self:
         self._tokens.append(_ACTIVE.set(_ACTIVE.get() + (self,)))
         return self
 
@@ -133,8 +134,8 @@ def compare_sequences(calls: dict[int, list[Call]]) -> list[str]:
         for c in seq:
             if c.op not in P2P_OPS:
                 groups.setdefault((c.group, c.ranks), {}).setdefault(rank, []).append(c)
-    for rank, seq in calls.items():  # a recorded member of a group that issued nothing on it
-        for (label, ranks), by_rank in groups.items():
+    for rank in calls:  # a recorded member of a group that issued nothing on it
+        for (_, ranks), by_rank in groups.items():
             if rank in ranks:
                 by_rank.setdefault(rank, [])
     for (label, ranks), by_rank in sorted(groups.items()):
@@ -146,12 +147,12 @@ def compare_sequences(calls: dict[int, list[Call]]) -> list[str]:
                 i, a, b = diff
                 problems.append(f"group {label} {_short(ranks)}: ranks {first} and {other} differ at collective "
                                 f"{i}: {a} vs {b}")
-    for src in calls:
-        for dst in calls:
+    for src, src_calls in calls.items():
+        for dst, dst_calls in calls.items():
             if src == dst:
                 continue
-            sends = [c for c in calls[src] if c.op == "send" and c.peer == dst]
-            recvs = [c for c in calls[dst] if c.op == "recv" and c.peer == src]
+            sends = [c for c in src_calls if c.op == "send" and c.peer == dst]
+            recvs = [c for c in dst_calls if c.op == "recv" and c.peer == src]
             diff = _first_difference(sends, recvs, key=lambda c: (c.numel, c.dtype))
             if diff is not None:
                 i, a, b = diff
