@@ -4,6 +4,8 @@ Each test runs ranks as the command does (a fresh process per rank) and holds th
 planner: bytes per group equal, model-state bytes equal, peak memory close (see the bounds below).
 """
 
+import json
+
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
@@ -35,20 +37,16 @@ def _check(results, plan, peak_bound):
     return report
 
 
-def test_dry_run_of_a_small_layout_matches_the_planner(tmp_path):
+def test_dry_run_of_a_small_layout_and_its_peers_matches_the_planner(tmp_path):
+    """gpt_tiny at (dp, pp, tp) = (2, 2, 2): rank 0 and its TP, DP and PP neighbours, through ``mode=dryrun``."""
     rc = recipe("gpt_tiny", ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                             "train.global_batch=16", "train.micro_batch=2", "dryrun.ranks=[0,7]"])
-    results = dryrun.run_ranks(rc, [0, 7], 8, str(tmp_path), jobs=2, timeout_s=240)
-    # a tiny model's peak holds transient buffers (embedding/head workspaces) that the planner leaves out
-    _check(results, plan_from_config(rc), peak_bound=0.25)
-
-
-def test_dry_run_with_peers_checks_call_sequences(tmp_path):
-    rc = recipe("gpt_tiny", ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "train.global_batch=16",
-                             "train.micro_batch=4", "dryrun.ranks=[0]", "dryrun.peers=true"])
+                             "train.global_batch=16", "train.micro_batch=2", "dryrun.ranks=[0]", "dryrun.peers=true"])
     summary = dryrun.run_dryrun(rc, str(tmp_path))
     assert summary["ranks"] == [0, 1, 2, 4] and summary["misplaced"] == 0 and summary["sequence_problems"] == 0
-    assert (tmp_path / "dryrun.json").exists()
+    report = json.loads((tmp_path / "dryrun.json").read_text())
+    results = {int(r): res for r, res in report["ranks"].items()}
+    # the peak also holds one layer's backward workspace, which the planner leaves out (a few %)
+    _check(results, plan_from_config(rc), peak_bound=0.10)
 
 
 def test_gpt175b_default_ranks(tmp_path):
