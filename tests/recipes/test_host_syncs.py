@@ -47,3 +47,46 @@ def test_host_reads_per_step_are_the_minimum(tmp_path, fused):
         skip_read = {} if fused else {"__bool__": 1}  # the skip decision of a non-fused optimizer
         assert counts[False] == skip_read, counts  # an unlogged step: 4 micro-batches, no read
         assert counts[True] == {"tolist": 1, **skip_read}, counts  # a logged step: one read more
+
+
+def _fused_skip():
+    """bf16 ZeRO-1 with fused AdamW: an inf gradient on rank 1 skips the step on the device."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from parallel.zero import ZeroDataParallel
+    from tests.parallel.zero.toy import batches, make_model
+
+    model = make_model()
+    zdp = ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=1, precision="bf16",
+                           optimizer_factory=lambda groups: torch.optim.AdamW(groups, lr=1e-2, fused=True))
+    (x, y), = batches(1)
+
+    def step(poison: bool):
+        hook = None
+        if poison and dist.get_rank() == 1:
+            hook = zdp.module.head.weight.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), float("inf")))
+        zdp.backward(nn.functional.mse_loss(zdp(x).float(), y))
+        if hook:
+            hook.remove()
+        with HostSyncCounter() as syncs:
+            stats = zdp.step()
+        return stats, syncs.total
+
+    step(False)  # the optimizer state exists
+    snapshot = lambda: ([b.master.clone() for b in zdp.buckets],  # noqa: E731
+                        [{k: v.clone() for k, v in zdp.optimizer.state[b.master].items()} for b in zdp.buckets])
+    masters, states = snapshot()
+    bad, bad_reads = step(True)
+    after_masters, after_states = snapshot()
+    unchanged = all(torch.equal(a, b) for a, b in zip(masters, after_masters)) and all(
+        torch.equal(s[k], t[k]) for s, t in zip(states, after_states) for k in s)
+    good, _ = step(False)
+    changed = not all(torch.equal(a, b.master) for a, b in zip(masters, zdp.buckets))
+    return bool(bad["skipped"]), bad_reads, unchanged, bool(good["skipped"]), changed
+
+
+def test_fused_optimizer_skips_a_non_finite_step_on_the_device_without_changing_anything():
+    for skipped, reads, unchanged, good_skipped, changed in run_ranks(_fused_skip, 2, timeout=120):
+        assert skipped and reads == 0 and unchanged  # weights, moments and step count as they were
+        assert not good_skipped and changed
