@@ -53,8 +53,9 @@ class SyntheticTokens:
     def __init__(self, vocab_size: int, seq_len: int):
         self.vocab_size, self.seq_len = vocab_size, seq_len
 
-    def rank_microbatches(self, step: int, *, global_batch: int, dp: int, dp_rank: int, micro_batch: int,
-                          seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def rank_microbatches(
+        self, step: int, *, global_batch: int, dp: int, dp_rank: int, micro_batch: int, seed: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n = global_batch // dp // micro_batch
         return [(torch.zeros(micro_batch, self.seq_len, dtype=torch.long),) * 2 for _ in range(n)]
 
@@ -126,9 +127,15 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
             trainer.evaluate(read=False)
         pieces = trainer.state_dict()
     model_states = held["params"] + held["grads"] + held["optimizer"]
-    memory = {"params": held["params"], "grads": held["grads"], "optimizer": held["optimizer"],
-              "buffers": at_peak["baseline"] - model_states, "activations": at_peak["activations"],
-              "temporaries": at_peak["temporaries"], "total": peak}
+    memory = {
+        "params": held["params"],
+        "grads": held["grads"],
+        "optimizer": held["optimizer"],
+        "buffers": at_peak["baseline"] - model_states,
+        "activations": at_peak["activations"],
+        "temporaries": at_peak["temporaries"],
+        "total": peak,
+    }
     ckpt_bytes = sum(_piece_bytes(v) for v in pieces.values())
     done = time.perf_counter()
     return {
@@ -141,8 +148,12 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
         "misplaced": recorder.misplaced() + val_recorder.misplaced(),
         "validation_comm": val_counter.summary(),
         "checkpoint": {"pieces": len(pieces), "bytes": ckpt_bytes},
-        "seconds": {"build": t_build - t0, "warmup_step": t_warm - t_build, "step": t_step - t_warm,
-                    "total": done - t0},
+        "seconds": {
+            "build": t_build - t0,
+            "warmup_step": t_warm - t_build,
+            "step": t_step - t_warm,
+            "total": done - t0,
+        },
         "cpu_seconds": _cpu_seconds(),  # the process's CPU time, imports included (wall time depends on load)
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
@@ -168,23 +179,33 @@ def _worker_main(argv: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- the launcher
-def run_ranks(rc: RecipeConfig, ranks: list[int], world: int, run_dir: str, jobs: int = 2,
-              timeout_s: float = 600) -> dict[int, dict]:
+def run_ranks(
+    rc: RecipeConfig, ranks: list[int], world: int, run_dir: str, jobs: int = 2, timeout_s: float = 600
+) -> dict[int, dict]:
     """Dry-run each of ``ranks`` in its own fresh process, ``jobs`` at a time; return their results."""
     results: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="dryrun-") as tmp:
         cfg_path = Path(tmp) / "config.yaml"
         OmegaConf.save(OmegaConf.structured(rc), cfg_path)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1")
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+        )
         pending, running = list(ranks), []
         while pending or running:
             while pending and len(running) < max(1, jobs):
                 r = pending.pop(0)
                 out = Path(tmp) / f"rank{r}.json"
                 cmd = [sys.executable, "-m", "recipes.dryrun", str(cfg_path), str(r), str(world), run_dir, str(out)]
-                running.append((r, out, time.monotonic(), subprocess.Popen(
-                    cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+                running.append(
+                    (
+                        r,
+                        out,
+                        time.monotonic(),
+                        subprocess.Popen(
+                            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                        ),
+                    )
+                )
             for item in list(running):
                 r, out, started, proc = item
                 if proc.poll() is None:
@@ -205,13 +226,21 @@ def compare_with_plan(result: dict, plan) -> dict[str, Any]:
     """The planner's prediction for ``result``'s stage beside the dry run's figures."""
     stage = plan.ranks[result["coords"]["pp"]]
     pm = stage.memory
-    planned_mem = {"params": pm["params"], "grads": pm["grads"], "optimizer": pm["optimizer"],
-                   "buffers": pm["buffers"], "activations": pm["activations"], "temporaries": 0.0,
-                   "total": pm["total"]}
+    planned_mem = {
+        "params": pm["params"],
+        "grads": pm["grads"],
+        "optimizer": pm["optimizer"],
+        "buffers": pm["buffers"],
+        "activations": pm["activations"],
+        "temporaries": 0.0,
+        "total": pm["total"],
+    }
     sent = {g: sum(s["sent_bytes"] for s in ops.values()) for g, ops in result["comm"].items()}
     planned_sent = {axis: t["bytes"] for axis, t in stage.traffic.items()}
-    return {"memory": {"dryrun": result["memory"], "plan": planned_mem},
-            "bytes": {"dryrun": sent, "plan": planned_sent}}
+    return {
+        "memory": {"dryrun": result["memory"], "plan": planned_mem},
+        "bytes": {"dryrun": sent, "plan": planned_sent},
+    }
 
 
 def format_rank(result: dict, comparison: dict | None) -> str:
@@ -219,15 +248,18 @@ def format_rank(result: dict, comparison: dict | None) -> str:
     mib = 2**20
     c = result["coords"]
     sec = result["seconds"]
-    lines = [(f"rank {result['rank']} (dp {c['dp']}, pp {c['pp']}, tp {c['tp']}): "
-              f"{sec['total']:.1f} s (build {sec['build']:.1f}, steps {sec['warmup_step']:.1f} + {sec['step']:.1f}; "
-              f"CPU {result['cpu_seconds']:.1f} s with imports), "
-              f"max RSS {result['max_rss_bytes'] / 2**30:.2f} GiB, {len(result['new_group_calls'])} new_group calls "
-              f"({', '.join(result['new_group_calls'])})")]
+    lines = [
+        (
+            f"rank {result['rank']} (dp {c['dp']}, pp {c['pp']}, tp {c['tp']}): "
+            f"{sec['total']:.1f} s (build {sec['build']:.1f}, steps {sec['warmup_step']:.1f} + {sec['step']:.1f}; "
+            f"CPU {result['cpu_seconds']:.1f} s with imports), "
+            f"max RSS {result['max_rss_bytes'] / 2**30:.2f} GiB, {len(result['new_group_calls'])} new_group calls "
+            f"({', '.join(result['new_group_calls'])})"
+        )
+    ]
     plan_mem = comparison["memory"]["plan"] if comparison else {}
     lines.append(f"  {'memory (MiB)':<14}" + "".join(f"{k:>13}" for k in (*MEMORY_KEYS, "peak")))
-    lines.append(f"  {'dry run':<14}" + "".join(f"{result['memory'][k] / mib:>13.1f}"
-                                                 for k in (*MEMORY_KEYS, "total")))
+    lines.append(f"  {'dry run':<14}" + "".join(f"{result['memory'][k] / mib:>13.1f}" for k in (*MEMORY_KEYS, "total")))
     if plan_mem:
         lines.append(f"  {'planner':<14}" + "".join(f"{plan_mem[k] / mib:>13.1f}" for k in (*MEMORY_KEYS, "total")))
         ratio = result["memory"]["total"] / plan_mem["total"] if plan_mem["total"] else float("nan")
@@ -242,7 +274,9 @@ def format_rank(result: dict, comparison: dict | None) -> str:
         plan_cell = f"{plan:>16,.0f}" if plan is not None else f"{'-':>16}"
         lines.append(f"  {group:<10}{sent:>16,.0f}{plan_cell}{mark}  {calls}")
     bad = result["misplaced"]
-    lines.append(f"  device check: {'every collective tensor on ' + 'meta' if not bad else str(len(bad)) + ' misplaced'}")
+    lines.append(
+        f"  device check: {'every collective tensor on ' + 'meta' if not bad else str(len(bad)) + ' misplaced'}"
+    )
     lines.extend(f"    {m}" for m in bad[:10])
     ck = result["checkpoint"]
     lines.append(f"  checkpoint pieces: {ck['pieces']} ({ck['bytes'] / mib:.1f} MiB)")
@@ -282,8 +316,10 @@ def run_dryrun(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         calls = {r: [Call(**{**c, "ranks": tuple(c["ranks"])}) for c in results[r]["calls"]] for r in ranks}
         problems = compare_sequences(calls)
         report["sequence_problems"] = problems
-        print(f"call sequences of {len(ranks)} ranks: " + ("every group agrees, every send meets its receive"
-                                                           if not problems else f"{len(problems)} mismatches"))
+        print(
+            f"call sequences of {len(ranks)} ranks: "
+            + ("every group agrees, every send meets its receive" if not problems else f"{len(problems)} mismatches")
+        )
         for p in problems[:20]:
             print(f"  {p}")
     Path(run_dir).mkdir(parents=True, exist_ok=True)

@@ -80,8 +80,10 @@ class CallRecorder:
 
     def misplaced(self) -> list[str]:
         """One line per call whose tensor was not on the rank's device."""
-        return [f"call {i}: {self.calls[i].describe()} got a tensor on {self.calls[i].device}, "
-                f"the rank computes on {want}" for i, want in self._wrong]
+        return [
+            f"call {i}: {self.calls[i].describe()} got a tensor on {self.calls[i].device}, the rank computes on {want}"
+            for i, want in self._wrong
+        ]
 
     def to_list(self) -> list[dict]:
         return [asdict(c) for c in self.calls]
@@ -99,8 +101,9 @@ def recording() -> bool:
     return bool(_ACTIVE.get())
 
 
-def note(group_label: str, group, op: str, tensor: torch.Tensor, peer: int | None = None,
-         also: tuple[torch.Tensor, ...] = ()) -> None:
+def note(
+    group_label: str, group, op: str, tensor: torch.Tensor, peer: int | None = None, also: tuple[torch.Tensor, ...] = ()
+) -> None:
     """Report one call to every active recorder (no-op when none is).
 
     ``tensor``: the payload (its size and dtype are recorded); ``also``: the call's
@@ -145,8 +148,9 @@ def compare_sequences(calls: dict[int, list[Call]]) -> list[str]:
             diff = _first_difference(by_rank[first], by_rank[other])
             if diff is not None:
                 i, a, b = diff
-                problems.append(f"group {label} {_short(ranks)}: ranks {first} and {other} differ at collective "
-                                f"{i}: {a} vs {b}")
+                problems.append(
+                    f"group {label} {_short(ranks)}: ranks {first} and {other} differ at collective {i}: {a} vs {b}"
+                )
     for src, src_calls in calls.items():
         for dst, dst_calls in calls.items():
             if src == dst:
@@ -170,4 +174,8 @@ def _first_difference(a: list[Call], b: list[Call], key=Call.key):
 
 
 def _short(ranks: tuple[int, ...]) -> str:
-    return f"[{', '.join(map(str, ranks))}]" if len(ranks) <= 6 else f"[{ranks[0]}, {ranks[1]}, … {ranks[-1]}] ({len(ranks)} ranks)"
+    return (
+        f"[{', '.join(map(str, ranks))}]"
+        if len(ranks) <= 6
+        else f"[{ranks[0]}, {ranks[1]}, … {ranks[-1]}] ({len(ranks)} ranks)"
+    )

@@ -16,8 +16,9 @@ import torch
 from .linear import LayerConfigError
 
 
-def check_token_ids(ids: torch.Tensor, vocab_size: int, *, what: str = "token ids",
-                    ignore_index: int | None = None) -> None:
+def check_token_ids(
+    ids: torch.Tensor, vocab_size: int, *, what: str = "token ids", ignore_index: int | None = None
+) -> None:
     """Refuse ``ids`` (integers, any shape) with a value outside ``[0, vocab_size)``.
 
     ``ignore_index`` (targets): entries equal to it are allowed. Meant for host

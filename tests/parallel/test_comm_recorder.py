@@ -29,7 +29,9 @@ def test_a_cpu_tensor_in_a_collective_is_flagged_when_the_rank_computes_elsewher
         assert "the rank computes on meta" in flagged[0]
         assert clean == []  # under gloo the CPU is the rank's device
         assert [(c.op, c.numel, c.dtype, c.ranks) for c in calls[:2]] == [
-            ("all_reduce", 3, "float32", (0, 1)), ("all_gather", 4, "float32", (0, 1))]
+            ("all_reduce", 3, "float32", (0, 1)),
+            ("all_gather", 4, "float32", (0, 1)),
+        ]
         assert calls[2].op == ("send" if rank == 0 else "recv") and calls[2].peer == 1 - rank
 
 
@@ -48,8 +50,12 @@ def test_a_mismatched_collective_is_reported_with_the_first_differing_call():
     a = [_call("all_reduce", 8), _call("all_gather", 16), _call("reduce_scatter", 16)]
     b = [_call("all_reduce", 8), _call("all_gather", 16, dtype="float32"), _call("reduce_scatter", 16)]
     problems = compare_sequences({0: a, 1: b})
-    assert problems == [("group tp [0, 1]: ranks 0 and 1 differ at collective 1: all_gather(16 × bfloat16) on tp "
-                         "vs all_gather(16 × float32) on tp")]
+    assert problems == [
+        (
+            "group tp [0, 1]: ranks 0 and 1 differ at collective 1: all_gather(16 × bfloat16) on tp "
+            "vs all_gather(16 × float32) on tp"
+        )
+    ]
     missing = compare_sequences({0: a, 1: a[:2]})  # one member skips the last collective: a hang on NCCL
     assert missing and "collective 2: reduce_scatter(16 × bfloat16) on tp vs nothing" in missing[0]
 

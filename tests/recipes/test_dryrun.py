@@ -39,8 +39,19 @@ def _check(results, plan, peak_bound):
 
 def test_dry_run_of_a_small_layout_and_its_peers_matches_the_planner(tmp_path):
     """gpt_tiny at (dp, pp, tp) = (2, 2, 2): rank 0 and its TP, DP and PP neighbours, through ``mode=dryrun``."""
-    rc = recipe("gpt_tiny", ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                             "train.global_batch=16", "train.micro_batch=2", "dryrun.ranks=[0]", "dryrun.peers=true"])
+    rc = recipe(
+        "gpt_tiny",
+        [
+            "parallel.dp=2",
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "train.global_batch=16",
+            "train.micro_batch=2",
+            "dryrun.ranks=[0]",
+            "dryrun.peers=true",
+        ],
+    )
     summary = dryrun.run_dryrun(rc, str(tmp_path))
     assert summary["ranks"] == [0, 1, 2, 4] and summary["misplaced"] == 0 and summary["sequence_problems"] == 0
     report = json.loads((tmp_path / "dryrun.json").read_text())

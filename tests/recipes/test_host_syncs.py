@@ -58,9 +58,14 @@ def _fused_skip():
     from tests.parallel.zero.toy import batches, make_model
 
     model = make_model()
-    zdp = ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=1, precision="bf16",
-                           optimizer_factory=lambda groups: torch.optim.AdamW(groups, lr=1e-2, fused=True))
-    (x, y), = batches(1)
+    zdp = ZeroDataParallel(
+        model,
+        dp_group=dist.group.WORLD,
+        stage=1,
+        precision="bf16",
+        optimizer_factory=lambda groups: torch.optim.AdamW(groups, lr=1e-2, fused=True),
+    )
+    ((x, y),) = batches(1)
 
     def step(poison: bool):
         hook = None
@@ -74,13 +79,16 @@ def _fused_skip():
         return stats, syncs.total
 
     step(False)  # the optimizer state exists
-    snapshot = lambda: ([b.master.clone() for b in zdp.buckets],  # noqa: E731
-                        [{k: v.clone() for k, v in zdp.optimizer.state[b.master].items()} for b in zdp.buckets])
+    snapshot = lambda: (
+        [b.master.clone() for b in zdp.buckets],
+        [{k: v.clone() for k, v in zdp.optimizer.state[b.master].items()} for b in zdp.buckets],
+    )
     masters, states = snapshot()
     bad, bad_reads = step(True)
     after_masters, after_states = snapshot()
     unchanged = all(torch.equal(a, b) for a, b in zip(masters, after_masters)) and all(
-        torch.equal(s[k], t[k]) for s, t in zip(states, after_states) for k in s)
+        torch.equal(s[k], t[k]) for s, t in zip(states, after_states) for k in s
+    )
     good, _ = step(False)
     changed = not all(torch.equal(a, b.master) for a, b in zip(masters, zdp.buckets))
     return bool(bad["skipped"]), bad_reads, unchanged, bool(good["skipped"]), changed
