@@ -195,3 +195,55 @@ def _hung(procs, ranks, tmp, timeout) -> RankFailure:
         f"ranks {ranks} of {len(procs)} did not finish within {timeout:g} s "
         f"(hung?); they were killed.\n" + "\n".join(stacks),
     )
+
+
+class HostSyncCounter:
+    """Counts the calls that read a tensor's value on the host (a device synchronisation on a GPU).
+
+    While active (``with HostSyncCounter() as syncs: ...``) it wraps ``Tensor.item``,
+    ``Tensor.tolist``, ``Tensor.nonzero`` / ``torch.nonzero``, and ``float``/``int``/``bool``
+    of a tensor, and counts each call in ``syncs.calls`` (by name) — on CPU, where
+    these cost nothing, so that a test can hold the GPU path to a number.
+    Nested reads (``tolist`` calling ``item``) count once. Reads made by
+    ``torch.optim`` itself are not counted: its non-capturable optimizers keep the
+    ``step`` counter on the host on purpose (reading it is no device sync).
+    """
+
+    NAMES = ("item", "tolist", "nonzero", "__float__", "__int__", "__bool__", "__index__")
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self._saved: list[tuple[object, str, object]] = []
+        self._depth = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+    def _wrap(self, name: str, fn):
+        def counted(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename.replace(os.sep, "/")
+            if self._depth == 0 and "/torch/optim/" not in caller:
+                self.calls[name] = self.calls.get(name, 0) + 1
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def __enter__(self) -> "HostSyncCounter":
+        import torch
+
+        for name in self.NAMES:
+            self._saved.append((torch.Tensor, name, getattr(torch.Tensor, name)))
+            setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+        self._saved.append((torch, "nonzero", torch.nonzero))
+        torch.nonzero = self._wrap("nonzero", torch.nonzero)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved.clear()

@@ -122,9 +122,12 @@ def save_due(step: int, rc) -> bool:
 class Preemption:
     """Turns SIGTERM (Slurm pre-emption, torchrun shutting down) into "checkpoint, then stop".
 
-    :meth:`requested`, called at each step's end, agrees on the flag across ranks
-    (a 4-byte ``all_reduce`` MAX over the world), so all ranks save the same step
-    and stop together even if the signal reached only some. A rank that cannot
+    :meth:`requested` agrees on the flag across ranks (a 4-byte ``all_reduce`` MAX
+    over the world and one host read), so all ranks save the same step and stop
+    together even if the signal reached only some. The trainer calls it only at
+    the ends of steps that read the host anyway (logged steps, checkpoint steps),
+    so it adds no synchronisation to the other steps; a SIGTERM is therefore acted
+    upon within ``train.log_every`` steps, which ``grace_s`` must cover. A rank that cannot
     reach a step's end — blocked in a collective with a dead peer, which is how
     torchrun's SIGTERM usually finds the survivors of a failure — must still
     die: a watchdog thread wakes on the signal at once (``signal.set_wakeup_fd``
@@ -166,9 +169,10 @@ class Preemption:
     def requested(self) -> bool:
         t = torch.tensor([float(self.flag)], device=comm.device_for())
         comm.all_reduce(t, op=comm.ReduceOp.MAX)
-        if t.item():
+        agreed = bool(t.item())
+        if agreed:
             self._acknowledged.set()
-        return bool(t.item())
+        return agreed
 
     def close(self) -> None:
         if not self._installed:

@@ -146,8 +146,17 @@ class PlanSection:
 
 
 @dataclass
+class DryrunSection:
+    """``dryrun.*`` keys for ``mode=dryrun`` (see recipes/dryrun.py)."""
+
+    ranks: Optional[List[int]] = None  # None: the first rank, a middle stage's rank, the last rank
+    peers: bool = False  # also run each rank's TP, DP and PP neighbours and check their call sequences
+    jobs: int = 2  # ranks run at once (one process each)
+
+
+@dataclass
 class RecipeConfig:
-    mode: str = "train"  # train | plan | recommend
+    mode: str = "train"  # train | plan | recommend | dryrun
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelSection = field(default_factory=ModelSection)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -157,10 +166,11 @@ class RecipeConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     deepspeed: Optional[str] = None  # path to a DeepSpeed-style JSON mapped onto this config
     plan: PlanSection = field(default_factory=PlanSection)  # planner keys (mode=plan / recommend)
+    dryrun: DryrunSection = field(default_factory=DryrunSection)  # mode=dryrun keys
 
 
 CHOICES = {
-    "mode": ("train", "plan", "recommend"),
+    "mode": ("train", "plan", "recommend", "dryrun"),
     "parallel.pp_schedule": ("1f1b", "gpipe", "interleaved"),
     "train.precision": ("fp32", "bf16", "fp16"),
     "optim.name": ("adamw", "sgd"),

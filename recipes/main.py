@@ -6,7 +6,8 @@ resolves its config, then either
 * trains as this rank, when launched by ``torchrun`` (every rank runs this),
 * or, launched by plain ``python -m recipes.<name>``, spawns the dp×pp×tp local
   workers itself through PyTorch's elastic launcher (``launch.local``),
-* or, with ``mode=plan`` / ``mode=recommend``, runs the planner (no process).
+* or, with ``mode=plan`` / ``mode=recommend``, runs the planner (no process),
+* or, with ``mode=dryrun``, runs one step of chosen ranks on no hardware (``recipes/dryrun.py``).
 
 Run directory: ``outputs/<run id>`` where the id is one every rank shares
 (``TORCHELASTIC_RUN_ID`` under torchrun, ``SLURM_JOB_ID`` on Slurm, else a
@@ -87,6 +88,10 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
             from .plan import run_plan
 
             return run_plan(rc, run_dir)
+        if rc.mode == "dryrun":
+            from .dryrun import run_dryrun
+
+            return run_dryrun(rc, run_dir)
         if under_torchrun():
             validate(rc, world_size=int(os.environ["WORLD_SIZE"]))  # a clean message on every rank
             return worker(rc, run_dir)

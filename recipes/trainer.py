@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch import nn
 from models.transformer import build_model
 from parallel import comm
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
+from parallel.layers import check_token_ids
 from parallel.memory import SavedActivationMeter, peak_memory_bytes
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.partition import stage_chunks
@@ -44,6 +46,19 @@ from .profiling import StepProfiler, profile_steps
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+READ_KEYS = ("loss", "grad_norm", "skipped")  # the values train_step leaves on the device
+
+
+def read_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """``rec`` with its device values (:data:`READ_KEYS`) read as Python numbers: one host read."""
+    keys = [k for k in READ_KEYS if torch.is_tensor(rec.get(k))]
+    if not keys:
+        return rec
+    values = torch.stack([rec[k].detach().float().reshape(()) for k in keys]).tolist()
+    out = dict(rec, **dict(zip(keys, values)))
+    if "skipped" in keys:
+        out["skipped"] = bool(out["skipped"])
+    return out
 
 
 class StageChunks(nn.Module):
@@ -91,18 +106,20 @@ class Trainer:
         self.model_cfg = self.layout.model
         self._build_model()
         self._build_pipeline()
-        self.train_data = open_data(rc.data.source, rc.data.path, "train", self.model_cfg.seq_len,
-                                    rc.data.embedded_mb, rc.data.val_fraction)
+        self.train_data = self.open_data("train")
         if self.train_data.vocab_size > self.model_cfg.vocab_size:
             raise ValueError(
                 f"the data's vocabulary ({self.train_data.vocab_size}) is larger than "
                 f"model.vocab_size {self.model_cfg.vocab_size}; set model.vocab_size="
                 f"{self.train_data.vocab_size}"
             )
-        self.val_data = (open_data(rc.data.source, rc.data.path, "val", self.model_cfg.seq_len,
-                                   rc.data.embedded_mb, rc.data.val_fraction)
-                         if t.eval_every else None)
+        self.val_data = self.open_data("val") if t.eval_every else None
         self.step = 0
+
+    def open_data(self, split: str):
+        """The token dataset of ``split`` ("train" / "val") that ``rc.data`` names."""
+        d = self.rc.data
+        return open_data(d.source, d.path, split, self.model_cfg.seq_len, d.embedded_mb, d.val_fraction)
 
     # ------------------------------------------------------------------ model
     def _build_model(self) -> None:
@@ -166,10 +183,15 @@ class Trainer:
         mbs = (data or self.train_data).rank_microbatches(
             step, global_batch=t.global_batch, dp=lay.dp, dp_rank=self.groups.dp_rank,
             micro_batch=t.micro_batch, seed=t.seed if seed is None else seed)
+        for x, y in mbs:  # on the host batch, before it moves: no device read per micro-batch
+            check_token_ids(x, self.model_cfg.vocab_size)
+            check_token_ids(y, self.model_cfg.vocab_size, what="targets")
         return [x.to(self.device) for x, _ in mbs], [y.to(self.device) for _, y in mbs]
 
-    def evaluate(self) -> float:
-        """Mean loss over ``train.eval_batches`` fixed global batches of the held-out split."""
+    def evaluate(self, read: bool = True) -> float | torch.Tensor:
+        """Mean loss over ``train.eval_batches`` fixed global batches of the held-out split.
+
+        ``read=False``: the mean as a device tensor, unread."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         n = self.rc.train.eval_batches
         scale = self.zero.scaler.scale if self.zero.scaler else 1.0  # loss_fn multiplies by it
@@ -177,12 +199,19 @@ class Trainer:
             inputs, targets = self.microbatches(i, data=self.val_data, seed=self.rc.train.seed + 1)
             total += self.executor.run(inputs, targets, forward_only=True).float() / scale
         comm.all_reduce(total, group=self.groups.dp)
-        return total.item() / (n * self.layout.dp)
+        mean = total / (n * self.layout.dp)
+        return mean.item() if read else mean
 
-    def train_step(self, step: int, measure_memory: bool = False) -> dict[str, Any]:
+    def train_step(self, step: int, measure_memory: bool = False, read: bool = True) -> dict[str, Any]:
         """One optimizer step over the global batch of ``step``; the record rank 0 logs.
 
         ``measure_memory``: also count the activations autograd saves (first step's report).
+        ``read``: read the loss and the gradient norm on the host (one device
+        synchronisation, inside the timed region, so ``step_time_s`` then covers the
+        device's work). With ``read=False`` the step issues no host read of its own
+        (see :mod:`parallel.zero.engine` for the skip decision): ``loss``,
+        ``grad_norm`` and ``skipped`` stay device tensors and ``step_time_s`` is the
+        host's (enqueueing) time; :func:`read_record` reads them when the loop logs.
         """
         o = self.rc.optim
         lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
@@ -193,7 +222,7 @@ class Trainer:
         scale = self.zero.scaler.scale if self.zero.scaler else 1.0  # loss_fn multiplies by it
         counter = comm.CommCounter()
         clock = StepClock(self.device)  # CUDA events on a GPU (host clocks would time enqueueing)
-        t0 = clock.mark()
+        t0, host_t0 = clock.mark(), time.perf_counter()
         meter = SavedActivationMeter(self.stage_module.parameters()) if measure_memory else None
         with counter, self.zero.no_sync(), meter or contextlib.nullcontext():
             loss = self.executor.run(inputs, targets)
@@ -205,14 +234,22 @@ class Trainer:
         if measure_memory:  # after the step: the optimizer state exists from its first step
             self.model_state_bytes = self.zero.held_bytes()
         loss = loss.detach().float() / scale
-        comm.all_reduce(loss, group=self.groups.dp)  # mean over DP replicas = the global batch
-        loss_value = (loss / self.layout.dp).item()  # waits for the device: the step's work is all in
-        elapsed = clock.seconds(t0, clock.mark())
-        return {"loss": loss_value, "lr": lr, "grad_norm": float(stats["grad_norm"]),
-                "skipped": bool(stats["skipped"]), "loss_scale": float(stats["loss_scale"]),
-                "step_time_s": elapsed, "comm_bytes": counter.sent_bytes(),
-                "comm_frac": min(1.0, counter.wait_seconds() / elapsed),
-                "mem_gb": peak_memory_bytes(self.device) / 2**30}
+        with counter:
+            comm.all_reduce(loss, group=self.groups.dp)  # mean over DP replicas = the global batch
+        end = clock.mark()
+        rec = {"loss": loss / self.layout.dp, "lr": lr, "grad_norm": stats["grad_norm"],
+               "skipped": stats["skipped"], "loss_scale": float(stats["loss_scale"])}
+        host_s = time.perf_counter() - host_t0
+        if read:
+            rec = read_record(rec)  # waits for the device: the step's work is all in
+            host_s = time.perf_counter() - host_t0
+            elapsed = clock.seconds(t0, end)  # device time; resolving after the read waits for nothing
+            rec.update(step_time_s=elapsed, comm_frac=min(1.0, counter.wait_seconds() / elapsed))
+        else:  # no read: on a GPU the step is only enqueued, its events resolve later
+            rec.update(step_time_s=host_s)
+        rec.update(host_time_s=host_s, comm_bytes=counter.sent_bytes(), mem_gb=peak_memory_bytes(self.device) / 2**30)
+        self.last_comm = counter
+        return rec
 
     def timeline_step(self, step: int, path: str | Path) -> dict[str, Any]:
         """Train ``step`` while recording every stage's actions; rank 0 draws ``path`` (PNG).
@@ -324,32 +361,42 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
     try:
         first = trainer.step  # 0, or the step a resumed checkpoint continues from
+        window_s, window_steps = 0.0, 0  # host time and steps since the last read (logged) step
         for step in range(first, t.max_steps):
             checkpointing.fault_drill(t.fault, trainer.rank, step + 1)  # checkpoint: fault drills
+            eval_due = bool(t.eval_every) and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps)
+            log_due = ((step + 1) % t.log_every == 0 or step == first or step + 1 == t.max_steps or eval_due)
             profiler.before(step + 1)  # logger.profile
             if rc.logger.timeline and step == first + 1:  # a steady step (the first warms up, measures memory)
                 rec = trainer.timeline_step(step, Path(run_dir) / "timeline.png")
-            else:
-                rec = trainer.train_step(step, measure_memory=step == first)
+            else:  # the loss and norm are read on the host on logged steps only
+                rec = trainer.train_step(step, measure_memory=step == first, read=log_due)
             profiler.after(step + 1)
             if step == first:
                 report = trainer.memory_report()
                 if report:
                     log.info(report)
             rec["step"] = step + 1
-            rec["tokens_per_s"] = tokens_per_step / rec["step_time_s"]
+            window_s, window_steps = window_s + rec["host_time_s"], window_steps + 1
+            # over the steps since the last read: their host time ends with this step's read, so it
+            # covers the device's work even though the steps between were only enqueued
+            rec["tokens_per_s"] = tokens_per_step * window_steps / window_s
+            if log_due:
+                window_s, window_steps = 0.0, 0
             if peak:
                 rec["mfu"] = rec["tokens_per_s"] * flops_per_token / (peak * 1e12 * world)
-            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps):
+            if eval_due:
                 rec["val_loss"] = trainer.evaluate()
             last = rec
             log.advance()
-            if (step + 1) % t.log_every == 0 or step == first or step + 1 == t.max_steps or "val_loss" in rec:
+            if log_due:
                 log.log(rec)
             # --- checkpoint: periodic / final save, SIGTERM → save and stop ---
             trainer.step = step + 1
-            preempted = preemption.requested()
-            if checkpointing.save_due(trainer.step, rc) or preempted:
+            save_due = checkpointing.save_due(trainer.step, rc)
+            # agreed on (a world all-reduce and a host read) on steps that read the host anyway
+            preempted = preemption.requested() if (log_due or save_due) else False
+            if save_due or preempted:
                 path = checkpointing.save(trainer, on_written=lambda: checkpointing.fault_drill(
                     t.fault, trainer.rank, trainer.step, where="save"))
                 log.info(f"checkpoint {path}")
@@ -361,5 +408,6 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         profiler.close()
         preemption.close()
         log.close()
+    last = read_record(last)
     return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": trainer.step,
             "run_dir": str(run_dir), "preempted": preempted}

@@ -1,7 +1,9 @@
 """Communication: counted collectives, p2p, and the byte counter they report to.
 
 Everything in gridtrain that moves bytes between ranks goes through this
-package, so tests and benchmarks can compare traffic with theory.
+package, so tests and benchmarks can compare traffic with theory
+(:class:`CommCounter`) and the dry run can check the order of calls and the
+devices of their tensors (:class:`CallRecorder`).
 """
 
 from .collectives import (
@@ -21,6 +23,7 @@ from .collectives import (
 )
 from .counter import SENT_FRACTION, CommCounter, record
 from .late import late_completion, pending_count
+from .recorder import Call, CallRecorder, compare_sequences, on_device
 from .autograd import (
     SplitError,
     all_gather_along,
@@ -39,7 +42,11 @@ from .autograd import (
 )
 
 __all__ = [
+    "Call",
+    "CallRecorder",
     "CommCounter",
+    "compare_sequences",
+    "on_device",
     "ReduceOp",
     "SENT_FRACTION",
     "all_gather",

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..timing import clock_for, named_range
 from .counter import counting, record, record_time
 from .late import complete_pending, defer, late_active
+from .recorder import note
 
 ReduceOp = dist.ReduceOp
 
@@ -52,8 +53,11 @@ class _Done:
 def device_for(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where a tensor must live to travel through ``group``: this rank's GPU under NCCL, else the CPU.
 
-    For the small control tensors (flags, barriers) code creates for a collective."""
+    For the small control tensors (flags, barriers) code creates for a collective. Under
+    torch's ``fake`` backend (a dry run) the ``meta`` device, where tensors hold no memory."""
     backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
+    if "fake" in backend:
+        return torch.device("meta")
     if "nccl" in backend and "cpu:" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -135,6 +139,7 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
     if n == 1:
         return _Done() if async_op else None
     record(group_label(group), "all_reduce", _nbytes(tensor), n)
+    note(group_label(group), group, "all_reduce", tensor)
     return _call(group_label(group), "all_reduce", async_op, (tensor,), dist.all_reduce, tensor, op=op,
                  group=group)
 
@@ -153,6 +158,7 @@ def reduce_scatter(
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     record(group_label(group), "reduce_scatter", _nbytes(input), n)
+    note(group_label(group), group, "reduce_scatter", input, also=(output,))
     return _call(group_label(group), "reduce_scatter", async_op, (output, input), _reduce_scatter_tensor,
                  output, input, op=op, group=group)
 
@@ -169,6 +175,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
     record(group_label(group), "all_gather", _nbytes(output), n)
+    note(group_label(group), group, "all_gather", output, also=(input,))
     return _call(group_label(group), "all_gather", async_op, (output, input), _all_gather_tensor, output, input,
                  group=group)
 
@@ -180,6 +187,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         output.copy_(input)
         return _Done() if async_op else None
     record(group_label(group), "all_to_all", _nbytes(input), n)
+    note(group_label(group), group, "all_to_all", input, also=(output,))
     return _call(group_label(group), "all_to_all", async_op, (output, input), dist.all_to_all_single, output,
                  input, group=group)
 
@@ -190,12 +198,14 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     if n == 1:
         return _Done() if async_op else None
     record(group_label(group), "broadcast", _nbytes(tensor), n)
+    note(group_label(group), group, "broadcast", tensor)
     return _call(group_label(group), "broadcast", async_op, (tensor,), dist.broadcast, tensor, src=src, group=group)
 
 
 def _p2p(name: str, tensor: torch.Tensor, peer: int, group) -> None:
     label = group_label(group)
     record(label, name, _nbytes(tensor), 2)
+    note(label, group, name, tensor, peer=peer)
     with named_range(lambda: f"comm.{name}[{label}]"):
         if late_active():
             start = dist.isend if name == "send" else dist.irecv
@@ -234,9 +244,11 @@ def exchange(
     label = group_label(group)
     for t, peer in sends:
         record(label, "send", _nbytes(t), 2)
+        note(label, group, "send", t, peer=peer)
         ops.append(dist.P2POp(dist.isend, t, peer, group))
     for t, peer in recvs:
         record(label, "recv", _nbytes(t), 2)
+        note(label, group, "recv", t, peer=peer)
         ops.append(dist.P2POp(dist.irecv, t, peer, group))
     if not ops:
         return []

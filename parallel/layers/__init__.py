@@ -15,6 +15,7 @@ from .init import gather_full_tensor, init_parameters_, init_tensor_shard_
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
 from .mlp import ParallelMLP
 from .norm import LayerNorm, RMSNorm, reduce_sequence_parallel_grads
+from .tokens import check_token_ids
 
 __all__ = [
     "ColumnParallelLinear",
@@ -27,6 +28,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "apply_rotary",
     "check_heads",
+    "check_token_ids",
     "divide",
     "gather_full_tensor",
     "init_parameters_",

@@ -54,9 +54,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_t, mine, ignored = ctx.saved_tensors
         grad = softmax
-        rows = grad.view(-1, grad.shape[-1])
-        idx = torch.nonzero(mine.view(-1), as_tuple=True)[0]
-        rows[idx, local_t.view(-1)[idx]] -= 1.0
+        # - onehot(target) on the rank owning the target's column: a masked scatter, no host read
+        grad.scatter_add_(-1, local_t.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
         grad = grad * grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
         return grad.to(ctx.in_dtype), None, None, None, None
 
@@ -68,6 +67,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     Communication on ``tp_group``: forward one all-reduce MAX of ``T·4`` bytes and one
     all-reduce SUM of ``2·T·4`` bytes (``T`` = number of tokens); backward none.
     ``vocab_size``: the real vocabulary; logits columns at or beyond it are padding.
+    Targets are not range-checked here (that would read the device every micro-batch):
+    check the host batch with :func:`~parallel.layers.tokens.check_token_ids`.
     """
     if logits.shape[:-1] != targets.shape:
         raise LayerConfigError(
@@ -77,13 +78,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     full_v = logits.shape[-1] * comm.tp_world_size(tp_group)
     if vocab_size is not None and vocab_size > full_v:
         raise LayerConfigError(f"vocab_size {vocab_size} exceeds the {full_v} logits columns over all ranks")
-    if targets.numel():  # one reduction and one host sync per call: this runs every micro-batch
-        lo, hi = torch.stack(torch.aminmax(targets.masked_fill(targets == ignore_index, 0))).tolist()
-        if lo < 0 or hi >= (vocab_size or full_v):
-            raise LayerConfigError(
-                f"vocab_parallel_cross_entropy: targets span [{lo}, {hi}] (ignore_index {ignore_index} "
-                f"aside), outside the vocabulary [0, {vocab_size or full_v})"
-            )
     if comm.tp_world_size(tp_group) == 1:  # one rank holds every column: PyTorch's fused kernel
         z = logits.float()[..., :vocab_size] if vocab_size is not None else logits.float()
         loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,

@@ -32,7 +32,9 @@ class VocabParallelEmbedding(nn.Module):
 
     ``num_embeddings`` is the padded vocabulary (divisible by the TP size);
     ``vocab_size`` (default: the same) is the real one: ids must lie in
-    ``[0, vocab_size)``. Each rank looks up the ids it owns, writes zeros for the
+    ``[0, vocab_size)``; ``forward`` does not check that (a check would read the
+    device every micro-batch): check the host batch with
+    :func:`~parallel.layers.tokens.check_token_ids` before it moves. Each rank looks up the ids it owns, writes zeros for the
     others, and the partial results are summed.
 
     Communication on ``tp_group`` (``Y`` = bytes of the output ``[b, s, d]``):
@@ -63,11 +65,6 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
             raise LayerConfigError(f"VocabParallelEmbedding: token ids must be integers, got {ids.dtype}")
-        lo, hi = torch.stack(torch.aminmax(ids)).tolist() if ids.numel() else (0, 0)  # one host sync
-        if lo < 0 or hi >= self.vocab_size:
-            raise LayerConfigError(
-                f"VocabParallelEmbedding: token ids span [{lo}, {hi}], outside the vocabulary [0, {self.vocab_size})"
-            )
         if comm.tp_world_size(self.tp_group) == 1:
             out = F.embedding(ids, self.weight)
         else:

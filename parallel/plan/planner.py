@@ -148,19 +148,28 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
     for s, (chunks, params, tp_axis, fwd, bwd, acts, flops_s) in enumerate(stage_info):
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=L.zero == 3)
         states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer)
-        if sp and t > 1 and params.replicated:
-            tp_axis.add("all_reduce", params.replicated * c, 1, hw, "sequence-parallel parameter gradients")
+        if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
+            sp_shard = M.padded(params.replicated, dp) // (dp if L.zero >= 1 else 1)
+            tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
+        tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
         root_psi = M.zero_padded_numel(M.StageParams(0, root=params.root), dp, training.bucket_mb * 2**20, e)
         dp_times = dp_traffic(hw, dp_axis, psi=psi, zero=L.zero, micro_batches=m, param_bytes=e, comm_bytes=c,
                               compression=training.compression, topk_ratio=training.topk_ratio,
                               regathered_psi=psi - root_psi)
-        dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap))
+        # the step's scalars: the loss averaged over DP; the gradient norm summed over DP when sharded.
+        # They follow backward, so nothing hides them.
+        n_scalars = 1 + (L.zero >= 1)
+        scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
+        dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap) + scalars_s)
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
         pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
+        pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
+        pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         emb_axis = AxisTraffic(2 if params.shared_embedding and pp > 1 else 1, pp_axis.crosses_node)
-        emb_axis.add("all_reduce", params.shared_embedding * c, 1, hw, "tied embedding gradient")
+        emb_shard = M.padded(params.shared_embedding, dp) // (dp if L.zero >= 1 else 1)  # as for SP: its fp32 shard
+        emb_axis.add("all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)")
         in_flight = peaks[s]
         activations = in_flight * max(acts) + M.recompute_peak_bytes(
             shape, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision)

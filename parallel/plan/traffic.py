@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .hardware import Hardware
 
-RING_FACTOR = {"all_reduce": (2, 2), "reduce_scatter": (1, 1), "all_gather": (1, 1)}  # (bytes, steps) × (N-1)/N, N-1
+RING_FACTOR = {"all_reduce": (2, 2), "reduce_scatter": (1, 1), "all_gather": (1, 1), "broadcast": (1, 1)}  # (bytes, steps) × (N-1)/N, N-1
 
 
 def group_crosses_node(stride: int, size: int, gpus_per_node: int) -> bool:

@@ -60,7 +60,7 @@ class FlatBucket:
         self.param_shard = owned.clone() if stage == 3 else None
         home = self.param_shard if stage == 3 else owned
         self.master = home if param_dtype == torch.float32 else home.float()
-        self.master_is_separate = self.master.data_ptr() != home.data_ptr()
+        self.master_is_separate = self.master is not home  # (not data_ptr: 0 for every meta tensor)
         self.flat_grad = None
         self.grad_shard = None
         self.grad_views = stage <= 1 and param_dtype == torch.float32  # .grad are views of flat_grad
@@ -134,8 +134,10 @@ class FlatBucket:
             self.flat_grad[slot.offset:slot.end].add_(grad.reshape(-1))
             param.grad = None
             return
-        # runs per parameter per micro-batch: compare addresses before building any view
-        if grad.data_ptr() == self.flat_grad.data_ptr() + slot.offset * self.flat_grad.element_size():
+        # runs per parameter per micro-batch: compare storage and offset before building any view
+        # (not data_ptr: it is 0 for every meta tensor, the dry run's)
+        if (grad.untyped_storage() is self.flat_grad.untyped_storage()
+                and grad.storage_offset() == self.flat_grad.storage_offset() + slot.offset):
             return
         view = self.flat_grad[slot.offset:slot.end]
         view.copy_(grad.reshape(-1))

@@ -60,7 +60,6 @@ an inf/NaN on any rank of the DP, TP or ``clip_groups`` is skipped on all.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable, Sequence
 
 import torch
@@ -98,6 +97,17 @@ def _extra_reduce(name: str, p: nn.Parameter, zdp) -> str:
             f"{extra} group; pass {extra}_group=groups.{extra} to ZeroDataParallel"
         )
     return extra
+
+
+def host_flag(flag: torch.Tensor) -> bool:
+    """Read a 0-dim bool ``flag`` on the host (a device synchronisation).
+
+    A tensor without storage (``meta``: the dry run) has no value; it reads as
+    False, so a dry run takes a clean step, the path that allocates the optimizer state.
+    """
+    if flag.device.type == "meta":
+        return False
+    return bool(flag)
 
 
 def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float):
@@ -314,30 +324,43 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     def step(self) -> dict:
         """Reduce gradients, clip, step the optimizer on this rank's shard, publish parameters.
 
-        Returns ``{"grad_norm": float, "skipped": bool, "loss_scale": float}``:
-        ``grad_norm`` is the global norm before clipping (one scalar all-reduce
-        per group in ``norm_groups``), ``loss_scale`` the scale the next
-        backward uses (1 unless fp16). A skipped step changes no parameter.
+        Returns ``{"grad_norm": tensor, "skipped": tensor, "loss_scale": float}``:
+        ``grad_norm`` (0-dim fp32, on the device) is the global norm before clipping
+        (one scalar all-reduce per group in ``norm_groups``), ``skipped`` (0-dim bool,
+        on the device) says whether the step was skipped (a non-finite norm: an
+        inf/NaN gradient on some rank), ``loss_scale`` the scale the next backward
+        uses (1 unless fp16). A skipped step changes no parameter and no optimizer state.
+
+        Host reads: clipping is decided on the device (the coefficient multiplies the
+        gradients). The skip is decided on the device too when the optimizer takes a
+        ``found_inf`` tensor (torch's fused Adam/AdamW/SGD, which the trainer uses on
+        GPUs): no host read at all. Otherwise, and under fp16 (the loss scaler is host
+        bookkeeping), the flag is read once per step — as Megatron-LM and torch's
+        GradScaler do.
         """
         grads = self._finish_gradients()
         norm = global_norm(local_sq_norm(grads, [b.norm_ranges for b in self.buckets]), self.norm_groups)
-        skipped = not math.isfinite(norm)
+        found_inf = ~torch.isfinite(norm)
+        coef = clip_coefficient(norm, self.grad_clip)
+        for b, g in zip(self.buckets, grads):
+            b.master.grad = g.mul_(coef) if coef is not None else g
+        device_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        skipped = None if device_skip and not self.scaler else host_flag(found_inf)
         if self.scaler:
             self.scaler.update(skipped)
-        if skipped:
-            for b in self.buckets:
-                if b.compressor is not None:
-                    b.compressor.residual.zero_()
-        else:
-            coef = clip_coefficient(norm, self.grad_clip)
-            for b, g in zip(self.buckets, grads):
-                b.master.grad = g.mul_(coef) if coef < 1.0 else g
+        for b in self.buckets:
+            if b.compressor is not None:  # a skipped step's gradients leave no error-feedback residual
+                b.compressor.residual.masked_fill_(found_inf, 0.0)
+        if device_skip:
+            self.optimizer.found_inf = found_inf.float()  # the fused kernels leave params and state as they were
+        if skipped is None or not skipped:
             self.optimizer.step()
             for b in self.buckets:
-                b.master.grad = None
                 b.publish_master()
+        for b in self.buckets:
+            b.master.grad = None
         self.zero_grad()
-        return {"grad_norm": norm, "skipped": skipped, "loss_scale": self.scaler.scale if self.scaler else 1.0}
+        return {"grad_norm": norm, "skipped": found_inf, "loss_scale": self.scaler.scale if self.scaler else 1.0}
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -351,7 +374,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         separate fp32 master (16-bit precisions) plus every per-element optimizer
         state tensor (0-dim scalars such as Adam's ``step`` are left out).
         """
-        nbytes = lambda t: t.untyped_storage().nbytes() if t.data_ptr() else 0  # noqa: E731
+        nbytes = lambda t: t.untyped_storage().nbytes()  # noqa: E731 - 0 once freed (stage 3)
         params = grads = optim = 0
         for b in self.buckets:
             params += nbytes(b.flat_param) + (b.param_shard.nbytes if b.param_shard is not None else 0)

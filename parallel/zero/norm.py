@@ -45,16 +45,21 @@ def local_sq_norm(grads: Sequence[torch.Tensor], ranges: Iterable[Sequence[tuple
     return total
 
 
-def global_norm(local_sq: torch.Tensor, groups: Sequence) -> float:
-    """All-reduce ``local_sq`` (SUM) over each group in turn; return the square root."""
+def global_norm(local_sq: torch.Tensor, groups: Sequence) -> torch.Tensor:
+    """All-reduce ``local_sq`` (SUM) over each group in turn; return the square root.
+
+    A 0-dim fp32 tensor on ``local_sq``'s device: nothing is read on the host
+    (callers read it when they log it)."""
     buf = local_sq.reshape(1).clone()
     for g in groups:
         comm.all_reduce(buf, group=g)
-    return float(buf.sqrt())
+    return buf.sqrt().reshape(())
 
 
-def clip_coefficient(norm: float, max_norm: float | None, eps: float = 1e-6) -> float:
-    """What to multiply gradients by so that their norm is at most ``max_norm`` (≤ 1)."""
+def clip_coefficient(norm: torch.Tensor, max_norm: float | None, eps: float = 1e-6) -> torch.Tensor | None:
+    """What to multiply gradients by so that their norm is at most ``max_norm`` (≤ 1), on the device.
+
+    None when there is no limit. A non-finite ``norm`` gives 0 (the step is skipped anyway)."""
     if max_norm is None:
-        return 1.0
-    return min(1.0, max_norm / (norm + eps))
+        return None
+    return (max_norm / (norm + eps)).clamp(max=1.0)

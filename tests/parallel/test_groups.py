@@ -195,3 +195,42 @@ def test_as_many_local_ranks_as_gpus_pass_the_check():
     check_local_gpus(0, 1, 8)
     with pytest.raises(ValueError, match="sees 0 GPU"):
         check_local_gpus(0, 1, 0)
+
+
+def _count_new_group_calls(dp, pp, tp):
+    calls = []
+    real = dist.new_group
+
+    def counting(ranks=None, **kw):
+        calls.append((kw.get("group_desc"), tuple(ranks)))
+        return real(ranks, **kw)
+
+    dist.new_group = counting
+    try:
+        g = build_groups(Topology(dp, pp, tp))
+    finally:
+        dist.new_group = real
+    t = torch.ones(1)
+    comm.all_reduce(t, group=g.dp)  # the groups work
+    return calls, t.item()
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 2), (8, 1, 1), (1, 4, 2)])
+def test_each_rank_creates_only_its_own_groups(layout):
+    """Group creation costs a rank one new_group per group it belongs to (≤ 5), not one per
+    group in the world (issue 12 §3.8: 3,608 per rank at DP64×PP35×TP8)."""
+    topo = Topology(*layout)
+    for rank, (calls, dp_sum) in enumerate(run_ranks(_count_new_group_calls, topo.world_size, *layout)):
+        c = topo.coords(rank)
+        middle = 0 < c.pp < topo.pp - 1
+        assert [d for d, _ in calls] == ["tp", "dp", "pp", "mp"] + ([] if middle else ["embedding"])
+        assert all(rank in ranks for _, ranks in calls)
+        assert dp_sum == topo.dp
+
+
+def test_group_creation_per_rank_is_independent_of_the_world_size():
+    from parallel.groups import my_group_ranks
+
+    big = Topology(64, 35, 8)
+    assert [len(r) for r in my_group_ranks(big, 8704).values()] == [8, 64, 35, 280]  # a middle stage
+    assert [len(r) for r in my_group_ranks(big, 17919).values()] == [8, 64, 35, 280, 2]

@@ -98,12 +98,17 @@ def test_row_parallel_linear_without_group_is_torch_linear():
     torch.testing.assert_close(row.bias.grad, b.grad)
 
 
-def test_out_of_vocabulary_ids_and_targets_are_refused_with_their_span():
-    from parallel.layers import LayerConfigError
+def test_out_of_vocabulary_ids_and_targets_are_refused_with_their_span_on_the_host_batch():
+    from parallel.layers import LayerConfigError, check_token_ids
 
     with pytest.raises(LayerConfigError, match=r"targets span \[0, 9\].*\[0, 8\)"):
-        vocab_parallel_cross_entropy(torch.randn(2, 3, 8), torch.tensor([[1, -100, 9], [0, 1, 2]]), vocab_size=8)
+        check_token_ids(torch.tensor([[1, -100, 9], [0, 1, 2]]), 8, what="targets", ignore_index=-100)
     with pytest.raises(LayerConfigError, match=r"token ids span \[-1, 1\]"):
-        VocabParallelEmbedding(8, 4)(torch.tensor([[1, -1]]))
-    # every target ignored: loss 0, nothing refused
+        check_token_ids(torch.tensor([[1, -1]]), 8)
+    with pytest.raises(LayerConfigError, match="must be integers"):
+        check_token_ids(torch.tensor([1.0]), 8)
+    with pytest.raises(LayerConfigError, match="host batch"):
+        check_token_ids(torch.tensor([1], device="meta"), 8)
+    check_token_ids(torch.full((2, 3), -100), 8, ignore_index=-100)  # every target ignored: accepted
+    # every target ignored: loss 0
     assert vocab_parallel_cross_entropy(torch.randn(2, 3, 8), torch.full((2, 3), -100)).abs().sum() == 0

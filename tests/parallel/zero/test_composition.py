@@ -89,7 +89,7 @@ def _dp_tp():
         for x, y in batches(STEPS):
             loss = nn.functional.mse_loss(zdp(x[mine]), y[mine])
             zdp.backward(loss)
-            norms.append(zdp.step()["grad_norm"])
+            norms.append(float(zdp.step()["grad_norm"]))
             total = loss.detach().clone()
             comm.all_reduce(total, group=g.dp)
             losses.append(total.item() / 2)
@@ -181,7 +181,7 @@ def _dp_pp(stage, tied):
                     zdp.backward(loss)
                     comm.send(act.grad, g.prev_rank, group=g.pp)
                     total += loss.item()
-        norms.append(zdp.step()["grad_norm"])
+        norms.append(float(zdp.step()["grad_norm"]))
         losses.append(total)
     params = {}
     for name, p in zdp.full_parameters().items():
@@ -246,7 +246,7 @@ def _dp_tp_sequence_parallel(stage):
     norms = []
     for x, y in batches(STEPS):
         zdp.backward(model.local_loss(x[g.dp_rank * per:(g.dp_rank + 1) * per], y[g.dp_rank * per:(g.dp_rank + 1) * per]))
-        norms.append(zdp.step()["grad_norm"])
+        norms.append(float(zdp.step()["grad_norm"]))
     return g.tp_rank, norms, {n: p.numpy() for n, p in zdp.full_parameters().items()}
 
 

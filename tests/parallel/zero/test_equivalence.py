@@ -28,7 +28,7 @@ def _train(stage, overlap, grad_clip, bucket_mb):
         total = loss.detach().clone()
         dist.all_reduce(total)  # test-side bookkeeping only: the global mean loss
         losses.append(total.item() / dp)
-        norms.append(stats["grad_norm"])
+        norms.append(float(stats["grad_norm"]))
     return losses, norms, {n: p.numpy() for n, p in zdp.full_parameters().items()}
 
 

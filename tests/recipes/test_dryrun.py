@@ -1,0 +1,74 @@
+"""``mode=dryrun`` (issue 12 §1): the real trainer, one rank at a time, on meta tensors and the fake process group.
+
+Each test runs ranks as the command does (a fresh process per rank) and holds the dry run to the
+planner: bytes per group equal, model-state bytes equal, peak memory close (see the bounds below).
+"""
+
+import json
+
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from recipes import dryrun
+from recipes.main import register
+from recipes.plan import plan_from_config
+
+
+def recipe(name: str, overrides: list[str]):
+    register()
+    with initialize_config_module("recipes.conf", version_base="1.3"):
+        return OmegaConf.to_object(compose(name, overrides=overrides))
+
+
+def _check(results, plan, peak_bound):
+    report = {}
+    for r, res in results.items():
+        cmp = dryrun.compare_with_plan(res, plan)
+        sent, planned = cmp["bytes"]["dryrun"], cmp["bytes"]["plan"]
+        # every group the rank talked on, byte for byte as the planner says (and nothing it did not predict)
+        assert {g: round(b) for g, b in sent.items()} == {g: round(planned[g]) for g in sent}, r
+        assert all(planned[g] == 0 for g in set(planned) - set(sent)), r
+        mem, pm = cmp["memory"]["dryrun"], cmp["memory"]["plan"]
+        assert [mem[k] for k in ("params", "grads", "optimizer")] == [pm[k] for k in ("params", "grads", "optimizer")]
+        report[r] = mem["total"] / pm["total"]
+        assert 1 - peak_bound <= report[r] <= 1 + peak_bound, (r, mem, pm)
+        assert res["misplaced"] == []  # every tensor handed to a collective was on the rank's device (meta)
+        assert len(res["new_group_calls"]) <= 5  # its own groups only, whatever the world size
+    return report
+
+
+def test_dry_run_of_a_small_layout_and_its_peers_matches_the_planner(tmp_path):
+    """gpt_tiny at (dp, pp, tp) = (2, 2, 2): rank 0 and its TP, DP and PP neighbours, through ``mode=dryrun``."""
+    rc = recipe(
+        "gpt_tiny",
+        [
+            "parallel.dp=2",
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "train.global_batch=16",
+            "train.micro_batch=2",
+            "dryrun.ranks=[0]",
+            "dryrun.peers=true",
+        ],
+    )
+    summary = dryrun.run_dryrun(rc, str(tmp_path))
+    assert summary["ranks"] == [0, 1, 2, 4] and summary["misplaced"] == 0 and summary["sequence_problems"] == 0
+    report = json.loads((tmp_path / "dryrun.json").read_text())
+    results = {int(r): res for r, res in report["ranks"].items()}
+    # the peak also holds one layer's backward workspace, which the planner leaves out (a few %)
+    _check(results, plan_from_config(rc), peak_bound=0.10)
+
+
+def test_gpt175b_default_ranks(tmp_path):
+    """GPT-3 175B at DP64×PP35×TP8 (17,920 ranks), ZeRO-1, SP, bf16: the first, a middle and the last rank."""
+    rc = recipe("gpt175b", [])
+    ranks = dryrun.default_ranks(17920, 35, 64, 8)
+    assert ranks == [0, 8704, 17919]
+    rc.data.source, rc.data.path = "embedded", None
+    results = dryrun.run_ranks(rc, ranks, 17920, str(tmp_path), jobs=2, timeout_s=300)
+    ratios = _check(results, plan_from_config(rc), peak_bound=0.10)
+    for res in results.values():
+        assert res["max_rss_bytes"] < 2 * 2**30
+        assert res["cpu_seconds"] < 30
+    print(ratios)
