@@ -311,8 +311,12 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
 
     try:
         mc = model_config(cfg.model).validate(tp=p.tp)
-    except ModelConfigError as e:
-        raise ConfigError(f"model: {e}") from None
+    except ModelConfigError as e:  # name the keys this config set that the rule involves
+        keys = [f"model.{k}={_show(v)}" for k, v in vars(cfg.model).items() if k != "preset" and v is not None
+                and re.search(rf"\b{k}\b", str(e))]
+        if p.tp > 1 and re.search(r"\btp\b", str(e)):
+            keys.append(f"parallel.tp={p.tp}")
+        raise ConfigError(f"{', '.join(keys) or f'model.preset={cfg.model.preset}'}: {e}") from None
     per_replica = t.micro_batch * dp
     if t.global_batch % per_replica:
         lo = max(1, t.global_batch // per_replica) * per_replica

@@ -153,7 +153,10 @@ def load_deepspeed_json(path: str | Path, dp: int) -> dict[str, Any]:
         raise bad("deepspeed", path, f"not valid JSON ({e})", "fix the file") from None
     if not isinstance(ds, dict):
         raise bad("deepspeed", path, f"holds a JSON {type(ds).__name__}, not an object", "write {\"key\": value, ...}")
-    return deepspeed_overrides(ds, dp)
+    try:
+        return deepspeed_overrides(ds, dp)
+    except ConfigError as e:
+        raise ConfigError(f"deepspeed={path}: {e}") from None
 
 
 def apply_deepspeed(rc, path: str | Path, dp: int) -> dict[str, Any]:

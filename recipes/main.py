@@ -31,7 +31,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.local import spawn_local, under_torchrun
 
-from .config import ConfigError, RecipeConfig, check_keys, check_overrides, resolve_aliases, resolve_dp, validate
+from .config import (
+    ConfigError,
+    RecipeConfig,
+    check_keys,
+    check_overrides,
+    check_values,
+    resolve_aliases,
+    resolve_dp,
+    validate,
+)
 from .deepspeed import apply_deepspeed
 from .sweep import JobFailed
 
@@ -101,6 +110,8 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
             apply_deepspeed(rc, rc.deepspeed, resolve_dp(rc.parallel, world))
         if rc.mode in ("plan", "recommend"):
             from .plan import run_plan
+
+            check_values(rc)  # single-key ranges hold wherever the run would go
 
             return run_plan(rc, run_dir)
         from .preflight import preflight

@@ -156,14 +156,16 @@ def check_resume(rc: Any, mc: ModelConfig, run_dir: str | Path, rank: int = 0, w
             raise
         raise bad("train.resume", value, f"cannot read the checkpoint ({type(e).__name__}: {e})", fix) from None
     want = _expected_shapes(mc)
-    missing = sorted(k for k in want if k not in saved)
-    wrong = sorted(k for k in want if k in saved and tuple(saved[k][0]) != want[k])
-    if missing or wrong:
-        what = (
-            f"{wrong[0][6:]} is {tuple(saved[wrong[0]][0])} there but {want[wrong[0]]} in this model"
-            if wrong
-            else f"it lacks {len(missing)} of this model's parameters, e.g. {missing[0][6:]}"
-        )
+    have = {k for k in saved if k.startswith("model/")}
+    missing, extra = sorted(want.keys() - have), sorted(have - want.keys())
+    wrong = sorted(k for k in want.keys() & have if tuple(saved[k][0]) != want[k])
+    if missing or extra or wrong:
+        if wrong:
+            what = f"{wrong[0][6:]} is {tuple(saved[wrong[0]][0])} there but {want[wrong[0]]} in this model"
+        elif missing:
+            what = f"it lacks {len(missing)} of this model's parameters, e.g. {missing[0][6:]}"
+        else:
+            what = f"it holds {len(extra)} parameters this model lacks, e.g. {extra[0][6:]}"
         raise bad(
             "train.resume",
             value,
