@@ -143,8 +143,8 @@ def cli_overrides(argv: list[str]) -> list[str]:
 
     if _HELP_FLAGS & set(argv):
         return []
-    args, _ = get_args_parser().parse_known_args(argv)
-    return list(args.overrides or [])
+    args, rest = get_args_parser().parse_known_args(argv)
+    return list(args.overrides or []) + [a for a in rest if not a.startswith("-")]
 
 
 def run_recipe(config_name: str) -> None:

@@ -422,3 +422,62 @@ def test_a_sweep_with_a_failing_job_prints_its_table_and_exits_nonzero(tmp_path)
     table = proc.stdout[proc.stdout.index("sweep summary:") :]
     assert re.search(r"optim.lr=-1 .*failed: JobFailed: optim.lr=-1.0: must be > 0", table), table
     assert re.search(r"optim.lr=0.1 .*\| ok", table), table
+
+
+def test_extension_points_and_hydra_keys_pass_the_key_check():
+    from recipes.config import check_keys, check_overrides
+
+    check_overrides(
+        [
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.gpus_per_node=8",
+            "hydra.run.dir=x",
+            "deepspeed=ds.json",
+            "+plan.profiles.box.memory_bytes=1",
+            "parallel.tp=1,2",
+            "-m",
+        ]
+    )
+    check_keys({"plan": {"profiles": {"box": {"memory_bytes": 1}}}, "parallel": {"tp": 2}})
+    with pytest.raises(Exception, match=r"parallel.tpp=2: .*did you mean parallel.tp\?"):
+        check_keys({"parallel": {"tpp": 2}})
+    with pytest.raises(Exception, match=r"parallel.tp=x: .*could not be converted to Integer"):
+        check_overrides(["parallel.tp=1,x"])  # every value of a sweep
+
+
+def test_debug_switch_shows_the_traceback(monkeypatch, capsys):
+    from recipes.config import ConfigError
+    from recipes.main import refuse
+
+    for debug, traceback_shown in (("", False), ("1", True)):
+        monkeypatch.setenv("GRIDTRAIN_DEBUG", debug)
+        try:
+            raise ConfigError("optim.lr=-1.0: must be > 0; a learning rate like optim.lr=1e-3")
+        except ConfigError as e:
+            with pytest.raises(SystemExit) as exit_:
+                refuse(e)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.strip().splitlines()[-1].startswith("error: optim.lr=-1.0")
+        assert ("Traceback" in err) == traceback_shown
+
+
+def test_an_empty_embedded_split_is_refused_and_not_cached(tmp_path, monkeypatch):
+    from recipes.data import DataError, embedded_corpus
+
+    monkeypatch.setenv("GRIDTRAIN_CACHE", str(tmp_path))
+    with pytest.raises(DataError, match="leaves no training tokens"):
+        embedded_corpus(0.05, 1.0)
+    assert not any(tmp_path.rglob("meta.json"))
+
+
+def test_prepare_names_what_is_wrong_with_its_paths(tmp_path, capsys):
+    from recipes import prepare
+
+    a_file = tmp_path / "a.txt"
+    a_file.write_text("hello world\n" * 10)
+    assert prepare.main(["--output", str(tmp_path / "out"), "/dev/null"]) == 2
+    assert "/dev/null is not a regular file or directory" in capsys.readouterr().err
+    assert prepare.main(["--output", str(a_file), str(a_file)]) == 2
+    assert f"--output {a_file} is a file; give a directory" in capsys.readouterr().err
+    assert prepare.main(["--output", str(tmp_path / "out"), str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
