@@ -414,7 +414,8 @@ def key_error(key: str, value: Any = None) -> ConfigError | None:
         by_name = {k.rsplit(".", 1)[-1]: k for k in leaves}
         close = [by_name[m] for m in difflib.get_close_matches(parts[-1], list(by_name), n=1, cutoff=0.8)]
     fix = f"did you mean {close[0]}?" if close else "`--cfg job` lists every key"
-    return bad(key, value, "no such key in the recipe schema (recipes/config.py)", fix)
+    reason = "no such key in the recipe schema (recipes/config.py)"
+    return bad(key, value, reason, fix) if value is not None else ConfigError(f"{key}: {reason}; {fix}")
 
 
 def unknown_keys(cfg: dict, schema: Any = None, prefix: str = "") -> list[tuple[str, Any]]:
