@@ -14,6 +14,8 @@ from typing import Any
 
 from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 
 class JobFailed(RuntimeError):
@@ -39,8 +41,9 @@ class SweepSummary(Callback):
         except Exception as e:  # noqa: BLE001 - a failed job is a row, not a crash
             first = (str(e).splitlines() or [""])[0]
             value, status = None, f"failed: {type(e).__name__}: {first[:80]}"
-            self.exit_code = max(self.exit_code, getattr(e, "exit_code", 1))
-            job_return.status, job_return.return_value = JobStatus.COMPLETED, None  # the sweep goes on
+            if OmegaConf.select(config, "hydra.mode") == RunMode.MULTIRUN:  # a single run fails as before
+                self.exit_code = max(self.exit_code, getattr(e, "exit_code", 1))
+                job_return.status, job_return.return_value = JobStatus.COMPLETED, None  # the sweep goes on
         self.rows.append((overrides, value, status))
 
     def on_multirun_end(self, config, **kwargs) -> None:
