@@ -106,12 +106,18 @@ def load(trainer, ckpt: str | Path) -> int:
 
 def find_resume_point(resume: str | None, run_dir: str | Path) -> Path | None:
     """``train.resume``: None → start fresh; ``auto`` → the run's ``checkpoints/latest`` if any;
-    else a checkpoint, checkpoint root or run directory that must hold one."""
+    else a checkpoint, checkpoint root or run directory that must hold one. Raises
+    :class:`CheckpointError` saying which (missing, a file, no checkpoint, a bad ``latest``)."""
     if not resume:
         return None
     if resume == "auto":
         return latest_checkpoint(checkpoint_root(run_dir))
-    return resolve_checkpoint(resume)
+    path = Path(resume)
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory")
+    return resolve_checkpoint(path)
 
 
 def save_due(step: int, rc) -> bool:

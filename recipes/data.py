@@ -29,8 +29,69 @@ import torch
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
+MIN_SOURCE_BYTES = 10_000  # fewer bytes of stdlib source than this: the Python installation lacks its sources
+MAX_SCANNED_TOKENS = 2**28  # token files up to this size are scanned for ids ≥ vocab up front (≈0.2 s/GB)
+
+
 class DataError(ValueError):
-    """Missing or malformed data; the message says what to run."""
+    """Missing or malformed data; the message says what is wrong, then (after "; ") what to run."""
+
+
+def window_tokens(seq_len: int) -> int:
+    """Tokens one training window reads: ``seq_len`` inputs and the next-token target of the last."""
+    return seq_len + 1
+
+
+def _prepare_hint(path: Path | str) -> str:
+    return f"make it with `python -m recipes.prepare --output {path} FILES...`"
+
+
+def read_meta(path: str | Path) -> dict:
+    """The checked ``meta.json`` of a token directory: ``dtype`` (uint16/uint32), ``vocab_size``
+    (positive int) and, when the writer recorded them, the token count per split. Raises
+    :class:`DataError` saying what is wrong with the directory and how to make a good one."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"no such directory; {_prepare_hint(path)}")
+    if not path.is_dir():
+        raise DataError("a file, not a token directory; give the directory `python -m recipes.prepare "
+                        "--output DIR FILES...` wrote (train.bin, val.bin, meta.json)")
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise DataError(f"holds no meta.json, so recipes.prepare did not write it; {_prepare_hint(path)}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{meta_path} is not valid JSON ({e}); write it again with recipes.prepare") from None
+    ok = (isinstance(meta, dict) and meta.get("dtype") in DTYPES and isinstance(meta.get("vocab_size"), int)
+          and not isinstance(meta.get("vocab_size"), bool) and meta["vocab_size"] >= 1)
+    if not ok:
+        raise DataError(f"{meta_path} needs \"dtype\" (one of {sorted(DTYPES)}) and a positive integer "
+                        f"\"vocab_size\", got {str(meta)[:120]}; write it again with recipes.prepare")
+    return meta
+
+
+def split_tokens(path: str | Path, split: str, meta: dict) -> np.ndarray:
+    """The token ids of ``<path>/<split>.bin`` (memory-mapped), checked against ``meta``:
+    present, non-empty, a whole number of ids, as many as the header records."""
+    bin_path = Path(path) / f"{split}.bin"
+    if not bin_path.is_file():
+        raise DataError(f"{bin_path} is missing (the {split!r} split); write the directory again with recipes.prepare")
+    item = np.dtype(DTYPES[meta["dtype"]]).itemsize
+    size = bin_path.stat().st_size
+    if size == 0 or size % item:
+        raise DataError(f"{bin_path} has {size} bytes, not a positive multiple of {item} ({meta['dtype']}); "
+                        f"it is empty or truncated: write it again with recipes.prepare")
+    want = (meta.get("tokens") or {}).get(split) if isinstance(meta.get("tokens"), dict) else None
+    if want is not None and want != size // item:
+        raise DataError(f"{bin_path} holds {size // item:,} tokens but meta.json says {want:,} (truncated or "
+                        f"replaced); write the directory again with recipes.prepare")
+    return np.memmap(bin_path, dtype=DTYPES[meta["dtype"]], mode="r")
+
+
+def max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    """The largest id in ``tokens``, read in chunks (bounded memory)."""
+    return max(int(tokens[i : i + chunk].max()) for i in range(0, tokens.size, chunk))
 
 
 def cache_dir() -> Path:
@@ -80,9 +141,13 @@ def embedded_corpus(mb: float = 4.0, val_fraction: float = 0.05) -> Path:
         if size >= limit:
             break
     data = np.frombuffer(b"".join(chunks)[:limit], dtype=np.uint8)
-    if data.size < 10_000:
-        raise DataError(f"found only {data.size} bytes of Python source under {root}")
+    if data.size < min(limit, MIN_SOURCE_BYTES):
+        raise DataError(f"found only {data.size} bytes of Python source under {root} (this Python installation "
+                        f"ships without its sources); use data.source=memmap with recipes.prepare")
     n_val = max(1, int(data.size * val_fraction))
+    if not 0 < val_fraction < 1 or n_val >= data.size:
+        raise DataError(f"val_fraction {val_fraction} of {data.size} bytes leaves no training tokens; "
+                        f"use data.val_fraction in (0, 1)")  # nothing cached
     return write_token_dir(out, {"train": data[:-n_val], "val": data[-n_val:]}, vocab_size=256)
 
 
@@ -95,29 +160,25 @@ class TokenDataset:
     seq_len: int
 
     @classmethod
-    def open(cls, path: str | Path, split: str, seq_len: int) -> "TokenDataset":
+    def open(cls, path: str | Path, split: str, seq_len: int) -> TokenDataset:
         path = Path(path)
-        meta_path = path / "meta.json"
-        if not meta_path.exists():
+        try:
+            meta = read_meta(path)
+        except DataError as e:
+            raise DataError(f"{path}: {e}") from None
+        tokens = split_tokens(path, split, meta)
+        if tokens.size < window_tokens(seq_len):
             raise DataError(
-                f"no token data at {path} (missing meta.json); make it with "
-                f"`python -m recipes.prepare --output {path} FILES...`"
-            )
-        meta = json.loads(meta_path.read_text())
-        bin_path = path / f"{split}.bin"
-        if not bin_path.exists():
-            raise DataError(f"{bin_path} is missing (split {split!r} of {path})")
-        tokens = np.memmap(bin_path, dtype=DTYPES[meta["dtype"]], mode="r")
-        if tokens.size < seq_len + 2:
-            raise DataError(
-                f"{bin_path} holds {tokens.size} tokens, fewer than seq_len {seq_len} + 1"
+                f"{path / (split + '.bin')} holds {tokens.size:,} tokens, fewer than one window of "
+                f"seq_len {seq_len} + 1 = {window_tokens(seq_len):,}"
             )
         return cls(tokens=tokens, vocab_size=int(meta["vocab_size"]), seq_len=seq_len)
 
     def offsets(self, step: int, count: int, seed: int) -> np.ndarray:
-        """The ``count`` window starts of ``step``: a function of (seed, step) only."""
+        """The ``count`` window starts of ``step``: a function of (seed, step) only; every
+        window that fits is a candidate (start + seq_len + 1 ≤ tokens)."""
         rng = np.random.default_rng([seed, step])
-        return rng.integers(0, self.tokens.size - self.seq_len - 1, size=count)
+        return rng.integers(0, self.tokens.size - window_tokens(self.seq_len) + 1, size=count)
 
     def windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets ``[len(starts), seq_len]`` (int64)."""

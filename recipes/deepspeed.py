@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from .config import ConfigError, bad
 
 _DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
            "bf16": "bf16", "bfloat16": "bf16"}
@@ -137,16 +137,26 @@ def deepspeed_overrides(ds: dict, dp: int) -> dict[str, Any]:
 
 
 def load_deepspeed_json(path: str | Path, dp: int) -> dict[str, Any]:
+    """The recipe keys a DeepSpeed JSON file sets; :class:`ConfigError` (naming ``deepspeed=``)
+    if the path is not a readable file holding one JSON object."""
     path = Path(path)
+    fix = "give the path of a DeepSpeed JSON file (e.g. deepspeed=examples/ds_config.json)"
     if not path.exists():
-        raise ConfigError(f"deepspeed={path}: no such file")
+        raise bad("deepspeed", path, "no such file", fix)
+    if path.is_dir():
+        raise bad("deepspeed", path, "a directory, not a file", fix)
     try:
         ds = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise bad("deepspeed", path, f"cannot be read ({type(e).__name__}: {e})", fix) from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"deepspeed={path}: not valid JSON ({e})") from None
+        raise bad("deepspeed", path, f"not valid JSON ({e})", "fix the file") from None
     if not isinstance(ds, dict):
-        raise ConfigError(f"deepspeed={path}: expected a JSON object")
-    return deepspeed_overrides(ds, dp)
+        raise bad("deepspeed", path, f"holds a JSON {type(ds).__name__}, not an object", "write {\"key\": value, ...}")
+    try:
+        return deepspeed_overrides(ds, dp)
+    except ConfigError as e:
+        raise ConfigError(f"deepspeed={path}: {e}") from None
 
 
 def apply_deepspeed(rc, path: str | Path, dp: int) -> dict[str, Any]:

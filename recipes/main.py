@@ -21,17 +21,29 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+import traceback
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from launch.local import spawn_local, under_torchrun
 
-from .config import ConfigError, RecipeConfig, resolve_aliases, resolve_dp, validate
+from .config import (
+    ConfigError,
+    RecipeConfig,
+    check_keys,
+    check_overrides,
+    check_values,
+    resolve_aliases,
+    resolve_dp,
+    validate,
+)
 from .deepspeed import apply_deepspeed
+from .sweep import JobFailed
 
 _REGISTERED = False
 
@@ -76,10 +88,23 @@ def worker(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     return record(train)(rc, run_dir)
 
 
+def refuse(e: ConfigError) -> NoReturn:
+    """Print ``error: <message>`` as the last line of stderr and exit 2 (in a Hydra multirun: fail
+    this job only, so the sweep goes on and ends with its table). ``GRIDTRAIN_DEBUG=1`` also
+    prints the traceback."""
+    if os.environ.get("GRIDTRAIN_DEBUG", "") not in ("", "0"):
+        traceback.print_exception(e)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise JobFailed(2, str(e)) from None
+    raise SystemExit(2)
+
+
 def task(cfg: DictConfig) -> dict[str, Any] | None:
-    rc = _typed(cfg)
-    run_dir = HydraConfig.get().runtime.output_dir
     try:
+        check_keys(OmegaConf.to_container(cfg, resolve=False))  # what `+key=value` added
+        rc = _typed(cfg)
+        run_dir = HydraConfig.get().runtime.output_dir
         resolve_aliases(rc)
         if rc.deepspeed:
             world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
@@ -87,18 +112,24 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
         if rc.mode in ("plan", "recommend"):
             from .plan import run_plan
 
+            check_values(rc)  # single-key ranges hold wherever the run would go
             return run_plan(rc, run_dir)
         if rc.mode == "dryrun":
             from .dryrun import run_dryrun
 
+            check_values(rc)
             return run_dryrun(rc, run_dir)
-        if under_torchrun():
-            validate(rc, world_size=int(os.environ["WORLD_SIZE"]))  # a clean message on every rank
+        from .preflight import preflight
+
+        if under_torchrun():  # every rank, before any collective: a clean message everywhere
+            layout = validate(rc, world_size=int(os.environ["WORLD_SIZE"]))
+            preflight(rc, layout, run_dir, rank=int(os.environ.get("RANK", "0")),
+                      world=int(os.environ["WORLD_SIZE"]))
             return worker(rc, run_dir)
         layout = validate(rc, world_size=None)
+        preflight(rc, layout, run_dir)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(e)
     results = spawn_local(worker, layout.world_size, rc, run_dir)
     summary = results[0]
     loss = summary.get("final_loss")
@@ -108,7 +139,27 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
     return summary
 
 
+_HELP_FLAGS = {"-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion"}
+
+
+def cli_overrides(argv: list[str]) -> list[str]:
+    """The override arguments of a Hydra command line (flags and their values removed)."""
+    from hydra._internal.utils import get_args_parser
+
+    if _HELP_FLAGS & set(argv):
+        return []
+    args, rest = get_args_parser().parse_known_args(argv)
+    return list(args.overrides or []) + [a for a in rest if not a.startswith("-")]
+
+
 def run_recipe(config_name: str) -> None:
-    """``@hydra.main`` for the recipe whose YAML is ``recipes/conf/<config_name>.yaml``."""
+    """``@hydra.main`` for the recipe whose YAML is ``recipes/conf/<config_name>.yaml``.
+
+    Overrides are checked against the schema first (an unknown key or a value of the wrong type
+    is one ``error:`` line and exit 2, not Hydra's multi-line exit 1)."""
     register()
+    try:
+        check_overrides(cli_overrides(sys.argv[1:]))
+    except ConfigError as e:
+        refuse(e)
     hydra.main(version_base="1.3", config_path="conf", config_name=config_name)(task)()

@@ -77,7 +77,11 @@ def test_missing_data_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match="python -m recipes.prepare"):
         open_data("memmap", str(tmp_path / "nothing"), "train", 8)
     write_token_dir(tmp_path / "t", {"train": np.arange(5)}, vocab_size=256)
-    with pytest.raises(DataError, match="fewer than seq_len 8"):
+    with pytest.raises(DataError, match="holds 5 tokens, fewer than one window of seq_len 8 \\+ 1 = 9"):
         TokenDataset.open(tmp_path / "t", "train", 8)
+    # exactly one window (seq_len + 1 tokens) is enough, and it is the only window drawn
+    ds = TokenDataset.open(tmp_path / "t", "train", 4)
+    x, y = ds.global_batch(0, 3, seed=1)
+    assert x.tolist() == [[0, 1, 2, 3]] * 3 and y.tolist() == [[1, 2, 3, 4]] * 3
     with pytest.raises(DataError, match="val.bin is missing"):
         TokenDataset.open(tmp_path / "t", "val", 2)

@@ -1,0 +1,186 @@
+"""Checks that read the machine and the files a run names, before any worker or collective.
+
+:func:`recipes.config.validate` checks the config's keys and their relations
+(pure). :func:`preflight` checks what those keys point at: the backend against
+the hardware, the token files (header, sizes, vocabulary, windows per split),
+the checkpoint to resume (exists, complete, intact, the same model shape).
+Both run in the launching process before it spawns workers, and again on every
+rank under torchrun before ``init_distributed``, so a bad input is one
+``error: <key>=<value>: <reason>; <fix>`` line everywhere (:class:`ConfigError`),
+never a worker traceback or a hang.
+
+The checks reuse the functions the run itself uses (``recipes.data.read_meta`` /
+``split_tokens``, ``parallel.checkpoint``'s manifest and CRC verification):
+one home per rule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from models.config import ModelConfig
+
+from .config import ConfigError, Layout, bad
+
+
+def check_backend(backend: str | None) -> None:
+    """``parallel.backend=nccl`` needs CUDA and a PyTorch built with NCCL."""
+    if backend != "nccl":
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        raise bad(
+            "parallel.backend",
+            backend,
+            "this machine has no CUDA device (torch.cuda.is_available() is False)",
+            "use parallel.backend=gloo, or leave it unset (nccl with CUDA, else gloo)",
+        )
+    if not dist.is_nccl_available():
+        raise bad(
+            "parallel.backend",
+            backend,
+            "this PyTorch build has no NCCL",
+            "use parallel.backend=gloo, or a CUDA build of PyTorch",
+        )
+
+
+def _split(path: Path, split: str, meta: dict, key: str, value: Any, seq_len: int, vocab: int) -> None:
+    from .data import MAX_SCANNED_TOKENS, DataError, max_token, split_tokens, window_tokens
+
+    try:
+        tokens = split_tokens(path, split, meta)
+    except DataError as e:
+        reason, _, fix = str(e).partition("; ")
+        raise bad(key, value, reason, fix or "write the data again with recipes.prepare") from None
+    if tokens.size < window_tokens(seq_len):
+        raise bad(
+            key,
+            value,
+            f"{path / (split + '.bin')} holds {tokens.size:,} tokens, fewer than one window "
+            f"of model.seq_len {seq_len} + 1 = {window_tokens(seq_len):,}",
+            "use more data (data.embedded_mb / data.val_fraction, or recipes.prepare) or a smaller model.seq_len",
+        )
+    if tokens.size <= MAX_SCANNED_TOKENS and (top := max_token(tokens)) >= vocab:
+        raise bad(
+            key,
+            value,
+            f"{path / (split + '.bin')} holds token id {top}, ≥ model.vocab_size {vocab}",
+            f"set model.vocab_size={top + 1} or more, or tokenise the data again",
+        )
+
+
+def check_data(rc: Any, mc: ModelConfig) -> Path:
+    """The token directory the run reads (the embedded corpus is built and cached here):
+    a prepared directory with a sound header, non-empty splits of the recorded sizes, each
+    holding one window of ``seq_len + 1`` tokens, ids and vocabulary within the model's."""
+    from .data import DataError, embedded_corpus, read_meta
+
+    d = rc.data
+    if d.source == "embedded":
+        key, value = "data.embedded_mb", d.embedded_mb
+        try:
+            path = embedded_corpus(d.embedded_mb, d.val_fraction)
+        except DataError as e:
+            reason, _, fix = str(e).partition("; ")
+            raise bad(key, value, reason, fix or "use another data.embedded_mb") from None
+        if d.embedded_mb >= type(d)().embedded_mb:  # a default-sized corpus: the window is what grew
+            key, value = "model.seq_len", mc.seq_len
+    else:
+        key, value, path = "data.path", d.path, Path(d.path)
+    try:
+        meta = read_meta(path)
+    except DataError as e:
+        reason, _, fix = str(e).partition("; ")
+        raise bad(key, value, reason, fix or "write the data again with recipes.prepare") from None
+    if meta["vocab_size"] > mc.vocab_size:
+        raise bad(
+            key,
+            value,
+            f"the data's vocabulary ({meta['vocab_size']:,}, meta.json) is larger than "
+            f"model.vocab_size {mc.vocab_size:,}",
+            f"set model.vocab_size={meta['vocab_size']}",
+        )
+    splits = ["train", "val"] if rc.train.eval_every else ["train"]
+    for split in splits:
+        _split(path, split, meta, key, value, mc.seq_len, mc.vocab_size)
+    return path
+
+
+def _expected_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``model/<global name>`` → global shape of every parameter (vocabulary padding cut), from
+    the model built on the meta device (no memory, no communication)."""
+    from models.transformer import build_model
+
+    model = build_model(mc, device="meta")
+    out = {}
+    for name, p in model.named_parameters():
+        shape = tuple(p.shape)
+        if getattr(p, "vocab_size", None) is not None:
+            shape = (p.vocab_size, *shape[1:])
+        out["model/" + (getattr(p, "init_key", None) or name)] = shape
+    return out
+
+
+def check_resume(rc: Any, mc: ModelConfig, run_dir: str | Path, rank: int = 0, world: int = 1) -> Path | None:
+    """``train.resume``: the checkpoint it names exists, is complete (manifest), intact (sizes of all
+    files; CRC32s of every ``world``-th file from ``rank``, so ranks share the reading) and holds
+    this model's parameters with this model's shapes. Returns the checkpoint (None: start fresh)."""
+    from parallel.checkpoint import CheckpointError, find_damage, saved_tensors
+
+    from .checkpointing import find_resume_point
+
+    value = rc.train.resume
+    fix = "give a checkpoint directory (…/checkpoints/step_N), its run directory, or train.resume=auto"
+    try:
+        ckpt = find_resume_point(value, run_dir)
+        if ckpt is None:
+            return None
+        problems = find_damage(ckpt, rank, world)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise bad(
+                "train.resume",
+                value,
+                f"checkpoint {ckpt} is damaged: {problems[0]}{more}",
+                "resume from an older checkpoint (its step_N directory), or delete this one and "
+                "point 'latest' at the previous",
+            )
+        saved = saved_tensors(ckpt)
+    except CheckpointError as e:
+        raise bad("train.resume", value, str(e).split("; ")[0], fix) from None
+    except (OSError, EOFError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise bad("train.resume", value, f"cannot read the checkpoint ({type(e).__name__}: {e})", fix) from None
+    want = _expected_shapes(mc)
+    have = {k for k in saved if k.startswith("model/")}
+    missing, extra = sorted(want.keys() - have), sorted(have - want.keys())
+    wrong = sorted(k for k in want.keys() & have if tuple(saved[k][0]) != want[k])
+    if missing or extra or wrong:
+        if wrong:
+            what = f"{wrong[0][6:]} is {tuple(saved[wrong[0]][0])} there but {want[wrong[0]]} in this model"
+        elif missing:
+            what = f"it lacks {len(missing)} of this model's parameters, e.g. {missing[0][6:]}"
+        else:
+            what = f"it holds {len(extra)} parameters this model lacks, e.g. {extra[0][6:]}"
+        raise bad(
+            "train.resume",
+            value,
+            f"checkpoint {ckpt} holds another model: {what}",
+            "resume with the model.* keys it was saved with (its config is in checkpoint.json)",
+        )
+    return ckpt
+
+
+def preflight(rc: Any, layout: Layout, run_dir: str | Path, rank: int = 0, world: int = 1) -> None:
+    """Every check that reads the machine or files (see the module doc); raises :class:`ConfigError`.
+
+    Call after :func:`recipes.config.validate` (which gives ``layout``), in the launcher with
+    ``rank=0, world=1`` and on each torchrun rank with its own, before any collective.
+    """
+    check_backend(rc.parallel.backend)
+    check_data(rc, layout.model)
+    check_resume(rc, layout.model, run_dir, rank, world)
