@@ -7,7 +7,9 @@ features (each rank holds a partial sum of the output) and reduces once. One
 block therefore costs one all-reduce forward and one backward (or, with
 sequence parallelism, an all-gather + a reduce-scatter each way: the same bytes).
 
-Weights follow ``torch.nn.Linear``: ``[out_features, in_features]``.
+Weights follow ``torch.nn.Linear``: ``[out_features, in_features]``, and so does the
+initialisation at construction: ``U(-1/√in, 1/√in)`` with ``in`` the global input
+features, the full tensor the same for every tp (:func:`~parallel.layers.init.reset_default_`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from .. import comm
 from ..params import mark_no_weight_decay, mark_sequence_parallel, mark_tp_sharded
+from .init import reset_default_
 
 
 class LayerConfigError(ValueError):
@@ -39,6 +42,13 @@ def _check_last_dim(x: torch.Tensor, expected: int, who: str) -> None:
         raise LayerConfigError(
             f"{who}: input has last dim {x.shape[-1]} (shape {tuple(x.shape)}), expected {expected}"
         )
+
+
+def _reset_linear(weight: nn.Parameter, bias: nn.Parameter | None, in_features: int, tp_group) -> None:
+    bound = 1.0 / in_features**0.5 if in_features else 0.0
+    reset_default_(weight, tp_group, bound=bound)
+    if bias is not None:
+        reset_default_(bias, tp_group, bound=bound)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -76,6 +86,11 @@ class ColumnParallelLinear(nn.Module):
             mark_no_weight_decay(self.bias)
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s distributions, layout-independent (module docstring); no-op on ``meta``."""
+        _reset_linear(self.weight, self.bias, self.in_features, self.tp_group)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The input collective: copy-to-region ("f"), or the sequence all-gather."""
@@ -133,6 +148,11 @@ class RowParallelLinear(nn.Module):
                 mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s distributions, layout-independent (module docstring); no-op on ``meta``."""
+        _reset_linear(self.weight, self.bias, self.in_features, self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_parallel:
