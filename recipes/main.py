@@ -9,17 +9,22 @@ resolves its config, then either
 * or, with ``mode=plan`` / ``mode=recommend``, runs the planner (no process).
 
 Run directory: ``outputs/<run id>`` where the id is one every rank shares
-(``TORCHELASTIC_RUN_ID`` under torchrun, ``SLURM_JOB_ID`` on Slurm, else a
-timestamp taken by the single launching process), so ranks never split it by
-resolving ``${now:}`` a second apart. Only rank 0 writes ``.hydra/``,
-``config.yaml``, ``metrics.jsonl``.
+(``TORCHELASTIC_RUN_ID`` under torchrun, ``SLURM_JOB_ID`` on Slurm, an id fixed
+in the torchelastic agent's store under a static rendezvous, else a timestamp plus
+a random suffix taken by the single launching process), so ranks never split it by
+resolving ``${now:}`` a second apart and two launches in the same second never
+share it. Only rank 0 writes ``.hydra/``, ``config.yaml``, ``metrics.jsonl``; it
+(or the launcher) first locks the directory (``recipes/runlock.py``): one live run
+per directory.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
 import hydra
@@ -35,16 +40,37 @@ from .deepspeed import apply_deepspeed
 _REGISTERED = False
 
 
+def new_run_id() -> str:
+    """A fresh id: local timestamp plus 6 random hex digits, so launches in the same second differ."""
+    return f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-{secrets.token_hex(3)}"
+
+
+def _agreed_through_agent_store() -> str | None:
+    """Under a static rendezvous without an id: the first rank to ask fixes a fresh id in the torchelastic
+    agent's store; every rank (and every restart attempt of the job) reads the same one."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=60))
+        return store.compare_set("gridtrain/run_id", "", new_run_id()).decode()
+    except (RuntimeError, OSError, ValueError):
+        return None
+
+
 def shared_run_id() -> str:
-    """An id every rank of one job resolves identically (see module docstring)."""
+    """An id every rank of one job resolves identically, unique per launch (see module docstring)."""
     rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if rid and rid != "none":
         return f"torchrun-{rid}"
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
-    if "MASTER_PORT" in os.environ:  # static rendezvous without an id: keyed by its endpoint
-        return f"job-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ['MASTER_PORT']}"
-    return time.strftime("%Y-%m-%d_%H-%M-%S")
+    if "MASTER_PORT" in os.environ:  # static rendezvous without an id
+        agreed = _agreed_through_agent_store()
+        return agreed or f"job-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ['MASTER_PORT']}"
+    return new_run_id()
 
 
 def _is_rank0() -> bool:
