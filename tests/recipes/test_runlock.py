@@ -19,6 +19,7 @@ def _cli(*args, cwd=ROOT, timeout=120):
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
     return subprocess.run(
         [sys.executable, "-m", "recipes.gpt_tiny", *args],
+        check=False,
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -38,8 +39,10 @@ def test_second_run_into_a_held_directory_is_refused_naming_the_holder(tmp_path)
         [
             sys.executable,
             "-c",
-            f"import sys, time; sys.path.insert(0, {ROOT!r}); from recipes.runlock import acquire; "
-            f"acquire({str(tmp_path)!r}); print('held', flush=True); time.sleep(120)",
+            (
+                f"import sys, time; sys.path.insert(0, {ROOT!r}); from recipes.runlock import acquire; "
+                f"acquire({str(tmp_path)!r}); print('held', flush=True); time.sleep(120)"
+            ),
         ],
         stdout=subprocess.PIPE,
         text=True,
