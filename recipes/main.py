@@ -126,6 +126,8 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
     print(f"done: {summary.get('steps')} steps"
           + (f", final loss {loss:.4f}" if loss is not None else " (nothing left to train)")
           + f", run directory {run_dir}")
+    if summary.get("preempted"):  # a completed pre-emption save is a clean exit (status 0)
+        print(f"stopped by a signal with a checkpoint; continue with: train.resume=auto hydra.run.dir={run_dir}")
     return summary
 
 

@@ -98,8 +98,13 @@ class RunLogger:
             self._bar.update(n)
 
     def close(self) -> None:
+        """Close the bar (and join tqdm's monitor thread once no bar is left), the metrics file, wandb."""
         if self._bar is not None:
             self._bar.close()
+            cls = type(self._bar)
+            if getattr(cls, "monitor", None) is not None and not cls._instances:
+                cls.monitor.exit()  # sets its stop event and joins it
+                cls.monitor = None
         if self._metrics is not None:
             self._metrics.close()
         if self._wandb is not None:

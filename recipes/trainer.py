@@ -40,6 +40,7 @@ from parallel.zero import ZeroDataParallel
 from . import checkpointing
 from .config import Layout, RecipeConfig, validate
 from .data import open_data
+from .exits import finish_distributed
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -81,6 +82,7 @@ class Trainer:
         p, t = rc.parallel, rc.train
         threads = t.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         torch.set_num_threads(threads)
+        self.owns_process_group = not torch.distributed.is_initialized()  # then train() destroys it at the end
         init_distributed(backend=p.backend, timeout_s=p.timeout_s)
         self.topology = Topology(self.layout.dp, p.pp, p.tp, world_size=world, order=p.order)
         self.groups: ParallelGroups = build_groups(self.topology, timeout_s=p.timeout_s)
@@ -353,5 +355,6 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     finally:
         preemption.close()
         log.close()
+    finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/exits.py)
     return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": trainer.step,
             "run_dir": str(run_dir), "preempted": preempted}
