@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
+import os
+import socket
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,34 @@ def measured_matmul_tflops(n: int = 2048, repeats: int = 5, dtype=torch.float32)
     return 2 * n**3 / best / 1e12
 
 
+WANDB_CHECK_TIMEOUT_S = 3.0
+
+
+def wandb_online_problem(env: dict[str, str] | None = None, *, timeout_s: float = WANDB_CHECK_TIMEOUT_S,
+                         connect=socket.create_connection) -> str | None:
+    """Why ``logger.wandb=online`` cannot work here, or None: checked in at most ``timeout_s`` seconds.
+
+    A key: ``WANDB_API_KEY`` or a ``~/.netrc`` (``NETRC``) entry for the server. The server:
+    ``WANDB_BASE_URL`` (default ``https://api.wandb.ai``) accepting a TCP connection. wandb itself
+    would fail at once without a key, and retry for minutes without a network.
+    """
+    env = os.environ if env is None else env
+    url = urllib.parse.urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    host, port = url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
+    if not env.get("WANDB_API_KEY"):
+        try:
+            entry = netrc.netrc(env.get("NETRC")).authenticators(host)
+        except (OSError, netrc.NetrcParseError):
+            entry = None
+        if not entry or not entry[2]:
+            return f"no API key (set WANDB_API_KEY or run `wandb login`) for {host}"
+    try:
+        connect((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{host}:{port} is not reachable within {timeout_s:g} s ({e.__class__.__name__}: {e})"
+    return None
+
+
 class RunLogger:
     """Progress bar + metrics file + wandb, all on rank 0 only."""
 
@@ -64,6 +96,10 @@ class RunLogger:
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True, file=sys.stderr, disable=None)
+        if wandb_mode == "online" and (problem := wandb_online_problem()):
+            wandb_mode = "offline"
+            print(f"warning: logger.wandb=online: {problem}; logging offline instead "
+                  f"(upload later with `wandb sync {self.run_dir / 'wandb'}`)", file=sys.stderr, flush=True)
         if wandb_mode != "disabled":
             import wandb
 

@@ -38,3 +38,41 @@ def test_lr_schedule_warms_up_then_decays():
     assert lr_at(110, schedule="cosine", **kw) == pytest.approx(0.1)
     assert lr_at(60, schedule="linear", **kw) == pytest.approx(0.55)
     assert lr_at(100, schedule="constant", **kw) == 1.0
+
+
+def _refused(address, timeout):
+    raise TimeoutError(f"timed out connecting to {address[0]}")
+
+
+class _Conn:
+    def close(self):
+        pass
+
+
+def test_wandb_online_check_names_what_is_missing(tmp_path):
+    from recipes.runlog import wandb_online_problem
+
+    no_netrc = {"NETRC": str(tmp_path / "absent")}
+    assert "no API key" in wandb_online_problem(no_netrc, connect=lambda *a, **k: _Conn())
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password abc123\n")
+    seen = []
+    key = {"NETRC": str(tmp_path / "netrc")}
+    assert wandb_online_problem(key, connect=lambda a, timeout: seen.append((a, timeout)) or _Conn()) is None
+    assert seen == [(("api.wandb.ai", 443), 3.0)]
+    problem = wandb_online_problem({"WANDB_API_KEY": "k", "WANDB_BASE_URL": "http://wb.local:8080"}, connect=_refused)
+    assert problem.startswith("wb.local:8080 is not reachable within 3 s")
+
+
+def test_wandb_online_without_network_falls_back_to_offline_with_one_warning(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    from recipes import runlog
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setattr(runlog.socket, "create_connection", _refused)
+    log = RunLogger(tmp_path, enabled=True, total_steps=1, progress=False, wandb_mode="online")
+    log.log({"step": 1, "loss": 4.0})
+    log.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "not reachable" in warnings[0] and "wandb sync" in warnings[0]
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
