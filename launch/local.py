@@ -37,6 +37,46 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT)
 TORCH_HANDLES = "SIGHUP,SIGQUIT"
 
 
+#: on a machine without GPUs, local workers allowed per CPU core (ranks mostly wait on each other) ...
+CPU_WORKERS_PER_CORE = 4
+#: ... and at least this many, so the 8-rank examples run on a laptop
+MIN_CPU_WORKERS = 8
+
+
+class LocalWorldError(ValueError):
+    """A self-spawned world larger than this machine holds (the message is one line)."""
+
+
+def local_capacity(*, gpus: int | None = None, cores: int | None = None) -> tuple[int, str]:
+    """How many workers one self-spawned job may start here, and the reason in words.
+
+    With GPUs: one worker per GPU (NCCL cannot share a device between ranks). Without:
+    ``max(cores × CPU_WORKERS_PER_CORE, MIN_CPU_WORKERS)``. Defaults: this machine.
+    """
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:
+        return gpus, f"{gpus} GPU(s), one worker each"
+    cores = cores or os.cpu_count() or 1
+    limit = max(cores * CPU_WORKERS_PER_CORE, MIN_CPU_WORKERS)
+    return limit, f"{cores} CPU core(s), no GPU: at most max({CPU_WORKERS_PER_CORE} × cores, {MIN_CPU_WORKERS})"
+
+
+def check_local_world(world_size: int, *, oversubscribe: bool = False, gpus: int | None = None,
+                      cores: int | None = None) -> None:
+    """Refuse (:class:`LocalWorldError`) a self-spawned world larger than :func:`local_capacity`,
+    unless ``oversubscribe``; the message points at the launchers and modes that fit."""
+    limit, why = local_capacity(gpus=gpus, cores=cores)
+    if world_size <= limit or oversubscribe:
+        return
+    raise LocalWorldError(
+        f"world size {world_size} does not fit one machine's self-spawn ({why} = {limit} workers); "
+        f"launch it with torchrun on every node (launch/slurm.sbatch on Slurm), size it without processes "
+        f"with mode=plan or mode=dryrun, or set parallel.oversubscribe=true to spawn it here anyway")
+
+
 def under_torchrun() -> bool:
     """True inside a worker started by torchrun or by :func:`spawn_local`."""
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ

@@ -32,7 +32,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launch.local import spawn_local, under_torchrun
+from launch.local import LocalWorldError, check_local_world, spawn_local, under_torchrun
 
 from .config import ConfigError, RecipeConfig, resolve_aliases, resolve_dp, validate
 from .deepspeed import apply_deepspeed
@@ -117,7 +117,8 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
             validate(rc, world_size=int(os.environ["WORLD_SIZE"]))  # a clean message on every rank
             return worker(rc, run_dir)
         layout = validate(rc, world_size=None)
-    except ConfigError as e:
+        check_local_world(layout.world_size, oversubscribe=rc.parallel.oversubscribe)
+    except (ConfigError, LocalWorldError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     results = spawn_local(worker, layout.world_size, rc, run_dir)
