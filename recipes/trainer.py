@@ -305,7 +305,9 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
                     config=OmegaConf.to_container(OmegaConf.structured(rc)))
     if is_rank0:
         OmegaConf.save(OmegaConf.structured(rc), Path(run_dir) / "config.yaml")
-        log.info(trainer.topology.describe(rc.parallel.gpus_per_node))
+        per_node = (rc.parallel.gpus_per_node if trainer.device.type == "cuda"
+                    else int(os.environ.get("LOCAL_WORLD_SIZE", trainer.topology.world_size)))
+        log.info(trainer.topology.describe(per_node, device=trainer.device.type))
     tokens_per_step = t.global_batch * trainer.model_cfg.seq_len
     flops_per_token = model_flops_per_token(trainer.model_cfg)
     peak = rc.logger.peak_tflops or (measured_matmul_tflops() if trainer.device.type == "cpu" else None)
