@@ -30,6 +30,7 @@ from typing import Any
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from launch.local import LocalWorldError, check_local_world, spawn_local, under_torchrun
@@ -112,7 +113,7 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
         if rc.mode in ("plan", "recommend"):
             from .plan import run_plan
 
-            return run_plan(rc, run_dir)
+            return run_plan(rc, run_dir, quiet=HydraConfig.get().mode == RunMode.MULTIRUN)  # sweeps: one table
         if under_torchrun():
             validate(rc, world_size=int(os.environ["WORLD_SIZE"]))  # a clean message on every rank
             return worker(rc, run_dir)
