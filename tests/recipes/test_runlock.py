@@ -108,3 +108,36 @@ def test_two_plain_launches_at_once_get_two_directories(tmp_path):
     assert all(p.returncode == 0 for p in procs), outs
     runs = os.listdir(tmp_path / "outputs")
     assert len(runs) == 2, runs
+
+
+def test_static_rendezvous_ranks_agree_on_a_fresh_id(tmp_path):
+    script = tmp_path / "rid.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {ROOT!r})\nfrom recipes.main import shared_run_id\n"
+        "print('ID', shared_run_id(), flush=True)\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--node-rank",
+        "0",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "static",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        str(script),
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    ids = [line.split()[1] for line in p.stdout.splitlines() if line.startswith("ID ")]
+    assert p.returncode == 0 and len(ids) == 2 and ids[0] == ids[1], p.stdout + p.stderr[-2000:]
+    assert not ids[0].startswith("torchrun-none") and not ids[0].startswith("job-")  # fresh: timestamp + suffix
