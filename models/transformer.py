@@ -218,11 +218,13 @@ def build_model(cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = Fa
 
     Initialisation is layout-independent (:func:`parallel.layers.init_parameters_`): same
     ``seed`` and ``cfg`` give the same gathered weights for any tp and any ``layers`` split.
-    No communication.
+    The stage is built on ``meta`` and then materialised, so the layers' own default
+    initialisation is skipped (no double work, torch's generator untouched). No communication.
     """
     stage = TransformerStage(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, layers=layers,
-                             has_embedding=has_embedding, has_head=has_head, device=device, dtype=dtype)
+                             has_embedding=has_embedding, has_head=has_head, device="meta", dtype=dtype)
     if torch.device(device).type != "meta":
+        stage.to_empty(device=device)
         init_parameters_(stage, seed=seed, tp_group=tp_group, rule=init_rule(cfg))
     return stage
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -20,19 +21,27 @@ class SavedActivationMeter:
         with meter:
             loss = model(x).sum()
         meter.bytes
+
+    Storages are told apart by identity, not address: the meter keeps weak
+    references to the storages it has seen (a storage saved twice while alive is
+    counted once; one freed and a new one allocated at the same address — every
+    micro-batch after the first — is counted again). It holds nothing alive, so
+    measuring does not change what a step holds. ``meta`` tensors hold no bytes
+    and are not counted.
     """
 
     def __init__(self, params):
-        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self._seen: dict[int, int] = {}
+        self._params: weakref.WeakSet = weakref.WeakSet(p.untyped_storage() for p in params if not p.is_meta)
+        self._seen: weakref.WeakSet = weakref.WeakSet()
+        self._bytes = 0
         self._ctx = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):
+        if not isinstance(t, nn.Parameter) and not t.is_meta:
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr and ptr not in self._param_ptrs:
-                self._seen[ptr] = storage.nbytes()
+            if storage not in self._params and storage not in self._seen:
+                self._seen.add(storage)
+                self._bytes += storage.nbytes()
         return t
 
     def __enter__(self) -> "SavedActivationMeter":
@@ -45,7 +54,7 @@ class SavedActivationMeter:
 
     @property
     def bytes(self) -> int:
-        return sum(self._seen.values())
+        return self._bytes
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -269,14 +269,17 @@ class Topology:
     def __hash__(self) -> int:
         return hash((self.dp, self.pp, self.tp, self.order))
 
-    def describe(self, gpus_per_node: int = 8, max_nodes: int = 8) -> str:
+    def describe(self, gpus_per_node: int = 8, max_nodes: int = 8, *, device: str = "cuda") -> str:
         """A readable map of the layout: per node, its ranks and their (dp, pp, tp).
 
         Also says whether each TP group stays inside a node (it should: TP
         traffic is per layer). Only the first and last ``max_nodes // 2`` nodes
-        are listed for large worlds.
+        are listed for large worlds. ``device``: the ranks' device type; only
+        ``"cuda"`` ranks are called GPUs (``gpus_per_node`` is then the ranks per
+        node, e.g. ``"1 node(s) × 4 CPU processes"``).
         """
         gpus_per_node = _check_size("gpus_per_node", gpus_per_node)
+        unit = "GPUs" if device == "cuda" else f"{device.upper()} processes"
         n_nodes = -(-self.world_size // gpus_per_node)
         tp_cross = sum(
             1
@@ -285,12 +288,12 @@ class Topology:
         )
         lines = [
             f"{self!r}",
-            f"{n_nodes} node(s) × {gpus_per_node} GPUs; "
+            f"{n_nodes} node(s) × {gpus_per_node} {unit}; "
             + (
                 "every TP group stays inside one node"
                 if tp_cross == 0
                 else f"{tp_cross} of {len(self._axis_groups['tp'])} TP groups cross a node "
-                "boundary (TP traffic is per layer: keep tp ≤ GPUs per node and "
+                f"boundary (TP traffic is per layer: keep tp ≤ {unit} per node and "
                 "tp fastest in the order)"
             ),
         ]

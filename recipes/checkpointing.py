@@ -126,7 +126,8 @@ def save_due(step: int, rc) -> bool:
 
 
 class Preemption:
-    """Turns SIGTERM (Slurm pre-emption, torchrun shutting down) into "checkpoint, then stop".
+    """Turns SIGTERM (Slurm pre-emption, torchrun shutting down) or SIGINT (Ctrl-C reaches every
+    worker of a terminal's job) into "checkpoint, then stop"; :meth:`close` joins the watchdog.
 
     :meth:`requested` agrees on the flag across ranks (a 4-byte ``all_reduce`` MAX
     over the world and one host read), so all ranks save the same step and stop
@@ -152,8 +153,9 @@ class Preemption:
         self._read, self._write = socket.socketpair()
         self._write.setblocking(False)
         self._previous_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-        threading.Thread(target=self._watch, name="sigterm-watchdog", daemon=True).start()
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._thread = threading.Thread(target=self._watch, name="sigterm-watchdog", daemon=True)
+        self._thread.start()
 
     def _handle(self, signum, frame) -> None:
         self.flag = True
@@ -164,7 +166,7 @@ class Preemption:
                 data = self._read.recv(64)
                 if not data:
                     return  # closed
-                if signal.SIGTERM in data:
+                if signal.SIGTERM in data or signal.SIGINT in data:
                     self.flag = True
                     if not self._acknowledged.wait(self.grace_s):
                         os._exit(128 + signal.SIGTERM)
@@ -184,9 +186,12 @@ class Preemption:
         if not self._installed:
             return
         signal.set_wakeup_fd(self._previous_fd)
-        signal.signal(signal.SIGTERM, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
         self._acknowledged.set()
         self._write.close()
+        self._read.shutdown(socket.SHUT_RDWR)  # wakes the watchdog's recv
+        self._thread.join(timeout=5)
         self._read.close()
 
 

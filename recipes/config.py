@@ -52,6 +52,7 @@ class ParallelConfig:
     gpus_per_node: int = 8  # for describe() and the planner
     timeout_s: float = 600.0  # every collective fails after this instead of hanging
     backend: Optional[str] = None  # nccl | gloo; default: nccl with CUDA, else gloo
+    oversubscribe: bool = False  # self-spawn more local workers than launch.local.local_capacity allows
 
 
 @dataclass

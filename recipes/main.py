@@ -10,18 +10,23 @@ resolves its config, then either
 * or, with ``mode=dryrun``, runs one step of chosen ranks on no hardware (``recipes/dryrun.py``).
 
 Run directory: ``outputs/<run id>`` where the id is one every rank shares
-(``TORCHELASTIC_RUN_ID`` under torchrun, ``SLURM_JOB_ID`` on Slurm, else a
-timestamp taken by the single launching process), so ranks never split it by
-resolving ``${now:}`` a second apart. Only rank 0 writes ``.hydra/``,
-``config.yaml``, ``metrics.jsonl``.
+(``TORCHELASTIC_RUN_ID`` under torchrun, ``SLURM_JOB_ID`` on Slurm, an id fixed
+in the torchelastic agent's store under a static rendezvous, else a timestamp plus
+a random suffix taken by the single launching process), so ranks never split it by
+resolving ``${now:}`` a second apart and two launches in the same second never
+share it. Only rank 0 writes ``.hydra/``, ``config.yaml``, ``metrics.jsonl``; it
+(or the launcher) first locks the directory (``recipes/runlock.py``): one live run
+per directory.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import hydra
@@ -30,7 +35,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from launch.local import spawn_local, under_torchrun
+from launch.local import LocalWorldError, check_local_world, spawn_local, under_torchrun
 
 from .config import (
     ConfigError,
@@ -48,16 +53,37 @@ from .sweep import JobFailed
 _REGISTERED = False
 
 
+def new_run_id() -> str:
+    """A fresh id: local timestamp plus 6 random hex digits, so launches in the same second differ."""
+    return f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-{secrets.token_hex(3)}"
+
+
+def _agreed_through_agent_store() -> str | None:
+    """Under a static rendezvous without an id: the first rank to ask fixes a fresh id in the torchelastic
+    agent's store; every rank (and every restart attempt of the job) reads the same one."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=60))
+        return store.compare_set("gridtrain/run_id", "", new_run_id()).decode()
+    except (RuntimeError, OSError, ValueError):
+        return None
+
+
 def shared_run_id() -> str:
-    """An id every rank of one job resolves identically (see module docstring)."""
+    """An id every rank of one job resolves identically, unique per launch (see module docstring)."""
     rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if rid and rid != "none":
         return f"torchrun-{rid}"
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm-{os.environ['SLURM_JOB_ID']}"
-    if "MASTER_PORT" in os.environ:  # static rendezvous without an id: keyed by its endpoint
-        return f"job-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ['MASTER_PORT']}"
-    return time.strftime("%Y-%m-%d_%H-%M-%S")
+    if "MASTER_PORT" in os.environ:  # static rendezvous without an id
+        agreed = _agreed_through_agent_store()
+        return agreed or f"job-{os.environ.get('MASTER_ADDR', 'local')}-{os.environ['MASTER_PORT']}"
+    return new_run_id()
 
 
 def _is_rank0() -> bool:
@@ -88,7 +114,7 @@ def worker(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     return record(train)(rc, run_dir)
 
 
-def refuse(e: ConfigError) -> NoReturn:
+def refuse(e: Exception) -> NoReturn:
     """Print ``error: <message>`` as the last line of stderr and exit 2 (in a Hydra multirun: fail
     this job only, so the sweep goes on and ends with its table). ``GRIDTRAIN_DEBUG=1`` also
     prints the traceback."""
@@ -113,7 +139,7 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
             from .plan import run_plan
 
             check_values(rc)  # single-key ranges hold wherever the run would go
-            return run_plan(rc, run_dir)
+            return run_plan(rc, run_dir, quiet=HydraConfig.get().mode == RunMode.MULTIRUN)  # sweeps: one table
         if rc.mode == "dryrun":
             from .dryrun import run_dryrun
 
@@ -128,7 +154,8 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
             return worker(rc, run_dir)
         layout = validate(rc, world_size=None)
         preflight(rc, layout, run_dir)
-    except ConfigError as e:
+        check_local_world(layout.world_size, oversubscribe=rc.parallel.oversubscribe)
+    except (ConfigError, LocalWorldError) as e:
         refuse(e)
     results = spawn_local(worker, layout.world_size, rc, run_dir)
     summary = results[0]
@@ -136,6 +163,8 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
     print(f"done: {summary.get('steps')} steps"
           + (f", final loss {loss:.4f}" if loss is not None else " (nothing left to train)")
           + f", run directory {run_dir}")
+    if summary.get("preempted"):  # a completed pre-emption save is a clean exit (status 0)
+        print(f"stopped by a signal with a checkpoint; continue with: train.resume=auto hydra.run.dir={run_dir}")
     return summary
 
 

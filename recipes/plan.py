@@ -9,6 +9,8 @@ a Hydra multirun of ``mode=plan`` ends with one comparison table of its jobs.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -181,10 +183,20 @@ def print_table(title: str, header: list[str], rows: list[list[str]], footer: li
     print("\n".join(footer))
 
 
-def run_plan(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
-    """Print the plan (or, ``mode=recommend``, the best layouts) and write ``plan.json``."""
+def run_plan(rc: RecipeConfig, run_dir: str, *, quiet: bool = False) -> dict[str, Any]:
+    """Print the plan (or, ``mode=recommend``, the best layouts) and write ``plan.json``.
+
+    ``quiet`` (a job of a multirun, which ends with one comparison table of its jobs): the
+    table goes to ``plan.txt`` beside ``plan.json`` instead of the screen.
+    """
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if quiet:
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            result = run_plan(rc, run_dir)
+        (out / "plan.txt").write_text(text.getvalue())
+        return result
     if rc.mode == "recommend":
         plans = recommend_from_config(rc)
         header = ["rank", "layout", "micro-batch", "checkpointing", "peak GB", "step s", "tokens/s", "MFU", "bubble"]

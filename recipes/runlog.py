@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
+import os
+import socket
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +52,63 @@ def measured_matmul_tflops(n: int = 2048, repeats: int = 5, dtype=torch.float32,
     return 2 * n**3 / best / 1e12
 
 
+WANDB_CHECK_TIMEOUT_S = 3.0
+#: columns the bar keeps for itself ("train:  45%|███▌    | 135/300 [00:12<00:15, 10.51step/s, ")
+BAR_COLUMNS = 64
+#: the metrics a progress line shows, most important first (the ones that do not fit are left out)
+SHOWN = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_frac", "mem_gb")
+
+
+def terminal_columns(stream=None) -> int:
+    """The width of the terminal ``stream`` (default stderr) writes to; 0 if it is not a terminal or
+    its width is unknown. ``COLUMNS`` (as ``shutil.get_terminal_size`` reads it) takes precedence."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        if not stream.isatty():
+            return 0
+        columns = int(os.environ.get("COLUMNS", "0") or 0)
+        return columns if columns > 0 else os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
+
+
+def fit_metrics(shown: dict[str, str], width: int) -> str:
+    """``k=v, k=v, ...`` of ``shown`` in order, stopping before the first that would pass ``width`` chars."""
+    out = ""
+    for k, v in shown.items():
+        item = f"{k}={v}"
+        candidate = f"{out}, {item}" if out else item
+        if len(candidate) > width:
+            break
+        out = candidate
+    return out
+
+
+def wandb_online_problem(env: dict[str, str] | None = None, *, timeout_s: float = WANDB_CHECK_TIMEOUT_S,
+                         connect=socket.create_connection) -> str | None:
+    """Why ``logger.wandb=online`` cannot work here, or None: checked in at most ``timeout_s`` seconds.
+
+    A key: ``WANDB_API_KEY`` or a ``~/.netrc`` (``NETRC``) entry for the server. The server:
+    ``WANDB_BASE_URL`` (default ``https://api.wandb.ai``) accepting a TCP connection. wandb itself
+    would fail at once without a key, and retry for minutes without a network.
+    """
+    env = os.environ if env is None else env
+    url = urllib.parse.urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    host, port = url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
+    if not env.get("WANDB_API_KEY"):
+        try:
+            entry = netrc.netrc(env.get("NETRC")).authenticators(host)
+        except (OSError, netrc.NetrcParseError):
+            entry = None
+        if not entry or not entry[2]:
+            return f"no API key (set WANDB_API_KEY or run `wandb login`) for {host}"
+    try:
+        connect((host, port), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{host}:{port} is not reachable within {timeout_s:g} s ({e.__class__.__name__}: {e})"
+    return None
+
+
 class RunLogger:
     """Progress bar + metrics file + wandb, all on rank 0 only."""
 
@@ -63,11 +124,15 @@ class RunLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        if progress:
+        if progress and terminal_columns():  # a bar only on a terminal of known width, else plain lines
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                             dynamic_ncols=True, file=sys.stderr, disable=None)
+                             ncols=terminal_columns(), file=sys.stderr)
+        if wandb_mode == "online" and (problem := wandb_online_problem()):
+            wandb_mode = "offline"
+            print(f"warning: logger.wandb=online: {problem}; logging offline instead "
+                  f"(upload later with `wandb sync {self.run_dir / 'wandb'}`)", file=sys.stderr, flush=True)
         if wandb_mode != "disabled":
             import wandb
 
@@ -90,11 +155,12 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
                             step=record.get("step"))
-        keys = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_frac", "mem_gb")
-        shown = {k: _fmt(record[k]) for k in keys if k in record}
-        if self._bar is not None and not self._bar.disable:
-            self._bar.set_postfix(shown, refresh=False)
-        else:  # no terminal (a log file, CI, Slurm): one line per logged step instead of a bar
+        shown = {k: _fmt(record[k]) for k in SHOWN if k in record}
+        if self._bar is not None:  # the metrics that fit beside the bar in the terminal's current width
+            width = terminal_columns() or self._bar.ncols
+            self._bar.ncols = width
+            self._bar.set_postfix_str(fit_metrics(shown, width - BAR_COLUMNS), refresh=False)
+        else:  # no terminal, or one of unknown width (a log file, CI, Slurm): one line per logged step
             print(f"step {record.get('step')}: " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
 
     def advance(self, n: int = 1) -> None:
@@ -102,8 +168,13 @@ class RunLogger:
             self._bar.update(n)
 
     def close(self) -> None:
+        """Close the bar (and join tqdm's monitor thread once no bar is left), the metrics file, wandb."""
         if self._bar is not None:
             self._bar.close()
+            cls = type(self._bar)
+            if getattr(cls, "monitor", None) is not None and not cls._instances:
+                cls.monitor.exit()  # sets its stop event and joins it
+                cls.monitor = None
         if self._metrics is not None:
             self._metrics.close()
         if self._wandb is not None:

@@ -42,6 +42,7 @@ from parallel.zero import ZeroDataParallel
 from . import checkpointing
 from .config import Layout, RecipeConfig, validate
 from .data import open_data
+from .exits import finish_distributed
 from .profiling import StepProfiler, profile_steps
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
 
@@ -97,6 +98,7 @@ class Trainer:
         p, t = rc.parallel, rc.train
         threads = t.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         torch.set_num_threads(threads)
+        self.owns_process_group = not torch.distributed.is_initialized()  # then train() destroys it at the end
         init_distributed(backend=p.backend, timeout_s=p.timeout_s)
         self.topology = Topology(self.layout.dp, p.pp, p.tp, world_size=world, order=p.order)
         self.groups: ParallelGroups = build_groups(self.topology, timeout_s=p.timeout_s)
@@ -344,7 +346,9 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
                     config=OmegaConf.to_container(OmegaConf.structured(rc)))
     if is_rank0:
         OmegaConf.save(OmegaConf.structured(rc), Path(run_dir) / "config.yaml")
-        log.info(trainer.topology.describe(rc.parallel.gpus_per_node))
+        per_node = (rc.parallel.gpus_per_node if trainer.device.type == "cuda"
+                    else int(os.environ.get("LOCAL_WORLD_SIZE", trainer.topology.world_size)))
+        log.info(trainer.topology.describe(per_node, device=trainer.device.type))
     tokens_per_step = t.global_batch * trainer.model_cfg.seq_len
     flops_per_token = model_flops_per_token(trainer.model_cfg)
     peak = rc.logger.peak_tflops or (measured_matmul_tflops() if trainer.device.type == "cpu" else None)
@@ -409,5 +413,6 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         preemption.close()
         log.close()
     last = read_record(last)
+    finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/exits.py)
     return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": trainer.step,
             "run_dir": str(run_dir), "preempted": preempted}

@@ -8,6 +8,7 @@ from torch import nn
 
 from .. import comm
 from ..params import mark_tp_sharded
+from .init import reset_default_
 from .linear import LayerConfigError, divide
 
 
@@ -61,6 +62,12 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = self.vocab_start + rows
         weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
         self.weight = mark_vocab_rows(mark_tp_sharded(weight, 0), self.vocab_size)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Embedding``'s ``N(0, 1)``, the full table the same for every tp, padding rows
+        zero (:func:`~parallel.layers.init.reset_default_`); no-op on ``meta``."""
+        reset_default_(self.weight, self.tp_group, std=1.0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):

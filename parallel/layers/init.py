@@ -13,6 +13,17 @@ shard and keeps the overlap. So:
   initialised without its full matrices.
 
 Rows at or beyond a parameter's ``vocab_size`` mark (vocabulary padding) are zero.
+
+**Default initialisation at construction.** Every layer of :mod:`parallel.layers`
+is initialised when it is built (``reset_parameters``, like ``torch.nn.Linear``),
+unless it is built on the ``meta`` device (then nothing is drawn and nothing is
+allocated). :func:`reset_default_` keeps ``torch.nn``'s distributions — linear
+weights and biases ``U(-1/√in, 1/√in)`` with ``in`` the *global* input features,
+embeddings ``N(0, 1)``, norms one/zero — but draws each parameter's global tensor
+with the tiles above, from a seed taken from torch's default generator. So
+``torch.manual_seed(s)`` before construction gives the same full weights for every
+tp (no two TP ranks hold copies of the same rows), and two layers built one after
+the other differ. Models re-initialise by name with :func:`init_parameters_`.
 """
 
 from __future__ import annotations
@@ -48,13 +59,17 @@ def _tile_seed(seed: int, key: str, i: int, j: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def init_tensor_shard_(shard: torch.Tensor, *, key: str, seed: int, std: float, shard_dim: int | None,
-                       tp_rank: int, tp_size: int, vocab_size: int | None = None) -> torch.Tensor:
-    """Fill ``shard`` (rank ``tp_rank`` of ``tp_size`` along ``shard_dim``) with normal(0, std).
+def init_tensor_shard_(shard: torch.Tensor, *, key: str, seed: int, std: float | None = None,
+                       shard_dim: int | None, tp_rank: int, tp_size: int, vocab_size: int | None = None,
+                       bound: float | None = None) -> torch.Tensor:
+    """Fill ``shard`` (rank ``tp_rank`` of ``tp_size`` along ``shard_dim``) with normal(0, ``std``),
+    or, given ``bound`` instead, uniform(-bound, bound).
 
     The values are those of the global tensor drawn tile by tile (module docstring).
     Returns ``shard``.
     """
+    if (std is None) == (bound is None):
+        raise ValueError("init_tensor_shard_ takes exactly one of std (normal) and bound (uniform)")
     if shard_dim not in (None, 0, 1) or (shard_dim == 1 and shard.dim() != 2):
         raise ValueError(f"layout-independent init supports sharding on dim 0 or dim 1 of a matrix, "
                          f"got shard_dim {shard_dim} for shape {tuple(shard.shape)}")
@@ -68,7 +83,10 @@ def init_tensor_shard_(shard: torch.Tensor, *, key: str, seed: int, std: float, 
             for j in range(c0 // TILE_COLS, math.ceil((c0 + cols) / TILE_COLS)):
                 tile_c = min(TILE_COLS, global_cols - j * TILE_COLS)
                 g = torch.Generator().manual_seed(_tile_seed(seed, key, i, j))
-                tile = torch.randn(TILE_ROWS, tile_c, generator=g).mul_(std)
+                if bound is None:
+                    tile = torch.randn(TILE_ROWS, tile_c, generator=g).mul_(std)
+                else:
+                    tile = torch.rand(TILE_ROWS, tile_c, generator=g).mul_(2 * bound).sub_(bound)
                 gr0, gc0 = i * TILE_ROWS, j * TILE_COLS
                 lo_r, hi_r = max(gr0, r0), min(gr0 + TILE_ROWS, r0 + rows)
                 lo_c, hi_c = max(gc0, c0), min(gc0 + tile_c, c0 + cols)
@@ -79,6 +97,25 @@ def init_tensor_shard_(shard: torch.Tensor, *, key: str, seed: int, std: float, 
     if local.data_ptr() != shard.data_ptr():  # reshape copied (non-contiguous shard)
         shard.copy_(local.view_as(shard))
     return shard
+
+
+def reset_default_(param: nn.Parameter, tp_group=None, *, std: float | None = None,
+                   bound: float | None = None) -> nn.Parameter:
+    """The layers' default initialisation (module docstring) of one parameter, in place.
+
+    Draws one seed from torch's default CPU generator, then fills this rank's shard
+    (its ``tp_shard_dim`` mark, vocabulary padding zero) with the global tensor's
+    values: normal(0, ``std``) or uniform(±``bound``). A ``meta`` parameter is left
+    alone and draws nothing. Communicates nothing.
+    """
+    if param.is_meta:
+        return param
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    dim = tp_shard_dim(param)
+    tp, rank = (comm.tp_world_size(tp_group), comm.tp_rank(tp_group)) if dim is not None else (1, 0)
+    init_tensor_shard_(param.data, key="default", seed=seed, std=std, bound=bound, shard_dim=dim,
+                       tp_rank=rank, tp_size=tp, vocab_size=getattr(param, "vocab_size", None))
+    return param
 
 
 def init_parameters_(module: nn.Module, *, seed: int = 0, tp_group=None,

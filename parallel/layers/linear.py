@@ -9,7 +9,9 @@ sequence parallelism, an all-gather + a reduce-scatter each way: the same bytes,
 plus one all-gather in backward, since the column layer keeps only its sequence
 chunk of the input for backward and gathers it again).
 
-Weights follow ``torch.nn.Linear``: ``[out_features, in_features]``.
+Weights follow ``torch.nn.Linear``: ``[out_features, in_features]``, and so does the
+initialisation at construction: ``U(-1/√in, 1/√in)`` with ``in`` the global input
+features, the full tensor the same for every tp (:func:`~parallel.layers.init.reset_default_`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from .. import comm
 from ..comm.autograd import SEQ_DIM
 from ..params import mark_no_weight_decay, mark_sequence_parallel, mark_tp_sharded
+from .init import reset_default_
 
 
 class LayerConfigError(ValueError):
@@ -94,6 +97,13 @@ class _SequenceParallelColumns(torch.autograd.Function):
         return (grad_x, None, *out)
 
 
+def _reset_linear(weight: nn.Parameter, bias: nn.Parameter | None, in_features: int, tp_group) -> None:
+    bound = 1.0 / in_features**0.5 if in_features else 0.0
+    reset_default_(weight, tp_group, bound=bound)
+    if bias is not None:
+        reset_default_(bias, tp_group, bound=bound)
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x Wᵀ + b`` with ``W``'s output rows split over the TP group.
 
@@ -132,6 +142,11 @@ class ColumnParallelLinear(nn.Module):
             mark_no_weight_decay(self.bias)
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s distributions, layout-independent (module docstring); no-op on ``meta``."""
+        _reset_linear(self.weight, self.bias, self.in_features, self.tp_group)
 
     @staticmethod
     def shared_forward(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tensor, ...]:
@@ -194,6 +209,11 @@ class RowParallelLinear(nn.Module):
                 mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s distributions, layout-independent (module docstring); no-op on ``meta``."""
+        _reset_linear(self.weight, self.bias, self.in_features, self.tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_parallel:

@@ -32,6 +32,12 @@ class LayerNorm(nn.Module):
         self.weight = _mark(nn.Parameter(torch.ones(dim, device=device, dtype=dtype)), sequence_parallel)
         self.bias = _mark(nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)), sequence_parallel)
 
+    def reset_parameters(self) -> None:
+        """Weight one, bias zero (as at construction)."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+            self.bias.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
 
@@ -44,6 +50,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.dim, self.eps = dim, eps
         self.weight = _mark(nn.Parameter(torch.ones(dim, device=device, dtype=dtype)), sequence_parallel)
+
+    def reset_parameters(self) -> None:
+        """Weight one (as at construction)."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.rms_norm(x.float(), (self.dim,), eps=self.eps).to(x.dtype)

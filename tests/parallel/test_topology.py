@@ -147,6 +147,12 @@ def test_describe_names_nodes_and_flags_tp_crossing_nodes():
     assert "world size 17920" in repr(Topology(64, 35, 8))
 
 
+def test_describe_says_gpus_only_for_gpu_ranks():
+    assert "1 node(s) × 8 GPUs;" in Topology(2, 2, 2).describe(8)
+    cpu = Topology(1, 2, 2).describe(4, device="cpu")
+    assert "1 node(s) × 4 CPU processes;" in cpu and "GPU" not in cpu
+
+
 def test_docstring_examples_hold():
     import doctest
 

@@ -72,6 +72,9 @@ def test_command_line_multirun_gathers_one_table(tmp_path):
     assert "sweep summary" in res.stdout
     assert "parallel.tp=1" in res.stdout and "parallel.tp=2" in res.stdout and "tokens_per_s=" in res.stdout
     assert len(list(tmp_path.glob("*/plan.json"))) == 2
+    # ONE table on the screen: each job's full table goes to its plan.txt
+    assert res.stdout.count("sweep summary") == 1 and "plan for" not in res.stdout, res.stdout[:2000]
+    assert all("plan for" in (tmp_path / job / "plan.txt").read_text() for job in ("0", "1"))
 
 
 def test_plain_table_without_rich(tmp_path, capsys, monkeypatch):
