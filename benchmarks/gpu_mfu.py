@@ -92,7 +92,7 @@ def _sdpa_without_math_kernel():
 def measure(layout: tuple[int, int, int], a, dry_run: bool) -> dict:
     """Train ``layout`` for ``a.warmup + a.steps`` steps; rank 0's view of the timed ones."""
     from parallel import comm
-    from parallel.plan.shape import model_flops_per_token
+    from parallel.plan.shape import model_tflops_per_device
     from recipes.plan import plan_from_config
     from recipes.trainer import Trainer
 
@@ -116,7 +116,7 @@ def measure(layout: tuple[int, int, int], a, dry_run: bool) -> dict:
     comm.all_reduce(peak_mem, op=torch.distributed.ReduceOp.MAX)  # world group
     cfg = trainer.model_cfg
     tokens_per_s = rc.train.global_batch * cfg.seq_len / elapsed
-    tflops = tokens_per_s * model_flops_per_token(cfg) / world / 1e12
+    tflops = model_tflops_per_device(tokens_per_s, cfg, world)
     n_params = sum(p.numel() for p in trainer.stage_module.parameters())
     del trainer
     gc.collect()

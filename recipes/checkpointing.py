@@ -129,12 +129,12 @@ class Preemption:
     """Turns SIGTERM (Slurm pre-emption, torchrun shutting down) or SIGINT (Ctrl-C reaches every
     worker of a terminal's job) into "checkpoint, then stop"; :meth:`close` joins the watchdog.
 
-    :meth:`requested` agrees on the flag across ranks (a 4-byte ``all_reduce`` MAX
-    over the world and one host read), so all ranks save the same step and stop
-    together even if the signal reached only some. The trainer calls it only at
-    the ends of steps that read the host anyway (logged steps, checkpoint steps),
-    so it adds no synchronisation to the other steps; a SIGTERM is therefore acted
-    upon within ``train.log_every`` steps, which ``grace_s`` must cover. A rank that cannot
+    :meth:`poll`, called by every rank at the end of every step, agrees on the flag
+    across ranks (a 4-byte ``all_reduce`` MAX over the world), so all ranks save the
+    same step and stop together even if the signal reached only some. It never makes
+    the host wait for the step's work: it reads the previous step's agreed flag, copied
+    to the host asynchronously and long finished, so a signal is acted upon one step
+    after it arrives (``grace_s`` must cover one step plus the save). A rank that cannot
     reach a step's end — blocked in a collective with a dead peer, which is how
     torchrun's SIGTERM usually finds the survivors of a failure — must still
     die: a watchdog thread wakes on the signal at once (``signal.set_wakeup_fd``
@@ -146,6 +146,8 @@ class Preemption:
     def __init__(self, grace_s: float):
         self.flag = False
         self.grace_s = grace_s
+        self._pending: tuple | None = None  # the previous poll's (copy event, host flag)
+        self._device_flag: torch.Tensor | None = None
         self._acknowledged = threading.Event()
         self._installed = threading.current_thread() is threading.main_thread()  # signals need it
         if not self._installed:
@@ -174,10 +176,32 @@ class Preemption:
         except OSError:
             return
 
-    def requested(self) -> bool:
-        t = torch.tensor([float(self.flag)], device=comm.device_for())
-        comm.all_reduce(t, op=comm.ReduceOp.MAX)
-        agreed = bool(t.item())
+    def poll(self) -> bool:
+        """Collective over the world, every rank at the end of every step: True once every rank
+        has seen the previous call's agreement that some rank was signalled.
+
+        Queues this call's MAX all-reduce of the local flag and an asynchronous copy of the
+        result to the host, then returns the previous call's result: on a GPU its copy finished
+        a whole step ago, so the event wait costs nothing (no stream synchronisation); on gloo
+        the all-reduce has completed on return. Every rank therefore decides on the same step."""
+        agreed = False
+        if self._pending is not None:
+            done, host = self._pending
+            if done is not None:
+                done.synchronize()
+            agreed = bool(host.numpy()[0])  # host memory: no device read
+        if self._device_flag is None:
+            self._device_flag = torch.zeros(1, device=comm.device_for())
+        flag = self._device_flag.fill_(float(self.flag))  # a kernel, not a host-to-device copy
+        comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+        if flag.device.type == "cuda":
+            host = torch.empty(1, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self._pending = (done, host)
+        else:
+            self._pending = (None, flag.clone())
         if agreed:
             self._acknowledged.set()
         return agreed

@@ -144,7 +144,13 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
             from .dryrun import run_dryrun
 
             check_values(rc)
-            return run_dryrun(rc, run_dir)
+            found = run_dryrun(rc, run_dir)
+            if found["misplaced"] or found["sequence_problems"]:  # a would-be NCCL error or hang: fail
+                print(f"error: dry run found {found['misplaced']} tensor(s) off the rank's device and "
+                      f"{found['sequence_problems']} call-sequence mismatch(es); see {run_dir}/dryrun.json",
+                      file=sys.stderr)
+                raise SystemExit(1)
+            return found
         from .preflight import preflight
 
         if under_torchrun():  # every rank, before any collective: a clean message everywhere
@@ -153,8 +159,8 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
                       world=int(os.environ["WORLD_SIZE"]))
             return worker(rc, run_dir)
         layout = validate(rc, world_size=None)
+        check_local_world(layout.world_size, oversubscribe=rc.parallel.oversubscribe)  # cheapest first
         preflight(rc, layout, run_dir)
-        check_local_world(layout.world_size, oversubscribe=rc.parallel.oversubscribe)
     except (ConfigError, LocalWorldError) as e:
         refuse(e)
     results = spawn_local(worker, layout.world_size, rc, run_dir)

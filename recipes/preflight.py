@@ -16,6 +16,7 @@ one home per rule.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,21 @@ from .config import ConfigError, Layout, bad
 
 
 def check_backend(backend: str | None) -> None:
-    """``parallel.backend=nccl`` needs CUDA and a PyTorch built with NCCL."""
-    if backend != "nccl":
-        return
+    """``parallel.backend=nccl`` needs CUDA and a PyTorch built with NCCL; under torchrun with NCCL
+    (asked for, or the default on a CUDA machine) this node must have a GPU for each local rank."""
     import torch
     import torch.distributed as dist
+
+    from parallel.groups import check_local_gpus, default_backend
+
+    if (backend or default_backend()) == "nccl" and "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+        try:
+            check_local_gpus(int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                             torch.cuda.device_count())
+        except ValueError as e:
+            raise ConfigError(f"parallel.backend=nccl: {e}") from None
+    if backend != "nccl":
+        return
 
     if not torch.cuda.is_available():
         raise bad(

@@ -31,7 +31,7 @@ from parallel.layers import check_token_ids
 from parallel.memory import SavedActivationMeter, peak_memory_bytes
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.partition import stage_chunks
-from parallel.plan.shape import ModelShape, layer_partition, model_flops_per_token
+from parallel.plan.shape import ModelShape, layer_partition, model_tflops_per_device
 from parallel.pipeline.schedules import Backward, Forward, build_schedule
 from parallel.pipeline.simulator import Span
 from parallel.pipeline.timeline import bubble_fraction, draw_timeline
@@ -350,7 +350,6 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
                     else int(os.environ.get("LOCAL_WORLD_SIZE", trainer.topology.world_size)))
         log.info(trainer.topology.describe(per_node, device=trainer.device.type))
     tokens_per_step = t.global_batch * trainer.model_cfg.seq_len
-    flops_per_token = model_flops_per_token(trainer.model_cfg)
     peak = rc.logger.peak_tflops or (measured_matmul_tflops() if trainer.device.type == "cpu" else None)
     world = trainer.topology.world_size
     last: dict[str, Any] = {}
@@ -365,49 +364,50 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
     try:
         first = trainer.step  # 0, or the step a resumed checkpoint continues from
-        window_s, window_steps = 0.0, 0  # host time and steps since the last read (logged) step
+        window_start, window_steps = time.perf_counter(), 0  # wall time and steps since the last read
         for step in range(first, t.max_steps):
             checkpointing.fault_drill(t.fault, trainer.rank, step + 1)  # checkpoint: fault drills
             eval_due = bool(t.eval_every) and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps)
-            log_due = ((step + 1) % t.log_every == 0 or step == first or step + 1 == t.max_steps or eval_due)
+            save_due = checkpointing.save_due(step + 1, rc)
+            # the host reads the device (loss, norm) on logged steps only; a save reads it anyway
+            read = (step + 1) % t.log_every == 0 or step == first or step + 1 == t.max_steps or eval_due or save_due
             profiler.before(step + 1)  # logger.profile
             if rc.logger.timeline and step == first + 1:  # a steady step (the first warms up, measures memory)
                 rec = trainer.timeline_step(step, Path(run_dir) / "timeline.png")
-            else:  # the loss and norm are read on the host on logged steps only
-                rec = trainer.train_step(step, measure_memory=step == first, read=log_due)
+            else:
+                rec = trainer.train_step(step, measure_memory=step == first, read=read)
             profiler.after(step + 1)
             if step == first:
                 report = trainer.memory_report()
                 if report:
                     log.info(report)
             rec["step"] = step + 1
-            window_s, window_steps = window_s + rec["host_time_s"], window_steps + 1
-            # over the steps since the last read: their host time ends with this step's read, so it
-            # covers the device's work even though the steps between were only enqueued
-            rec["tokens_per_s"] = tokens_per_step * window_steps / window_s
-            if log_due:
-                window_s, window_steps = 0.0, 0
-            if peak:
-                rec["mfu"] = rec["tokens_per_s"] * flops_per_token / (peak * 1e12 * world)
+            window_steps += 1
+            if read:  # the device has done every step since the last read: wall time is its time
+                rec["tokens_per_s"] = tokens_per_step * window_steps / (time.perf_counter() - window_start)
+                if peak:
+                    rec["mfu"] = model_tflops_per_device(rec["tokens_per_s"], trainer.model_cfg, world) / peak
             if eval_due:
                 rec["val_loss"] = trainer.evaluate()
             last = rec
             log.advance()
-            if log_due:
+            if read:
                 log.log(rec)
             # --- checkpoint: periodic / final save, SIGTERM → save and stop ---
             trainer.step = step + 1
-            save_due = checkpointing.save_due(trainer.step, rc)
-            # agreed on (a world all-reduce and a host read) on steps that read the host anyway
-            preempted = preemption.requested() if (log_due or save_due) else False
+            preempted = preemption.poll()  # every step, no host wait: agreed by all ranks one step late
             if save_due or preempted:
                 path = checkpointing.save(trainer, on_written=lambda: checkpointing.fault_drill(
                     t.fault, trainer.rank, trainer.step, where="save"))
                 log.info(f"checkpoint {path}")
             if preempted:
+                if not read:
+                    log.log(read_record(rec))
                 log.info(f"SIGTERM: stopped after step {trainer.step} with a checkpoint")
                 break
             # --- end checkpoint ---
+            if read:  # evaluation, logging and saving are not training time
+                window_start, window_steps = time.perf_counter(), 0
     finally:
         profiler.close()
         preemption.close()

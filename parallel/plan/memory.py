@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from ..zero import theory as zero_theory
 from .hardware import PlanError
 
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISION_BYTES = zero_theory.DTYPE_BYTES  # one home: bytes per element of each precision
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # fp32 tensors per parameter
 ZERO_STAGES = (0, 1, 2, 3)
 

@@ -95,3 +95,8 @@ def model_flops_per_token(shape: ModelShape) -> float:
     shape = ModelShape.of(shape)
     n = shape.n_layers * shape.block_matmul_params() + shape.vocab_size * shape.d_model
     return 6 * n + 12 * shape.n_layers * shape.d_model * shape.seq_len
+
+
+def model_tflops_per_device(tokens_per_s: float, shape: ModelShape, devices: int) -> float:
+    """Model TFLOP/s each of ``devices`` achieves at ``tokens_per_s`` for the whole job (MFU = this / peak)."""
+    return tokens_per_s * model_flops_per_token(shape) / devices / 1e12

@@ -294,9 +294,11 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             if not self.overlap and b.ready == len(b.params) and b.has_unreduced_grads():
                 self._reduce(b, wait=False)
         for b in self.buckets:
-            b.finish_reduction()
-            if self.stage >= 2:
+            if self.stage >= 2:  # the shard takes this micro-batch's reduce-scatter before the next
+                b.finish_reduction()
                 b.ready = 0
+            # stages 0-1 reduce once per step: step() waits, so with interleaving a chunk's reductions
+            # overlap the other chunks' remaining backwards instead of blocking at this chunk's end
             if self._frees_after_backward(b) and not b.has_unreduced_grads():
                 b.free_params()
 

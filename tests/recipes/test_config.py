@@ -69,3 +69,25 @@ def test_mp_is_an_alias_of_tp():
     assert validate(rc, world_size=2).tp == 2 and rc.parallel.tp == 2
     with pytest.raises(ConfigError, match="parallel.mp=2 and parallel.tp=4 disagree"):
         validate(make(parallel__mp=2, parallel__tp=4), world_size=None)
+
+
+def test_more_torchrun_ranks_than_gpus_is_one_config_error_before_any_worker_code(monkeypatch):
+    """Under torchrun with NCCL (the default on a CUDA machine), a node with fewer GPUs than local
+    ranks is refused in preflight with the numbers, not inside init_distributed with a traceback."""
+    import torch
+    import torch.distributed as dist
+
+    from recipes.config import ConfigError
+    from recipes.preflight import check_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"parallel.backend=nccl: this node runs 4 ranks .* sees 2 GPU"):
+        check_backend(None)
+    check_backend("gloo")  # the CPU backend needs no GPU per rank
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    check_backend(None)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.testing import run_ranks
+from parallel.testing import HostSyncCounter, run_ranks
 from recipes.checkpointing import Preemption
 from recipes.exits import finish_distributed
 
@@ -37,6 +37,27 @@ def test_preemption_close_joins_its_watchdog_and_restores_the_handlers():
     assert not p._thread.is_alive()
     assert {s: signal.getsignal(s) for s in before} == before
     assert [t.name for t in threading.enumerate() if t.name == "sigterm-watchdog"] == []
+
+
+def _poll_rank(signalled_rank, signal_at):
+    p = Preemption.__new__(Preemption)  # the agreement alone: no handlers in a forked test rank
+    p.flag, p._pending, p._device_flag, p._installed = False, None, None, False
+    p._acknowledged = threading.Event()
+    seen = []
+    with HostSyncCounter() as syncs:
+        for step in range(6):
+            if dist.get_rank() == signalled_rank and step == signal_at:
+                p.flag = True
+            seen.append(p.poll())
+    return seen, syncs.total
+
+
+def test_preemption_is_agreed_by_every_rank_on_the_same_step_one_step_late_without_host_reads():
+    """Only rank 1 is signalled (during step 2): every rank stops after step 3, and polling every
+    step reads no device value (the flag read is the previous step's host copy)."""
+    for seen, syncs in run_ranks(_poll_rank, 2, 1, 2, timeout=60):
+        assert seen == [False, False, False, True, True, True]
+        assert syncs == 0
 
 
 def test_finished_torchrun_jobs_exit_zero_every_time(tmp_path):
