@@ -17,8 +17,9 @@ import torch.distributed as dist
 from parallel import comm
 
 
-def time_alternating(steps_by_name: dict[str, Callable[[], object]], steps: int, warmup: int = 2,
-                     barrier: bool = True) -> dict[str, list[float]]:
+def time_alternating(
+    steps_by_name: dict[str, Callable[[], object]], steps: int, warmup: int = 2, barrier: bool = True
+) -> dict[str, list[float]]:
     """Seconds of each contender's step, ``steps`` rounds after ``warmup`` rounds.
 
     Each round runs every contender once, so that a change in machine load (other
@@ -63,9 +64,14 @@ def compare(ours: list[float], theirs: list[float]) -> dict:
     if len(ours) != len(theirs) or not ours:
         raise ValueError(f"need the same non-zero number of rounds, got {len(ours)} and {len(theirs)}")
     ratios = [a / b for a, b in zip(ours, theirs)]
-    return {"ours_ms": 1e3 * statistics.median(ours), "theirs_ms": 1e3 * statistics.median(theirs),
-            "ratio": statistics.median(ratios), "ratio_lo": quantile(ratios, 0.25),
-            "ratio_hi": quantile(ratios, 0.75), "rounds": len(ratios)}
+    return {
+        "ours_ms": 1e3 * statistics.median(ours),
+        "theirs_ms": 1e3 * statistics.median(theirs),
+        "ratio": statistics.median(ratios),
+        "ratio_lo": quantile(ratios, 0.25),
+        "ratio_hi": quantile(ratios, 0.75),
+        "rounds": len(ratios),
+    }
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -76,15 +82,20 @@ def torch_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     """Bytes of the distinct storages behind parameters, gradients and optimizer state."""
     tensors = [local_tensor(p) for p in model.parameters()]
     tensors += [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
-    tensors += [local_tensor(v) for s in optimizer.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0]
+    tensors += [
+        local_tensor(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
+    ]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
 
 # torch.distributed collectives PyTorch's own wrappers call; counted only while COUNT_TORCH["on"]
-_WRAPPED = {"all_reduce": "all_reduce", "broadcast": "broadcast",
-            "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter"}
+_WRAPPED = {
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "all_gather_single": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+}
 _ORIGINAL: dict = {}
 COUNT_TORCH = {"on": False}
 

@@ -52,8 +52,9 @@ def _batches(trainer, step: int, dp: int, dp_rank: int) -> list[tuple[torch.Tens
     """This rank's micro-batches of ``step`` for a layout with ``dp`` replicas (the
     same global batch our trainer's step ``step`` takes)."""
     t = trainer.rc.train
-    return trainer.train_data.rank_microbatches(step, global_batch=t.global_batch, dp=dp, dp_rank=dp_rank,
-                                                micro_batch=t.micro_batch, seed=t.seed)
+    return trainer.train_data.rank_microbatches(
+        step, global_batch=t.global_batch, dp=dp, dp_rank=dp_rank, micro_batch=t.micro_batch, seed=t.seed
+    )
 
 
 class Theirs:
@@ -128,8 +129,9 @@ class Theirs:
         n_virtual, rank = len(tr.ranges), tr.groups.pp_rank
         modules, stages = torch.nn.ModuleList(), []
         for virtual in range(rank, n_virtual, p.pp):  # the same chunks our trainer gave this rank
-            module = plain_like_ours(cfg, tr.rc.train.seed, tr.ranges[virtual], has_embedding=virtual == 0,
-                                     has_head=virtual == n_virtual - 1)
+            module = plain_like_ours(
+                cfg, tr.rc.train.seed, tr.ranges[virtual], has_embedding=virtual == 0, has_head=virtual == n_virtual - 1
+            )
             modules.append(module)
             stages.append(PipelineStage(module, virtual, n_virtual, torch.device("cpu"), group=tr.groups.pp))
         m = tr.layout.grad_accum

@@ -20,7 +20,9 @@ from recipes.config import RecipeConfig, model_config
 from .tp import NAMES, PlainBlock
 
 
-def suite_recipe(dp: int | str = "auto", pp: int = 1, tp: int = 1, zero: int = 0, *, quick: bool = False, **parallel) -> RecipeConfig:
+def suite_recipe(
+    dp: int | str = "auto", pp: int = 1, tp: int = 1, zero: int = 0, *, quick: bool = False, **parallel
+) -> RecipeConfig:
     """The recipe every row trains: a 4-layer GPT (d_model 128, seq 64, vocab 256,
     untied head: torch.distributed.pipelining cannot tie across stages), global
     batch 16 in micro-batches of 2, AdamW without clipping (PyTorch's wrappers
@@ -48,8 +50,9 @@ class PlainGPT(nn.Module):
     """Blocks ``layers`` of a GPT, with the embedding and/or head if asked (a
     pipeline stage when not the whole model); parameter names as ours."""
 
-    def __init__(self, cfg: ModelConfig, layers: range | None = None, has_embedding: bool = True,
-                 has_head: bool = True):
+    def __init__(
+        self, cfg: ModelConfig, layers: range | None = None, has_embedding: bool = True, has_head: bool = True
+    ):
         super().__init__()
         if cfg.arch != "gpt" or cfg.tie_embeddings:
             raise ValueError(f"PlainGPT is an untied GPT; got arch={cfg.arch!r} tie_embeddings={cfg.tie_embeddings}")
@@ -91,8 +94,9 @@ def copy_from_ours(plain: PlainGPT, ours: nn.Module) -> PlainGPT:
     return plain
 
 
-def plain_like_ours(cfg: ModelConfig, seed: int, layers: range | None = None, has_embedding: bool = True,
-                    has_head: bool = True) -> PlainGPT:
+def plain_like_ours(
+    cfg: ModelConfig, seed: int, layers: range | None = None, has_embedding: bool = True, has_head: bool = True
+) -> PlainGPT:
     """A :class:`PlainGPT` (stage) with the weights our trainer starts from at ``seed``
     (our initialisation is layout-independent, so the unsharded model gives them)."""
     full = build_model(cfg, seed=seed)

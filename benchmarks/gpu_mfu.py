@@ -111,8 +111,9 @@ def measure(layout: tuple[int, int, int], a, dry_run: bool) -> dict:
             loss = trainer.train_step(step)["loss"]  # waits for the device
         elapsed = (time.perf_counter() - t0) / a.steps
     world = trainer.topology.world_size
-    peak_mem = torch.tensor([torch.cuda.max_memory_allocated() if cuda else 0], dtype=torch.float64,
-                            device=trainer.device)
+    peak_mem = torch.tensor(
+        [torch.cuda.max_memory_allocated() if cuda else 0], dtype=torch.float64, device=trainer.device
+    )
     comm.all_reduce(peak_mem, op=torch.distributed.ReduceOp.MAX)  # world group
     cfg = trainer.model_cfg
     tokens_per_s = rc.train.global_batch * cfg.seq_len / elapsed
@@ -126,10 +127,18 @@ def measure(layout: tuple[int, int, int], a, dry_run: bool) -> dict:
         fullest = max(plan_from_config(rc).ranks, key=lambda r: r.memory["total"]).memory
     except ValueError:  # ConfigError: a layout the planner cannot describe
         fullest = {"total": float("nan"), "model_states": float("nan"), "activations": float("nan")}
-    return {"layout": layout, "step_s": elapsed, "tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
-            "peak_mem_GB": peak_mem.item() / 1e9, "loss": loss, "rank0_params": n_params,
-            "predicted_mem_GB": fullest["total"] / 1e9, "predicted_states_GB": fullest["model_states"] / 1e9,
-            "predicted_activations_GB": fullest["activations"] / 1e9}
+    return {
+        "layout": layout,
+        "step_s": elapsed,
+        "tokens_per_s": tokens_per_s,
+        "tflops_per_gpu": tflops,
+        "peak_mem_GB": peak_mem.item() / 1e9,
+        "loss": loss,
+        "rank0_params": n_params,
+        "predicted_mem_GB": fullest["total"] / 1e9,
+        "predicted_states_GB": fullest["model_states"] / 1e9,
+        "predicted_activations_GB": fullest["activations"] / 1e9,
+    }
 
 
 def _single_process_env() -> None:
@@ -139,8 +148,9 @@ def _single_process_env() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def main(argv=None) -> list[dict]:
@@ -148,16 +158,22 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--global-batch", type=int, default=0,
-                    help="sequences per step (default: 4 micro-batches per rank, micro-batch × 4 × world)")
+    ap.add_argument(
+        "--global-batch",
+        type=int,
+        default=0,
+        help="sequences per step (default: 4 micro-batches per rank, micro-batch × 4 × world)",
+    )
     ap.add_argument("--layout", action="append", help="dp,pp,tp (repeatable); default: see the module doc")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, if not in the table")
     a = ap.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     a.global_batch = a.global_batch or a.micro_batch * 4 * world
     if min(a.steps, a.micro_batch, a.global_batch) < 1 or a.warmup < 0:
-        ap.error(f"--steps/--micro-batch/--global-batch must be ≥ 1 and --warmup ≥ 0, got "
-                 f"{a.steps}/{a.micro_batch}/{a.global_batch} and {a.warmup}")
+        ap.error(
+            f"--steps/--micro-batch/--global-batch must be ≥ 1 and --warmup ≥ 0, got "
+            f"{a.steps}/{a.micro_batch}/{a.global_batch} and {a.warmup}"
+        )
     dry_run = not torch.cuda.is_available()
     if dry_run:
         print("No CUDA GPU here: a tiny CPU dry run of the same path (2 steps, 1 warm-up); no MFU figures.")
@@ -177,11 +193,14 @@ def main(argv=None) -> list[dict]:
         results.append(r)
         if rank0:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (peak unknown: --peak-tflops)"
-            print(f"{name} ×{world} (dp,pp,tp)={layout}: {r['step_s'] * 1e3:.0f} ms/step, "
-                  f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {mfu}, "
-                  f"max_memory_allocated {r['peak_mem_GB']:.2f} GB/GPU (max over ranks) vs planner "
-                  f"{r['predicted_mem_GB']:.2f} GB (model states {r['predicted_states_GB']:.2f} + activations "
-                  f"{r['predicted_activations_GB']:.2f}), loss {r['loss']:.3f}", flush=True)
+            print(
+                f"{name} ×{world} (dp,pp,tp)={layout}: {r['step_s'] * 1e3:.0f} ms/step, "
+                f"{r['tokens_per_s']:,.0f} tokens/s, {r['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {mfu}, "
+                f"max_memory_allocated {r['peak_mem_GB']:.2f} GB/GPU (max over ranks) vs planner "
+                f"{r['predicted_mem_GB']:.2f} GB (model states {r['predicted_states_GB']:.2f} + activations "
+                f"{r['predicted_activations_GB']:.2f}), loss {r['loss']:.3f}",
+                flush=True,
+            )
     if dry_run and rank0:
         print("dry run done (exit 0); run on a CUDA machine for the real figures")
     return results

@@ -51,16 +51,24 @@ def _rank(pp: int, m: int, n_layers: int, d: int, mbs: int, seq: int, steps: int
     group = dist.new_group(list(range(pp)), group_desc="pp")
 
     ours = _stage(layers, n_layers, d, first, last)
-    ex = PipelineExecutor([ours], one_f_one_b(pp, m)[stage], pp_group=group, activation_shape=(mbs, seq, d),
-                          dtype=torch.float32, loss_fn=F.mse_loss, record_timeline=True)
+    ex = PipelineExecutor(
+        [ours],
+        one_f_one_b(pp, m)[stage],
+        pp_group=group,
+        activation_shape=(mbs, seq, d),
+        dtype=torch.float32,
+        loss_fn=F.mse_loss,
+        record_timeline=True,
+    )
     xs, ys = list(batch.chunk(m)), list(target.chunk(m))
     timelines = []
 
     def our_step():
         ours.zero_grad()
         ex.run(xs, ys)
-        timelines.append([Span(s.action, s.start + ex.timeline_origin, s.end + ex.timeline_origin)
-                          for s in ex.timeline])
+        timelines.append(
+            [Span(s.action, s.start + ex.timeline_origin, s.end + ex.timeline_origin) for s in ex.timeline]
+        )
 
     theirs = _stage(layers, n_layers, d, first, last)
     pstage = PipelineStage(theirs, stage, pp, torch.device("cpu"), group=group)
@@ -79,23 +87,31 @@ def _rank(pp: int, m: int, n_layers: int, d: int, mbs: int, seq: int, steps: int
     return times["ours"], times["torch"], timelines[-1]
 
 
-def main(pp: int = 2, m: int = 8, n_layers: int = 8, d: int = 256, mbs: int = 4, seq: int = 64,
-         steps: int = 10, png: str | None = None) -> dict:
+def main(
+    pp: int = 2,
+    m: int = 8,
+    n_layers: int = 8,
+    d: int = 256,
+    mbs: int = 4,
+    seq: int = 64,
+    steps: int = 10,
+    png: str | None = None,
+) -> dict:
     results = run_ranks(_rank, pp, pp, m, n_layers, d, mbs, seq, steps, timeout=600)
     ours = statistics.median(max(r[0][i] for r in results) for i in range(steps))
     theirs = statistics.median(max(r[1][i] for r in results) for i in range(steps))
     # per-round ratio (each round ran both back to back under the same load), then the median
-    ratio = statistics.median(
-        max(r[0][i] for r in results) / max(r[1][i] for r in results) for i in range(steps))
+    ratio = statistics.median(max(r[0][i] for r in results) / max(r[1][i] for r in results) for i in range(steps))
     t0 = min(r[2][0].start for r in results)
     timeline = [[Span(s.action, s.start - t0, s.end - t0) for s in r[2]] for r in results]
     measured = bubble_fraction(timeline)
     theory = (pp - 1) / (m + pp - 1)
-    out = dict(pp=pp, m=m, ours_s=ours, torch_s=theirs, ratio=ratio,
-               bubble_measured=measured, bubble_theory=theory)
-    print(f"pp={pp} m={m} layers={n_layers} d={d} micro-batch={mbs}×{seq}: step ours {ours * 1e3:.0f} ms, "
-          f"torch Schedule1F1B {theirs * 1e3:.0f} ms, median per-round ratio {ratio:.2f}; "
-          f"bubble measured {measured:.1%} vs theory {theory:.1%}")
+    out = dict(pp=pp, m=m, ours_s=ours, torch_s=theirs, ratio=ratio, bubble_measured=measured, bubble_theory=theory)
+    print(
+        f"pp={pp} m={m} layers={n_layers} d={d} micro-batch={mbs}×{seq}: step ours {ours * 1e3:.0f} ms, "
+        f"torch Schedule1F1B {theirs * 1e3:.0f} ms, median per-round ratio {ratio:.2f}; "
+        f"bubble measured {measured:.1%} vs theory {theory:.1%}"
+    )
     if png:
         draw_timeline(timeline, png, title=f"gridtrain 1F1B, pp={pp}, m={m} (measured)")
     return out

@@ -42,16 +42,35 @@ from .gpt import suite_recipe
 # section -> (world size, [(row name, our recipe's parallel settings, PyTorch's contender)])
 SECTIONS: dict[str, tuple[int, list[tuple[str, dict, str]]]] = {
     "single": (1, [("single process", {}, "plain")]),
-    "dp": (2, [("dp ZeRO-0", dict(zero=0), "ddp"), ("dp ZeRO-1", dict(zero=1), "zero_redundancy"),
-               ("dp ZeRO-2", dict(zero=2), "fsdp2_zero2"), ("dp ZeRO-3", dict(zero=3), "fsdp2_zero3")]),
+    "dp": (
+        2,
+        [
+            ("dp ZeRO-0", dict(zero=0), "ddp"),
+            ("dp ZeRO-1", dict(zero=1), "zero_redundancy"),
+            ("dp ZeRO-2", dict(zero=2), "fsdp2_zero2"),
+            ("dp ZeRO-3", dict(zero=3), "fsdp2_zero3"),
+        ],
+    ),
     "tp": (2, [("tp=2", dict(tp=2), "dtensor_tp")]),
-    "pp": (2, [("pp=2 1F1B", dict(pp=2), "torch_1f1b"),
-               ("pp=2 interleaved v=2", dict(pp=2, pp_schedule="interleaved", vpp=2), "torch_interleaved")]),
+    "pp": (
+        2,
+        [
+            ("pp=2 1F1B", dict(pp=2), "torch_1f1b"),
+            ("pp=2 interleaved v=2", dict(pp=2, pp_schedule="interleaved", vpp=2), "torch_interleaved"),
+        ],
+    ),
     "3d": (8, [("3d (2,2,2) ZeRO-1", dict(dp=2, pp=2, tp=2, zero=1), "ddp")]),
 }
-LABELS = {"plain": "plain PyTorch", "ddp": "DDP", "zero_redundancy": "DDP + ZeroRedundancyOptimizer",
-          "fsdp2_zero2": "FSDP2 (no reshard)", "fsdp2_zero3": "FSDP2 (reshard)", "dtensor_tp": "DTensor TP",
-          "torch_1f1b": "pipelining Schedule1F1B", "torch_interleaved": "pipelining ScheduleInterleaved1F1B"}
+LABELS = {
+    "plain": "plain PyTorch",
+    "ddp": "DDP",
+    "zero_redundancy": "DDP + ZeroRedundancyOptimizer",
+    "fsdp2_zero2": "FSDP2 (no reshard)",
+    "fsdp2_zero3": "FSDP2 (reshard)",
+    "dtensor_tp": "DTensor TP",
+    "torch_1f1b": "pipelining Schedule1F1B",
+    "torch_interleaved": "pipelining ScheduleInterleaved1F1B",
+}
 
 
 def expected_bytes(ours: Ours) -> float:
@@ -66,8 +85,9 @@ def expected_bytes(ours: Ours) -> float:
         sent += theory.dp_bytes(psi, p.zero, lay.dp, m, regathered_psi=in_units)
     if lay.tp > 1:
         for chunk in tr.stage_module.chunks:
-            sent += theory.tp_bytes(lay.tp, m, mb, mc.seq_len, mc.d_model, len(chunk.layers),
-                                    chunk.has_embedding, chunk.has_head)
+            sent += theory.tp_bytes(
+                lay.tp, m, mb, mc.seq_len, mc.d_model, len(chunk.layers), chunk.has_embedding, chunk.has_head
+            )
     if lay.pp > 1:
         sent += theory.pp_bytes(lay.pp, m, mb, mc.seq_len, mc.d_model, p.vpp)
     return sent
@@ -84,11 +104,19 @@ def _section_rank(pairs: list[tuple[str, dict, str]], quick: bool, steps: int, w
     for name, parallel, kind in pairs:
         ours, theirs = contenders[f"{name}|ours"], contenders[f"{name}|theirs"]
         g = ours.trainer.groups
-        out.append({"ours_s": times[f"{name}|ours"], "theirs_s": times[f"{name}|theirs"],
-                    "ours_state": ours.state_bytes(), "theirs_state": theirs.state_bytes(),
-                    "ours_sent": ours.sent_bytes, "theirs_sent": theirs.sent_bytes,
-                    "theory_sent": expected_bytes(ours), "m": ours.trainer.layout.grad_accum,
-                    "timeline": ours.timeline() if g.pp_size > 1 and g.dp_rank == 0 and g.tp_rank == 0 else None})
+        out.append(
+            {
+                "ours_s": times[f"{name}|ours"],
+                "theirs_s": times[f"{name}|theirs"],
+                "ours_state": ours.state_bytes(),
+                "theirs_state": theirs.state_bytes(),
+                "ours_sent": ours.sent_bytes,
+                "theirs_sent": theirs.sent_bytes,
+                "theory_sent": expected_bytes(ours),
+                "m": ours.trainer.layout.grad_accum,
+                "timeline": ours.timeline() if g.pp_size > 1 and g.dp_rank == 0 and g.tp_rank == 0 else None,
+            }
+        )
     return out
 
 
@@ -98,8 +126,12 @@ def _mean(xs):
 
 def summarize(name: str, parallel: dict, kind: str, world: int, ranks: list[dict]) -> dict:
     """One table row from every rank's measurements of one pair."""
-    row = {"row": name, "world": world, "ours": "gridtrain " + ",".join(f"{k}={v}" for k, v in parallel.items()),
-           "theirs": LABELS[kind]}
+    row = {
+        "row": name,
+        "world": world,
+        "ours": "gridtrain " + ",".join(f"{k}={v}" for k, v in parallel.items()),
+        "theirs": LABELS[kind],
+    }
     row.update(compare(slowest_rank([r["ours_s"] for r in ranks]), slowest_rank([r["theirs_s"] for r in ranks])))
     mb = 2**20
     row["ours_state_MB"] = max(r["ours_state"] for r in ranks) / mb
@@ -133,8 +165,10 @@ def _fmt(x, spec, none="—"):
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| row | ranks | PyTorch | ours ms | PyTorch ms | ours/PyTorch [IQR] | state MB/rank ours / PyTorch "
-            "| sent MB/rank ours / PyTorch / theory (Δ) | bubble ours / theory |")
+    head = (
+        "| row | ranks | PyTorch | ours ms | PyTorch ms | ours/PyTorch [IQR] | state MB/rank ours / PyTorch "
+        "| sent MB/rank ours / PyTorch / theory (Δ) | bubble ours / theory |"
+    )
     lines = [head, "|" + "---|" * 9]
     for r in rows:
         delta = "" if r["sent_vs_theory"] is None else f" ({r['sent_vs_theory']:+.1%})"
@@ -144,7 +178,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['ours_state_MB']:.2f} / {r['theirs_state_MB']:.2f} "
             f"| {_fmt(r['ours_sent_MB'], '.3f')} / {_fmt(r['theirs_sent_MB'], '.3f')} / "
             f"{_fmt(r['theory_sent_MB'], '.3f')}{delta} "
-            f"| {_fmt(r['bubble'], '.1%')} / {_fmt(r['bubble_theory'], '.1%')} |")
+            f"| {_fmt(r['bubble'], '.1%')} / {_fmt(r['bubble_theory'], '.1%')} |"
+        )
     return "\n".join(lines)
 
 
@@ -187,8 +222,13 @@ def main(argv=None) -> list[dict]:
     table = markdown(rows)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "quick": a.quick, "steps": steps, "warmup": warmup,
-            "wall_s": time.perf_counter() - t0}
+    meta = {
+        "torch": torch.__version__,
+        "quick": a.quick,
+        "steps": steps,
+        "warmup": warmup,
+        "wall_s": time.perf_counter() - t0,
+    }
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (out / "results.md").write_text(table + "\n")
     chart(rows, out / "ratios.png")

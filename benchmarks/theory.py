@@ -38,11 +38,14 @@ def dp_bytes(psi: int, stage: int, dp: int, m: int, regathered_psi: int | None =
     # blocks: reduce-scatter + forward and backward gathers every micro-batch; the rest (embedding,
     # head) is gathered once per step and stays until the optimizer step
     rest = 0 if regathered_psi is None else psi - regathered_psi
-    return m * step_sent_bytes(psi, 3, dp, param_bytes, regathered_psi=regathered_psi) - (m - 1) * rho * rest * param_bytes
+    return (
+        m * step_sent_bytes(psi, 3, dp, param_bytes, regathered_psi=regathered_psi) - (m - 1) * rho * rest * param_bytes
+    )
 
 
-def tp_bytes(tp: int, m: int, micro_batch: int, seq: int, d_model: int, layers: int, first: bool, last: bool,
-             act_bytes: int = 4) -> float:
+def tp_bytes(
+    tp: int, m: int, micro_batch: int, seq: int, d_model: int, layers: int, first: bool, last: bool, act_bytes: int = 4
+) -> float:
     """Megatron TP traffic of one stage for ``m`` micro-batches: per micro-batch the
     embedding's all-reduce (2ρA) if ``first``, two all-reduces each way per block
     (8ρA), and if ``last`` the head input's backward all-reduce (2ρA) plus the

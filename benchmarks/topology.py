@@ -1,6 +1,6 @@
 """How long the 17,920-rank GPT-3 layout takes to build, with every group list.
 
-    python -m benchmarks.topology
+python -m benchmarks.topology
 """
 
 import statistics

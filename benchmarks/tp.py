@@ -48,8 +48,16 @@ class PlainBlock(nn.Module):
         return x + self.fc_out(F.gelu(self.fc_in(self.ln_2(x)), approximate="tanh"))
 
 
-NAMES = {"attn_norm": "ln_1", "mlp_norm": "ln_2", "attn.q_proj": "q", "attn.k_proj": "k", "attn.v_proj": "v",
-         "attn.o_proj": "o", "mlp.fc_in": "fc_in", "mlp.fc_out": "fc_out"}
+NAMES = {
+    "attn_norm": "ln_1",
+    "mlp_norm": "ln_2",
+    "attn.q_proj": "q",
+    "attn.k_proj": "k",
+    "attn.v_proj": "v",
+    "attn.o_proj": "o",
+    "mlp.fc_in": "fc_in",
+    "mlp.fc_out": "fc_out",
+}
 
 
 def copy_weights(ours: TransformerBlock, plain: PlainBlock, group=None) -> None:
@@ -113,10 +121,14 @@ def main(argv=None):
     copy_weights(ours1, plain1)
     t_ours1, t_plain1 = _time_pair(ours1, plain1, x, a.warmup, a.iters)
     print(f"GPT block d_model={a.d_model} heads={a.heads} seq={a.seq} batch={a.batch}, fwd+bwd, median ms")
-    print(f"TP=2  gridtrain {tp2['ours'] * 1e3:8.2f}   torch tensor.parallel {tp2['dtensor'] * 1e3:8.2f}"
-          f"   ratio ours/torch {tp2['ours'] / tp2['dtensor']:.2f}")
-    print(f"TP=1  gridtrain {t_ours1 * 1e3:8.2f}   plain PyTorch block   {t_plain1 * 1e3:8.2f}"
-          f"   ratio ours/plain {t_ours1 / t_plain1:.2f}")
+    print(
+        f"TP=2  gridtrain {tp2['ours'] * 1e3:8.2f}   torch tensor.parallel {tp2['dtensor'] * 1e3:8.2f}"
+        f"   ratio ours/torch {tp2['ours'] / tp2['dtensor']:.2f}"
+    )
+    print(
+        f"TP=1  gridtrain {t_ours1 * 1e3:8.2f}   plain PyTorch block   {t_plain1 * 1e3:8.2f}"
+        f"   ratio ours/plain {t_ours1 / t_plain1:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,9 @@ def _build(kind: str, d: int, blocks: int):
     model = make_model(d, blocks)
     if kind.startswith("ours"):
         stage = int(kind[-1])
-        zdp = ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw,
-                               units=list(model)[:-1])
+        zdp = ZeroDataParallel(
+            model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, units=list(model)[:-1]
+        )
         return zdp, zdp.backward, zdp.step, lambda: zdp.held_bytes()["total"]
     if kind in ("ddp", "zero_redundancy"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -66,8 +67,11 @@ def _build(kind: str, d: int, blocks: int):
 
         ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
         ddp.register_comm_hook(None, ddp_comm_hook)
-        opt = adamw(ddp.parameters()) if kind == "ddp" else ZeroRedundancyOptimizer(
-            ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+        opt = (
+            adamw(ddp.parameters())
+            if kind == "ddp"
+            else ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+        )
         state = lambda: torch_state_bytes(model, opt.optim if kind != "ddp" else opt)  # noqa: E731
         return ddp, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()), state
     if kind == "fsdp2":
@@ -79,8 +83,12 @@ def _build(kind: str, d: int, blocks: int):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = adamw(model.parameters())
-        return (model, lambda loss: loss.backward(), lambda: (opt.step(), opt.zero_grad()),
-                lambda: torch_state_bytes(model, opt))
+        return (
+            model,
+            lambda loss: loss.backward(),
+            lambda: (opt.step(), opt.zero_grad()),
+            lambda: torch_state_bytes(model, opt),
+        )
     raise ValueError(f"unknown configuration {kind!r}")
 
 
@@ -104,8 +112,11 @@ def _run(kinds, d, blocks, steps, batch):
                 step()
             if i >= 3:
                 times.append(time.perf_counter() - t0)
-        rows[kind] = {"step_ms": 1e3 * statistics.median(times), "state_MB": held / 2**20,
-                      "sent_MB": counter.sent_bytes() / 2**20}
+        rows[kind] = {
+            "step_ms": 1e3 * statistics.median(times),
+            "state_MB": held / 2**20,
+            "sent_MB": counter.sent_bytes() / 2**20,
+        }
     return rows
 
 
@@ -118,8 +129,15 @@ class _nothing:
 
 
 KINDS = ["ddp", "ours0", "zero_redundancy", "ours1", "ours2", "fsdp2", "ours3"]
-LABELS = {"ddp": "torch DDP", "zero_redundancy": "torch ZeroRedundancyOptimizer", "fsdp2": "torch FSDP2 fully_shard",
-          "ours0": "ours stage 0", "ours1": "ours stage 1", "ours2": "ours stage 2", "ours3": "ours stage 3"}
+LABELS = {
+    "ddp": "torch DDP",
+    "zero_redundancy": "torch ZeroRedundancyOptimizer",
+    "fsdp2": "torch FSDP2 fully_shard",
+    "ours0": "ours stage 0",
+    "ours1": "ours stage 1",
+    "ours2": "ours stage 2",
+    "ours3": "ours stage 3",
+}
 
 
 def main(argv=None) -> dict:
@@ -133,14 +151,18 @@ def main(argv=None) -> dict:
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # pay torch.optim's first-use import once
     rows = run_ranks(_run, a.ranks, KINDS, a.d, a.blocks, a.steps, a.batch, timeout=600)[0]
     psi = sum(p.numel() for p in make_model(a.d, a.blocks).parameters())
-    print(f"{a.ranks} CPU ranks (gloo), model {psi / 1e6:.2f} M params ({4 * psi / 2**20:.1f} MB fp32), "
-          f"AdamW, global batch {a.batch}, median of {a.steps} steps")
+    print(
+        f"{a.ranks} CPU ranks (gloo), model {psi / 1e6:.2f} M params ({4 * psi / 2**20:.1f} MB fp32), "
+        f"AdamW, global batch {a.batch}, median of {a.steps} steps"
+    )
     print(f"| {'configuration':30} | step ms | vs DDP | state MB/rank | sent MB/step/rank |")
     print(f"| {'-' * 30} | ------: | -----: | ------------: | ----------------: |")
     for kind in KINDS:
         r = rows[kind]
-        print(f"| {LABELS[kind]:30} | {r['step_ms']:7.1f} | {r['step_ms'] / rows['ddp']['step_ms']:6.2f} | "
-              f"{r['state_MB']:13.2f} | {r['sent_MB']:17.2f} |")
+        print(
+            f"| {LABELS[kind]:30} | {r['step_ms']:7.1f} | {r['step_ms'] / rows['ddp']['step_ms']:6.2f} | "
+            f"{r['state_MB']:13.2f} | {r['sent_MB']:17.2f} |"
+        )
     return rows
 
 

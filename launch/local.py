@@ -64,8 +64,9 @@ def local_capacity(*, gpus: int | None = None, cores: int | None = None) -> tupl
     return limit, f"{cores} CPU core(s), no GPU: at most max({CPU_WORKERS_PER_CORE} × cores, {MIN_CPU_WORKERS})"
 
 
-def check_local_world(world_size: int, *, oversubscribe: bool = False, gpus: int | None = None,
-                      cores: int | None = None) -> None:
+def check_local_world(
+    world_size: int, *, oversubscribe: bool = False, gpus: int | None = None, cores: int | None = None
+) -> None:
     """Refuse (:class:`LocalWorldError`) a self-spawned world larger than :func:`local_capacity`,
     unless ``oversubscribe``; the message points at the launchers and modes that fit."""
     limit, why = local_capacity(gpus=gpus, cores=cores)
@@ -74,7 +75,8 @@ def check_local_world(world_size: int, *, oversubscribe: bool = False, gpus: int
     raise LocalWorldError(
         f"world size {world_size} does not fit one machine's self-spawn ({why} = {limit} workers); "
         f"launch it with torchrun on every node (launch/slurm.sbatch on Slurm), size it without processes "
-        f"with mode=plan or mode=dryrun, or set parallel.oversubscribe=true to spawn it here anyway")
+        f"with mode=plan or mode=dryrun, or set parallel.oversubscribe=true to spawn it here anyway"
+    )
 
 
 def under_torchrun() -> bool:
@@ -118,8 +120,12 @@ def forward_signals_to_workers() -> Iterator[None]:
             for w in workers:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.pid, signal.SIGTERM)
-            print(f"{signal.Signals(signum).name}: asked {len(workers)} worker(s) to checkpoint and stop "
-                  f"(another signal kills them)", file=sys.stderr, flush=True)
+            print(
+                f"{signal.Signals(signum).name}: asked {len(workers)} worker(s) to checkpoint and stop "
+                f"(another signal kills them)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         for w in workers:
             with contextlib.suppress(ProcessLookupError):

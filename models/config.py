@@ -58,7 +58,7 @@ class ModelConfig:
         step = self.vocab_multiple * tp
         return -(-self.vocab_size // step) * step
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         """A changed copy. Sizes this config derived (``d_ff`` from ``d_model``, ``n_kv_heads``
         from ``n_heads``) are derived again from the new values unless given too, so
         ``preset("gpt_tiny", d_model=256)`` has ``d_ff`` 1024, not the preset's 512."""
@@ -68,29 +68,39 @@ class ModelConfig:
             changes["n_kv_heads"] = None
         return dataclasses.replace(self, **changes)
 
-    def validate(self, tp: int = 1) -> "ModelConfig":
+    def validate(self, tp: int = 1) -> ModelConfig:
         """Raise :class:`ModelConfigError` naming the numbers if this config cannot run at ``tp``."""
+
         def need(ok: bool, msg: str):
             if not ok:
                 raise ModelConfigError(msg)
 
         need(self.arch in ARCHS, f"arch {self.arch!r} not in {ARCHS}")
-        need(self.activation_checkpointing in CHECKPOINTING,
-             f"activation_checkpointing {self.activation_checkpointing!r} not in {CHECKPOINTING}")
+        need(
+            self.activation_checkpointing in CHECKPOINTING,
+            f"activation_checkpointing {self.activation_checkpointing!r} not in {CHECKPOINTING}",
+        )
         for field in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
             need(getattr(self, field) >= 1, f"{field} must be ≥ 1, got {getattr(self, field)}")
         need(tp >= 1, f"tp must be ≥ 1, got {tp}")
-        need(self.d_model % self.n_heads == 0,
-             f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
-        need(self.head_dim % 2 == 0 or self.arch != "llama",
-             f"rotary embeddings need an even head_dim, got d_model {self.d_model} / n_heads {self.n_heads}")
-        need(self.n_heads % self.n_kv_heads == 0,
-             f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        need(self.n_heads % tp == 0, f"n_heads {self.n_heads} is not divisible by tp {tp}; "
-             f"choose tp among the divisors of {self.n_heads}")
-        need(self.n_kv_heads >= tp and self.n_kv_heads % tp == 0,
-             f"n_kv_heads {self.n_kv_heads} cannot be split over tp {tp} (kv heads are not replicated); "
-             f"use a tp that divides {self.n_kv_heads}")
+        need(self.d_model % self.n_heads == 0, f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        need(
+            self.head_dim % 2 == 0 or self.arch != "llama",
+            f"rotary embeddings need an even head_dim, got d_model {self.d_model} / n_heads {self.n_heads}",
+        )
+        need(
+            self.n_heads % self.n_kv_heads == 0,
+            f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}",
+        )
+        need(
+            self.n_heads % tp == 0,
+            f"n_heads {self.n_heads} is not divisible by tp {tp}; choose tp among the divisors of {self.n_heads}",
+        )
+        need(
+            self.n_kv_heads >= tp and self.n_kv_heads % tp == 0,
+            f"n_kv_heads {self.n_kv_heads} cannot be split over tp {tp} (kv heads are not replicated); "
+            f"use a tp that divides {self.n_kv_heads}",
+        )
         need(self.d_ff % tp == 0, f"d_ff {self.d_ff} is not divisible by tp {tp}")
         return self
 
@@ -98,13 +108,32 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # trains on a CPU in minutes on bytes (vocab 256)
     "gpt_tiny": ModelConfig(arch="gpt", n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128),
-    "llama_tiny": ModelConfig(arch="llama", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, d_ff=352,
-                              vocab_size=256, seq_len=128, tie_embeddings=False, norm_eps=1e-6),
+    "llama_tiny": ModelConfig(
+        arch="llama",
+        n_layers=4,
+        d_model=128,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=352,
+        vocab_size=256,
+        seq_len=128,
+        tie_embeddings=False,
+        norm_eps=1e-6,
+    ),
     "gpt2": ModelConfig(arch="gpt", n_layers=12, d_model=768, n_heads=12, vocab_size=50257, seq_len=1024),
-    "gpt3_175b": ModelConfig(arch="gpt", n_layers=96, d_model=12288, n_heads=96, vocab_size=50257,
-                             seq_len=2048),
-    "llama_7b": ModelConfig(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, d_ff=11008,
-                            vocab_size=32000, seq_len=4096, tie_embeddings=False, norm_eps=1e-6),
+    "gpt3_175b": ModelConfig(arch="gpt", n_layers=96, d_model=12288, n_heads=96, vocab_size=50257, seq_len=2048),
+    "llama_7b": ModelConfig(
+        arch="llama",
+        n_layers=32,
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=32,
+        d_ff=11008,
+        vocab_size=32000,
+        seq_len=4096,
+        tie_embeddings=False,
+        norm_eps=1e-6,
+    ),
 }
 
 

@@ -46,20 +46,34 @@ def _t(t: torch.Tensor) -> tuple:
 
 
 def _gpt2_rules(cfg: ModelConfig, prefix: str) -> list[Rule]:
-    rules = [Rule(("tok_embed.weight",), f"{prefix}wte.weight"), Rule(("pos_embed.weight",), f"{prefix}wpe.weight"),
-             Rule(("norm_f.weight",), f"{prefix}ln_f.weight"), Rule(("norm_f.bias",), f"{prefix}ln_f.bias")]
+    rules = [
+        Rule(("tok_embed.weight",), f"{prefix}wte.weight"),
+        Rule(("pos_embed.weight",), f"{prefix}wpe.weight"),
+        Rule(("norm_f.weight",), f"{prefix}ln_f.weight"),
+        Rule(("norm_f.bias",), f"{prefix}ln_f.bias"),
+    ]
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"{prefix}h.{i}."
         qkv = tuple(f"{b}attn.{x}_proj" for x in "qkv")
         rules += [
-            Rule((f"{b}attn_norm.weight",), f"{h}ln_1.weight"), Rule((f"{b}attn_norm.bias",), f"{h}ln_1.bias"),
-            Rule(tuple(n + ".weight" for n in qkv), f"{h}attn.c_attn.weight",
-                 lambda t: tuple(t.t().chunk(3, 0)), lambda *ws: torch.cat(ws, 0).t()),
-            Rule(tuple(n + ".bias" for n in qkv), f"{h}attn.c_attn.bias",
-                 lambda t: tuple(t.chunk(3, 0)), lambda *bs: torch.cat(bs, 0)),
+            Rule((f"{b}attn_norm.weight",), f"{h}ln_1.weight"),
+            Rule((f"{b}attn_norm.bias",), f"{h}ln_1.bias"),
+            Rule(
+                tuple(n + ".weight" for n in qkv),
+                f"{h}attn.c_attn.weight",
+                lambda t: tuple(t.t().chunk(3, 0)),
+                lambda *ws: torch.cat(ws, 0).t(),
+            ),
+            Rule(
+                tuple(n + ".bias" for n in qkv),
+                f"{h}attn.c_attn.bias",
+                lambda t: tuple(t.chunk(3, 0)),
+                lambda *bs: torch.cat(bs, 0),
+            ),
             Rule((f"{b}attn.o_proj.weight",), f"{h}attn.c_proj.weight", _t, torch.t),
             Rule((f"{b}attn.o_proj.bias",), f"{h}attn.c_proj.bias"),
-            Rule((f"{b}mlp_norm.weight",), f"{h}ln_2.weight"), Rule((f"{b}mlp_norm.bias",), f"{h}ln_2.bias"),
+            Rule((f"{b}mlp_norm.weight",), f"{h}ln_2.weight"),
+            Rule((f"{b}mlp_norm.bias",), f"{h}ln_2.bias"),
             Rule((f"{b}mlp.fc_in.weight",), f"{h}mlp.c_fc.weight", _t, torch.t),
             Rule((f"{b}mlp.fc_in.bias",), f"{h}mlp.c_fc.bias"),
             Rule((f"{b}mlp.fc_out.weight",), f"{h}mlp.c_proj.weight", _t, torch.t),
@@ -72,8 +86,10 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
     rules = [Rule(("tok_embed.weight",), "model.embed_tokens.weight"), Rule(("norm_f.weight",), "model.norm.weight")]
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", f"model.layers.{i}."
-        rules += [Rule((f"{b}attn_norm.weight",), f"{h}input_layernorm.weight"),
-                  Rule((f"{b}mlp_norm.weight",), f"{h}post_attention_layernorm.weight")]
+        rules += [
+            Rule((f"{b}attn_norm.weight",), f"{h}input_layernorm.weight"),
+            Rule((f"{b}mlp_norm.weight",), f"{h}post_attention_layernorm.weight"),
+        ]
         rules += [Rule((f"{b}attn.{x}_proj.weight",), f"{h}self_attn.{x}_proj.weight") for x in "qkvo"]
         rules += [Rule((f"{b}mlp.{x}_proj.weight",), f"{h}mlp.{x}_proj.weight") for x in ("gate", "up", "down")]
     return rules
@@ -97,23 +113,36 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
     if kind == "gpt2":
         if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ModelConfigError(f"GPT-2 activation {c['activation_function']!r} unsupported (tanh GELU only)")
-        cfg = ModelConfig(arch="gpt", n_layers=c["n_layer"], d_model=c["n_embd"], n_heads=c["n_head"],
-                          d_ff=c.get("n_inner") or 4 * c["n_embd"], vocab_size=c["vocab_size"],
-                          seq_len=c["n_positions"], norm_eps=c.get("layer_norm_epsilon", 1e-5),
-                          tie_embeddings=c.get("tie_word_embeddings", True))
+        cfg = ModelConfig(
+            arch="gpt",
+            n_layers=c["n_layer"],
+            d_model=c["n_embd"],
+            n_heads=c["n_head"],
+            d_ff=c.get("n_inner") or 4 * c["n_embd"],
+            vocab_size=c["vocab_size"],
+            seq_len=c["n_positions"],
+            norm_eps=c.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=c.get("tie_word_embeddings", True),
+        )
     elif kind == "llama":
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         if rope.get("rope_type", "default") != "default" or c.get("attention_bias") or c.get("mlp_bias"):
             raise ModelConfigError("Llama with rope scaling or attention/MLP biases is not supported")
         if c.get("head_dim") not in (None, c["hidden_size"] // c["num_attention_heads"]):
             raise ModelConfigError(f"Llama head_dim {c['head_dim']} ≠ hidden_size / num_attention_heads")
-        cfg = ModelConfig(arch="llama", n_layers=c["num_hidden_layers"], d_model=c["hidden_size"],
-                          n_heads=c["num_attention_heads"],
-                          n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-                          d_ff=c["intermediate_size"], vocab_size=c["vocab_size"],
-                          seq_len=c["max_position_embeddings"], norm_eps=c.get("rms_norm_eps", 1e-6),
-                          rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
-                          tie_embeddings=c.get("tie_word_embeddings", False))
+        cfg = ModelConfig(
+            arch="llama",
+            n_layers=c["num_hidden_layers"],
+            d_model=c["hidden_size"],
+            n_heads=c["num_attention_heads"],
+            n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            d_ff=c["intermediate_size"],
+            vocab_size=c["vocab_size"],
+            seq_len=c["max_position_embeddings"],
+            norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+            tie_embeddings=c.get("tie_word_embeddings", False),
+        )
     else:
         raise ModelConfigError(f"model_type {kind!r} not supported; gridtrain imports 'gpt2' and 'llama'")
     return cfg.replace(**overrides)
@@ -122,15 +151,34 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
 def hf_config_dict(cfg: ModelConfig) -> dict:
     """The ``config.json`` of the ``transformers`` model that ``cfg`` is (inverse of :func:`config_from_hf`)."""
     if cfg.arch == "gpt":
-        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": cfg.n_layers,
-                "n_embd": cfg.d_model, "n_head": cfg.n_heads, "n_inner": cfg.d_ff, "vocab_size": cfg.vocab_size,
-                "n_positions": cfg.seq_len, "layer_norm_epsilon": cfg.norm_eps, "activation_function": "gelu_new",
-                "tie_word_embeddings": cfg.tie_embeddings}
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": cfg.n_layers,
-            "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-            "intermediate_size": cfg.d_ff, "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.seq_len,
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
-            "tie_word_embeddings": cfg.tie_embeddings}
+        return {
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+            "n_layer": cfg.n_layers,
+            "n_embd": cfg.d_model,
+            "n_head": cfg.n_heads,
+            "n_inner": cfg.d_ff,
+            "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.seq_len,
+            "layer_norm_epsilon": cfg.norm_eps,
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": cfg.tie_embeddings,
+        }
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": cfg.n_layers,
+        "hidden_size": cfg.d_model,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "intermediate_size": cfg.d_ff,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
 
 
 class _Source:
@@ -183,8 +231,10 @@ def load_hf_weights(stage: nn.Module, source, tp_group=None) -> nn.Module:
             if getattr(p, "vocab_size", None) is not None and full.shape[0] == p.vocab_size:
                 full = torch.cat([full, full.new_zeros(shape[0] - full.shape[0], *full.shape[1:])])
             if list(full.shape) != shape:
-                raise ModelConfigError(f"{rule.hf} has shape {tuple(full.shape)}, but {name} needs {tuple(shape)} "
-                                       f"(check vocab_size / d_model / heads of the config)")
+                raise ModelConfigError(
+                    f"{rule.hf} has shape {tuple(full.shape)}, but {name} needs {tuple(shape)} "
+                    f"(check vocab_size / d_model / heads of the config)"
+                )
             with torch.no_grad():
                 p.copy_(full if dim is None else comm.split_along(full, dim, tp_group))
             filled.add(name)

@@ -48,11 +48,26 @@ class TransformerBlock(nn.Module):
         norm = RMSNorm if llama else LayerNorm
         self.attn_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
         self.attn = ParallelSelfAttention(
-            cfg.d_model, cfg.n_heads, cfg.n_kv_heads, tp_group=tp_group, sequence_parallel=sequence_parallel,
-            bias=not llama, rope=llama, rope_theta=cfg.rope_theta, **kw)
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.n_kv_heads,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            bias=not llama,
+            rope=llama,
+            rope_theta=cfg.rope_theta,
+            **kw,
+        )
         self.mlp_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
-        self.mlp = ParallelMLP(cfg.d_model, cfg.d_ff, activation="swiglu" if llama else "gelu",
-                               bias=not llama, tp_group=tp_group, sequence_parallel=sequence_parallel, **kw)
+        self.mlp = ParallelMLP(
+            cfg.d_model,
+            cfg.d_ff,
+            activation="swiglu" if llama else "gelu",
+            bias=not llama,
+            tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
+            **kw,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -80,15 +95,26 @@ class TransformerStage(nn.Module):
     sequence parallelism. ``reduce_sequence_parallel_grads`` is extra.
     """
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel=False, layers: range | None = None,
-                 has_embedding=True, has_head=True, device="cpu", dtype=torch.float32):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp_group=None,
+        sequence_parallel=False,
+        layers: range | None = None,
+        has_embedding=True,
+        has_head=True,
+        device="cpu",
+        dtype=torch.float32,
+    ):
         super().__init__()
         tp = comm.tp_world_size(tp_group)
         cfg.validate(tp=tp)
         layers = range(cfg.n_layers) if layers is None else layers
         if len(layers) and (layers.step != 1 or layers.start < 0 or layers.stop > cfg.n_layers):
             raise ModelConfigError(
-                f"layers {layers} must be a contiguous range inside [0, {cfg.n_layers}) (n_layers {cfg.n_layers})")
+                f"layers {layers} must be a contiguous range inside [0, {cfg.n_layers}) (n_layers {cfg.n_layers})"
+            )
         self.cfg, self.tp_group, self.tp_size = cfg, tp_group, tp
         self.sequence_parallel = sequence_parallel and tp > 1
         self.layers, self.has_embedding, self.has_head = layers, has_embedding, has_head
@@ -96,19 +122,22 @@ class TransformerStage(nn.Module):
         kw = dict(device=device, dtype=dtype)
         sp = self.sequence_parallel
         if has_embedding:
-            self.tok_embed = VocabParallelEmbedding(self.padded_vocab, cfg.d_model, tp_group=tp_group,
-                                                    vocab_size=cfg.vocab_size, sequence_parallel=sp, **kw)
+            self.tok_embed = VocabParallelEmbedding(
+                self.padded_vocab, cfg.d_model, tp_group=tp_group, vocab_size=cfg.vocab_size, sequence_parallel=sp, **kw
+            )
             if cfg.arch == "gpt":
                 self.pos_embed = nn.Embedding(cfg.seq_len, cfg.d_model, **kw)
                 if sp:
                     mark_sequence_parallel(self.pos_embed.weight)
-        self.blocks = nn.ModuleDict({
-            str(i): TransformerBlock(cfg, tp_group=tp_group, sequence_parallel=sp, **kw) for i in layers})
+        self.blocks = nn.ModuleDict(
+            {str(i): TransformerBlock(cfg, tp_group=tp_group, sequence_parallel=sp, **kw) for i in layers}
+        )
         if has_head:
             norm = RMSNorm if cfg.arch == "llama" else LayerNorm
             self.norm_f = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sp, **kw)
-            self.lm_head = ColumnParallelLinear(cfg.d_model, self.padded_vocab, tp_group=tp_group, bias=False,
-                                                sequence_parallel=sp, **kw)
+            self.lm_head = ColumnParallelLinear(
+                cfg.d_model, self.padded_vocab, tp_group=tp_group, bias=False, sequence_parallel=sp, **kw
+            )
             mark_vocab_rows(self.lm_head.weight, cfg.vocab_size)
             if cfg.tie_embeddings and has_embedding:
                 self.lm_head.weight = self.tok_embed.weight
@@ -154,7 +183,8 @@ class TransformerStage(nn.Module):
             raise ModelConfigError(f"sequence length {s} exceeds the model's seq_len {self.cfg.seq_len}")
         if self.sequence_parallel and s % self.tp_size:
             raise ModelConfigError(
-                f"sequence parallelism splits the sequence over tp {self.tp_size}: length {s} is not divisible")
+                f"sequence parallelism splits the sequence over tp {self.tp_size}: length {s} is not divisible"
+            )
         h = self.tok_embed(ids)
         if self.cfg.arch == "gpt":
             local = h.shape[1]
@@ -177,7 +207,8 @@ class TransformerStage(nn.Module):
         else:
             if x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
                 raise ModelConfigError(
-                    f"stage without embedding expects hidden [batch, seq, {self.cfg.d_model}], got {tuple(x.shape)}")
+                    f"stage without embedding expects hidden [batch, seq, {self.cfg.d_model}], got {tuple(x.shape)}"
+                )
             h = x
         for block in self.blocks.values():
             if self._checkpointing == "full" and torch.is_grad_enabled():
@@ -211,9 +242,18 @@ def init_rule(cfg: ModelConfig):
     return rule
 
 
-def build_model(cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = False, layers: range | None = None,
-                has_embedding: bool = True, has_head: bool = True, device="cpu", dtype=torch.float32,
-                seed: int = 0) -> TransformerStage:
+def build_model(
+    cfg: ModelConfig,
+    *,
+    tp_group=None,
+    sequence_parallel: bool = False,
+    layers: range | None = None,
+    has_embedding: bool = True,
+    has_head: bool = True,
+    device="cpu",
+    dtype=torch.float32,
+    seed: int = 0,
+) -> TransformerStage:
     """Build (and, unless on ``meta``, initialise) one stage of the model; see :class:`TransformerStage`.
 
     Initialisation is layout-independent (:func:`parallel.layers.init_parameters_`): same
@@ -221,8 +261,16 @@ def build_model(cfg: ModelConfig, *, tp_group=None, sequence_parallel: bool = Fa
     The stage is built on ``meta`` and then materialised, so the layers' own default
     initialisation is skipped (no double work, torch's generator untouched). No communication.
     """
-    stage = TransformerStage(cfg, tp_group=tp_group, sequence_parallel=sequence_parallel, layers=layers,
-                             has_embedding=has_embedding, has_head=has_head, device="meta", dtype=dtype)
+    stage = TransformerStage(
+        cfg,
+        tp_group=tp_group,
+        sequence_parallel=sequence_parallel,
+        layers=layers,
+        has_embedding=has_embedding,
+        has_head=has_head,
+        device="meta",
+        dtype=dtype,
+    )
     if torch.device(device).type != "meta":
         stage.to_empty(device=device)
         init_parameters_(stage, seed=seed, tp_group=tp_group, rule=init_rule(cfg))

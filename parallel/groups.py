@@ -79,8 +79,7 @@ def init_distributed(
     backend = backend or default_backend()
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        check_local_gpus(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)),
-                         torch.cuda.device_count())
+        check_local_gpus(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)), torch.cuda.device_count())
         torch.cuda.set_device(default_device(backend, local_rank))
     kwargs = {}
     if rank is not None:
@@ -109,8 +108,9 @@ def _per_attempt_store(timeout_s: float):
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                        timeout=timedelta(seconds=timeout_s))
+    tcp = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
+    )
     return dist.PrefixStore(f"gridtrain/attempt_{attempt}", tcp)
 
 
@@ -227,8 +227,9 @@ def build_groups(
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
     mine: dict[str, dist.ProcessGroup | None] = {"embedding": None}
     for axis, ranks in my_group_ranks(topology, rank).items():
-        mine[axis] = dist.new_group(ranks, timeout=timeout, backend=backend, group_desc=axis,
-                                    use_local_synchronization=True)
+        mine[axis] = dist.new_group(
+            ranks, timeout=timeout, backend=backend, group_desc=axis, use_local_synchronization=True
+        )
     return ParallelGroups(
         topology=topology,
         rank=rank,

@@ -44,7 +44,7 @@ class SavedActivationMeter:
                 self._bytes += storage.nbytes()
         return t
 
-    def __enter__(self) -> "SavedActivationMeter":
+    def __enter__(self) -> SavedActivationMeter:
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._ctx.__enter__()
         return self

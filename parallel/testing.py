@@ -59,7 +59,9 @@ def _child(fn, args, kwargs, rank, world_size, store_path, stack_path, conn, thr
         stack_file = open(stack_path, "w")
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
         os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
             LOCAL_WORLD_SIZE=str(world_size),
         )
         torch.set_num_threads(threads)
@@ -125,8 +127,18 @@ def run_ranks(
             parent_conn, child_conn = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(fn, args, kwargs, rank, world_size, store,
-                      os.path.join(tmp, f"stack{rank}"), child_conn, threads, timeout),
+                args=(
+                    fn,
+                    args,
+                    kwargs,
+                    rank,
+                    world_size,
+                    store,
+                    os.path.join(tmp, f"stack{rank}"),
+                    child_conn,
+                    threads,
+                    timeout,
+                ),
                 daemon=True,
             )
             p.start()
@@ -171,10 +183,7 @@ def _collect(procs, conns, tmp, timeout) -> list[Any]:
                 raise RankFailure(r, f"rank {r} of {len(procs)} raised:\n{payload}")
             else:
                 procs[r].join(timeout=1)
-                raise RankFailure(
-                    r, f"rank {r} of {len(procs)} died without answering "
-                    f"(exit code {procs[r].exitcode})"
-                )
+                raise RankFailure(r, f"rank {r} of {len(procs)} died without answering (exit code {procs[r].exitcode})")
     return [results[r] for r in range(len(procs))]
 
 
@@ -233,7 +242,7 @@ class HostSyncCounter:
 
         return counted
 
-    def __enter__(self) -> "HostSyncCounter":
+    def __enter__(self) -> HostSyncCounter:
         import torch
 
         for name in self.NAMES:

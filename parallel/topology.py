@@ -61,9 +61,7 @@ class Coords:
 def _check_size(name: str, value: object) -> int:
     # bool is an int subclass; `parallel.tp=True` is a typo, not a size.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TopologyError(
-            f"{name} must be a positive integer, got {value!r} ({type(value).__name__})"
-        )
+        raise TopologyError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__})")
     if value < 1:
         raise TopologyError(f"{name} must be a positive integer, got {value}")
     return int(value)
@@ -73,8 +71,7 @@ def _parse_order(order: str | Iterable[str]) -> tuple[str, ...]:
     axes = tuple(order.split("-")) if isinstance(order, str) else tuple(order)
     if sorted(axes) != sorted(AXES):
         raise TopologyError(
-            f"order must name each of dp, pp, tp exactly once (fastest first, e.g. "
-            f"{DEFAULT_ORDER!r}), got {order!r}"
+            f"order must name each of dp, pp, tp exactly once (fastest first, e.g. {DEFAULT_ORDER!r}), got {order!r}"
         )
     return axes
 
@@ -124,11 +121,7 @@ class Topology:
             raise TopologyError(
                 f"world size {world_size} ≠ dp {dp} × pp {pp} × tp {tp} = {dp * pp * tp}; "
                 f"with pp={pp} tp={tp} the world must be a multiple of {pp * tp}"
-                + (
-                    f" (dp=auto would give dp={world_size // (pp * tp)})"
-                    if world_size % (pp * tp) == 0
-                    else ""
-                )
+                + (f" (dp=auto would give dp={world_size // (pp * tp)})" if world_size % (pp * tp) == 0 else "")
             )
         self.dp, self.pp, self.tp = dp, pp, tp
         self.order = _parse_order(order)
@@ -149,29 +142,19 @@ class Topology:
     def coords(self, rank: int) -> Coords:
         """The (dp, pp, tp) coordinate of ``rank``."""
         self._check_rank(rank)
-        return Coords(
-            **{a: (rank // self._stride[a]) % self.size(a) for a in AXES}
-        )
+        return Coords(**{a: (rank // self._stride[a]) % self.size(a) for a in AXES})
 
     def rank(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
         """The rank at a coordinate (inverse of :meth:`coords`)."""
         values = {"dp": dp, "pp": pp, "tp": tp}
         for axis, v in values.items():
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not (
-                0 <= v < self.size(axis)
-            ):
-                raise TopologyError(
-                    f"{axis} index {v!r} out of range for {axis} size {self.size(axis)}"
-                )
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not (0 <= v < self.size(axis)):
+                raise TopologyError(f"{axis} index {v!r} out of range for {axis} size {self.size(axis)}")
         return sum(values[a] * self._stride[a] for a in AXES)
 
     def _check_rank(self, rank: int) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not (
-            0 <= rank < self.world_size
-        ):
-            raise TopologyError(
-                f"rank {rank!r} out of range for world size {self.world_size}"
-            )
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not (0 <= rank < self.world_size):
+            raise TopologyError(f"rank {rank!r} out of range for world size {self.world_size}")
 
     # ------------------------------------------------------------------ groups
     def _groups_varying(self, varying: tuple[str, ...]) -> list[list[int]]:
@@ -223,9 +206,7 @@ class Topology:
         (model parallel: pp × tp of one replica) or "embedding"."""
         c = self.coords(rank)
         if axis == "mp":
-            return sorted(
-                self.rank(dp=c.dp, pp=p, tp=t) for p in range(self.pp) for t in range(self.tp)
-            )
+            return sorted(self.rank(dp=c.dp, pp=p, tp=t) for p in range(self.pp) for t in range(self.tp))
         if axis == "embedding":
             ends = {0, self.pp - 1}
             return sorted(self.rank(dp=c.dp, pp=p, tp=c.tp) for p in ends)
@@ -262,9 +243,12 @@ class Topology:
         )
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Topology) and (
-            self.dp, self.pp, self.tp, self.order
-        ) == (other.dp, other.pp, other.tp, other.order)
+        return isinstance(other, Topology) and (self.dp, self.pp, self.tp, self.order) == (
+            other.dp,
+            other.pp,
+            other.tp,
+            other.order,
+        )
 
     def __hash__(self) -> int:
         return hash((self.dp, self.pp, self.tp, self.order))
@@ -281,11 +265,7 @@ class Topology:
         gpus_per_node = _check_size("gpus_per_node", gpus_per_node)
         unit = "GPUs" if device == "cuda" else f"{device.upper()} processes"
         n_nodes = -(-self.world_size // gpus_per_node)
-        tp_cross = sum(
-            1
-            for g in self._axis_groups["tp"]
-            if g[0] // gpus_per_node != g[-1] // gpus_per_node
-        )
+        tp_cross = sum(1 for g in self._axis_groups["tp"] if g[0] // gpus_per_node != g[-1] // gpus_per_node)
         lines = [
             f"{self!r}",
             f"{n_nodes} node(s) × {gpus_per_node} {unit}; "

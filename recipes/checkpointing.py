@@ -59,9 +59,17 @@ def global_names(stage_module) -> dict[str, str]:
 
 def layout_of(trainer) -> dict:
     p = trainer.rc.parallel
-    return {"world_size": trainer.topology.world_size, "dp": trainer.layout.dp, "pp": p.pp, "tp": p.tp,
-            "vpp": p.vpp, "zero": p.zero, "sequence_parallel": p.sequence_parallel,
-            "pp_schedule": p.pp_schedule, "precision": trainer.rc.train.precision}
+    return {
+        "world_size": trainer.topology.world_size,
+        "dp": trainer.layout.dp,
+        "pp": p.pp,
+        "tp": p.tp,
+        "vpp": p.vpp,
+        "zero": p.zero,
+        "sequence_parallel": p.sequence_parallel,
+        "pp_schedule": p.pp_schedule,
+        "precision": trainer.rc.train.precision,
+    }
 
 
 def state_pieces(trainer, *, with_rng: bool = True) -> dict:
@@ -78,11 +86,20 @@ def state_pieces(trainer, *, with_rng: bool = True) -> dict:
 def save(trainer, *, on_written=None) -> Path:
     """Save the trainer's state at ``trainer.step`` (collective over the world)."""
     scaler = trainer.zero.scaler
-    meta = {"step": trainer.step, "layout": layout_of(trainer),
-            "scaler": scaler.state_dict() if scaler else None,
-            "config": OmegaConf.to_container(OmegaConf.structured(trainer.rc))}
-    return save_checkpoint(state_pieces(trainer), checkpoint_root(trainer.run_dir), trainer.step, meta=meta,
-                           keep=trainer.rc.train.ckpt_keep, on_written=on_written)
+    meta = {
+        "step": trainer.step,
+        "layout": layout_of(trainer),
+        "scaler": scaler.state_dict() if scaler else None,
+        "config": OmegaConf.to_container(OmegaConf.structured(trainer.rc)),
+    }
+    return save_checkpoint(
+        state_pieces(trainer),
+        checkpoint_root(trainer.run_dir),
+        trainer.step,
+        meta=meta,
+        keep=trainer.rc.train.ckpt_keep,
+        on_written=on_written,
+    )
 
 
 def load(trainer, ckpt: str | Path) -> int:
@@ -235,5 +252,15 @@ def fault_drill(fault: str | None, rank: int, step: int, where: str = "step") ->
     os.kill(os.getpid(), signal.SIGTERM if kind == "term" else signal.SIGKILL)
 
 
-__all__ = ["CheckpointError", "Preemption", "checkpoint_root", "fault_drill", "find_resume_point",
-           "global_names", "load", "save", "save_due", "state_pieces"]
+__all__ = [
+    "CheckpointError",
+    "Preemption",
+    "checkpoint_root",
+    "fault_drill",
+    "find_resume_point",
+    "global_names",
+    "load",
+    "save",
+    "save_due",
+    "state_pieces",
+]

@@ -158,6 +158,8 @@ class PlanSection:
     efficiency: Optional[float] = None  # achieved / peak FLOP/s
     memory_gb: Optional[float] = None
     profiles: Dict[str, Any] = field(default_factory=dict)  # user hardware: name -> Hardware fields
+
+
 # -------------------------------------------------------------------------------
 
 
@@ -246,8 +248,17 @@ def resolve_aliases(cfg: Any) -> None:
     p.tp = p.mp
 
 
-def _number(key: str, v: Any, *, lo: float, lo_open: bool = False, hi: float = math.inf, hi_open: bool = False,
-            integer: bool = False, fix: str) -> None:
+def _number(
+    key: str,
+    v: Any,
+    *,
+    lo: float,
+    lo_open: bool = False,
+    hi: float = math.inf,
+    hi_open: bool = False,
+    integer: bool = False,
+    fix: str,
+) -> None:
     """Refuse ``key=v`` unless it is a finite number (an int if ``integer``) in the given range."""
     kind = "an integer" if integer else "a number"
     ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
@@ -277,25 +288,51 @@ def check_values(cfg: Any) -> None:
     _number("optim.eps", o.eps, lo=0, lo_open=True, fix="e.g. optim.eps=1e-8")
     _number("optim.weight_decay", o.weight_decay, lo=0, fix="e.g. optim.weight_decay=0.1 (0 disables)")
     _number("optim.warmup_steps", o.warmup_steps, lo=0, integer=True, fix="e.g. optim.warmup_steps=20")
-    _number("train.eval_every", t.eval_every, lo=0, integer=True,
-            fix="validation every N steps; train.eval_every=0 disables it")
-    _number("train.threads", t.threads, lo=0, integer=True,
-            fix="intra-op threads per rank; train.threads=0 picks cores / local ranks")
+    _number(
+        "train.eval_every",
+        t.eval_every,
+        lo=0,
+        integer=True,
+        fix="validation every N steps; train.eval_every=0 disables it",
+    )
+    _number(
+        "train.threads",
+        t.threads,
+        lo=0,
+        integer=True,
+        fix="intra-op threads per rank; train.threads=0 picks cores / local ranks",
+    )
     _number("train.grad_clip", t.grad_clip, lo=0, fix="a global-norm bound like train.grad_clip=1.0; 0 disables")
     _number("train.sigterm_grace_s", t.sigterm_grace_s, lo=0, lo_open=True, fix="e.g. train.sigterm_grace_s=60")
     _number("comm.bucket_mb", c.bucket_mb, lo=0, lo_open=True, fix="e.g. comm.bucket_mb=25")
-    _number("data.val_fraction", d.val_fraction, lo=0, lo_open=True, hi=1, hi_open=True,
-            fix="the held-out share of the embedded corpus, e.g. data.val_fraction=0.05")
-    _number("data.embedded_mb", d.embedded_mb, lo=0, lo_open=True,
-            fix="the embedded corpus size in MiB, e.g. data.embedded_mb=4")
+    _number(
+        "data.val_fraction",
+        d.val_fraction,
+        lo=0,
+        lo_open=True,
+        hi=1,
+        hi_open=True,
+        fix="the held-out share of the embedded corpus, e.g. data.val_fraction=0.05",
+    )
+    _number(
+        "data.embedded_mb",
+        d.embedded_mb,
+        lo=0,
+        lo_open=True,
+        fix="the embedded corpus size in MiB, e.g. data.embedded_mb=4",
+    )
     _number("parallel.gpus_per_node", p.gpus_per_node, lo=1, integer=True, fix="e.g. parallel.gpus_per_node=8")
     from parallel.topology import Topology, TopologyError
 
     try:
         Topology(1, 1, 1, order=p.order)
     except TopologyError:
-        raise bad("parallel.order", p.order, "must name each of tp, dp, pp once, fastest first",
-                  "e.g. parallel.order=tp-dp-pp") from None
+        raise bad(
+            "parallel.order",
+            p.order,
+            "must name each of tp, dp, pp once, fastest first",
+            "e.g. parallel.order=tp-dp-pp",
+        ) from None
 
 
 def validate(cfg: Any, world_size: int | None = None) -> Layout:
@@ -311,8 +348,15 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
             raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(repr, allowed))}")
     check_values(cfg)
     p, t = cfg.parallel, cfg.train
-    for key in ("parallel.pp", "parallel.tp", "parallel.vpp", "train.global_batch",
-                "train.micro_batch", "train.max_steps", "train.log_every"):
+    for key in (
+        "parallel.pp",
+        "parallel.tp",
+        "parallel.vpp",
+        "train.global_batch",
+        "train.micro_batch",
+        "train.max_steps",
+        "train.log_every",
+    ):
         v = _get(cfg, key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{key} must be a positive integer, got {v!r}")
@@ -324,8 +368,11 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     try:
         mc = model_config(cfg.model).validate(tp=p.tp)
     except ModelConfigError as e:  # name the keys this config set that the rule involves
-        keys = [f"model.{k}={_show(v)}" for k, v in vars(cfg.model).items() if k != "preset" and v is not None
-                and re.search(rf"\b{k}\b", str(e))]
+        keys = [
+            f"model.{k}={_show(v)}"
+            for k, v in vars(cfg.model).items()
+            if k != "preset" and v is not None and re.search(rf"\b{k}\b", str(e))
+        ]
         if p.tp > 1 and re.search(r"\btp\b", str(e)):
             keys.append(f"parallel.tp={p.tp}")
         raise ConfigError(f"{', '.join(keys) or f'model.preset={cfg.model.preset}'}: {e}") from None
@@ -369,15 +416,18 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     try:  # the trainer's own split (vpp must divide each rank's layers)
         layer_partition(ModelShape.of(mc), p.pp, p.vpp, p.pp_layers)
     except ValueError as e:
-        raise bad("parallel.vpp", p.vpp, str(e).split("; ")[0],
-                  f"use model.n_layers a multiple of pp·vpp = {p.pp * p.vpp}, or parallel.pp_layers "
-                  f"with multiples of {p.vpp}") from None
+        raise bad(
+            "parallel.vpp",
+            p.vpp,
+            str(e).split("; ")[0],
+            f"use model.n_layers a multiple of pp·vpp = {p.pp * p.vpp}, or parallel.pp_layers "
+            f"with multiples of {p.vpp}",
+        ) from None
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
     if p.sequence_parallel and mc.seq_len % p.tp:
         raise ConfigError(
-            f"sequence parallelism splits model.seq_len {mc.seq_len} over tp {p.tp}: "
-            f"it must be divisible"
+            f"sequence parallelism splits model.seq_len {mc.seq_len} over tp {p.tp}: it must be divisible"
         )
     if not 0 < cfg.comm.topk_ratio <= 1:
         raise ConfigError(f"comm.topk_ratio must be in (0, 1], got {cfg.comm.topk_ratio}")
@@ -393,8 +443,9 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     if t.ckpt_every < 0 or t.ckpt_keep < 0:
         raise ConfigError(f"train.ckpt_every ({t.ckpt_every}) and train.ckpt_keep ({t.ckpt_keep}) must be ≥ 0")
     if t.fault is not None and not re.fullmatch(r"(raise|kill|term|kill_in_save)@\d+:\d+", t.fault):
-        raise ConfigError(f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind "
-                          f"raise, kill, term or kill_in_save")
+        raise ConfigError(
+            f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind raise, kill, term or kill_in_save"
+        )
     return Layout(dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc)
 
 

@@ -54,8 +54,10 @@ def read_meta(path: str | Path) -> dict:
     if not path.exists():
         raise DataError(f"no such directory; {_prepare_hint(path)}")
     if not path.is_dir():
-        raise DataError("a file, not a token directory; give the directory `python -m recipes.prepare "
-                        "--output DIR FILES...` wrote (train.bin, val.bin, meta.json)")
+        raise DataError(
+            "a file, not a token directory; give the directory `python -m recipes.prepare "
+            "--output DIR FILES...` wrote (train.bin, val.bin, meta.json)"
+        )
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise DataError(f"holds no meta.json, so recipes.prepare did not write it; {_prepare_hint(path)}")
@@ -63,11 +65,18 @@ def read_meta(path: str | Path) -> dict:
         meta = json.loads(meta_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{meta_path} is not valid JSON ({e}); write it again with recipes.prepare") from None
-    ok = (isinstance(meta, dict) and meta.get("dtype") in DTYPES and isinstance(meta.get("vocab_size"), int)
-          and not isinstance(meta.get("vocab_size"), bool) and meta["vocab_size"] >= 1)
+    ok = (
+        isinstance(meta, dict)
+        and meta.get("dtype") in DTYPES
+        and isinstance(meta.get("vocab_size"), int)
+        and not isinstance(meta.get("vocab_size"), bool)
+        and meta["vocab_size"] >= 1
+    )
     if not ok:
-        raise DataError(f"{meta_path} needs \"dtype\" (one of {sorted(DTYPES)}) and a positive integer "
-                        f"\"vocab_size\", got {str(meta)[:120]}; write it again with recipes.prepare")
+        raise DataError(
+            f'{meta_path} needs "dtype" (one of {sorted(DTYPES)}) and a positive integer '
+            f'"vocab_size", got {str(meta)[:120]}; write it again with recipes.prepare'
+        )
     return meta
 
 
@@ -80,12 +89,16 @@ def split_tokens(path: str | Path, split: str, meta: dict) -> np.ndarray:
     item = np.dtype(DTYPES[meta["dtype"]]).itemsize
     size = bin_path.stat().st_size
     if size == 0 or size % item:
-        raise DataError(f"{bin_path} has {size} bytes, not a positive multiple of {item} ({meta['dtype']}); "
-                        f"it is empty or truncated: write it again with recipes.prepare")
+        raise DataError(
+            f"{bin_path} has {size} bytes, not a positive multiple of {item} ({meta['dtype']}); "
+            f"it is empty or truncated: write it again with recipes.prepare"
+        )
     want = (meta.get("tokens") or {}).get(split) if isinstance(meta.get("tokens"), dict) else None
     if want is not None and want != size // item:
-        raise DataError(f"{bin_path} holds {size // item:,} tokens but meta.json says {want:,} (truncated or "
-                        f"replaced); write the directory again with recipes.prepare")
+        raise DataError(
+            f"{bin_path} holds {size // item:,} tokens but meta.json says {want:,} (truncated or "
+            f"replaced); write the directory again with recipes.prepare"
+        )
     return np.memmap(bin_path, dtype=DTYPES[meta["dtype"]], mode="r")
 
 
@@ -115,8 +128,7 @@ def write_token_dir(path: str | Path, splits: dict[str, np.ndarray], vocab_size:
         if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
             raise DataError(f"split {name!r} has token ids outside [0, {vocab_size})")
         _atomic_write(path / f"{name}.bin", arr.astype(DTYPES[dtype]).tobytes())
-    meta = {"dtype": dtype, "vocab_size": vocab_size,
-            "tokens": {k: int(np.asarray(v).size) for k, v in splits.items()}}
+    meta = {"dtype": dtype, "vocab_size": vocab_size, "tokens": {k: int(np.asarray(v).size) for k, v in splits.items()}}
     _atomic_write(path / "meta.json", json.dumps(meta, indent=1).encode())
     return path
 
@@ -142,12 +154,16 @@ def embedded_corpus(mb: float = 4.0, val_fraction: float = 0.05) -> Path:
             break
     data = np.frombuffer(b"".join(chunks)[:limit], dtype=np.uint8)
     if data.size < min(limit, MIN_SOURCE_BYTES):
-        raise DataError(f"found only {data.size} bytes of Python source under {root} (this Python installation "
-                        f"ships without its sources); use data.source=memmap with recipes.prepare")
+        raise DataError(
+            f"found only {data.size} bytes of Python source under {root} (this Python installation "
+            f"ships without its sources); use data.source=memmap with recipes.prepare"
+        )
     n_val = max(1, int(data.size * val_fraction))
     if not 0 < val_fraction < 1 or n_val >= data.size:
-        raise DataError(f"val_fraction {val_fraction} of {data.size} bytes leaves no training tokens; "
-                        f"use data.val_fraction in (0, 1)")  # nothing cached
+        raise DataError(
+            f"val_fraction {val_fraction} of {data.size} bytes leaves no training tokens; "
+            f"use data.val_fraction in (0, 1)"
+        )  # nothing cached
     return write_token_dir(out, {"train": data[:-n_val], "val": data[-n_val:]}, vocab_size=256)
 
 
@@ -199,8 +215,9 @@ class TokenDataset:
         return [self.windows(mine[i : i + micro_batch]) for i in range(0, per_rank, micro_batch)]
 
 
-def open_data(source: str, path: str | None, split: str, seq_len: int,
-              embedded_mb: float = 4.0, val_fraction: float = 0.05) -> TokenDataset:
+def open_data(
+    source: str, path: str | None, split: str, seq_len: int, embedded_mb: float = 4.0, val_fraction: float = 0.05
+) -> TokenDataset:
     """The dataset a recipe's ``data`` config names."""
     if source == "embedded":
         path = embedded_corpus(embedded_mb, val_fraction)

@@ -33,18 +33,28 @@ from typing import Any
 
 from .config import ConfigError, bad
 
-_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
-           "bf16": "bf16", "bfloat16": "bf16"}
+_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 _OPTIMS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
 # keys that only tune DeepSpeed internals and change nothing gridtrain computes
-_HARMLESS = {"wall_clock_breakdown", "zero_allow_untested_optimizer",
-             "zero_optimization.contiguous_gradients", "zero_optimization.allgather_bucket_size",
-             "zero_optimization.reduce_scatter", "zero_optimization.allgather_partitions",
-             "fp16.loss_scale_window", "fp16.hysteresis", "fp16.min_loss_scale",
-             "fp16.initial_scale_power", "fp16.loss_scale", "scheduler.type",
-             "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
-             "scheduler.params.total_num_steps", "optimizer.params.torch_adam",
-             "optimizer.params.adam_w_mode"}
+_HARMLESS = {
+    "wall_clock_breakdown",
+    "zero_allow_untested_optimizer",
+    "zero_optimization.contiguous_gradients",
+    "zero_optimization.allgather_bucket_size",
+    "zero_optimization.reduce_scatter",
+    "zero_optimization.allgather_partitions",
+    "fp16.loss_scale_window",
+    "fp16.hysteresis",
+    "fp16.min_loss_scale",
+    "fp16.initial_scale_power",
+    "fp16.loss_scale",
+    "scheduler.type",
+    "scheduler.params.warmup_min_lr",
+    "scheduler.params.warmup_max_lr",
+    "scheduler.params.total_num_steps",
+    "optimizer.params.torch_adam",
+    "optimizer.params.adam_w_mode",
+}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -68,7 +78,8 @@ def deepspeed_overrides(ds: dict, dp: int) -> dict[str, Any]:
     if autos:
         raise ConfigError(
             "DeepSpeed config values 'auto' (filled in by the Hugging Face Trainer) cannot be honoured: "
-            + ", ".join(autos) + "; write the numbers, or leave the keys out and set the recipe keys"
+            + ", ".join(autos)
+            + "; write the numbers, or leave the keys out and set the recipe keys"
         )
     out: dict[str, Any] = {}
     unknown: list[str] = []
@@ -114,7 +125,8 @@ def deepspeed_overrides(ds: dict, dp: int) -> dict[str, Any]:
         raise ConfigError("DeepSpeed config enables both fp16 and bf16; choose one")
     if unknown:
         raise ConfigError(
-            "DeepSpeed config keys gridtrain cannot honour: " + "; ".join(unknown)
+            "DeepSpeed config keys gridtrain cannot honour: "
+            + "; ".join(unknown)
             + ". Remove them or set the equivalent recipe keys (see recipes/deepspeed.py)."
         )
     gb, mb = out.get("train.global_batch"), out.get("train.micro_batch")
@@ -129,8 +141,7 @@ def deepspeed_overrides(ds: dict, dp: int) -> dict[str, Any]:
     if gb is not None and mb is None and ga is not None:
         if gb % (int(ga) * dp):
             raise ConfigError(
-                f"DeepSpeed train_batch_size {gb} is not divisible by "
-                f"gradient_accumulation_steps {ga} × dp {dp}"
+                f"DeepSpeed train_batch_size {gb} is not divisible by gradient_accumulation_steps {ga} × dp {dp}"
             )
         out["train.micro_batch"] = gb // (int(ga) * dp)
     return out
@@ -152,7 +163,7 @@ def load_deepspeed_json(path: str | Path, dp: int) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise bad("deepspeed", path, f"not valid JSON ({e})", "fix the file") from None
     if not isinstance(ds, dict):
-        raise bad("deepspeed", path, f"holds a JSON {type(ds).__name__}, not an object", "write {\"key\": value, ...}")
+        raise bad("deepspeed", path, f"holds a JSON {type(ds).__name__}, not an object", 'write {"key": value, ...}')
     try:
         return deepspeed_overrides(ds, dp)
     except ConfigError as e:

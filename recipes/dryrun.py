@@ -297,8 +297,12 @@ def run_dryrun(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     ranks = list(rc.dryrun.ranks) if rc.dryrun.ranks else default_ranks(world, topo.pp, topo.dp, topo.tp)
     for r in ranks:
         if not 0 <= r < world:
-            raise bad("dryrun.ranks", list(rc.dryrun.ranks), f"rank {r} is outside the world [0, {world})",
-                      f"name ranks 0..{world - 1}")
+            raise bad(
+                "dryrun.ranks",
+                list(rc.dryrun.ranks),
+                f"rank {r} is outside the world [0, {world})",
+                f"name ranks 0..{world - 1}",
+            )
     if rc.dryrun.peers:
         ranks = sorted(set(ranks) | {p for r in ranks for p in peer_ranks(topo, r)})
     t0 = time.perf_counter()

@@ -41,17 +41,22 @@ def describe(ckpt: Path) -> str:
     tensors = saved_tensors(ckpt)
     meta = manifest["meta"]
     lay = meta.get("layout", {})
-    lines = [f"checkpoint {ckpt}", f"step {manifest['step']}, saved by {manifest['world_size']} ranks",
-             "layout " + " ".join(f"{k}={v}" for k, v in lay.items()),
-             f"files {len(manifest['files'])}, {sum(f['bytes'] for f in manifest['files'].values()) / 2**20:.2f} MiB"]
+    lines = [
+        f"checkpoint {ckpt}",
+        f"step {manifest['step']}, saved by {manifest['world_size']} ranks",
+        "layout " + " ".join(f"{k}={v}" for k, v in lay.items()),
+        f"files {len(manifest['files'])}, {sum(f['bytes'] for f in manifest['files'].values()) / 2**20:.2f} MiB",
+    ]
     width = max(len(k) for k in tensors)
     total = {}
     for key, (shape, dtype) in sorted(tensors.items()):
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         group = key.split("/")[0]
         total[group] = total.get(group, 0) + nbytes
-        lines.append(f"  {key:<{width}}  {str(list(shape)):<14} {str(dtype).removeprefix('torch.'):<8} "
-                     f"{nbytes / 2**10:10.1f} KiB")
+        lines.append(
+            f"  {key:<{width}}  {str(list(shape)):<14} {str(dtype).removeprefix('torch.'):<8} "
+            f"{nbytes / 2**10:10.1f} KiB"
+        )
     lines.append("totals: " + ", ".join(f"{g} {b / 2**20:.2f} MiB" for g, b in sorted(total.items())))
     return "\n".join(lines)
 
@@ -59,8 +64,11 @@ def describe(ckpt: Path) -> str:
 def consolidated_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     """Every ``model/<name>`` tensor whole, by ``<name>`` (one process reads all shards)."""
     verify_checkpoint(ckpt)
-    state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in saved_tensors(ckpt).items()
-             if k.startswith("model/")}
+    state = {
+        k: torch.empty(shape, dtype=dtype)
+        for k, (shape, dtype) in saved_tensors(ckpt).items()
+        if k.startswith("model/")
+    }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=LoadPlanner(), no_dist=True)

@@ -66,8 +66,12 @@ def _agreed_through_agent_store() -> str | None:
     import torch.distributed as dist
 
     try:
-        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timedelta(seconds=60))
+        store = dist.TCPStore(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=60),
+        )
         return store.compare_set("gridtrain/run_id", "", new_run_id()).decode()
     except (RuntimeError, OSError, ValueError):
         return None
@@ -146,17 +150,18 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
             check_values(rc)
             found = run_dryrun(rc, run_dir)
             if found["misplaced"] or found["sequence_problems"]:  # a would-be NCCL error or hang: fail
-                print(f"error: dry run found {found['misplaced']} tensor(s) off the rank's device and "
-                      f"{found['sequence_problems']} call-sequence mismatch(es); see {run_dir}/dryrun.json",
-                      file=sys.stderr)
+                print(
+                    f"error: dry run found {found['misplaced']} tensor(s) off the rank's device and "
+                    f"{found['sequence_problems']} call-sequence mismatch(es); see {run_dir}/dryrun.json",
+                    file=sys.stderr,
+                )
                 raise SystemExit(1)
             return found
         from .preflight import preflight
 
         if under_torchrun():  # every rank, before any collective: a clean message everywhere
             layout = validate(rc, world_size=int(os.environ["WORLD_SIZE"]))
-            preflight(rc, layout, run_dir, rank=int(os.environ.get("RANK", "0")),
-                      world=int(os.environ["WORLD_SIZE"]))
+            preflight(rc, layout, run_dir, rank=int(os.environ.get("RANK", "0")), world=int(os.environ["WORLD_SIZE"]))
             return worker(rc, run_dir)
         layout = validate(rc, world_size=None)
         check_local_world(layout.world_size, oversubscribe=rc.parallel.oversubscribe)  # cheapest first
@@ -166,9 +171,11 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
     results = spawn_local(worker, layout.world_size, rc, run_dir)
     summary = results[0]
     loss = summary.get("final_loss")
-    print(f"done: {summary.get('steps')} steps"
-          + (f", final loss {loss:.4f}" if loss is not None else " (nothing left to train)")
-          + f", run directory {run_dir}")
+    print(
+        f"done: {summary.get('steps')} steps"
+        + (f", final loss {loss:.4f}" if loss is not None else " (nothing left to train)")
+        + f", run directory {run_dir}"
+    )
     if summary.get("preempted"):  # a completed pre-emption save is a clean exit (status 0)
         print(f"stopped by a signal with a checkpoint; continue with: train.resume=auto hydra.run.dir={run_dir}")
     return summary

@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from models.config import ModelConfig, ModelConfigError
 from parallel.params import is_shared_embedding, tp_shard_dim, wants_weight_decay
-from parallel.plan import (Layout, Plan, PlanError, StageParams, Training, hardware_profile, plan_layout,
-                           recommend)
+from parallel.plan import Layout, Plan, PlanError, StageParams, Training, hardware_profile, plan_layout, recommend
 
 from .config import ConfigError, RecipeConfig, model_config
 
@@ -40,8 +39,15 @@ def _count_module(module, tp: int, *, is_block: bool) -> StageParams:
         shared += local if is_shared_embedding(p) else 0
         groups[int(not wants_weight_decay(p))].append(local)
     classes = (tuple(groups[0]), tuple(groups[1]))
-    return StageParams(numel, replicated, full, tied, shared, blocks=(classes,) if is_block else (),
-                       root=((), ()) if is_block else classes)
+    return StageParams(
+        numel,
+        replicated,
+        full,
+        tied,
+        shared,
+        blocks=(classes,) if is_block else (),
+        root=((), ()) if is_block else classes,
+    )
 
 
 def meta_param_counter(cfg: ModelConfig):
@@ -56,15 +62,16 @@ def meta_param_counter(cfg: ModelConfig):
     """
     from models.transformer import build_model
 
-    @lru_cache(maxsize=None)
+    @cache
     def part(n_layers: int, has_embedding: bool, has_head: bool, tp: int) -> StageParams:
         try:
             cfg.validate(tp=tp)
         except ModelConfigError as e:
             raise PlanError(str(e)) from None
         padded = cfg.replace(vocab_multiple=cfg.vocab_multiple * tp)
-        stage = build_model(padded, layers=range(0, n_layers), has_embedding=has_embedding, has_head=has_head,
-                            device="meta")
+        stage = build_model(
+            padded, layers=range(0, n_layers), has_embedding=has_embedding, has_head=has_head, device="meta"
+        )
         return _count_module(stage, tp, is_block=n_layers == 1)
 
     def count(layers: range, has_embedding: bool, has_head: bool, tp: int) -> StageParams:
@@ -75,16 +82,29 @@ def meta_param_counter(cfg: ModelConfig):
 
 def _training(rc: RecipeConfig, mc: ModelConfig) -> Training:
     t, c = rc.train, rc.comm
-    return Training(global_batch=t.global_batch, micro_batch=t.micro_batch, precision=t.precision,
-                    checkpointing=mc.activation_checkpointing, optimizer=rc.optim.name, comm_dtype=c.dtype,
-                    overlap=c.overlap, compression=c.compression, topk_ratio=c.topk_ratio, bucket_mb=c.bucket_mb)
+    return Training(
+        global_batch=t.global_batch,
+        micro_batch=t.micro_batch,
+        precision=t.precision,
+        checkpointing=mc.activation_checkpointing,
+        optimizer=rc.optim.name,
+        comm_dtype=c.dtype,
+        overlap=c.overlap,
+        compression=c.compression,
+        topk_ratio=c.topk_ratio,
+        bucket_mb=c.bucket_mb,
+    )
 
 
 def _hardware(rc: RecipeConfig):
     s = rc.plan
-    overrides = {"intra_node_gbps": s.intra_node_gbps, "inter_node_gbps": s.inter_node_gbps,
-                 "efficiency": s.efficiency, "gpus_per_node": s.gpus_per_node,
-                 "memory_bytes": None if s.memory_gb is None else s.memory_gb * GB}
+    overrides = {
+        "intra_node_gbps": s.intra_node_gbps,
+        "inter_node_gbps": s.inter_node_gbps,
+        "efficiency": s.efficiency,
+        "gpus_per_node": s.gpus_per_node,
+        "memory_bytes": None if s.memory_gb is None else s.memory_gb * GB,
+    }
     return hardware_profile(s.hardware, dict(s.profiles or {}), **overrides)
 
 
@@ -97,17 +117,31 @@ def _layout(rc: RecipeConfig) -> Layout:
             raise PlanError(f"plan.world_size {world} is not a multiple of pp {p.pp} × tp {p.tp} = {p.pp * p.tp}")
     else:
         dp = p.dp
-    return Layout(dp=dp, pp=p.pp, tp=p.tp, vpp=p.vpp, sequence_parallel=p.sequence_parallel, zero=p.zero,
-                  schedule=p.pp_schedule, pp_layers=tuple(p.pp_layers) if p.pp_layers else None)
+    return Layout(
+        dp=dp,
+        pp=p.pp,
+        tp=p.tp,
+        vpp=p.vpp,
+        sequence_parallel=p.sequence_parallel,
+        zero=p.zero,
+        schedule=p.pp_schedule,
+        pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
+    )
 
 
 def summary(plan: Plan) -> dict[str, Any]:
     """The flat numbers a sweep compares."""
     L, s = plan.layout, plan.step
-    return {"layout": f"dp{L['dp']}·pp{L['pp']}·tp{L['tp']} zero{L['zero']}", "fits": plan.fits,
-            "peak_gb": round(plan.peak_memory / GB, 2), "step_s": round(s["step_time_s"], 4),
-            "tokens_per_s": round(s["tokens_per_s"], 1), "mfu": round(s["mfu"], 4),
-            "bubble": round(s["bubble_fraction"], 4), "compute_comm": round(s["compute_comm_ratio"], 3)}
+    return {
+        "layout": f"dp{L['dp']}·pp{L['pp']}·tp{L['tp']} zero{L['zero']}",
+        "fits": plan.fits,
+        "peak_gb": round(plan.peak_memory / GB, 2),
+        "step_s": round(s["step_time_s"], 4),
+        "tokens_per_s": round(s["tokens_per_s"], 1),
+        "mfu": round(s["mfu"], 4),
+        "bubble": round(s["bubble_fraction"], 4),
+        "compute_comm": round(s["compute_comm_ratio"], 3),
+    }
 
 
 def plan_from_config(rc: RecipeConfig) -> Plan:
@@ -115,8 +149,14 @@ def plan_from_config(rc: RecipeConfig) -> Plan:
     try:
         mc = model_config(rc.model)
         world = rc.plan.world_size
-        return plan_layout(mc, _layout(rc), _training(rc, mc), _hardware(rc), meta_param_counter(mc),
-                           world_size=world if rc.parallel.dp not in (None, "auto") else None)
+        return plan_layout(
+            mc,
+            _layout(rc),
+            _training(rc, mc),
+            _hardware(rc),
+            meta_param_counter(mc),
+            world_size=world if rc.parallel.dp not in (None, "auto") else None,
+        )
     except PlanError as e:
         raise ConfigError(f"plan: {e}") from None
 
@@ -133,17 +173,41 @@ def recommend_from_config(rc: RecipeConfig) -> list[Plan]:
 
 # ---------------------------------------------------------------- printing
 def plan_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
-    header = ["stage", "layers", "params/rank", "weights GB", "grads GB", "optim GB", "activ. GB (×mb)",
-              "buffers GB", "total GB", "DP GB/s-step", "TP GB/s-step", "PP GB"]
+    header = [
+        "stage",
+        "layers",
+        "params/rank",
+        "weights GB",
+        "grads GB",
+        "optim GB",
+        "activ. GB (×mb)",
+        "buffers GB",
+        "total GB",
+        "DP GB/s-step",
+        "TP GB/s-step",
+        "PP GB",
+    ]
     rows = []
     for r in plan.ranks:
         m, t = r.memory, r.traffic
         layers = ",".join(f"{a}-{b - 1}" for a, b in r.layers)
         tp = f"{t['tp']['bytes'] / GB:.2f}/{t['tp']['time_s']:.3f}" + (" ⚠node" if t["tp"]["crosses_node"] else "")
-        rows.append([str(r.stage), layers, f"{r.params.numel:,}", f"{m['params'] / GB:.2f}", f"{m['grads'] / GB:.2f}",
-                     f"{m['optimizer'] / GB:.2f}", f"{m['activations'] / GB:.2f} (×{r.in_flight})",
-                     f"{m['buffers'] / GB:.2f}", f"{m['total'] / GB:.2f}" + ("" if r.fits else " ✗"),
-                     f"{t['dp']['bytes'] / GB:.2f}/{t['dp']['time_s']:.3f}", tp, f"{t['pp']['bytes'] / GB:.2f}"])
+        rows.append(
+            [
+                str(r.stage),
+                layers,
+                f"{r.params.numel:,}",
+                f"{m['params'] / GB:.2f}",
+                f"{m['grads'] / GB:.2f}",
+                f"{m['optimizer'] / GB:.2f}",
+                f"{m['activations'] / GB:.2f} (×{r.in_flight})",
+                f"{m['buffers'] / GB:.2f}",
+                f"{m['total'] / GB:.2f}" + ("" if r.fits else " ✗"),
+                f"{t['dp']['bytes'] / GB:.2f}/{t['dp']['time_s']:.3f}",
+                tp,
+                f"{t['pp']['bytes'] / GB:.2f}",
+            ]
+        )
     return header, rows
 
 
@@ -200,13 +264,27 @@ def run_plan(rc: RecipeConfig, run_dir: str, *, quiet: bool = False) -> dict[str
     if rc.mode == "recommend":
         plans = recommend_from_config(rc)
         header = ["rank", "layout", "micro-batch", "checkpointing", "peak GB", "step s", "tokens/s", "MFU", "bubble"]
-        rows = [[str(i + 1), summary(p)["layout"], str(p.training["micro_batch"]), p.training["checkpointing"],
-                 f"{p.peak_memory / GB:.1f}", f"{p.step['step_time_s']:.3f}", f"{p.step['tokens_per_s']:,.0f}",
-                 f"{p.step['mfu']:.1%}", f"{p.step['bubble_fraction']:.1%}"] for i, p in enumerate(plans)]
+        rows = [
+            [
+                str(i + 1),
+                summary(p)["layout"],
+                str(p.training["micro_batch"]),
+                p.training["checkpointing"],
+                f"{p.peak_memory / GB:.1f}",
+                f"{p.step['step_time_s']:.3f}",
+                f"{p.step['tokens_per_s']:,.0f}",
+                f"{p.step['mfu']:.1%}",
+                f"{p.step['bubble_fraction']:.1%}",
+            ]
+            for i, p in enumerate(plans)
+        ]
         print_table(f"best layouts for {rc.model.preset}", header, rows, plan_footer(plans[0]))
         (out / "plan.json").write_text(json.dumps([p.to_dict() for p in plans], indent=1, allow_nan=False))
-        return {**summary(plans[0]), "micro_batch": plans[0].training["micro_batch"],
-                "checkpointing": plans[0].training["checkpointing"]}
+        return {
+            **summary(plans[0]),
+            "micro_batch": plans[0].training["micro_batch"],
+            "checkpointing": plans[0].training["checkpointing"],
+        }
     plan = plan_from_config(rc)
     header, rows = plan_rows(plan)
     print_table(f"plan for {rc.model.preset}", header, rows, plan_footer(plan))

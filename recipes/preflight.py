@@ -35,8 +35,9 @@ def check_backend(backend: str | None) -> None:
 
     if (backend or default_backend()) == "nccl" and "LOCAL_RANK" in os.environ and torch.cuda.is_available():
         try:
-            check_local_gpus(int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                             torch.cuda.device_count())
+            check_local_gpus(
+                int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+            )
         except ValueError as e:
             raise ConfigError(f"parallel.backend=nccl: {e}") from None
     if backend != "nccl":

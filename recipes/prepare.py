@@ -29,8 +29,10 @@ def _files(inputs: list[str]) -> list[Path]:
         elif p.is_file():
             out.append(p)
         elif p.exists():
-            raise DataError(f"input {item} is not a regular file or directory (a device, pipe or socket); "
-                            f"give text files or directories of them")
+            raise DataError(
+                f"input {item} is not a regular file or directory (a device, pipe or socket); "
+                f"give text files or directories of them"
+            )
         else:
             raise DataError(f"input {item} does not exist")
     if not out:
@@ -64,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out_path = Path(args.output)
         if out_path.exists() and not out_path.is_dir():
-            raise DataError(f"--output {out_path} is a file; give a directory (it will hold train.bin, val.bin, "
-                            f"meta.json)")
+            raise DataError(
+                f"--output {out_path} is a file; give a directory (it will hold train.bin, val.bin, meta.json)"
+            )
         if not 0 < args.val_fraction < 1:
             raise DataError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
         tokens, vocab = tokenize(_files(args.inputs), args.tokenizer)

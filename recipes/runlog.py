@@ -84,8 +84,9 @@ def fit_metrics(shown: dict[str, str], width: int) -> str:
     return out
 
 
-def wandb_online_problem(env: dict[str, str] | None = None, *, timeout_s: float = WANDB_CHECK_TIMEOUT_S,
-                         connect=socket.create_connection) -> str | None:
+def wandb_online_problem(
+    env: dict[str, str] | None = None, *, timeout_s: float = WANDB_CHECK_TIMEOUT_S, connect=socket.create_connection
+) -> str | None:
     """Why ``logger.wandb=online`` cannot work here, or None: checked in at most ``timeout_s`` seconds.
 
     A key: ``WANDB_API_KEY`` or a ``~/.netrc`` (``NETRC``) entry for the server. The server:
@@ -112,9 +113,18 @@ def wandb_online_problem(env: dict[str, str] | None = None, *, timeout_s: float 
 class RunLogger:
     """Progress bar + metrics file + wandb, all on rank 0 only."""
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool, total_steps: int, progress: bool = True,
-                 wandb_mode: str = "disabled", wandb_project: str = "gridtrain",
-                 config: dict | None = None, start_step: int = 0):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        progress: bool = True,
+        wandb_mode: str = "disabled",
+        wandb_project: str = "gridtrain",
+        config: dict | None = None,
+        start_step: int = 0,
+    ):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._bar = None
@@ -127,17 +137,28 @@ class RunLogger:
         if progress and terminal_columns():  # a bar only on a terminal of known width, else plain lines
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                             ncols=terminal_columns(), file=sys.stderr)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                ncols=terminal_columns(),
+                file=sys.stderr,
+            )
         if wandb_mode == "online" and (problem := wandb_online_problem()):
             wandb_mode = "offline"
-            print(f"warning: logger.wandb=online: {problem}; logging offline instead "
-                  f"(upload later with `wandb sync {self.run_dir / 'wandb'}`)", file=sys.stderr, flush=True)
+            print(
+                f"warning: logger.wandb=online: {problem}; logging offline instead "
+                f"(upload later with `wandb sync {self.run_dir / 'wandb'}`)",
+                file=sys.stderr,
+                flush=True,
+            )
         if wandb_mode != "disabled":
             import wandb
 
-            self._wandb = wandb.init(project=wandb_project, mode=wandb_mode, dir=str(self.run_dir),
-                                     config=config or {}, reinit=True)
+            self._wandb = wandb.init(
+                project=wandb_project, mode=wandb_mode, dir=str(self.run_dir), config=config or {}, reinit=True
+            )
 
     def info(self, text: str) -> None:
         if not self.enabled:
@@ -153,8 +174,7 @@ class RunLogger:
             return
         self._metrics.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
-                            step=record.get("step"))
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
         shown = {k: _fmt(record[k]) for k in SHOWN if k in record}
         if self._bar is not None:  # the metrics that fit beside the bar in the terminal's current width
             width = terminal_columns() or self._bar.ncols

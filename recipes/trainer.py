@@ -31,10 +31,10 @@ from parallel.layers import check_token_ids
 from parallel.memory import SavedActivationMeter, peak_memory_bytes
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.partition import stage_chunks
-from parallel.plan.shape import ModelShape, layer_partition, model_tflops_per_device
 from parallel.pipeline.schedules import Backward, Forward, build_schedule
 from parallel.pipeline.simulator import Span
 from parallel.pipeline.timeline import bubble_fraction, draw_timeline
+from parallel.plan.shape import ModelShape, layer_partition, model_tflops_per_device
 from parallel.timing import StepClock
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
@@ -132,11 +132,19 @@ class Trainer:
         chunks = []
         for c, layers in enumerate(stage_chunks(self.ranges, p.pp, g.pp_rank)):
             virtual = c * p.pp + g.pp_rank
-            chunks.append(build_model(
-                mc, tp_group=g.tp, sequence_parallel=p.sequence_parallel, layers=layers,
-                has_embedding=virtual == 0, has_head=virtual == n_virtual - 1,
-                device=self.device, dtype=torch.float32, seed=self.rc.train.seed,
-            ))
+            chunks.append(
+                build_model(
+                    mc,
+                    tp_group=g.tp,
+                    sequence_parallel=p.sequence_parallel,
+                    layers=layers,
+                    has_embedding=virtual == 0,
+                    has_head=virtual == n_virtual - 1,
+                    device=self.device,
+                    dtype=torch.float32,
+                    seed=self.rc.train.seed,
+                )
+            )
         self.stage_module = StageChunks(chunks)
         units = [b for ch in chunks for b in ch.blocks.values()]
         o, t, cm = self.rc.optim, self.rc.train, self.rc.comm
@@ -146,15 +154,26 @@ class Trainer:
         def optimizer_factory(param_groups):
             if o.name == "sgd":
                 return torch.optim.SGD(param_groups, lr=o.lr, weight_decay=o.weight_decay)
-            return torch.optim.AdamW(param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                     weight_decay=o.weight_decay, fused=fused)
+            return torch.optim.AdamW(
+                param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=fused
+            )
 
         self.zero = ZeroDataParallel(
-            self.stage_module, dp_group=g.dp, stage=p.zero, optimizer_factory=optimizer_factory,
-            units=units, precision=t.precision, comm_dtype=cm.dtype, bucket_mb=cm.bucket_mb,
-            overlap=cm.overlap, grad_clip=t.grad_clip or None, tp_group=g.tp,
-            embedding_group=g.embedding, clip_groups=[g.pp],
-            compression=cm.compression, topk_ratio=cm.topk_ratio,
+            self.stage_module,
+            dp_group=g.dp,
+            stage=p.zero,
+            optimizer_factory=optimizer_factory,
+            units=units,
+            precision=t.precision,
+            comm_dtype=cm.dtype,
+            bucket_mb=cm.bucket_mb,
+            overlap=cm.overlap,
+            grad_clip=t.grad_clip or None,
+            tp_group=g.tp,
+            embedding_group=g.embedding,
+            clip_groups=[g.pp],
+            compression=cm.compression,
+            topk_ratio=cm.topk_ratio,
         )
         self.is_last_virtual = [c * p.pp + g.pp_rank == n_virtual - 1 for c in range(len(chunks))]
 
@@ -170,8 +189,11 @@ class Trainer:
 
         self.executor = PipelineExecutor(
             [ChunkView(self.zero, c) for c in range(len(self.stage_module.chunks))],
-            self.schedule[g.pp_rank], pp_group=g.pp,
-            activation_shape=(lay.micro_batch, seq, mc.d_model), dtype=self.dtype, loss_fn=loss_fn,
+            self.schedule[g.pp_rank],
+            pp_group=g.pp,
+            activation_shape=(lay.micro_batch, seq, mc.d_model),
+            dtype=self.dtype,
+            loss_fn=loss_fn,
             tp_group=None if p.sequence_parallel else g.tp,
             embedding_group=None,  # ZeRO sums the tied-embedding gradient (on its shard, any stage)
             # ZeRO 0-1 run the step under no_sync(); each chunk's last backward launches its DP reduction
@@ -183,8 +205,13 @@ class Trainer:
         """This rank's micro-batches of ``step``: its DP slice of the layout-independent global batch."""
         lay, t = self.layout, self.rc.train
         mbs = (data or self.train_data).rank_microbatches(
-            step, global_batch=t.global_batch, dp=lay.dp, dp_rank=self.groups.dp_rank,
-            micro_batch=t.micro_batch, seed=t.seed if seed is None else seed)
+            step,
+            global_batch=t.global_batch,
+            dp=lay.dp,
+            dp_rank=self.groups.dp_rank,
+            micro_batch=t.micro_batch,
+            seed=t.seed if seed is None else seed,
+        )
         for x, y in mbs:  # on the host batch, before it moves: no device read per micro-batch
             check_token_ids(x, self.model_cfg.vocab_size)
             check_token_ids(y, self.model_cfg.vocab_size, what="targets")
@@ -216,8 +243,14 @@ class Trainer:
         host's (enqueueing) time; :func:`read_record` reads them when the loop logs.
         """
         o = self.rc.optim
-        lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
-                   max_steps=self.rc.train.max_steps, schedule=o.schedule)
+        lr = lr_at(
+            step,
+            lr=o.lr,
+            min_lr=o.min_lr,
+            warmup_steps=o.warmup_steps,
+            max_steps=self.rc.train.max_steps,
+            schedule=o.schedule,
+        )
         for group in self.zero.optimizer.param_groups:
             group["lr"] = lr
         inputs, targets = self.microbatches(step)
@@ -239,8 +272,13 @@ class Trainer:
         with counter:
             comm.all_reduce(loss, group=self.groups.dp)  # mean over DP replicas = the global batch
         end = clock.mark()
-        rec = {"loss": loss / self.layout.dp, "lr": lr, "grad_norm": stats["grad_norm"],
-               "skipped": stats["skipped"], "loss_scale": float(stats["loss_scale"])}
+        rec = {
+            "loss": loss / self.layout.dp,
+            "lr": lr,
+            "grad_norm": stats["grad_norm"],
+            "skipped": stats["skipped"],
+            "loss_scale": float(stats["loss_scale"]),
+        }
         host_s = time.perf_counter() - host_t0
         if read:
             rec = read_record(rec)  # waits for the device: the step's work is all in
@@ -267,8 +305,16 @@ class Trainer:
         finally:
             self.executor.record_timeline = False
         kinds = {Forward: 0, Backward: 1}
-        rows = [[sp.start, sp.end, kinds.get(type(sp.action), 2),
-                 getattr(sp.action, "mb", -1), getattr(sp.action, "chunk", -1)] for sp in self.executor.timeline]
+        rows = [
+            [
+                sp.start,
+                sp.end,
+                kinds.get(type(sp.action), 2),
+                getattr(sp.action, "mb", -1),
+                getattr(sp.action, "chunk", -1),
+            ]
+            for sp in self.executor.timeline
+        ]
         n = torch.tensor([len(rows)], dtype=torch.float64, device=self.device)
         comm.all_reduce(n, op=comm.ReduceOp.MAX)
         width = int(n.item())
@@ -289,8 +335,12 @@ class Trainer:
             timeline.append(spans)
         rec["bubble"] = bubble_fraction(timeline)
         if self.rank == 0:
-            draw_timeline(timeline, path, title=f"step {step + 1}: {self.rc.parallel.pp_schedule}, "
-                          f"pp={self.topology.pp}, m={self.layout.grad_accum}, vpp={self.rc.parallel.vpp}")
+            draw_timeline(
+                timeline,
+                path,
+                title=f"step {step + 1}: {self.rc.parallel.pp_schedule}, "
+                f"pp={self.topology.pp}, m={self.layout.grad_accum}, vpp={self.rc.parallel.vpp}",
+            )
         return rec
 
     def memory_report(self) -> str | None:
@@ -299,8 +349,11 @@ class Trainer:
         Collective (every rank calls it): one all-gather of five numbers per rank.
         """
         ms = self.model_state_bytes
-        mine = torch.tensor([ms["params"], ms["grads"], ms["optimizer"], self.activation_bytes,
-                             peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
+        mine = torch.tensor(
+            [ms["params"], ms["grads"], ms["optimizer"], self.activation_bytes, peak_memory_bytes(self.device)],
+            dtype=torch.float64,
+            device=self.device,
+        )
         world = self.topology.world_size
         every = torch.empty(world * 5, dtype=torch.float64, device=self.device)
         comm.all_gather(every, mine)
@@ -315,15 +368,19 @@ class Trainer:
         except (ValueError, KeyError):
             predicted = None
         mb = 2**20
-        lines = ["memory per rank after the first step (MiB; max over each stage's ranks)",
-                 f"{'stage':>5} {'ranks':>6} {'params':>9} {'grads':>9} {'optimizer':>9} "
-                 f"{'activations':>11} {'model+act':>9} {'predicted':>9} {'peak (process)':>14}"]
+        lines = [
+            "memory per rank after the first step (MiB; max over each stage's ranks)",
+            f"{'stage':>5} {'ranks':>6} {'params':>9} {'grads':>9} {'optimizer':>9} "
+            f"{'activations':>11} {'model+act':>9} {'predicted':>9} {'peak (process)':>14}",
+        ]
         for stage in range(self.topology.pp):
             ranks = [r for r in range(world) if self.topology.coords(r).pp == stage]
             top = every[ranks].max(dim=0).values / mb
             pred = f"{predicted[stage] / mb:>9.1f}" if predicted else f"{'-':>9}"
-            lines.append(f"{stage:>5} {len(ranks):>6} {top[0]:>9.1f} {top[1]:>9.1f} {top[2]:>9.1f} "
-                         f"{top[3]:>11.1f} {top[:4].sum():>9.1f} {pred} {top[4]:>14.1f}")
+            lines.append(
+                f"{stage:>5} {len(ranks):>6} {top[0]:>9.1f} {top[1]:>9.1f} {top[2]:>9.1f} "
+                f"{top[3]:>11.1f} {top[:4].sum():>9.1f} {pred} {top[4]:>14.1f}"
+            )
         return "\n".join(lines)
 
     # ------------------------------------------------------ checkpoint (recipes/checkpointing.py)
@@ -341,13 +398,22 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     trainer = Trainer(rc, run_dir)
     is_rank0 = trainer.rank == 0
     t = rc.train
-    log = RunLogger(run_dir, enabled=is_rank0, total_steps=t.max_steps, progress=rc.logger.progress,
-                    wandb_mode=rc.logger.wandb, wandb_project=rc.logger.project,
-                    config=OmegaConf.to_container(OmegaConf.structured(rc)))
+    log = RunLogger(
+        run_dir,
+        enabled=is_rank0,
+        total_steps=t.max_steps,
+        progress=rc.logger.progress,
+        wandb_mode=rc.logger.wandb,
+        wandb_project=rc.logger.project,
+        config=OmegaConf.to_container(OmegaConf.structured(rc)),
+    )
     if is_rank0:
         OmegaConf.save(OmegaConf.structured(rc), Path(run_dir) / "config.yaml")
-        per_node = (rc.parallel.gpus_per_node if trainer.device.type == "cuda"
-                    else int(os.environ.get("LOCAL_WORLD_SIZE", trainer.topology.world_size)))
+        per_node = (
+            rc.parallel.gpus_per_node
+            if trainer.device.type == "cuda"
+            else int(os.environ.get("LOCAL_WORLD_SIZE", trainer.topology.world_size))
+        )
         log.info(trainer.topology.describe(per_node, device=trainer.device.type))
     tokens_per_step = t.global_batch * trainer.model_cfg.seq_len
     peak = rc.logger.peak_tflops or (measured_matmul_tflops() if trainer.device.type == "cpu" else None)
@@ -397,8 +463,10 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
             trainer.step = step + 1
             preempted = preemption.poll()  # every step, no host wait: agreed by all ranks one step late
             if save_due or preempted:
-                path = checkpointing.save(trainer, on_written=lambda: checkpointing.fault_drill(
-                    t.fault, trainer.rank, trainer.step, where="save"))
+                path = checkpointing.save(
+                    trainer,
+                    on_written=lambda: checkpointing.fault_drill(t.fault, trainer.rank, trainer.step, where="save"),
+                )
                 log.info(f"checkpoint {path}")
             if preempted:
                 if not read:
@@ -414,5 +482,10 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         log.close()
     last = read_record(last)
     finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/exits.py)
-    return {"final_loss": last.get("loss"), "val_loss": last.get("val_loss"), "steps": trainer.step,
-            "run_dir": str(run_dir), "preempted": preempted}
+    return {
+        "final_loss": last.get("loss"),
+        "val_loss": last.get("val_loss"),
+        "steps": trainer.step,
+        "run_dir": str(run_dir),
+        "preempted": preempted,
+    }

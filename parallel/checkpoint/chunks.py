@@ -80,8 +80,9 @@ class Placement:
     offsets: tuple[int, ...]
 
 
-def tp_placement(local_shape: Sequence[int], shard_dim: int | None, tp_rank: int, tp_size: int,
-                 rows: int | None = None) -> Placement:
+def tp_placement(
+    local_shape: Sequence[int], shard_dim: int | None, tp_rank: int, tp_size: int, rows: int | None = None
+) -> Placement:
     """The placement of a TP shard: block ``tp_rank`` along ``shard_dim`` (None: replicated).
 
     ``rows``: the real number of rows along dim 0 when the rest is padding (vocabulary).
@@ -109,8 +110,10 @@ def to_global(box: Box, placement: Placement) -> Box | None:
     for d, (o, s, g) in enumerate(zip(offsets, sizes, placement.global_shape)):
         if o + s > g:
             if d != 0:
-                raise CheckpointError(f"box {box} at {offsets} leaves the global shape {placement.global_shape} "
-                                      f"along dim {d}; only dim 0 (vocabulary rows) may be padding")
+                raise CheckpointError(
+                    f"box {box} at {offsets} leaves the global shape {placement.global_shape} "
+                    f"along dim {d}; only dim 0 (vocabulary rows) may be padding"
+                )
             sizes[0] = max(0, g - o)
     if any(s == 0 for s in sizes):
         return None

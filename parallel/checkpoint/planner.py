@@ -22,6 +22,7 @@ import pickle
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -38,7 +39,6 @@ from torch.distributed.checkpoint.planner_helpers import (
     _create_write_items,
     create_read_items_for_chunk_list,
 )
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from .chunks import CheckpointError
 
@@ -59,9 +59,14 @@ class Chunked:
 
     def write_items(self, fqn: str) -> list[WriteItem]:
         props = TensorProperties(dtype=self.dtype)
-        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=props, size=self.global_shape))
-                for c in self.chunks()]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, c.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=c, properties=props, size=self.global_shape),
+            )
+            for c in self.chunks()
+        ]
 
     def piece(self, index: MetadataIndex) -> torch.Tensor:
         return self.pieces[torch.Size(index.offset)]
@@ -103,49 +108,65 @@ class LoadPlanner(DefaultLoadPlanner):
         saved = self.metadata.state_dict_metadata
         missing = sorted(k for k in self.state_dict if k not in saved)
         if missing:
-            raise CheckpointError(f"the checkpoint lacks {len(missing)} tensors this model needs, e.g. "
-                                  f"{missing[:3]}; was it saved from a different model config?")
+            raise CheckpointError(
+                f"the checkpoint lacks {len(missing)} tensors this model needs, e.g. "
+                f"{missing[:3]}; was it saved from a different model config?"
+            )
         requests = []
         for fqn, obj in self.state_dict.items():
             md = saved[fqn]
             if isinstance(obj, Chunked):
                 if not isinstance(md, TensorStorageMetadata) or md.size != obj.global_shape:
-                    raise CheckpointError(f"{fqn!r}: checkpoint shape {tuple(getattr(md, 'size', ()))} ≠ "
-                                          f"model shape {tuple(obj.global_shape)}")
+                    raise CheckpointError(
+                        f"{fqn!r}: checkpoint shape {tuple(getattr(md, 'size', ()))} ≠ "
+                        f"model shape {tuple(obj.global_shape)}"
+                    )
                 requests += create_read_items_for_chunk_list(fqn, md, obj.chunks())
             else:
                 if isinstance(md, TensorStorageMetadata) and md.size != obj.shape:
-                    raise CheckpointError(f"{fqn!r}: checkpoint shape {tuple(md.size)} ≠ model shape "
-                                          f"{tuple(obj.shape)}")
+                    raise CheckpointError(
+                        f"{fqn!r}: checkpoint shape {tuple(md.size)} ≠ model shape {tuple(obj.shape)}"
+                    )
                 requests += _create_read_items(fqn, md, obj)
         return LoadPlan(requests)
 
     def resolve_tensor(self, read_item):
         obj = self.state_dict[read_item.dest_index.fqn]
         if isinstance(obj, Chunked):
-            return narrow_tensor_by_index(obj.piece(read_item.dest_index), read_item.dest_offsets,
-                                          read_item.lengths)
+            return narrow_tensor_by_index(obj.piece(read_item.dest_index), read_item.dest_offsets, read_item.lengths)
         return super().resolve_tensor(read_item)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise CheckpointError(f"{read_item.dest_index.fqn!r} is a pickled object; gridtrain checkpoints hold "
-                              f"tensors only and never unpickle objects")
+        raise CheckpointError(
+            f"{read_item.dest_index.fqn!r} is a pickled object; gridtrain checkpoints hold "
+            f"tensors only and never unpickle objects"
+        )
 
 
 _ALLOWED_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
-_ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "slice"), ("builtins", "set"),
-            ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+_ALLOWED = {
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("builtins", "slice"),
+    ("builtins", "set"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
-        raise CheckpointError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never "
-                              f"needs; refusing to unpickle it (the file may be tampered with)")
+        raise CheckpointError(
+            f"checkpoint metadata refers to {module}.{name}, which a checkpoint never "
+            f"needs; refusing to unpickle it (the file may be tampered with)"
+        )
 
 
 def read_dcp_metadata(path) -> Metadata:

@@ -87,8 +87,16 @@ def _write_durably(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(state: dict, root: str | os.PathLike, step: int, *, meta: dict | None = None,
-                    keep: int = 0, group=None, on_written=None) -> Path:
+def save_checkpoint(
+    state: dict,
+    root: str | os.PathLike,
+    step: int,
+    *,
+    meta: dict | None = None,
+    keep: int = 0,
+    group=None,
+    on_written=None,
+) -> Path:
     """Write ``state`` (``{key: tensor | Chunked}``) as ``root/step_<step>`` and publish it (see module doc).
 
     Collective over ``group`` (default: the world). ``meta``: JSON-able facts
@@ -105,8 +113,9 @@ def save_checkpoint(state: dict, root: str | os.PathLike, step: int, *, meta: di
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died earlier
     barrier(group)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=SavePlanner(),
-             process_group=group)
+    dcp.save(
+        state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=SavePlanner(), process_group=group
+    )
     mine = {p.name: _digest(p) for p in sorted(tmp.glob(f"__{rank}_*"))}  # DCP names files by group rank
     _write_durably(tmp / f"sums.{rank}.json", json.dumps(mine))
     if on_written is not None:
@@ -172,8 +181,10 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         found = latest_checkpoint(candidate) if (candidate / LATEST).exists() else None
         if found is not None:
             return found
-    raise CheckpointError(f"no checkpoint at {path}: expected a directory with {MANIFEST}, or one with a "
-                          f"'{LATEST}' file (a checkpoint root or a run directory with checkpoints/)")
+    raise CheckpointError(
+        f"no checkpoint at {path}: expected a directory with {MANIFEST}, or one with a "
+        f"'{LATEST}' file (a checkpoint root or a run directory with checkpoints/)"
+    )
 
 
 def read_manifest(ckpt: str | os.PathLike) -> dict:
@@ -216,8 +227,11 @@ def verify_checkpoint(ckpt: str | os.PathLike, group=None) -> dict:
     if world > 1:
         comm.all_reduce(flag, group=group, op=comm.ReduceOp.MAX)
     if problems:
-        raise CheckpointError(f"checkpoint {ckpt} is damaged: " + "; ".join(problems)
-                              + ". Load an older one (its directory path) or delete this one and its 'latest'")
+        raise CheckpointError(
+            f"checkpoint {ckpt} is damaged: "
+            + "; ".join(problems)
+            + ". Load an older one (its directory path) or delete this one and its 'latest'"
+        )
     if flag.item():
         raise CheckpointError(f"checkpoint {ckpt} is damaged (another rank found a bad file; see its error)")
     return manifest
@@ -226,8 +240,7 @@ def verify_checkpoint(ckpt: str | os.PathLike, group=None) -> dict:
 def saved_tensors(ckpt: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{key: (global shape, dtype)}`` of every tensor in ``ckpt`` (reads only the index)."""
     md = read_dcp_metadata(ckpt)
-    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
-            if hasattr(v, "size")}
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 
 def load_checkpoint(state: dict, ckpt: str | os.PathLike, *, group=None, verify: bool = True) -> dict:

@@ -39,8 +39,9 @@ def _per_element(value, master: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dim() > 0 and value.shape == master.shape
 
 
-def zero_state_pieces(zdp, *, global_name: Callable[[str], str] = lambda n: n, tp_group=None,
-                      optimizer: bool = True) -> dict[str, object]:
+def zero_state_pieces(
+    zdp, *, global_name: Callable[[str], str] = lambda n: n, tp_group=None, optimizer: bool = True
+) -> dict[str, object]:
     """``{global key: Chunked | 0-dim tensor}`` over this rank's ZeRO shards (see module doc).
 
     Pure bookkeeping: no collective, no copy. Every optimizer state must be a
@@ -52,13 +53,16 @@ def zero_state_pieces(zdp, *, global_name: Callable[[str], str] = lambda n: n, t
         state = zdp.optimizer.state.get(b.master, {}) if optimizer else {}
         for key, value in state.items():
             if not torch.is_tensor(value):
-                raise CheckpointError(f"optimizer state {key!r} is a {type(value).__name__}, not a tensor; "
-                                      f"only tensor state can be checkpointed")
+                raise CheckpointError(
+                    f"optimizer state {key!r} is a {type(value).__name__}, not a tensor; "
+                    f"only tensor state can be checkpointed"
+                )
         sources = {"model": b.master.detach(), **{k: v for k, v in state.items() if _per_element(v, b.master)}}
         for slot, param in zip(b.layout.slots, b.params):
             name = global_name(slot.name)
-            place = tp_placement(slot.shape, tp_shard_dim(param), tp_rank, tp_size,
-                                 rows=getattr(param, "vocab_size", None))
+            place = tp_placement(
+                slot.shape, tp_shard_dim(param), tp_rank, tp_size, rows=getattr(param, "vocab_size", None)
+            )
             for key, value in state.items():
                 if not _per_element(value, b.master):
                     out[f"optim/{name}/{key}"] = value
@@ -76,14 +80,15 @@ def zero_state_pieces(zdp, *, global_name: Callable[[str], str] = lambda n: n, t
                         n *= s
                     global_box = to_global(box, place)
                     if global_box is not None:
-                        view = flat[start:start + n].view(box[1])
+                        view = flat[start : start + n].view(box[1])
                         pieces.add(global_box[0], view[tuple(slice(0, s) for s in global_box[1])])
                     start += n
     return {k: v for k, v in out.items() if not isinstance(v, Chunked) or v.pieces}
 
 
-def prepare_optimizer_state(zdp, saved_keys: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                            global_name: Callable[[str], str] = lambda n: n) -> None:
+def prepare_optimizer_state(
+    zdp, saved_keys: dict[str, tuple[tuple[int, ...], torch.dtype]], global_name: Callable[[str], str] = lambda n: n
+) -> None:
     """Give every bucket the optimizer state tensors a checkpoint holds, so it can be read into.
 
     ``saved_keys``: ``{key: (global shape, dtype)}`` of the checkpoint. A fresh
@@ -93,14 +98,17 @@ def prepare_optimizer_state(zdp, saved_keys: dict[str, tuple[tuple[int, ...], to
     """
     for b in zdp.buckets:
         prefix = f"optim/{global_name(b.layout.slots[0].name)}/"
-        wanted = {k[len(prefix):]: v for k, v in saved_keys.items() if k.startswith(prefix)}
+        wanted = {k[len(prefix) :]: v for k, v in saved_keys.items() if k.startswith(prefix)}
         if not wanted:
             continue
         state = zdp.optimizer.state.setdefault(b.master, {})
         for key, (shape, dtype) in wanted.items():
             if key not in state:
-                state[key] = (torch.zeros((), dtype=dtype, device=b.master.device) if len(shape) == 0
-                              else torch.zeros_like(b.master, dtype=dtype))
+                state[key] = (
+                    torch.zeros((), dtype=dtype, device=b.master.device)
+                    if len(shape) == 0
+                    else torch.zeros_like(b.master, dtype=dtype)
+                )
 
 
 def publish(zdp) -> None:

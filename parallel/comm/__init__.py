@@ -6,6 +6,22 @@ package, so tests and benchmarks can compare traffic with theory
 devices of their tensors (:class:`CallRecorder`).
 """
 
+from .autograd import (
+    SplitError,
+    all_gather_along,
+    all_reduce_sum,
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_along,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+    split_along,
+    tp_rank,
+    tp_world_size,
+)
 from .collectives import (
     ReduceOp,
     all_gather,
@@ -24,22 +40,6 @@ from .collectives import (
 from .counter import SENT_FRACTION, CommCounter, record
 from .late import late_completion, pending_count
 from .recorder import Call, CallRecorder, compare_sequences, on_device
-from .autograd import (
-    SplitError,
-    all_gather_along,
-    all_reduce_sum,
-    copy_to_tp_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tp_region,
-    reduce_from_tp_region,
-    reduce_scatter_along,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-    scatter_to_tp_region,
-    split_along,
-    tp_rank,
-    tp_world_size,
-)
 
 __all__ = [
     "Call",

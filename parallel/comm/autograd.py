@@ -186,12 +186,12 @@ def _apply(fn, x: torch.Tensor, group) -> torch.Tensor:
 
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
-    """"f": identity forward; backward all-reduces the gradient (X bytes, 2(N-1)/N·X sent)."""
+    """ "f": identity forward; backward all-reduces the gradient (X bytes, 2(N-1)/N·X sent)."""
     return _apply(_CopyToRegion, x, group)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
-    """"g": forward all-reduces the partial sums (X bytes, 2(N-1)/N·X sent); backward identity."""
+    """ "g": forward all-reduces the partial sums (X bytes, 2(N-1)/N·X sent); backward identity."""
     return _apply(_ReduceFromRegion, x, group)
 
 

@@ -140,13 +140,10 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
         return _Done() if async_op else None
     record(group_label(group), "all_reduce", _nbytes(tensor), n)
     note(group_label(group), group, "all_reduce", tensor)
-    return _call(group_label(group), "all_reduce", async_op, (tensor,), dist.all_reduce, tensor, op=op,
-                 group=group)
+    return _call(group_label(group), "all_reduce", async_op, (tensor,), dist.all_reduce, tensor, op=op, group=group)
 
 
-def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False
-):
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
     """Reduce ``input`` (N equal chunks along dim 0) over ``group``; rank i keeps chunk i."""
     n = group_size(group)
     if input.numel() != output.numel() * n:
@@ -159,8 +156,17 @@ def reduce_scatter(
         return _Done() if async_op else None
     record(group_label(group), "reduce_scatter", _nbytes(input), n)
     note(group_label(group), group, "reduce_scatter", input, also=(output,))
-    return _call(group_label(group), "reduce_scatter", async_op, (output, input), _reduce_scatter_tensor,
-                 output, input, op=op, group=group)
+    return _call(
+        group_label(group),
+        "reduce_scatter",
+        async_op,
+        (output, input),
+        _reduce_scatter_tensor,
+        output,
+        input,
+        op=op,
+        group=group,
+    )
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -176,8 +182,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         return _Done() if async_op else None
     record(group_label(group), "all_gather", _nbytes(output), n)
     note(group_label(group), group, "all_gather", output, also=(input,))
-    return _call(group_label(group), "all_gather", async_op, (output, input), _all_gather_tensor, output, input,
-                 group=group)
+    return _call(
+        group_label(group), "all_gather", async_op, (output, input), _all_gather_tensor, output, input, group=group
+    )
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -188,8 +195,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         return _Done() if async_op else None
     record(group_label(group), "all_to_all", _nbytes(input), n)
     note(group_label(group), group, "all_to_all", input, also=(output,))
-    return _call(group_label(group), "all_to_all", async_op, (output, input), dist.all_to_all_single, output,
-                 input, group=group)
+    return _call(
+        group_label(group), "all_to_all", async_op, (output, input), dist.all_to_all_single, output, input, group=group
+    )
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):

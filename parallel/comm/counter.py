@@ -46,9 +46,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-_ACTIVE: contextvars.ContextVar[tuple["CommCounter", ...]] = contextvars.ContextVar(
-    "gridtrain_comm_counters", default=()
-)
+_ACTIVE: contextvars.ContextVar[tuple[CommCounter, ...]] = contextvars.ContextVar("gridtrain_comm_counters", default=())
 
 #: bytes sent per rank, as a fraction of the payload, for a group of size n
 SENT_FRACTION = {
@@ -92,14 +90,14 @@ class CommCounter:
         self._tokens: list[contextvars.Token] = []
 
     # activation -------------------------------------------------------------
-    def start(self) -> "CommCounter":
+    def start(self) -> CommCounter:
         self._tokens.append(_ACTIVE.set(_ACTIVE.get() + (self,)))
         return self
 
     def stop(self) -> None:
         _ACTIVE.reset(self._tokens.pop())
 
-    def __enter__(self) -> "CommCounter":
+    def __enter__(self) -> CommCounter:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -132,11 +130,7 @@ class CommCounter:
 
     # queries ----------------------------------------------------------------
     def _select(self, group: str | None, op: str | None):
-        return [
-            s
-            for (g, o), s in self.stats.items()
-            if (group is None or g == group) and (op is None or o == op)
-        ]
+        return [s for (g, o), s in self.stats.items() if (group is None or g == group) and (op is None or o == op)]
 
     def sent_bytes(self, group: str | None = None, op: str | None = None) -> float:
         """Bytes this rank sent, optionally restricted to one group label / op."""

@@ -59,9 +59,21 @@ class ParallelSelfAttention(nn.Module):
     of A forward, the same two backward. q, k and v share one input collective.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, *, tp_group=None,
-                 sequence_parallel: bool = False, bias: bool = True, rope: bool = False,
-                 rope_theta: float = 10000.0, recompute_core: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
+        tp_group=None,
+        sequence_parallel: bool = False,
+        bias: bool = True,
+        rope: bool = False,
+        rope_theta: float = 10000.0,
+        recompute_core: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         tp = comm.tp_world_size(tp_group)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads

@@ -60,8 +60,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group=None, *,
-                                 vocab_size: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    tp_group=None,
+    *,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """Per-token loss ``[...]`` from this rank's logits ``[..., V_padded/N]`` and full targets ``[...]``.
 
     Communication on ``tp_group``: forward one all-reduce MAX of ``T·4`` bytes and one
@@ -80,7 +86,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
         raise LayerConfigError(f"vocab_size {vocab_size} exceeds the {full_v} logits columns over all ranks")
     if comm.tp_world_size(tp_group) == 1:  # one rank holds every column: PyTorch's fused kernel
         z = logits.float()[..., :vocab_size] if vocab_size is not None else logits.float()
-        loss = F.cross_entropy(z.reshape(-1, z.shape[-1]), targets.reshape(-1), ignore_index=ignore_index,
-                               reduction="none")
+        loss = F.cross_entropy(
+            z.reshape(-1, z.shape[-1]), targets.reshape(-1), ignore_index=ignore_index, reduction="none"
+        )
         return loss.view(targets.shape)
     return _VocabParallelCrossEntropy.apply(logits, targets, tp_group, vocab_size, ignore_index)

@@ -44,9 +44,17 @@ class VocabParallelEmbedding(nn.Module):
     all-gather of the gradient (Y bytes) with ``sequence_parallel``.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group=None,
-                 vocab_size: int | None = None, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_group=None,
+        vocab_size: int | None = None,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         tp = comm.tp_world_size(tp_group)
         self.vocab_size = num_embeddings if vocab_size is None else vocab_size
@@ -83,5 +91,7 @@ class VocabParallelEmbedding(nn.Module):
         return comm.reduce_from_tp_region(out, self.tp_group)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings} (vocab {self.vocab_size}), {self.embedding_dim}, "
-                f"rows [{self.vocab_start}, {self.vocab_end}), sequence_parallel={self.sequence_parallel}")
+        return (
+            f"{self.num_embeddings} (vocab {self.vocab_size}), {self.embedding_dim}, "
+            f"rows [{self.vocab_start}, {self.vocab_end}), sequence_parallel={self.sequence_parallel}"
+        )

@@ -59,9 +59,18 @@ def _tile_seed(seed: int, key: str, i: int, j: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def init_tensor_shard_(shard: torch.Tensor, *, key: str, seed: int, std: float | None = None,
-                       shard_dim: int | None, tp_rank: int, tp_size: int, vocab_size: int | None = None,
-                       bound: float | None = None) -> torch.Tensor:
+def init_tensor_shard_(
+    shard: torch.Tensor,
+    *,
+    key: str,
+    seed: int,
+    std: float | None = None,
+    shard_dim: int | None,
+    tp_rank: int,
+    tp_size: int,
+    vocab_size: int | None = None,
+    bound: float | None = None,
+) -> torch.Tensor:
     """Fill ``shard`` (rank ``tp_rank`` of ``tp_size`` along ``shard_dim``) with normal(0, ``std``),
     or, given ``bound`` instead, uniform(-bound, bound).
 
@@ -71,8 +80,10 @@ def init_tensor_shard_(shard: torch.Tensor, *, key: str, seed: int, std: float |
     if (std is None) == (bound is None):
         raise ValueError("init_tensor_shard_ takes exactly one of std (normal) and bound (uniform)")
     if shard_dim not in (None, 0, 1) or (shard_dim == 1 and shard.dim() != 2):
-        raise ValueError(f"layout-independent init supports sharding on dim 0 or dim 1 of a matrix, "
-                         f"got shard_dim {shard_dim} for shape {tuple(shard.shape)}")
+        raise ValueError(
+            f"layout-independent init supports sharding on dim 0 or dim 1 of a matrix, "
+            f"got shard_dim {shard_dim} for shape {tuple(shard.shape)}"
+        )
     local = shard.reshape(shard.shape[0], -1) if shard.dim() > 0 else shard.reshape(1, 1)
     rows, cols = local.shape
     r0 = rows * tp_rank if shard_dim == 0 else 0
@@ -90,17 +101,19 @@ def init_tensor_shard_(shard: torch.Tensor, *, key: str, seed: int, std: float |
                 gr0, gc0 = i * TILE_ROWS, j * TILE_COLS
                 lo_r, hi_r = max(gr0, r0), min(gr0 + TILE_ROWS, r0 + rows)
                 lo_c, hi_c = max(gc0, c0), min(gc0 + tile_c, c0 + cols)
-                local[lo_r - r0:hi_r - r0, lo_c - c0:hi_c - c0].copy_(
-                    tile[lo_r - gr0:hi_r - gr0, lo_c - gc0:hi_c - gc0])
+                local[lo_r - r0 : hi_r - r0, lo_c - c0 : hi_c - c0].copy_(
+                    tile[lo_r - gr0 : hi_r - gr0, lo_c - gc0 : hi_c - gc0]
+                )
         if vocab_size is not None and shard_dim in (None, 0) and r0 + rows > vocab_size:
-            local[max(0, vocab_size - r0):].zero_()
+            local[max(0, vocab_size - r0) :].zero_()
     if local.data_ptr() != shard.data_ptr():  # reshape copied (non-contiguous shard)
         shard.copy_(local.view_as(shard))
     return shard
 
 
-def reset_default_(param: nn.Parameter, tp_group=None, *, std: float | None = None,
-                   bound: float | None = None) -> nn.Parameter:
+def reset_default_(
+    param: nn.Parameter, tp_group=None, *, std: float | None = None, bound: float | None = None
+) -> nn.Parameter:
     """The layers' default initialisation (module docstring) of one parameter, in place.
 
     Draws one seed from torch's default CPU generator, then fills this rank's shard
@@ -113,13 +126,23 @@ def reset_default_(param: nn.Parameter, tp_group=None, *, std: float | None = No
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
     dim = tp_shard_dim(param)
     tp, rank = (comm.tp_world_size(tp_group), comm.tp_rank(tp_group)) if dim is not None else (1, 0)
-    init_tensor_shard_(param.data, key="default", seed=seed, std=std, bound=bound, shard_dim=dim,
-                       tp_rank=rank, tp_size=tp, vocab_size=getattr(param, "vocab_size", None))
+    init_tensor_shard_(
+        param.data,
+        key="default",
+        seed=seed,
+        std=std,
+        bound=bound,
+        shard_dim=dim,
+        tp_rank=rank,
+        tp_size=tp,
+        vocab_size=getattr(param, "vocab_size", None),
+    )
     return param
 
 
-def init_parameters_(module: nn.Module, *, seed: int = 0, tp_group=None,
-                     rule: InitRule = default_init_rule) -> nn.Module:
+def init_parameters_(
+    module: nn.Module, *, seed: int = 0, tp_group=None, rule: InitRule = default_init_rule
+) -> nn.Module:
     """Initialise every parameter of ``module`` in place, independently of the TP layout.
 
     The seeding key of a parameter is its name in ``module`` (or its ``init_key``
@@ -138,10 +161,16 @@ def init_parameters_(module: nn.Module, *, seed: int = 0, tp_group=None,
                 p.fill_(1.0)
             else:
                 dim = tp_shard_dim(p)
-                init_tensor_shard_(p.data, key=getattr(p, "init_key", name), seed=seed, std=how[1],
-                                   shard_dim=dim, tp_rank=rank if dim is not None else 0,
-                                   tp_size=tp if dim is not None else 1,
-                                   vocab_size=getattr(p, "vocab_size", None))
+                init_tensor_shard_(
+                    p.data,
+                    key=getattr(p, "init_key", name),
+                    seed=seed,
+                    std=how[1],
+                    shard_dim=dim,
+                    tp_rank=rank if dim is not None else 0,
+                    tp_size=tp if dim is not None else 1,
+                    vocab_size=getattr(p, "vocab_size", None),
+                )
     return module
 
 

@@ -42,9 +42,7 @@ def divide(numerator: int, tp: int, what: str) -> int:
 
 def _check_last_dim(x: torch.Tensor, expected: int, who: str) -> None:
     if x.shape[-1] != expected:
-        raise LayerConfigError(
-            f"{who}: input has last dim {x.shape[-1]} (shape {tuple(x.shape)}), expected {expected}"
-        )
+        raise LayerConfigError(f"{who}: input has last dim {x.shape[-1]} (shape {tuple(x.shape)}), expected {expected}")
 
 
 class _SequenceParallelColumns(torch.autograd.Function):
@@ -126,9 +124,18 @@ class ColumnParallelLinear(nn.Module):
     collectives: :meth:`shared_forward`.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group=None,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         tp = comm.tp_world_size(tp_group)
         self.in_features, self.out_features = in_features, out_features
@@ -169,8 +176,10 @@ class ColumnParallelLinear(nn.Module):
         return comm.gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -190,9 +199,18 @@ class RowParallelLinear(nn.Module):
       slice of the last dim, backward all-gathers the input gradient.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, tp_group=None, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_group=None,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         tp = comm.tp_world_size(tp_group)
         if sequence_parallel and not input_is_parallel:
@@ -231,5 +249,7 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
-                f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )

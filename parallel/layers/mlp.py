@@ -24,8 +24,18 @@ class ParallelMLP(nn.Module):
     the same two. SwiGLU's gate and up projections share the input collective.
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, activation: str = "gelu", bias: bool = True,
-                 tp_group=None, sequence_parallel: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        activation: str = "gelu",
+        bias: bool = True,
+        tp_group=None,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise LayerConfigError(f"ParallelMLP: activation {activation!r} not in {ACTIVATIONS}")

@@ -25,8 +25,7 @@ def _mark(p: nn.Parameter, sequence_parallel: bool) -> nn.Parameter:
 class LayerNorm(nn.Module):
     """``F.layer_norm`` over the last dim with weight and bias (GPT)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, *, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+    def __init__(self, dim: int, eps: float = 1e-5, *, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         self.dim, self.eps = dim, eps
         self.weight = _mark(nn.Parameter(torch.ones(dim, device=device, dtype=dtype)), sequence_parallel)
@@ -45,8 +44,7 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x²) + eps) · weight``, computed in fp32 (Llama)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+    def __init__(self, dim: int, eps: float = 1e-6, *, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         self.dim, self.eps = dim, eps
         self.weight = _mark(nn.Parameter(torch.ones(dim, device=device, dtype=dtype)), sequence_parallel)
@@ -75,6 +73,6 @@ def reduce_sequence_parallel_grads(module: nn.Module, tp_group) -> int:
     comm.all_reduce(flat, group=tp_group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
     return len(grads)

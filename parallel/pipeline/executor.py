@@ -58,11 +58,11 @@ from .. import comm
 from ..params import is_shared_embedding
 from ..timing import StepClock, named_range
 from .schedules import (
+    P2P,
     Action,
     Backward,
     Compute,
     Forward,
-    P2P,
     RecvActivation,
     RecvGrad,
     ScheduleError,
@@ -135,9 +135,7 @@ class PipelineExecutor:
         self.items = batches(actions)
         # evaluation runs the same order with every backward and gradient transfer left out:
         # removing waits from a deadlock-free list cannot create a deadlock
-        self.forward_items = batches(
-            a for a in actions if not isinstance(a, (Backward, SendGrad, RecvGrad))
-        )
+        self.forward_items = batches(a for a in actions if not isinstance(a, (Backward, SendGrad, RecvGrad)))
         self.vpp = len(self.chunks)
         self.activation_shape = tuple(activation_shape)
         self.dtype = dtype
@@ -219,9 +217,7 @@ class PipelineExecutor:
         ):
             if needed and (seq is None or len(seq) != m):
                 got = "none" if seq is None else len(seq)
-                raise ScheduleError(
-                    f"stage {self.stage}: the schedule runs {m} micro-batches but {name} has {got}"
-                )
+                raise ScheduleError(f"stage {self.stage}: the schedule runs {m} micro-batches but {name} has {got}")
         self.device = next((p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
         self._inputs = microbatch_inputs
         self._targets = microbatch_targets
@@ -241,7 +237,7 @@ class PipelineExecutor:
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for item in self.forward_items if forward_only else self.items:
                 start = clock and clock.mark()
-                with named_range(lambda: _range_name(item)):
+                with named_range(lambda: _range_name(item)):  # noqa: B023 - called within this iteration
                     if isinstance(item, Forward):
                         self._forward(item)
                     elif isinstance(item, Backward):
@@ -327,7 +323,7 @@ class PipelineExecutor:
         if len(handles) == len(sends) + len(recvs):  # one handle per op (gloo)
             self._pending_sends = handles[: len(sends)]
             self._send_buffers = [t for t, _ in sends]
-            handles = handles[len(sends):]
+            handles = handles[len(sends) :]
         for handle in handles:  # NCCL coalesces a batch into one handle: await it whole
             handle.wait()
         for key, buf in landing:

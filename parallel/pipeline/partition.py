@@ -57,14 +57,11 @@ def _check_pp_layers(pp_layers: Sequence[int], n_layers: int, pp: int) -> list[i
     counts = list(pp_layers)
     if len(counts) != pp:
         raise PartitionError(
-            f"pp_layers has {len(counts)} entries {counts} but pp={pp}: give one layer "
-            f"count per pipeline stage"
+            f"pp_layers has {len(counts)} entries {counts} but pp={pp}: give one layer count per pipeline stage"
         )
     for s, c in enumerate(counts):
         if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1:
-            raise PartitionError(
-                f"pp_layers[{s}] = {c!r}: every stage needs a positive number of layers"
-            )
+            raise PartitionError(f"pp_layers[{s}] = {c!r}: every stage needs a positive number of layers")
     if sum(counts) != n_layers:
         raise PartitionError(
             f"pp_layers {counts} sums to {sum(counts)} but the model has {n_layers} layers; "

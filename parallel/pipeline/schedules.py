@@ -104,9 +104,7 @@ def check_schedule_args(pp: int, m: int, vpp: int = 1, *, name: str = "schedule"
 
 
 # ------------------------------------------------------------------- builders
-def _with_p2p(
-    order: list[Compute], stage: int, pp: int, vpp: int, segments: list[int] | None = None
-) -> list[Action]:
+def _with_p2p(order: list[Compute], stage: int, pp: int, vpp: int, segments: list[int] | None = None) -> list[Action]:
     """Insert the transfers each computation needs.
 
     ``segments`` cuts ``order`` into consecutive runs (lengths; default: one
@@ -123,7 +121,7 @@ def _with_p2p(
     pending_sends: list[P2P] = []
     start = 0
     for length in segments:
-        run = order[start:start + length]
+        run = order[start : start + length]
         start += length
         recvs: list[P2P] = []
         sends: list[P2P] = []

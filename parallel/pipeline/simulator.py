@@ -28,11 +28,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .schedules import (
+    P2P,
     Action,
     Backward,
     Compute,
     Forward,
-    P2P,
     RecvActivation,
     RecvGrad,
     ScheduleError,
@@ -159,7 +159,7 @@ def simulate(
 
     def try_complete(st: _Stage, batch: list[P2P]) -> bool:
         end = st.clock
-        for side, chan, slot, a in st.posted:
+        for side, chan, slot, _action in st.posted:
             other = (recvs if side == "send" else sends).get(chan, [])
             if slot >= len(other):
                 return False
@@ -217,8 +217,7 @@ def simulate(
     stuck = [st for st in stages if st.pc < len(st.items)]
     if stuck:
         lines = [
-            f"stage {st.index} at step {st.pc} waits on "
-            + ", ".join(str(a) for *_, a in (st.posted or []))
+            f"stage {st.index} at step {st.pc} waits on " + ", ".join(str(a) for *_, a in (st.posted or []))
             for st in stuck
         ]
         raise ScheduleError("schedule deadlocks:\n  " + "\n  ".join(lines))

@@ -43,8 +43,7 @@ def bars(timeline: Sequence[Sequence[Span]]) -> list[Bar]:
             a = sp.action
             if isinstance(a, Compute):
                 palette = FORWARD_COLORS if isinstance(a, Forward) else BACKWARD_COLORS
-                out.append(Bar(stage, sp.start, sp.end - sp.start, palette[a.chunk % len(palette)],
-                               str(a.mb), True))
+                out.append(Bar(stage, sp.start, sp.end - sp.start, palette[a.chunk % len(palette)], str(a.mb), True))
             else:
                 out.append(Bar(stage, sp.start, sp.end - sp.start, TRANSFER_COLOR, "", False))
     return out
@@ -87,10 +86,18 @@ def draw_timeline(
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({time_unit})")
     ax.set_title((title + " — " if title else "") + f"bubble {bubble_fraction(timeline):.1%}", loc="left")
-    ax.legend(handles=[Patch(color=FORWARD_COLORS[0], label="forward"),
-                       Patch(color=BACKWARD_COLORS[0], label="backward"),
-                       Patch(color=TRANSFER_COLOR, label="transfer")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncols=3, frameon=False)
+    ax.legend(
+        handles=[
+            Patch(color=FORWARD_COLORS[0], label="forward"),
+            Patch(color=BACKWARD_COLORS[0], label="backward"),
+            Patch(color=TRANSFER_COLOR, label="transfer"),
+        ],
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+        ncols=3,
+        frameon=False,
+    )
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

@@ -8,16 +8,33 @@ See ``docs/planner.md``.
 """
 
 from .hardware import PROFILES, Hardware, PlanError, hardware_profile
-from .memory import StageParams, layer_activation_bytes, model_state_bytes, stage_activation_bytes
 from .inputs import Layout, Training, check
+from .memory import StageParams, layer_activation_bytes, model_state_bytes, stage_activation_bytes
 from .planner import Plan, RankClass, pipeline_time, plan_layout
 from .report import predicted_vs_measured
 from .search import candidate_layouts, recommend
 from .shape import ModelShape, layer_partition, model_flops_per_token
 
 __all__ = [
-    "PROFILES", "Hardware", "Layout", "ModelShape", "Plan", "PlanError", "RankClass", "StageParams", "Training",
-    "candidate_layouts", "check", "hardware_profile", "layer_activation_bytes", "layer_partition",
-    "model_flops_per_token", "model_state_bytes", "pipeline_time", "plan_layout", "predicted_vs_measured",
-    "recommend", "stage_activation_bytes",
+    "PROFILES",
+    "Hardware",
+    "Layout",
+    "ModelShape",
+    "Plan",
+    "PlanError",
+    "RankClass",
+    "StageParams",
+    "Training",
+    "candidate_layouts",
+    "check",
+    "hardware_profile",
+    "layer_activation_bytes",
+    "layer_partition",
+    "model_flops_per_token",
+    "model_state_bytes",
+    "pipeline_time",
+    "plan_layout",
+    "predicted_vs_measured",
+    "recommend",
+    "stage_activation_bytes",
 ]

@@ -27,50 +27,74 @@ def advise(plan, shape, hw) -> list[str]:
     mem = worst.memory
     if not worst.fits:
         act_share = mem["activations"] / mem["total"]
-        out.append(f"does not fit: stage {worst.stage} needs {mem['total'] / GB:.1f} GB of "
-                   f"{hw.memory_bytes / GB:.1f} GB ({hw.name}).")
+        out.append(
+            f"does not fit: stage {worst.stage} needs {mem['total'] / GB:.1f} GB of "
+            f"{hw.memory_bytes / GB:.1f} GB ({hw.name})."
+        )
         if act_share > 0.3 and T["checkpointing"] != "full":
             nxt = "selective" if T["checkpointing"] == "none" else "full"
-            out.append(f"activations are {act_share:.0%} of memory: turn on activation checkpointing "
-                       f"({nxt}) before lowering the micro-batch.")
+            out.append(
+                f"activations are {act_share:.0%} of memory: turn on activation checkpointing "
+                f"({nxt}) before lowering the micro-batch."
+            )
         if mem["model_states"] > 0.5 * hw.memory_bytes:
             z = _smallest_zero_that_fits(plan, worst, hw)
             if z is not None:
-                out.append(f"model states take {mem['model_states'] / GB:.1f} GB: ZeRO-{z} over dp={L['dp']} "
-                           f"shards them enough to fit (ZeRO before plain data parallelism).")
+                out.append(
+                    f"model states take {mem['model_states'] / GB:.1f} GB: ZeRO-{z} over dp={L['dp']} "
+                    f"shards them enough to fit (ZeRO before plain data parallelism)."
+                )
             elif L["dp"] == 1:
-                out.append("model states alone do not fit one device: add data parallelism with ZeRO, tensor "
-                           "parallelism inside a node or pipeline stages across nodes.")
+                out.append(
+                    "model states alone do not fit one device: add data parallelism with ZeRO, tensor "
+                    "parallelism inside a node or pipeline stages across nodes."
+                )
             else:
-                out.append("even ZeRO-3 does not make it fit: add tensor parallelism (inside a node) when one "
-                           "layer is too big, pipeline stages (across nodes) for deep models.")
+                out.append(
+                    "even ZeRO-3 does not make it fit: add tensor parallelism (inside a node) when one "
+                    "layer is too big, pipeline stages (across nodes) for deep models."
+                )
     elif mem["total"] < 0.6 * hw.memory_bytes and T["checkpointing"] == "full":
-        out.append(f"fits with {(hw.memory_bytes - mem['total']) / GB:.0f} GB to spare: full recomputation costs "
-                   f"≈ a third more compute; try selective or none, or a larger micro-batch.")
+        out.append(
+            f"fits with {(hw.memory_bytes - mem['total']) / GB:.0f} GB to spare: full recomputation costs "
+            f"≈ a third more compute; try selective or none, or a larger micro-batch."
+        )
     tp_axis = worst.traffic["tp"]
     if tp_axis["crosses_node"]:
-        out.append(f"tp={L['tp']} spans nodes ({hw.gpus_per_node} devices per node): its per-layer collectives run "
-                   f"at {hw.inter_node_gbps:g} GB/s instead of {hw.intra_node_gbps:g}; keep tp ≤ "
-                   f"{hw.gpus_per_node} and use pipeline stages across nodes.")
+        out.append(
+            f"tp={L['tp']} spans nodes ({hw.gpus_per_node} devices per node): its per-layer collectives run "
+            f"at {hw.inter_node_gbps:g} GB/s instead of {hw.intra_node_gbps:g}; keep tp ≤ "
+            f"{hw.gpus_per_node} and use pipeline stages across nodes."
+        )
     if L["pp"] > 1 and step["bubble_fraction"] > 0.2:
-        out.append(f"the pipeline bubble is {step['bubble_fraction']:.0%}: with {plan.grad_accum} micro-batches "
-                   f"per step over pp={L['pp']}, raise the micro-batches per step (≥ 4·pp) or use the "
-                   f"interleaved schedule.")
+        out.append(
+            f"the pipeline bubble is {step['bubble_fraction']:.0%}: with {plan.grad_accum} micro-batches "
+            f"per step over pp={L['pp']}, raise the micro-batches per step (≥ 4·pp) or use the "
+            f"interleaved schedule."
+        )
     if L["pp"] > 1 and shape.n_layers < 50 and worst.fits and L["tp"] == 1 and L["zero"] == 0:
-        out.append(f"pipeline parallelism pays off for deep models (≳50 layers); with {shape.n_layers} layers "
-                   f"ZeRO data parallelism may do the same with no bubble.")
+        out.append(
+            f"pipeline parallelism pays off for deep models (≳50 layers); with {shape.n_layers} layers "
+            f"ZeRO data parallelism may do the same with no bubble."
+        )
     ratio = step["compute_comm_ratio"]
     if ratio < 1:
-        out.append(f"communication-bound: compute/communication = {ratio:.2f} < 1, scaling collapses; "
-                   f"accumulate more micro-batches per step, overlap gradients with backward, "
-                   f"keep heavy collectives inside a node.")
+        out.append(
+            f"communication-bound: compute/communication = {ratio:.2f} < 1, scaling collapses; "
+            f"accumulate more micro-batches per step, overlap gradients with backward, "
+            f"keep heavy collectives inside a node."
+        )
     if step["dp_exposed_s"] > 0.2 * step["step_time_s"]:
-        out.append(f"{step['dp_exposed_s']:.2f} s of the {step['step_time_s']:.2f} s step waits for data-parallel "
-                   f"gradients: raise gradient accumulation, turn on overlap, or lower dp.")
+        out.append(
+            f"{step['dp_exposed_s']:.2f} s of the {step['step_time_s']:.2f} s step waits for data-parallel "
+            f"gradients: raise gradient accumulation, turn on overlap, or lower dp."
+        )
     if T["compression"] == "topk":
         c = M.comm_bytes(T["precision"], T["comm_dtype"])
         if L["dp"] * T["topk_ratio"] * (c + 4) / c >= 2:
-            out.append(f"Top-K at ratio {T['topk_ratio']:g} sends more than the dense all-reduce over dp={L['dp']} "
-                       f"(it all-gathers k values + indices from every rank: pays off only while "
-                       f"dp·ratio·(b+4)/b < 2).")
+            out.append(
+                f"Top-K at ratio {T['topk_ratio']:g} sends more than the dense all-reduce over dp={L['dp']} "
+                f"(it all-gathers k values + indices from every rank: pays off only while "
+                f"dp·ratio·(b+4)/b < 2)."
+            )
     return out

@@ -43,8 +43,9 @@ class Hardware:
         if not 0 < self.efficiency <= 1:
             raise PlanError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise PlanError(f"hardware {self.name!r}: gpus_per_node must be a positive integer, "
-                            f"got {self.gpus_per_node!r}")
+            raise PlanError(
+                f"hardware {self.name!r}: gpus_per_node must be a positive integer, got {self.gpus_per_node!r}"
+            )
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for ``precision`` (``fp32`` or 16-bit ``bf16``/``fp16``)."""
@@ -54,7 +55,7 @@ class Hardware:
         """Bytes per second one rank sends at in a ring inside a node or across nodes."""
         return 1e9 * (self.inter_node_gbps if crosses_node else self.intra_node_gbps)
 
-    def replace(self, **changes) -> "Hardware":
+    def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
 
 
@@ -75,14 +76,26 @@ PROFILES: dict[str, Hardware] = {
     # one process per core group of a server CPU, gloo over shared memory / 10 GbE
     "cpu": Hardware("cpu", 1.0, 1.0, 64 * GiB, 5.0, 1.25, 1, 0.5, latency_us=50.0),
 }
-ALIASES = {"a100": "a100_80gb", "a100-80gb": "a100_80gb", "h100": "h100_80gb", "h100-80gb": "h100_80gb",
-           "h100_sxm": "h100_80gb", "h100-sxm": "h100_80gb", "h100-pcie": "h100_pcie"}
+ALIASES = {
+    "a100": "a100_80gb",
+    "a100-80gb": "a100_80gb",
+    "h100": "h100_80gb",
+    "h100-80gb": "h100_80gb",
+    "h100_sxm": "h100_80gb",
+    "h100-sxm": "h100_80gb",
+    "h100-pcie": "h100_pcie",
+}
 
 
 # substrings of torch.cuda.get_device_name() (upper-cased) → profile, most specific first; None: no profile
 # (the H100 NVL's 835 TFLOP/s dense differs from both H100 profiles)
-DEVICE_NAMES = (("H100 NVL", None), ("H100 PCIE", "h100_pcie"), ("H100", "h100_80gb"), ("H200", "h200"),
-                ("A100", "a100_80gb"))
+DEVICE_NAMES = (
+    ("H100 NVL", None),
+    ("H100 PCIE", "h100_pcie"),
+    ("H100", "h100_80gb"),
+    ("H200", "h200"),
+    ("A100", "a100_80gb"),
+)
 
 
 def profile_for_device(device_name: str) -> Hardware | None:
@@ -115,8 +128,10 @@ def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrid
     else:
         key = ALIASES.get(key, key)
         if key not in PROFILES:
-            raise PlanError(f"unknown hardware profile {name!r}; known: {sorted(PROFILES) + sorted(custom)} "
-                            f"(or define your own under plan.profiles)")
+            raise PlanError(
+                f"unknown hardware profile {name!r}; known: {sorted(PROFILES) + sorted(custom)} "
+                f"(or define your own under plan.profiles)"
+            )
         hw = PROFILES[key]
     unknown = set(overrides) - fields
     if unknown:

@@ -55,20 +55,26 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
     _positive("global_batch", training.global_batch)
     _positive("micro_batch", training.micro_batch)
     if world_size is not None and world_size != layout.world_size:
-        raise PlanError(f"world size {world_size} ≠ dp {layout.dp} × pp {layout.pp} × tp {layout.tp} = "
-                        f"{layout.world_size}; with pp={layout.pp} tp={layout.tp} the world must be a multiple "
-                        f"of {layout.pp * layout.tp}")
+        raise PlanError(
+            f"world size {world_size} ≠ dp {layout.dp} × pp {layout.pp} × tp {layout.tp} = "
+            f"{layout.world_size}; with pp={layout.pp} tp={layout.tp} the world must be a multiple "
+            f"of {layout.pp * layout.tp}"
+        )
     shape.check_tp(layout.tp)
     if layout.pp * layout.vpp > shape.n_layers:
-        raise PlanError(f"pp {layout.pp} × vpp {layout.vpp} = {layout.pp * layout.vpp} stages but the model has "
-                        f"{shape.n_layers} layers; use pp·vpp ≤ {shape.n_layers}")
+        raise PlanError(
+            f"pp {layout.pp} × vpp {layout.vpp} = {layout.pp * layout.vpp} stages but the model has "
+            f"{shape.n_layers} layers; use pp·vpp ≤ {shape.n_layers}"
+        )
     if layout.zero not in M.ZERO_STAGES:
         raise PlanError(f"zero={layout.zero!r} not in {M.ZERO_STAGES}")
     if layout.schedule not in SCHEDULES:
         raise PlanError(f"pipeline schedule {layout.schedule!r} not in {SCHEDULES}")
     if (layout.vpp > 1) != (layout.schedule == "interleaved"):
-        raise PlanError(f"vpp={layout.vpp} with schedule {layout.schedule!r}: virtual stages (vpp ≥ 2) go with "
-                        f"the interleaved schedule and only with it")
+        raise PlanError(
+            f"vpp={layout.vpp} with schedule {layout.schedule!r}: virtual stages (vpp ≥ 2) go with "
+            f"the interleaved schedule and only with it"
+        )
     if shape.arch not in ("gpt", "llama"):
         raise PlanError(f"arch {shape.arch!r} not in ('gpt', 'llama')")
     if training.checkpointing not in CHECKPOINTING:
@@ -80,16 +86,22 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
     if training.compression not in ("none", "topk"):
         raise PlanError(f"compression {training.compression!r} not in ('none', 'topk')")
     if training.compression == "topk" and (layout.zero != 0 or not 0 < training.topk_ratio <= 1):
-        raise PlanError(f"Top-K compression needs zero=0 and 0 < topk_ratio ≤ 1; got zero={layout.zero}, "
-                        f"topk_ratio={training.topk_ratio}")
+        raise PlanError(
+            f"Top-K compression needs zero=0 and 0 < topk_ratio ≤ 1; got zero={layout.zero}, "
+            f"topk_ratio={training.topk_ratio}"
+        )
     per_step = training.micro_batch * layout.dp
     if training.global_batch % per_step:
         lo = max(1, training.global_batch // per_step) * per_step
-        raise PlanError(f"global_batch {training.global_batch} is not a multiple of micro_batch "
-                        f"{training.micro_batch} × dp {layout.dp} = {per_step}; use {lo} or {lo + per_step}")
+        raise PlanError(
+            f"global_batch {training.global_batch} is not a multiple of micro_batch "
+            f"{training.micro_batch} × dp {layout.dp} = {per_step}; use {lo} or {lo + per_step}"
+        )
     m = training.global_batch // per_step
     if layout.schedule == "interleaved" and m % layout.pp:
-        raise PlanError(f"the interleaved schedule needs the micro-batches per step ({m} = global_batch "
-                        f"{training.global_batch} / (micro_batch {training.micro_batch} × dp {layout.dp})) to be a "
-                        f"multiple of pp {layout.pp}")
+        raise PlanError(
+            f"the interleaved schedule needs the micro-batches per step ({m} = global_batch "
+            f"{training.global_batch} / (micro_batch {training.micro_batch} × dp {layout.dp})) to be a "
+            f"multiple of pp {layout.pp}"
+        )
     return m

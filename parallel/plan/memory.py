@@ -98,12 +98,12 @@ class StageParams:
     blocks: tuple[tuple[Group, Group], ...] = ()
     root: tuple[Group, Group] = ((), ())
 
-    def __add__(self, other: "StageParams") -> "StageParams":
+    def __add__(self, other: StageParams) -> StageParams:
         counts = (a + b for a, b in zip(self.counts(), other.counts()))
         root = (self.root[0] + other.root[0], self.root[1] + other.root[1])
         return StageParams(*counts, blocks=self.blocks + other.blocks, root=root)
 
-    def scaled(self, n: int) -> "StageParams":
+    def scaled(self, n: int) -> StageParams:
         """``n`` copies of a stage made of blocks only (its root must be empty)."""
         if any(self.root):
             raise ValueError("scaled() repeats blocks; this StageParams has parameters outside blocks")
@@ -128,8 +128,9 @@ def _bucket_sizes(group: Group, bucket_elems: float) -> list[int]:
     return sizes + ([current] if current else [])
 
 
-def zero_padded_numel(params: StageParams, dp: int, bucket_bytes: float, element_size: int,
-                      per_unit: bool = True) -> int:
+def zero_padded_numel(
+    params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
+) -> int:
     """Elements of ZeRO's flat buffers on this rank, padding included.
 
     ZeRO (``parallel.zero.layout.plan_buckets``) packs the parameters of one
@@ -173,8 +174,9 @@ def model_state_bytes(psi: int, zero: int, dp: int, precision: str = "bf16", opt
     if precision not in PRECISION_BYTES:
         raise PlanError(f"precision {precision!r} not in {sorted(PRECISION_BYTES)}")
     optimizer_bytes_per_param(precision, optimizer)  # refuses an unknown optimizer
-    theory = zero_theory.model_state_bytes(padded(psi, dp), zero, dp, PRECISION_BYTES[precision],
-                                           OPTIMIZER_STATES[optimizer])
+    theory = zero_theory.model_state_bytes(
+        padded(psi, dp), zero, dp, PRECISION_BYTES[precision], OPTIMIZER_STATES[optimizer]
+    )
     return {k: int(v) for k, v in theory.items()}  # exact: the padded count divides by dp
 
 
@@ -184,8 +186,15 @@ def _norm_bytes(arch: str, sbh: float, sb: float, e: int) -> float:
     return e * sbh + 8 * sb  # input, fp32 mean and rstd
 
 
-def layer_activation_bytes(shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
-                           checkpointing: str = "none", precision: str = "bf16") -> float:
+def layer_activation_bytes(
+    shape,
+    micro_batch: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    checkpointing: str = "none",
+    precision: str = "bf16",
+) -> float:
     """Bytes one transformer layer stores per micro-batch on one TP rank (module table)."""
     e = PRECISION_BYTES[precision]
     s, b, h = shape.seq_len, micro_batch, shape.d_model
@@ -202,8 +211,9 @@ def layer_activation_bytes(shape, micro_batch: int, *, tp: int = 1, sequence_par
     return norms + linear_inputs + attention + lse + mlp
 
 
-def korthikanti_layer_bytes(shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
-                            checkpointing: str = "none") -> float:
+def korthikanti_layer_bytes(
+    shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, checkpointing: str = "none"
+) -> float:
     """Korthikanti et al. 2022 (Table 2), bytes per GPT layer in 16-bit with dropout:
     ``sbh(10 + 24/t + 5as/ht)``; with sequence parallelism ``sbh/t·(34 + 5as/h)``;
     ``selective`` drops the ``5as/h`` term; ``full`` keeps ``2sbh/t'``. The reference the
@@ -218,8 +228,9 @@ def korthikanti_layer_bytes(shape, micro_batch: int, *, tp: int = 1, sequence_pa
     return sbh * (10 + 24 / t + attention / t)
 
 
-def head_activation_bytes(shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False,
-                          precision: str = "bf16") -> float:
+def head_activation_bytes(
+    shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16"
+) -> float:
     """The last stage's extra: final norm, the head's input (with SP its sequence chunk), the
     fp32 softmax over this rank's ``V/t`` vocabulary columns that the cross-entropy keeps."""
     e = PRECISION_BYTES[precision]
@@ -234,9 +245,18 @@ def embedding_activation_bytes(shape, micro_batch: int) -> float:
     return 8 * shape.seq_len * micro_batch
 
 
-def stage_activation_bytes(shape, micro_batch: int, n_layers: int, *, has_embedding: bool, has_head: bool,
-                           tp: int = 1, sequence_parallel: bool = False, checkpointing: str = "none",
-                           precision: str = "bf16") -> float:
+def stage_activation_bytes(
+    shape,
+    micro_batch: int,
+    n_layers: int,
+    *,
+    has_embedding: bool,
+    has_head: bool,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    checkpointing: str = "none",
+    precision: str = "bf16",
+) -> float:
     """What one micro-batch leaves stored on a chunk of ``n_layers`` layers until its backward."""
     kw = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision)
     total = n_layers * layer_activation_bytes(shape, micro_batch, checkpointing=checkpointing, **kw)

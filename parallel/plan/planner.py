@@ -84,14 +84,16 @@ def _finite(x):
         return [_finite(v) for v in x]
     return None if isinstance(x, float) and x in (float("inf"), float("-inf")) else x
 
+
 @lru_cache(maxsize=4096)
 def _simulate(schedule: str, pp: int, m: int, vpp: int, bwd: float, p2p: float):
     r = simulate(build_schedule(schedule, pp, m, vpp), forward=1.0, backward=bwd, p2p_latency=p2p)
     return r.makespan, r.bubble_fraction, tuple(r.peak_activations)
 
 
-def pipeline_time(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float,
-                  *, exact: bool = True) -> tuple[float, float, tuple[int, ...]]:
+def pipeline_time(
+    schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float, *, exact: bool = True
+) -> tuple[float, float, tuple[int, ...]]:
     """(makespan seconds, bubble fraction, peak in-flight activations per stage) of a step.
 
     ``exact``: run the schedule in the simulator (costs normalised to the forward's,
@@ -116,8 +118,16 @@ def _stage_flags(v: int, n_virtual: int) -> tuple[bool, bool]:
     return v == 0, v == n_virtual - 1
 
 
-def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_params: ParamCounter,
-                *, world_size: int | None = None, exact: bool = True) -> Plan:
+def plan_layout(
+    shape,
+    layout: Layout,
+    training: Training,
+    hw: Hardware,
+    count_params: ParamCounter,
+    *,
+    world_size: int | None = None,
+    exact: bool = True,
+) -> Plan:
     """The per-rank-class memory, traffic and time of ``layout`` (module docstring)."""
     shape = ModelShape.of(shape)
     m = check(shape, layout, training, world_size)
@@ -154,9 +164,18 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
         tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
         root_psi = M.zero_padded_numel(M.StageParams(0, root=params.root), dp, training.bucket_mb * 2**20, e)
-        dp_times = dp_traffic(hw, dp_axis, psi=psi, zero=L.zero, micro_batches=m, param_bytes=e, comm_bytes=c,
-                              compression=training.compression, topk_ratio=training.topk_ratio,
-                              regathered_psi=psi - root_psi)
+        dp_times = dp_traffic(
+            hw,
+            dp_axis,
+            psi=psi,
+            zero=L.zero,
+            micro_batches=m,
+            param_bytes=e,
+            comm_bytes=c,
+            compression=training.compression,
+            topk_ratio=training.topk_ratio,
+            regathered_psi=psi - root_psi,
+        )
         # the step's scalars: the loss averaged over DP; the gradient norm summed over DP when sharded.
         # They follow backward, so nothing hides them.
         n_scalars = 1 + (L.zero >= 1)
@@ -172,17 +191,35 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
         emb_axis.add("all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)")
         in_flight = peaks[s]
         activations = in_flight * max(acts) + M.recompute_peak_bytes(
-            shape, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision)
+            shape, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision
+        )
         buffers = _buffer_bytes(L, training, params, count_params, act_msg, e, c)
-        mem = {**{k: float(v) for k, v in states.items() if k != "total"}, "model_states": float(states["total"]),
-               "activations": activations, "buffers": buffers}
+        mem = {
+            **{k: float(v) for k, v in states.items() if k != "total"},
+            "model_states": float(states["total"]),
+            "activations": activations,
+            "buffers": buffers,
+        }
         mem["total"] = mem["model_states"] + activations + buffers
-        traffic = {name: a.as_dict() for name, a in
-                   (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis))}
-        ranks.append(RankClass(stage=s, layers=[(r.start, r.stop) for _, r in chunks], params=params, memory=mem,
-                               in_flight=in_flight, activation_per_microbatch=sum(acts), forward_s=fwd,
-                               backward_s=bwd, compute_s=m * flops_s, traffic=traffic,
-                               fits=mem["total"] <= hw.memory_bytes))
+        traffic = {
+            name: a.as_dict()
+            for name, a in (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis))
+        }
+        ranks.append(
+            RankClass(
+                stage=s,
+                layers=[(r.start, r.stop) for _, r in chunks],
+                params=params,
+                memory=mem,
+                in_flight=in_flight,
+                activation_per_microbatch=sum(acts),
+                forward_s=fwd,
+                backward_s=bwd,
+                compute_s=m * flops_s,
+                traffic=traffic,
+                fits=mem["total"] <= hw.memory_bytes,
+            )
+        )
     emb_time = max(r.traffic["embedding"]["time_s"] for r in ranks)
     step_time = makespan + dp_exposed + emb_time
     compute = max(r.compute_s for r in ranks)
@@ -190,15 +227,26 @@ def plan_layout(shape, layout: Layout, training: Training, hw: Hardware, count_p
     tokens_step = training.global_batch * shape.seq_len
     mfpt = model_flops_per_token(shape)
     step = {
-        "step_time_s": step_time, "pipeline_s": makespan, "bubble_fraction": bubble,
-        "dp_exposed_s": dp_exposed, "tokens_per_s": tokens_step / step_time,
+        "step_time_s": step_time,
+        "pipeline_s": makespan,
+        "bubble_fraction": bubble,
+        "dp_exposed_s": dp_exposed,
+        "tokens_per_s": tokens_step / step_time,
         "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),
-        "compute_s": compute, "comm_s": comm_total,
+        "compute_s": compute,
+        "comm_s": comm_total,
         "compute_comm_ratio": compute / comm_total if comm_total else float("inf"),
         "model_flops_per_token": mfpt,
     }
-    plan = Plan(model=asdict(shape), layout=asdict(layout), training=asdict(training), hardware=asdict(hw),
-                grad_accum=m, ranks=ranks, step=step)
+    plan = Plan(
+        model=asdict(shape),
+        layout=asdict(layout),
+        training=asdict(training),
+        hardware=asdict(hw),
+        grad_accum=m,
+        ranks=ranks,
+        step=step,
+    )
     plan.advice = advise(plan, shape, hw)
     return plan
 
@@ -218,14 +266,25 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
         params = params + count_params(r, first, last, t)
         f = forward_flops(shape, tokens, len(r), last, t)
         rc = recompute_flops(shape, tokens, len(r), ckpt, t)
-        tf, tb = tp_traffic(shape, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last,
-                           mb=mb, m=m, e=e, sp=sp, ckpt=ckpt)
+        tf, tb = tp_traffic(
+            shape, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
+        )
         fwd += f / peak_flops + tf
         bwd += (2 * f + rc) / peak_flops + tb
         flops_s += (3 * f + rc) / peak_flops
-        acts.append(M.stage_activation_bytes(shape, mb, len(r), has_embedding=first, has_head=last, tp=t,
-                                             sequence_parallel=sp, checkpointing=ckpt,
-                                             precision=training.precision))
+        acts.append(
+            M.stage_activation_bytes(
+                shape,
+                mb,
+                len(r),
+                has_embedding=first,
+                has_head=last,
+                tp=t,
+                sequence_parallel=sp,
+                checkpointing=ckpt,
+                precision=training.precision,
+            )
+        )
     return params, tp_axis, fwd, bwd, acts, flops_s
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 #: default tolerances (relative): model states are exact, activations within 15 %
-TOLERANCE = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "model_states": 0.0, "activations": 0.15,
-             "total": 0.15}
+TOLERANCE = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "model_states": 0.0, "activations": 0.15, "total": 0.15}
 
 
-def predicted_vs_measured(plan, stage: int, measured: dict[str, float], *,
-                          tolerance: dict[str, float] | None = None) -> dict[str, dict]:
+def predicted_vs_measured(
+    plan, stage: int, measured: dict[str, float], *, tolerance: dict[str, float] | None = None
+) -> dict[str, dict]:
     """Compare pipeline stage ``stage``'s predicted bytes with ``measured`` ones.
 
     ``measured`` maps any of ``params grads optimizer model_states activations total``
@@ -27,8 +27,12 @@ def predicted_vs_measured(plan, stage: int, measured: dict[str, float], *,
             raise ValueError(f"cannot compare {key!r}: the plan predicts {sorted(predicted)}")
         p = float(predicted[key])
         err = (p - value) / value if value else (0.0 if p == 0 else float("inf"))
-        out[key] = {"predicted": p, "measured": float(value), "error": err,
-                    "ok": abs(err) <= tol.get(key, 0.15) + 1e-12}
+        out[key] = {
+            "predicted": p,
+            "measured": float(value),
+            "error": err,
+            "ok": abs(err) <= tol.get(key, 0.15) + 1e-12,
+        }
     return out
 
 
@@ -37,6 +41,8 @@ def format_comparison(result: dict[str, dict]) -> str:
     lines = []
     for key, r in result.items():
         mark = "" if r["ok"] else "  <-- outside tolerance"
-        lines.append(f"{key:<13} predicted {r['predicted'] / 1e6:12,.3f} MB  measured {r['measured'] / 1e6:12,.3f} MB"
-                     f"  ({100 * r['error']:+.1f} %){mark}")
+        lines.append(
+            f"{key:<13} predicted {r['predicted'] / 1e6:12,.3f} MB  measured {r['measured'] / 1e6:12,.3f} MB"
+            f"  ({100 * r['error']:+.1f} %){mark}"
+        )
     return "\n".join(lines)

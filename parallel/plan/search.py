@@ -25,8 +25,7 @@ def candidate_layouts(shape: ModelShape, world_size: int, hw: Hardware, zeros=(0
     """Every (dp, pp, tp, zero) the search considers for ``world_size`` devices."""
     out = []
     for tp in _divisors(min(hw.gpus_per_node, world_size)):
-        if hw.gpus_per_node % tp or world_size % tp or shape.n_heads % tp or shape.n_kv_heads % tp \
-                or shape.d_ff % tp:
+        if hw.gpus_per_node % tp or world_size % tp or shape.n_heads % tp or shape.n_kv_heads % tp or shape.d_ff % tp:
             continue
         sp = tp > 1 and shape.seq_len % tp == 0
         for pp in _divisors(world_size // tp):
@@ -40,9 +39,18 @@ def candidate_layouts(shape: ModelShape, world_size: int, hw: Hardware, zeros=(0
     return out
 
 
-def recommend(shape, world_size: int, training: Training, hw: Hardware, count_params: ParamCounter, *,
-              top: int = 5, micro_batches=(1, 2, 4, 8), checkpointing=("none", "selective", "full"),
-              zeros=(0, 1, 2, 3)) -> list[Plan]:
+def recommend(
+    shape,
+    world_size: int,
+    training: Training,
+    hw: Hardware,
+    count_params: ParamCounter,
+    *,
+    top: int = 5,
+    micro_batches=(1, 2, 4, 8),
+    checkpointing=("none", "selective", "full"),
+    zeros=(0, 1, 2, 3),
+) -> list[Plan]:
     """The ``top`` fitting plans, fastest first, the leaner of equally fast ones first (``training.micro_batch`` and
     ``checkpointing`` are searched; the global batch and the rest are kept)."""
     shape = ModelShape.of(shape)
@@ -54,8 +62,12 @@ def recommend(shape, world_size: int, training: Training, hw: Hardware, count_pa
             if training.global_batch % (mb * layout.dp):
                 continue
             for ckpt in checkpointing:
-                tr = dataclasses.replace(training, micro_batch=mb, checkpointing=ckpt,
-                                         compression=training.compression if layout.zero == 0 else "none")
+                tr = dataclasses.replace(
+                    training,
+                    micro_batch=mb,
+                    checkpointing=ckpt,
+                    compression=training.compression if layout.zero == 0 else "none",
+                )
                 try:
                     p = plan_layout(shape, layout, tr, hw, count_params, exact=False)
                 except PlanError:
@@ -63,8 +75,10 @@ def recommend(shape, world_size: int, training: Training, hw: Hardware, count_pa
                 if p.fits:
                     rough.append((p.step["tokens_per_s"], layout, tr))
     if not rough:
-        raise PlanError(f"no layout of {world_size} × {hw.name} fits this model at global batch "
-                        f"{training.global_batch}; add devices or choose a larger device profile")
+        raise PlanError(
+            f"no layout of {world_size} × {hw.name} fits this model at global batch "
+            f"{training.global_batch}; add devices or choose a larger device profile"
+        )
     rough.sort(key=lambda x: -x[0])
     exact = [plan_layout(shape, lay, tr, hw, count_params) for _, lay, tr in rough[: 3 * top]]
     exact = [p for p in exact if p.fits]

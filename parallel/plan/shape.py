@@ -30,7 +30,7 @@ class ModelShape:
     vocab_multiple: int = 128
 
     @classmethod
-    def of(cls, cfg) -> "ModelShape":
+    def of(cls, cfg) -> ModelShape:
         """The shape of any object carrying these attributes (e.g. ``models.config.ModelConfig``)."""
         return cfg if isinstance(cfg, cls) else cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
@@ -59,8 +59,11 @@ def layer_costs(shape: ModelShape) -> dict[str, float]:
     """Costs the partitioner balances, in units of one block: the embedding is a lookup
     (1/L), the head a ``V×d`` matmul against a block's ≈12·d² weights."""
     d = shape.d_model
-    return {"layer_cost": 1.0, "embedding_cost": 1.0 / max(1, shape.n_layers),
-            "head_cost": shape.vocab_size * d / (12 * d * d + 1)}
+    return {
+        "layer_cost": 1.0,
+        "embedding_cost": 1.0 / max(1, shape.n_layers),
+        "head_cost": shape.vocab_size * d / (12 * d * d + 1),
+    }
 
 
 def layer_partition(shape: ModelShape, pp: int, vpp: int = 1, pp_layers=None) -> list[range]:

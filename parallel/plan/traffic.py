@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 
 from .hardware import Hardware
 
-RING_FACTOR = {"all_reduce": (2, 2), "reduce_scatter": (1, 1), "all_gather": (1, 1), "broadcast": (1, 1)}  # (bytes, steps) × (N-1)/N, N-1
+RING_FACTOR = {
+    "all_reduce": (2, 2),
+    "reduce_scatter": (1, 1),
+    "all_gather": (1, 1),
+    "broadcast": (1, 1),
+}  # (bytes, steps) × (N-1)/N, N-1
 
 
 def group_crosses_node(stride: int, size: int, gpus_per_node: int) -> bool:
@@ -36,8 +41,13 @@ class AxisTraffic:
     items: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"group_size": self.group_size, "crosses_node": self.crosses_node, "bytes": self.bytes,
-                "time_s": self.time_s, "items": list(self.items)}
+        return {
+            "group_size": self.group_size,
+            "crosses_node": self.crosses_node,
+            "bytes": self.bytes,
+            "time_s": self.time_s,
+            "items": list(self.items),
+        }
 
     def add(self, kind: str, payload: float, count: float, hw: Hardware, what: str) -> float:
         """Account ``count`` collectives of ``kind`` on ``payload`` bytes; returns one's time."""
@@ -61,9 +71,19 @@ def topk_kept(numel: int, ratio: float) -> int:
     return max(1, math.ceil(ratio * numel))
 
 
-def dp_traffic(hw: Hardware, axis: AxisTraffic, *, psi: int, zero: int, micro_batches: int, param_bytes: int,
-               comm_bytes: int, compression: str = "none", topk_ratio: float = 1.0,
-               regathered_psi: int | None = None) -> dict[str, float]:
+def dp_traffic(
+    hw: Hardware,
+    axis: AxisTraffic,
+    *,
+    psi: int,
+    zero: int,
+    micro_batches: int,
+    param_bytes: int,
+    comm_bytes: int,
+    compression: str = "none",
+    topk_ratio: float = 1.0,
+    regathered_psi: int | None = None,
+) -> dict[str, float]:
     """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
 
     Stages 0–1 reduce gradients once per step (accumulated locally); stages 2–3
@@ -77,8 +97,9 @@ def dp_traffic(hw: Hardware, axis: AxisTraffic, *, psi: int, zero: int, micro_ba
     ``param_bwd_per_mb``).
     """
     m, n = micro_batches, axis.group_size
-    out = dict.fromkeys(("grad_per_mb", "grad_per_step", "param_after_step", "param_fwd_per_mb",
-                         "param_bwd_per_mb"), 0.0)
+    out = dict.fromkeys(
+        ("grad_per_mb", "grad_per_step", "param_after_step", "param_fwd_per_mb", "param_bwd_per_mb"), 0.0
+    )
     if zero == 0 and compression == "topk":
         k = topk_kept(psi, topk_ratio)
         one = axis.add("all_gather", n * k * (comm_bytes + 4), 1, hw, "Top-K gradients (values + int32 indices)")
@@ -93,13 +114,14 @@ def dp_traffic(hw: Hardware, axis: AxisTraffic, *, psi: int, zero: int, micro_ba
         out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters")
     if zero == 3:
         blocks = psi if regathered_psi is None else regathered_psi
-        out["param_fwd_per_mb"] = axis.add("all_gather", blocks * param_bytes, m, hw,
-                                           "block parameters before forward")
-        out["param_bwd_per_mb"] = axis.add("all_gather", blocks * param_bytes, m, hw,
-                                           "block parameters before backward")
+        out["param_fwd_per_mb"] = axis.add("all_gather", blocks * param_bytes, m, hw, "block parameters before forward")
+        out["param_bwd_per_mb"] = axis.add(
+            "all_gather", blocks * param_bytes, m, hw, "block parameters before backward"
+        )
         if psi > blocks:  # the rest (embedding, head) stays gathered from the first forward to the step
-            out["param_after_step"] = axis.add("all_gather", (psi - blocks) * param_bytes, 1, hw,
-                                               "parameters outside the blocks, once per step")
+            out["param_after_step"] = axis.add(
+                "all_gather", (psi - blocks) * param_bytes, 1, hw, "parameters outside the blocks, once per step"
+            )
     return out
 
 
@@ -117,8 +139,9 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
 
     def pair(count, what):
         if sp:
-            return (op("all_gather", count, what + " (all-gather)")
-                    + op("reduce_scatter", count, what + " (reduce-scatter)"))
+            return op("all_gather", count, what + " (all-gather)") + op(
+                "reduce_scatter", count, what + " (reduce-scatter)"
+            )
         return op("all_reduce", count, what)
 
     fwd = pair(2 * n_layers, "block forward")

@@ -46,17 +46,27 @@ from .layout import BucketLayout
 
 
 class FlatBucket:
-    def __init__(self, layout: BucketLayout, params, *, stage: int, dp_rank: int, group,
-                 param_dtype: torch.dtype, comm_dtype: torch.dtype, compressor: TopKCompressor | None):
+    def __init__(
+        self,
+        layout: BucketLayout,
+        params,
+        *,
+        stage: int,
+        dp_rank: int,
+        group,
+        param_dtype: torch.dtype,
+        comm_dtype: torch.dtype,
+        compressor: TopKCompressor | None,
+    ):
         self.layout, self.params, self.stage, self.group = layout, list(params), stage, group
         self.param_dtype, self.comm_dtype, self.compressor = param_dtype, comm_dtype, compressor
         self.lo, self.hi = (0, layout.padded_numel) if stage == 0 else layout.shard_range(dp_rank)
         device = self.params[0].device
         self.flat_param = torch.zeros(layout.padded_numel, dtype=param_dtype, device=device)
         for p, slot in zip(self.params, layout.slots):
-            self.flat_param[slot.offset:slot.end].copy_(p.detach().reshape(-1))
-            p.data = self.flat_param[slot.offset:slot.end].view(slot.shape)
-        owned = self.flat_param[self.lo:self.hi]
+            self.flat_param[slot.offset : slot.end].copy_(p.detach().reshape(-1))
+            p.data = self.flat_param[slot.offset : slot.end].view(slot.shape)
+        owned = self.flat_param[self.lo : self.hi]
         self.param_shard = owned.clone() if stage == 3 else None
         home = self.param_shard if stage == 3 else owned
         self.master = home if param_dtype == torch.float32 else home.float()
@@ -67,7 +77,7 @@ class FlatBucket:
         if stage <= 1:
             self.flat_grad = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
             for p, slot in zip(self.params, layout.slots) if self.grad_views else ():
-                p.grad = self.flat_grad[slot.offset:slot.end].view(slot.shape)
+                p.grad = self.flat_grad[slot.offset : slot.end].view(slot.shape)
         else:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
         self._stage1_shard = None
@@ -103,7 +113,7 @@ class FlatBucket:
         full = torch.zeros(self.layout.padded_numel, dtype=self.comm_dtype, device=self.flat_param.device)
         for p, slot in zip(self.params, self.layout.slots):
             if p.grad is not None:
-                full[slot.offset:slot.end].copy_(p.grad.reshape(-1))
+                full[slot.offset : slot.end].copy_(p.grad.reshape(-1))
                 p.grad = None  # stages 2-3: the full gradient is freed as soon as it is sent
         return full
 
@@ -131,15 +141,17 @@ class FlatBucket:
             return
         slot = self.layout.slots[slot_index]
         if not self.grad_views:
-            self.flat_grad[slot.offset:slot.end].add_(grad.reshape(-1))
+            self.flat_grad[slot.offset : slot.end].add_(grad.reshape(-1))
             param.grad = None
             return
         # runs per parameter per micro-batch: compare storage and offset before building any view
         # (not data_ptr: it is 0 for every meta tensor, the dry run's)
-        if (grad.untyped_storage() is self.flat_grad.untyped_storage()
-                and grad.storage_offset() == self.flat_grad.storage_offset() + slot.offset):
+        if (
+            grad.untyped_storage() is self.flat_grad.untyped_storage()
+            and grad.storage_offset() == self.flat_grad.storage_offset() + slot.offset
+        ):
             return
-        view = self.flat_grad[slot.offset:slot.end]
+        view = self.flat_grad[slot.offset : slot.end]
         view.copy_(grad.reshape(-1))
         param.grad = view.view(slot.shape)
 
@@ -171,7 +183,7 @@ class FlatBucket:
     # parameters --------------------------------------------------------------
     def publish_master(self) -> None:
         """After the optimizer step: make the compute parameters equal the updated master."""
-        home = self.param_shard if self.stage == 3 else self.flat_param[self.lo:self.hi]
+        home = self.param_shard if self.stage == 3 else self.flat_param[self.lo : self.hi]
         if self.master_is_separate:
             home.copy_(self.master)
         if self.stage in (1, 2):

@@ -195,14 +195,19 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         for u, unit in enumerate(self.units):
             for p in unit.parameters():
                 if id(p) in unit_of and unit_of[id(p)] != u:
-                    raise ZeroConfigError(f"a parameter belongs to units {unit_of[id(p)]} and {u}; units must be disjoint")
+                    raise ZeroConfigError(
+                        f"a parameter belongs to units {unit_of[id(p)]} and {u}; units must be disjoint"
+                    )
                 unit_of[id(p)] = u
         root = len(self.units)
         order = sorted(named.items(), key=lambda kv: unit_of.get(id(kv[1]), root))  # units, then the rest
         if self.stage < 3:  # only stage 3 gathers per unit: fewer, larger buckets are fewer collectives
             unit_of = {}
-        specs = [(n, tuple(p.shape), wants_weight_decay(p), unit_of.get(id(p), root), _extra_reduce(n, p, self))
-                 for n, p in order if p.requires_grad]
+        specs = [
+            (n, tuple(p.shape), wants_weight_decay(p), unit_of.get(id(p), root), _extra_reduce(n, p, self))
+            for n, p in order
+            if p.requires_grad
+        ]
         if not specs:
             raise ZeroConfigError("the module has no trainable parameters")
         elem = torch.finfo(self.param_dtype).bits // 8
@@ -215,10 +220,21 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         first_stage = (torch.distributed.get_rank(emb) if emb else 0) == 0
         for layout in self.layouts:
             params = [named[s.name] for s in layout.slots]
-            compressor = (TopKCompressor(layout.padded_numel, topk_ratio, self.comm_dtype, params[0].device)
-                          if compression else None)
-            bucket = FlatBucket(layout, params, stage=self.stage, dp_rank=self.dp_rank, group=self.dp_group,
-                                param_dtype=self.param_dtype, comm_dtype=self.comm_dtype, compressor=compressor)
+            compressor = (
+                TopKCompressor(layout.padded_numel, topk_ratio, self.comm_dtype, params[0].device)
+                if compression
+                else None
+            )
+            bucket = FlatBucket(
+                layout,
+                params,
+                stage=self.stage,
+                dp_rank=self.dp_rank,
+                group=self.dp_group,
+                param_dtype=self.param_dtype,
+                comm_dtype=self.comm_dtype,
+                compressor=compressor,
+            )
             bucket.norm_ranges = counted_ranges(layout, bucket.lo, bucket.hi, params, count_replicated=tp_rank == 0)
             if layout.extra_reduce == "embedding" and not first_stage:
                 bucket.norm_ranges = []  # a tied embedding enters the norm once, on the first stage
@@ -383,6 +399,9 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             grads += sum(t.nbytes for t in (b.flat_grad, b.grad_shard) if t is not None)
             grads += sum(p.grad.nbytes for p in b.params if b.flat_grad is None and p.grad is not None)
             optim += b.master.nbytes if b.master_is_separate else 0
-            optim += sum(v.nbytes for v in self.optimizer.state.get(b.master, {}).values()
-                         if torch.is_tensor(v) and v.dim() > 0 and v.shape == b.master.shape)
+            optim += sum(
+                v.nbytes
+                for v in self.optimizer.state.get(b.master, {}).values()
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape == b.master.shape
+            )
         return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}

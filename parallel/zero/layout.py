@@ -114,14 +114,21 @@ def plan_buckets(
         current: list[ParamSlot] = []
         offset = 0
 
-        def close():
+        def close():  # called within this iteration of the loop only
             nonlocal current, offset
             if current:
-                buckets.append(BucketLayout(
-                    index=len(buckets), unit=unit, weight_decay=not no_wd, extra_reduce=extra,
-                    slots=tuple(current),
-                    numel=offset, padded_numel=padded(offset, dp), dp=dp,
-                ))
+                buckets.append(
+                    BucketLayout(
+                        index=len(buckets),
+                        unit=unit,  # noqa: B023
+                        weight_decay=not no_wd,  # noqa: B023
+                        extra_reduce=extra,  # noqa: B023
+                        slots=tuple(current),
+                        numel=offset,
+                        padded_numel=padded(offset, dp),
+                        dp=dp,
+                    )
+                )
             current, offset = [], 0
 
         for name, shape in members:

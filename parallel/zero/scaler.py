@@ -31,18 +31,15 @@ class DynamicLossScaler:
     def __post_init__(self) -> None:
         if self.scale <= 0 or self.min_scale <= 0 or self.scale < self.min_scale:
             raise ZeroConfigError(
-                f"loss scale {self.scale} and min_scale {self.min_scale} must be positive with "
-                f"scale ≥ min_scale"
+                f"loss scale {self.scale} and min_scale {self.min_scale} must be positive with scale ≥ min_scale"
             )
         if not (0 < self.backoff_factor < 1 < self.growth_factor):
             raise ZeroConfigError(
-                f"need 0 < backoff_factor ({self.backoff_factor}) < 1 < growth_factor "
-                f"({self.growth_factor})"
+                f"need 0 < backoff_factor ({self.backoff_factor}) < 1 < growth_factor ({self.growth_factor})"
             )
         if self.growth_interval < 1 or self.hysteresis < 1:
             raise ZeroConfigError(
-                f"growth_interval ({self.growth_interval}) and hysteresis ({self.hysteresis}) "
-                f"must be ≥ 1"
+                f"growth_interval ({self.growth_interval}) and hysteresis ({self.hysteresis}) must be ≥ 1"
             )
         if self.hysteresis_left < 0:
             self.hysteresis_left = self.hysteresis

@@ -32,7 +32,7 @@ def _full_flat(bucket, local: torch.Tensor) -> torch.Tensor:
 
 
 def _split(bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {s.name: flat[s.offset:s.end].view(s.shape).clone() for s in bucket.layout.slots}
+    return {s.name: flat[s.offset : s.end].view(s.shape).clone() for s in bucket.layout.slots}
 
 
 def _owned(bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -44,16 +44,19 @@ def _owned(bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         t = tensors[s.name]
         if tuple(t.shape) != s.shape:
             raise ZeroConfigError(f"{s.name!r}: checkpoint shape {tuple(t.shape)} ≠ model shape {s.shape}")
-        flat[s.offset:s.end] = t.reshape(-1).to(flat)
-    return flat[bucket.lo:bucket.hi]
+        flat[s.offset : s.end] = t.reshape(-1).to(flat)
+    return flat[bucket.lo : bucket.hi]
 
 
 class StateDictMixin:
     """State dict methods of ZeroDataParallel (needs ``buckets``, ``optimizer``, ``scaler``)."""
 
     def _layout_key(self) -> dict:
-        return {"stage": self.stage, "dp_size": self.dp_size,
-                "buckets": [[(s.name, s.numel) for s in b.layout.slots] for b in self.buckets]}
+        return {
+            "stage": self.stage,
+            "dp_size": self.dp_size,
+            "buckets": [[(s.name, s.numel) for s in b.layout.slots] for b in self.buckets],
+        }
 
     def state_dict(self) -> dict:  # noqa: D401 - per-rank ZeRO state, not nn.Module's
         """This rank's shard of the training state."""
@@ -94,8 +97,7 @@ class StateDictMixin:
                     for name in per_param:
                         per_param[name][key] = value.clone() if torch.is_tensor(value) else value
             optim.update(per_param)
-        return {"params": params, "optimizer": optim,
-                "scaler": self.scaler.state_dict() if self.scaler else None}
+        return {"params": params, "optimizer": optim, "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, whole, in fp32 (collective over DP at stages 1–3)."""

@@ -49,8 +49,9 @@ def optimizer_bytes_per_param(param_bytes: int, state_tensors: int = 2) -> int:
     return 4 * state_tensors + (4 if param_bytes != 4 else 0)
 
 
-def model_state_bytes(psi: int, stage: int, dp: int, param_bytes: int = 4, state_tensors: int = 2,
-                      grad_bytes: int = GRAD_BYTES) -> dict:
+def model_state_bytes(
+    psi: int, stage: int, dp: int, param_bytes: int = 4, state_tensors: int = 2, grad_bytes: int = GRAD_BYTES
+) -> dict:
     """Bytes of parameters, gradients and optimizer state one rank holds between steps
     (``grad_bytes``: the engine's fp32 main gradient; pass ``param_bytes`` for the ZeRO paper's count)."""
     k = optimizer_bytes_per_param(param_bytes, state_tensors)
@@ -60,8 +61,14 @@ def model_state_bytes(psi: int, stage: int, dp: int, param_bytes: int = 4, state
     return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
 
-def step_sent_bytes(psi: int, stage: int, dp: int, param_bytes: int = 4, comm_bytes: int | None = None,
-                    regathered_psi: int | None = None) -> float:
+def step_sent_bytes(
+    psi: int,
+    stage: int,
+    dp: int,
+    param_bytes: int = 4,
+    comm_bytes: int | None = None,
+    regathered_psi: int | None = None,
+) -> float:
     """Bytes one rank sends on the DP group per step for gradients and parameters (ring algorithms).
 
     stage 0: all-reduce ``2(N-1)/N·Ψ·c``; stages 1–2: reduce-scatter ``(N-1)/N·Ψ·c`` + all-gather

@@ -14,8 +14,10 @@ TWO_RANK_PAIRS = run.SECTIONS["dp"][1] + run.SECTIONS["tp"][1] + run.SECTIONS["p
 @pytest.fixture(scope="module")
 def two_rank_rows():
     per_rank = run_ranks(run._section_rank, 2, TWO_RANK_PAIRS, True, 1, 0, timeout=240)
-    return {name: run.summarize(name, parallel, kind, 2, [r[i] for r in per_rank])
-            for i, (name, parallel, kind) in enumerate(TWO_RANK_PAIRS)}
+    return {
+        name: run.summarize(name, parallel, kind, 2, [r[i] for r in per_rank])
+        for i, (name, parallel, kind) in enumerate(TWO_RANK_PAIRS)
+    }
 
 
 def test_our_bytes_match_theory_in_every_two_rank_row(two_rank_rows):
@@ -26,8 +28,9 @@ def test_our_bytes_match_theory_in_every_two_rank_row(two_rank_rows):
 
 def test_pytorch_traffic_is_counted_where_visible(two_rank_rows):
     # DDP all-reduces the same gradients ZeRO-0 does: the same ring volume
-    assert two_rank_rows["dp ZeRO-0"]["theirs_sent_MB"] == pytest.approx(two_rank_rows["dp ZeRO-0"]["theory_sent_MB"],
-                                                                         rel=0.02)
+    assert two_rank_rows["dp ZeRO-0"]["theirs_sent_MB"] == pytest.approx(
+        two_rank_rows["dp ZeRO-0"]["theory_sent_MB"], rel=0.02
+    )
     # FSDP2 without resharding: an all-gather per micro-batch's forward, one reduce-scatter (gradient
     # sync only on the last); ours stage 2 the reverse (a reduce-scatter per micro-batch, one all-gather)
     m, rs = 4, two_rank_rows["dp ZeRO-0"]["theory_sent_MB"] / 2  # all-reduce 2ρ·Ψ·4 B; its half ρ·Ψ·4 B

@@ -16,13 +16,23 @@ transformers = pytest.importorskip("transformers")
 def _hf_model(arch):
     torch.manual_seed(11)
     if arch == "gpt2":
-        c = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=8,
-                                    bos_token_id=0, eos_token_id=0)
+        c = transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=8, bos_token_id=0, eos_token_id=0
+        )
         model = transformers.GPT2LMHeadModel(c)
     else:
-        c = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                     max_position_embeddings=8, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        c = transformers.LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=100,
+            max_position_embeddings=8,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
         model = transformers.LlamaForCausalLM(c)
         with torch.no_grad():  # HF zero-initialises nothing we could hide behind, but make norms non-trivial
             for n, p in model.named_parameters():
@@ -38,13 +48,17 @@ def _ids():
 def _load_rank(hf_config, source, sp):
     groups = build_groups(Topology(1, 1, 2))
     cfg = config_from_hf(hf_config)
-    stage = load_hf_weights(build_model(cfg, tp_group=groups.tp, sequence_parallel=sp, device="meta")
-                            .to_empty(device="cpu"), source, groups.tp)
-    logits = comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., :cfg.vocab_size]
+    stage = load_hf_weights(
+        build_model(cfg, tp_group=groups.tp, sequence_parallel=sp, device="meta").to_empty(device="cpu"),
+        source,
+        groups.tp,
+    )
+    logits = comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., : cfg.vocab_size]
     exported = export_hf_state_dict(stage, groups.tp)
     # a pipeline's last stage alone (layers 1.. and the head) loads the same tensors
-    last = load_hf_weights(build_model(cfg, tp_group=groups.tp, layers=range(1, 2), has_embedding=False),
-                           source, groups.tp)
+    last = load_hf_weights(
+        build_model(cfg, tp_group=groups.tp, layers=range(1, 2), has_embedding=False), source, groups.tp
+    )
     last_exported = export_hf_state_dict(last, groups.tp)
     return logits, exported, last_exported
 
@@ -80,7 +94,7 @@ def test_export_reimport_roundtrip_through_safetensors(tmp_path):
         assert torch.equal(a, b), n
     reloaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(_ids()).logits, ours(_ids())[..., :cfg.vocab_size], atol=1e-5, rtol=0)
+        torch.testing.assert_close(reloaded(_ids()).logits, ours(_ids())[..., : cfg.vocab_size], atol=1e-5, rtol=0)
 
 
 def test_mismatched_vocab_refused_with_shapes():

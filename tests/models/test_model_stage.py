@@ -7,8 +7,17 @@ from models import ModelConfig, ModelConfigError, build_model, gather_full_state
 from parallel.params import is_shared_embedding
 
 CFG = ModelConfig(arch="gpt", n_layers=4, d_model=32, n_heads=4, vocab_size=100, seq_len=8)
-LLAMA = ModelConfig(arch="llama", n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=100,
-                    seq_len=8, tie_embeddings=False)
+LLAMA = ModelConfig(
+    arch="llama",
+    n_layers=3,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    d_ff=64,
+    vocab_size=100,
+    seq_len=8,
+    tie_embeddings=False,
+)
 
 
 def _ids(seed=0):
@@ -74,15 +83,18 @@ def test_full_checkpointing_stores_fewer_activations():
     assert full < selective < none
 
 
-@pytest.mark.parametrize("change,tp,needle", [
-    (dict(n_heads=2, n_kv_heads=2), 4, "n_heads 2 is not divisible by tp 4"),
-    (dict(n_kv_heads=2), 4, "n_kv_heads 2 cannot be split over tp 4"),
-    (dict(n_heads=3), 1, "d_model 32 is not divisible by n_heads 3"),
-    (dict(d_ff=90), 4, "d_ff 90 is not divisible by tp 4"),
-    (dict(arch="bert"), 1, "arch 'bert'"),
-    (dict(activation_checkpointing="some"), 1, "activation_checkpointing 'some'"),
-    (dict(n_layers=0), 1, "n_layers must be ≥ 1"),
-])
+@pytest.mark.parametrize(
+    "change,tp,needle",
+    [
+        (dict(n_heads=2, n_kv_heads=2), 4, "n_heads 2 is not divisible by tp 4"),
+        (dict(n_kv_heads=2), 4, "n_kv_heads 2 cannot be split over tp 4"),
+        (dict(n_heads=3), 1, "d_model 32 is not divisible by n_heads 3"),
+        (dict(d_ff=90), 4, "d_ff 90 is not divisible by tp 4"),
+        (dict(arch="bert"), 1, "arch 'bert'"),
+        (dict(activation_checkpointing="some"), 1, "activation_checkpointing 'some'"),
+        (dict(n_layers=0), 1, "n_layers must be ≥ 1"),
+    ],
+)
 def test_config_errors_name_the_numbers(change, tp, needle):
     with pytest.raises(ModelConfigError, match=needle):
         CFG.replace(**change).validate(tp=tp)
@@ -108,7 +120,8 @@ def test_presets_build_on_meta_with_the_published_sizes(name, params):
     cfg = preset(name)
     model = build_model(cfg, device="meta")
     unpadded = sum(p.numel() for p in model.parameters()) - (cfg.padded_vocab() - cfg.vocab_size) * cfg.d_model * (
-        1 if cfg.tie_embeddings else 2)
+        1 if cfg.tie_embeddings else 2
+    )
     assert unpadded == pytest.approx(params, rel=2e-3)
     assert cfg.padded_vocab(8) % (128 * 8) == 0
 

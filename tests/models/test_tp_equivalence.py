@@ -11,8 +11,18 @@ from parallel.testing import run_ranks
 from parallel.topology import Topology
 
 GPT = ModelConfig(arch="gpt", n_layers=2, d_model=32, n_heads=4, vocab_size=200, seq_len=8)
-LLAMA = ModelConfig(arch="llama", n_layers=2, d_model=64, n_heads=8, n_kv_heads=4, d_ff=96, vocab_size=200,
-                    seq_len=8, tie_embeddings=False, norm_eps=1e-6)
+LLAMA = ModelConfig(
+    arch="llama",
+    n_layers=2,
+    d_model=64,
+    n_heads=8,
+    n_kv_heads=4,
+    d_ff=96,
+    vocab_size=200,
+    seq_len=8,
+    tie_embeddings=False,
+    norm_eps=1e-6,
+)
 
 
 def _batch():
@@ -29,7 +39,7 @@ def _step(model, tp_group, ids, targets):
         loss.backward()
     model.sent_tp_bytes = counter.sent_bytes("tp")
     reduce_sequence_parallel_grads(model, tp_group)
-    full_logits = comm.all_gather_along(logits.detach(), -1, tp_group)[..., :model.cfg.vocab_size]
+    full_logits = comm.all_gather_along(logits.detach(), -1, tp_group)[..., : model.cfg.vocab_size]
     weights = gather_full_state_dict(model, tp_group)
     grads = gather_full_state_dict(model, tp_group, grads=True)
     return full_logits, loss.item(), weights, grads
@@ -37,8 +47,9 @@ def _step(model, tp_group, ids, targets):
 
 def _tp_rank_fn(cfg, tp, sp, ids, targets, checkpointing):
     groups = build_groups(Topology(1, 1, tp))
-    model = build_model(cfg.replace(activation_checkpointing=checkpointing), tp_group=groups.tp,
-                        sequence_parallel=sp, seed=3)
+    model = build_model(
+        cfg.replace(activation_checkpointing=checkpointing), tp_group=groups.tp, sequence_parallel=sp, seed=3
+    )
     out = _step(model, groups.tp, ids, targets)
     return out + (model.sent_tp_bytes,) if groups.tp_rank == 0 else None
 
@@ -50,15 +61,24 @@ def references():
 
 
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
-@pytest.mark.parametrize("tp,sp,checkpointing", [
-    (2, False, "none"), (4, False, "none"), (2, True, "none"), (4, True, "none"),
-    (2, True, "full"), (4, False, "full"), (2, False, "selective"),
-])
+@pytest.mark.parametrize(
+    "tp,sp,checkpointing",
+    [
+        (2, False, "none"),
+        (4, False, "none"),
+        (2, True, "none"),
+        (4, True, "none"),
+        (2, True, "full"),
+        (4, False, "full"),
+        (2, False, "selective"),
+    ],
+)
 def test_tp_matches_single_process(references, arch, tp, sp, checkpointing):
     cfg = GPT if arch == "gpt" else LLAMA
     ids, targets = _batch()
     logits, loss, weights, grads, sent = run_ranks(
-        _tp_rank_fn, tp, cfg, tp, sp, ids, targets, checkpointing, timeout=60)[0]
+        _tp_rank_fn, tp, cfg, tp, sp, ids, targets, checkpointing, timeout=60
+    )[0]
     ref_logits, ref_loss, ref_weights, ref_grads = references[arch]
     assert weights.keys() == ref_weights.keys()
     for name in ref_weights:  # layout-independent initialisation: bit-identical
@@ -73,8 +93,9 @@ def test_tp_matches_single_process(references, arch, tp, sp, checkpointing):
     activation = tokens * cfg.d_model * 4
     recompute = (3 if sp else 2) * ring * activation * cfg.n_layers if checkpointing == "full" else 0
     regather = ring * activation * (2 * cfg.n_layers + 1) if sp else 0  # SP: column inputs gathered again
-    assert sent == pytest.approx(ring * activation * (2 + 8 * cfg.n_layers + 2) + 2 * ring * 12 * tokens + recompute
-                                 + regather)
+    assert sent == pytest.approx(
+        ring * activation * (2 + 8 * cfg.n_layers + 2) + 2 * ring * 12 * tokens + recompute + regather
+    )
 
 
 def test_padded_vocab_never_wins_and_is_zero():

@@ -23,9 +23,12 @@ FNS = {
 # either the *same* on every rank (the output is replicated and the loss counted once) or
 # *per-rank* (each rank's output feeds its own part of a summed loss).
 KINDS = {  # name: (input kind, upstream-gradient kind)
-    "copy": ("replicated", "per-rank"), "reduce": ("distinct", "same"),
-    "scatter": ("replicated", "per-rank"), "gather": ("distinct", "same"),
-    "sp_scatter": ("replicated", "per-rank"), "sp_gather": ("distinct", "per-rank"),
+    "copy": ("replicated", "per-rank"),
+    "reduce": ("distinct", "same"),
+    "scatter": ("replicated", "per-rank"),
+    "gather": ("distinct", "same"),
+    "sp_scatter": ("replicated", "per-rank"),
+    "sp_gather": ("distinct", "per-rank"),
     "sp_reduce_scatter": ("distinct", "per-rank"),
 }
 
@@ -46,14 +49,22 @@ def _expected(name, r, n):
     """(output, input gradient) on rank r, derived from the logical operation."""
     xs = [_input(name, q) for q in range(n)]
     out = {
-        "copy": xs[r], "reduce": sum(xs), "scatter": xs[r].chunk(n, -1)[r],
-        "gather": torch.cat(xs, -1), "sp_scatter": xs[r].chunk(n, 1)[r],
-        "sp_gather": torch.cat(xs, 1), "sp_reduce_scatter": sum(xs).chunk(n, 1)[r],
+        "copy": xs[r],
+        "reduce": sum(xs),
+        "scatter": xs[r].chunk(n, -1)[r],
+        "gather": torch.cat(xs, -1),
+        "sp_scatter": xs[r].chunk(n, 1)[r],
+        "sp_gather": torch.cat(xs, 1),
+        "sp_reduce_scatter": sum(xs).chunk(n, 1)[r],
     }[name]
     ws = [_upstream(name, q, out.shape) for q in range(n)]
     grad = {
-        "copy": sum(ws), "reduce": ws[0], "scatter": torch.cat(ws, -1), "gather": ws[0].chunk(n, -1)[r],
-        "sp_scatter": torch.cat(ws, 1), "sp_gather": sum(ws).chunk(n, 1)[r],
+        "copy": sum(ws),
+        "reduce": ws[0],
+        "scatter": torch.cat(ws, -1),
+        "gather": ws[0].chunk(n, -1)[r],
+        "sp_scatter": torch.cat(ws, 1),
+        "sp_gather": sum(ws).chunk(n, 1)[r],
         "sp_reduce_scatter": torch.cat(ws, 1),
     }[name]
     return out, grad
@@ -80,9 +91,12 @@ def test_forward_and_backward_on_two_ranks(name):
         torch.testing.assert_close(grad, expected_grad, msg=f"{name} grad on rank {r}")
     x_bytes = 2 * 4 * 4 * 4
     sent = {  # forward + backward, per rank, from the module docstring's table
-        "copy": 2 * (n - 1) / n * x_bytes, "reduce": 2 * (n - 1) / n * x_bytes,
-        "scatter": (n - 1) / n * x_bytes, "gather": (n - 1) / n * n * x_bytes,
-        "sp_scatter": (n - 1) / n * x_bytes, "sp_gather": 2 * (n - 1) / n * n * x_bytes,
+        "copy": 2 * (n - 1) / n * x_bytes,
+        "reduce": 2 * (n - 1) / n * x_bytes,
+        "scatter": (n - 1) / n * x_bytes,
+        "gather": (n - 1) / n * n * x_bytes,
+        "sp_scatter": (n - 1) / n * x_bytes,
+        "sp_gather": 2 * (n - 1) / n * n * x_bytes,
         "sp_reduce_scatter": 2 * (n - 1) / n * x_bytes,
     }[name]
     assert results[0][2] == pytest.approx(sent)

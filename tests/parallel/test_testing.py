@@ -53,10 +53,7 @@ def test_a_hanging_rank_fails_after_the_timeout_and_leaves_no_process():
     assert "did not finish within 2 s" in str(e.value)
     assert "_hang_on_rank_1" in str(e.value)  # each hung rank's stack is shown
     if before:
-        children = [
-            p for p in set(os.listdir("/proc")) - before
-            if p.isdigit() and _parent(p) == os.getpid()
-        ]
+        children = [p for p in set(os.listdir("/proc")) - before if p.isdigit() and _parent(p) == os.getpid()]
         assert children == []
 
 

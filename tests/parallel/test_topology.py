@@ -1,6 +1,7 @@
 """The process grid: pure arithmetic, no processes."""
 
 import itertools
+
 import pytest
 
 from parallel.topology import AXES, Coords, Topology, TopologyError

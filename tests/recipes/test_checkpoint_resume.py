@@ -36,12 +36,16 @@ def test_same_layout_resume_is_bit_exact(uninterrupted, tmp_path):
     assert losses(tmp_path)[0] == full[4:6]  # steps 5 and 6, bit for bit
 
 
-@pytest.mark.parametrize("layout", [
-    dict(dp=4, pp=1, tp=2, zero=1),
-    dict(dp=1, pp=2, tp=4, zero=1),
-    dict(dp=2, pp=2, tp=2, zero=3),
-    dict(dp=2, pp=2, tp=1, zero=2, parallel__pp_schedule="interleaved", parallel__vpp=2),  # 4 ranks, vpp
-], ids=lambda d: "dp{dp}-pp{pp}-tp{tp}-zero{zero}".format(**d) + ("-vpp2" if "parallel__vpp" in d else ""))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(dp=4, pp=1, tp=2, zero=1),
+        dict(dp=1, pp=2, tp=4, zero=1),
+        dict(dp=2, pp=2, tp=2, zero=3),
+        dict(dp=2, pp=2, tp=1, zero=2, parallel__pp_schedule="interleaved", parallel__vpp=2),  # 4 ranks, vpp
+    ],
+    ids=lambda d: "dp{dp}-pp{pp}-tp{tp}-zero{zero}".format(**d) + ("-vpp2" if "parallel__vpp" in d else ""),
+)
 def test_other_layout_resumes_within_1e4(uninterrupted, tmp_path, layout):
     """The next step's loss (step 5) is computed before step 5's update, so one step suffices
     (max_steps=5 changes only the learning rate of that update)."""
@@ -104,7 +108,6 @@ def _train_late(rc, run_dir):
 
 def test_training_and_saving_are_unchanged_when_collectives_complete_late(uninterrupted, tmp_path):
     """No host code of the step or the save relies on a queued collective having finished."""
-    run_ranks(_train_late, 8, tiny_recipe(**SAVED, train__max_steps=4, train__ckpt_every=4), str(tmp_path),
-              timeout=300)
+    run_ranks(_train_late, 8, tiny_recipe(**SAVED, train__max_steps=4, train__ckpt_every=4), str(tmp_path), timeout=300)
     assert losses(tmp_path)[0] == uninterrupted[1][:4]
     assert read_manifest(latest_checkpoint(tmp_path / "checkpoints"))["step"] == 4

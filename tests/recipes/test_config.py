@@ -19,8 +19,7 @@ def make(**sections):
 def test_default_is_valid_and_resolves_batch_arithmetic():
     lay = validate(make(train__global_batch=32, train__micro_batch=4), world_size=None)
     assert (lay.dp, lay.pp, lay.tp, lay.grad_accum) == (1, 1, 1, 8)
-    lay = validate(make(parallel__pp=2, parallel__tp=2, train__global_batch=32, train__micro_batch=4),
-                   world_size=8)
+    lay = validate(make(parallel__pp=2, parallel__tp=2, train__global_batch=32, train__micro_batch=4), world_size=8)
     assert (lay.dp, lay.grad_accum, lay.world_size) == (2, 4, 8)
 
 
@@ -31,28 +30,42 @@ def test_model_section_mirrors_every_model_config_field():
     assert mc.n_layers == 6 and mc.d_model == 128
 
 
-@pytest.mark.parametrize("changes,world,needle", [
-    (dict(parallel__pp=35, parallel__tp=8, parallel__dp=64), 8,
-     "world size 8 ≠ dp 64 × pp 35 × tp 8 = 17920"),
-    (dict(parallel__pp=3, parallel__tp=1), 8, "mode=plan"),
-    (dict(train__global_batch=30, train__micro_batch=4, parallel__dp=2), 2,
-     "train.global_batch 30 is not a multiple of micro_batch 4 × dp 2 = 8"),
-    (dict(parallel__tp=3), None, "n_heads 4 is not divisible by tp 3"),
-    (dict(parallel__pp=5), None, "only 4 layers"),
-    (dict(parallel__pp_schedule="zigzag"), None, "parallel.pp_schedule='zigzag' is not one of"),
-    (dict(train__precision="fp8"), None, "train.precision='fp8'"),
-    (dict(parallel__pp_layers=[1, 2], parallel__pp=2), None, "summing to model.n_layers 4"),
-    (dict(parallel__sequence_parallel=True), None, "needs parallel.tp > 1"),
-    (dict(parallel__vpp=2), None, "needs parallel.pp_schedule=interleaved"),
-    (dict(data__source="memmap"), None, "needs data.path"),
-    (dict(comm__compression="topk", parallel__zero=1), None, "parallel.zero=0 only"),
-    (dict(train__micro_batch=0), None, "train.micro_batch must be a positive integer"),
-    (dict(parallel__dp="two"), None, "parallel.dp must be a positive integer or 'auto'"),
-    (dict(parallel__pp_schedule="interleaved", parallel__vpp=2), None, "needs parallel.pp ≥ 2"),
-    (dict(parallel__pp=2, parallel__pp_schedule="interleaved", parallel__vpp=2, train__global_batch=12,
-          train__micro_batch=4), None, "(micro_batch 4 × dp 1) = 3) to be a multiple of pp 2"),
-    (dict(train__eval_every=10, train__eval_batches=0), None, "train.eval_batches must be ≥ 1"),
-])
+@pytest.mark.parametrize(
+    "changes,world,needle",
+    [
+        (dict(parallel__pp=35, parallel__tp=8, parallel__dp=64), 8, "world size 8 ≠ dp 64 × pp 35 × tp 8 = 17920"),
+        (dict(parallel__pp=3, parallel__tp=1), 8, "mode=plan"),
+        (
+            dict(train__global_batch=30, train__micro_batch=4, parallel__dp=2),
+            2,
+            "train.global_batch 30 is not a multiple of micro_batch 4 × dp 2 = 8",
+        ),
+        (dict(parallel__tp=3), None, "n_heads 4 is not divisible by tp 3"),
+        (dict(parallel__pp=5), None, "only 4 layers"),
+        (dict(parallel__pp_schedule="zigzag"), None, "parallel.pp_schedule='zigzag' is not one of"),
+        (dict(train__precision="fp8"), None, "train.precision='fp8'"),
+        (dict(parallel__pp_layers=[1, 2], parallel__pp=2), None, "summing to model.n_layers 4"),
+        (dict(parallel__sequence_parallel=True), None, "needs parallel.tp > 1"),
+        (dict(parallel__vpp=2), None, "needs parallel.pp_schedule=interleaved"),
+        (dict(data__source="memmap"), None, "needs data.path"),
+        (dict(comm__compression="topk", parallel__zero=1), None, "parallel.zero=0 only"),
+        (dict(train__micro_batch=0), None, "train.micro_batch must be a positive integer"),
+        (dict(parallel__dp="two"), None, "parallel.dp must be a positive integer or 'auto'"),
+        (dict(parallel__pp_schedule="interleaved", parallel__vpp=2), None, "needs parallel.pp ≥ 2"),
+        (
+            dict(
+                parallel__pp=2,
+                parallel__pp_schedule="interleaved",
+                parallel__vpp=2,
+                train__global_batch=12,
+                train__micro_batch=4,
+            ),
+            None,
+            "(micro_batch 4 × dp 1) = 3) to be a multiple of pp 2",
+        ),
+        (dict(train__eval_every=10, train__eval_batches=0), None, "train.eval_batches must be ≥ 1"),
+    ],
+)
 def test_bad_configs_are_refused_with_numbers(changes, world, needle):
     with pytest.raises(ConfigError) as e:
         validate(make(**changes), world_size=world)

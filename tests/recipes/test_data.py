@@ -37,8 +37,7 @@ def test_global_batch_is_the_same_for_every_dp(corpus, micro_batch):
             parts = [
                 mb
                 for r in range(dp)
-                for mb in ds.rank_microbatches(step, global_batch=8, dp=dp, dp_rank=r,
-                                               micro_batch=micro_batch, seed=7)
+                for mb in ds.rank_microbatches(step, global_batch=8, dp=dp, dp_rank=r, micro_batch=micro_batch, seed=7)
             ]
             assert all(px.shape == (micro_batch, 16) for px, _ in parts)
             assert torch.equal(torch.cat([p[0] for p in parts]), x)
@@ -68,7 +67,7 @@ def test_prepare_command_writes_what_the_trainer_reads(tmp_path):
     (src / "b.txt").write_text("gridtrain " * 50)
     assert prepare.main(["--output", str(tmp_path / "out"), str(src)]) == 0
     ds = open_data("memmap", str(tmp_path / "out"), "train", seq_len=8)
-    raw = (b"hello world " * 50 + b"gridtrain " * 50)
+    raw = b"hello world " * 50 + b"gridtrain " * 50
     assert ds.tokens.astype(np.uint8).tobytes() == raw[: ds.tokens.size]
     assert prepare.main(["--output", str(tmp_path / "x"), str(tmp_path / "nope")]) == 2
 

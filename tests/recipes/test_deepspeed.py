@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from recipes.config import ConfigError
-from recipes.config import RecipeConfig, validate
+from recipes.config import ConfigError, RecipeConfig, validate
 from recipes.deepspeed import apply_deepspeed, deepspeed_overrides, load_deepspeed_json
 
 DS = {
@@ -13,8 +12,7 @@ DS = {
     "train_micro_batch_size_per_gpu": 4,
     "gradient_accumulation_steps": 8,
     "gradient_clipping": 1.0,
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
-                                               "weight_decay": 0.1}},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
     "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8},
     "communication_data_type": "bf16",
     "bf16": {"enabled": True},
@@ -25,10 +23,18 @@ DS = {
 def test_maps_every_supported_key():
     out = deepspeed_overrides(DS, dp=2)
     assert out == {
-        "train.global_batch": 64, "train.micro_batch": 4, "train.grad_clip": 1.0,
-        "optim.name": "adamw", "optim.lr": 3e-4, "optim.betas": [0.9, 0.95], "optim.eps": 1e-8,
-        "optim.weight_decay": 0.1, "parallel.zero": 2, "comm.overlap": True,
-        "comm.bucket_mb": pytest.approx(5e8 * 4 / 2**20), "comm.dtype": "bf16",
+        "train.global_batch": 64,
+        "train.micro_batch": 4,
+        "train.grad_clip": 1.0,
+        "optim.name": "adamw",
+        "optim.lr": 3e-4,
+        "optim.betas": [0.9, 0.95],
+        "optim.eps": 1e-8,
+        "optim.weight_decay": 0.1,
+        "parallel.zero": 2,
+        "comm.overlap": True,
+        "comm.bucket_mb": pytest.approx(5e8 * 4 / 2**20),
+        "comm.dtype": "bf16",
         "train.precision": "bf16",
     }
 
@@ -43,8 +49,7 @@ def test_batch_identity_is_checked_with_numbers():
 
 
 def test_unsupported_keys_are_listed_not_ignored():
-    bad = dict(DS, activation_checkpointing={"cpu_checkpointing": True},
-               optimizer={"type": "Lamb", "params": {}})
+    bad = dict(DS, activation_checkpointing={"cpu_checkpointing": True}, optimizer={"type": "Lamb", "params": {}})
     with pytest.raises(ConfigError) as e:
         deepspeed_overrides(bad, dp=2)
     msg = str(e.value)
@@ -66,9 +71,17 @@ def test_file_errors(tmp_path):
 
 def test_applied_onto_a_recipe_config(tmp_path):
     p = tmp_path / "ds.json"
-    p.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
-                             "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3},
-                             "fp16": {"enabled": True}}))
+    p.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 16,
+                "train_micro_batch_size_per_gpu": 2,
+                "gradient_accumulation_steps": 4,
+                "zero_optimization": {"stage": 3},
+                "fp16": {"enabled": True},
+            }
+        )
+    )
     rc = RecipeConfig()
     apply_deepspeed(rc, p, dp=2)
     assert (rc.train.global_batch, rc.train.micro_batch, rc.parallel.zero, rc.train.precision) == (16, 2, 3, "fp16")

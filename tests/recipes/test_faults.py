@@ -58,10 +58,25 @@ def test_collective_times_out_after_the_configured_seconds():
 
 def cli_overrides(run_dir, **train) -> list[str]:
     """``small_recipe`` as command-line overrides, for the launcher tests (real processes)."""
-    keys = dict(parallel__dp=2, parallel__zero=1, model__n_layers=2, model__d_model=32, model__n_heads=2,
-                model__n_kv_heads=2, model__seq_len=16, train__global_batch=4, train__micro_batch=2,
-                train__eval_every=0, train__threads=1, train__log_every=1, train__sigterm_grace_s=5,
-                optim__warmup_steps=2, logger__progress="false", logger__peak_tflops=1.0, data__embedded_mb=0.25)
+    keys = dict(
+        parallel__dp=2,
+        parallel__zero=1,
+        model__n_layers=2,
+        model__d_model=32,
+        model__n_heads=2,
+        model__n_kv_heads=2,
+        model__seq_len=16,
+        train__global_batch=4,
+        train__micro_batch=2,
+        train__eval_every=0,
+        train__threads=1,
+        train__log_every=1,
+        train__sigterm_grace_s=5,
+        optim__warmup_steps=2,
+        logger__progress="false",
+        logger__peak_tflops=1.0,
+        data__embedded_mb=0.25,
+    )
     keys.update({f"train__{k}": v for k, v in train.items()})
     return [f"{k.replace('__', '.')}={v}" for k, v in keys.items()] + [f"hydra.run.dir={run_dir}"]
 
@@ -74,8 +89,9 @@ def launch(args, timeout):
     return done, time.perf_counter() - t0
 
 
-@pytest.mark.parametrize("kind, says", [("raise", "fault drill: rank 1 raises at step 2"),
-                                        ("kill", "Signal 9 (SIGKILL)")])
+@pytest.mark.parametrize(
+    "kind, says", [("raise", "fault drill: rank 1 raises at step 2"), ("kill", "Signal 9 (SIGKILL)")]
+)
 def test_failing_rank_ends_the_self_spawned_job_naming_it(tmp_path, kind, says):
     args = [sys.executable, "-m", "recipes.gpt_tiny", *cli_overrides(tmp_path, max_steps=50, fault=f"{kind}@1:2")]
     done, elapsed = launch(args, timeout=120)
@@ -86,9 +102,19 @@ def test_failing_rank_ends_the_self_spawned_job_naming_it(tmp_path, kind, says):
 
 
 def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "--max-restarts", "1", "-m", "recipes.gpt_tiny",
-            *cli_overrides(tmp_path, max_steps=4, ckpt_every=2, resume="auto", fault="kill@1:3")]
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "-m",
+        "recipes.gpt_tiny",
+        *cli_overrides(tmp_path, max_steps=4, ckpt_every=2, resume="auto", fault="kill@1:3"),
+    ]
     done, _ = launch(args, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]  # died starting 3; attempt 1 resumed at 2

@@ -13,9 +13,16 @@ import sys
 import pytest
 
 TINY = [
-    "model.d_model=64", "model.seq_len=32", "train.max_steps=3", "train.global_batch=8",
-    "train.micro_batch=2", "train.eval_every=0", "train.log_every=1", "train.threads=1",
-    "logger.progress=false", "data.embedded_mb=0.25",
+    "model.d_model=64",
+    "model.seq_len=32",
+    "train.max_steps=3",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "train.threads=1",
+    "logger.progress=false",
+    "data.embedded_mb=0.25",
 ]
 TIMEOUT = 240
 
@@ -40,8 +47,10 @@ def free_port():
 @pytest.fixture(scope="module")
 def self_spawned(tmp_path_factory):
     d = tmp_path_factory.mktemp("spawn")
-    p = run([sys.executable, "-m", "recipes.gpt_tiny", "parallel.tp=2", "parallel.pp=2",
-             f"hydra.run.dir={d}", *TINY], cwd=os.getcwd())
+    p = run(
+        [sys.executable, "-m", "recipes.gpt_tiny", "parallel.tp=2", "parallel.pp=2", f"hydra.run.dir={d}", *TINY],
+        cwd=os.getcwd(),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return d, p
 
@@ -58,20 +67,54 @@ def test_self_spawn_trains_and_writes_one_run_dir(self_spawned):
 def test_torchrun_and_two_nodes_give_the_same_losses(self_spawned, tmp_path):
     ref = losses(self_spawned[0])
     one = tmp_path / "torchrun"
-    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-             "-m", "recipes.gpt_tiny", "parallel.tp=2", "parallel.pp=2", f"hydra.run.dir={one}", *TINY],
-            cwd=os.getcwd())
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "recipes.gpt_tiny",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            f"hydra.run.dir={one}",
+            *TINY,
+        ],
+        cwd=os.getcwd(),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert losses(one) == pytest.approx(ref, abs=1e-5)
 
     two = tmp_path / "two-nodes"
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "twonode",
-           "-m", "recipes.gpt_tiny", "parallel.tp=2", "parallel.pp=2", f"hydra.run.dir={two}", *TINY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "twonode",
+        "-m",
+        "recipes.gpt_tiny",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        f"hydra.run.dir={two}",
+        *TINY,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    nodes = [subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    nodes = [
+        subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = []
     try:
         for n in nodes:
@@ -86,8 +129,10 @@ def test_torchrun_and_two_nodes_give_the_same_losses(self_spawned, tmp_path):
 
 
 def test_multirun_runs_each_layout_as_its_own_job_and_summarises(tmp_path):
-    p = run([sys.executable, "-m", "recipes.gpt_tiny", "-m", "parallel.tp=1,2",
-             f"hydra.sweep.dir={tmp_path}", *TINY], cwd=os.getcwd())
+    p = run(
+        [sys.executable, "-m", "recipes.gpt_tiny", "-m", "parallel.tp=1,2", f"hydra.sweep.dir={tmp_path}", *TINY],
+        cwd=os.getcwd(),
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     for job in ("0", "1"):
         assert len(losses(tmp_path / job)) == 3
@@ -98,22 +143,47 @@ def test_multirun_runs_each_layout_as_its_own_job_and_summarises(tmp_path):
 
 
 def test_bad_layout_is_refused_before_spawning(tmp_path):
-    p = run([sys.executable, "-m", "recipes.gpt_tiny", "parallel.tp=3", f"hydra.run.dir={tmp_path}", *TINY],
-            cwd=os.getcwd())
+    p = run(
+        [sys.executable, "-m", "recipes.gpt_tiny", "parallel.tp=3", f"hydra.run.dir={tmp_path}", *TINY], cwd=os.getcwd()
+    )
     assert p.returncode != 0
     assert "n_heads 4 is not divisible by tp 3" in p.stderr
-    p = run([sys.executable, "-m", "recipes.gpt_tiny", "train.global_batch=7", f"hydra.run.dir={tmp_path}",
-             *[a for a in TINY if not a.startswith("train.global_batch")]], cwd=os.getcwd())
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.gpt_tiny",
+            "train.global_batch=7",
+            f"hydra.run.dir={tmp_path}",
+            *[a for a in TINY if not a.startswith("train.global_batch")],
+        ],
+        cwd=os.getcwd(),
+    )
     assert p.returncode != 0 and "train.global_batch 7 is not a multiple of micro_batch 2" in p.stderr
-    p = run([sys.executable, "-m", "recipes.gpt_tiny", "model.n_layerz=3", f"hydra.run.dir={tmp_path}"],
-            cwd=os.getcwd())
+    p = run(
+        [sys.executable, "-m", "recipes.gpt_tiny", "model.n_layerz=3", f"hydra.run.dir={tmp_path}"], cwd=os.getcwd()
+    )
     assert p.returncode != 0 and "n_layerz" in p.stderr
 
 
 def test_torchrun_world_that_does_not_fit_fails_on_every_rank_quickly(tmp_path):
-    p = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-             "-m", "recipes.gpt_tiny", "parallel.tp=4", "parallel.pp=1", f"hydra.run.dir={tmp_path}", *TINY],
-            cwd=os.getcwd())
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "recipes.gpt_tiny",
+            "parallel.tp=4",
+            "parallel.pp=1",
+            f"hydra.run.dir={tmp_path}",
+            *TINY,
+        ],
+        cwd=os.getcwd(),
+    )
     assert p.returncode != 0
     # each rank refuses before any collective (torchrun may stop the second before it prints)
     assert p.stderr.count("error: world size 2 is not divisible by pp 1 × tp 4 = 4") >= 1, p.stderr[-2000:]
@@ -122,8 +192,18 @@ def test_torchrun_world_that_does_not_fit_fails_on_every_rank_quickly(tmp_path):
 
 def test_slurm_sweeps_compose_through_the_submitit_launcher(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    p = run([sys.executable, "-m", "recipes.gpt_tiny", "hydra/launcher=submitit_slurm",
-             "hydra.launcher.gpus_per_node=8", "hydra.launcher.timeout_min=120", "--cfg", "hydra"],
-            cwd=os.getcwd())
+    p = run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.gpt_tiny",
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.gpus_per_node=8",
+            "hydra.launcher.timeout_min=120",
+            "--cfg",
+            "hydra",
+        ],
+        cwd=os.getcwd(),
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "SlurmLauncher" in p.stdout and "gpus_per_node: 8" in p.stdout

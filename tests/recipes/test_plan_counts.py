@@ -60,9 +60,21 @@ def test_per_rank_counts_sum_to_the_total(name):
 def _real_rank_counts(cfg, tp, sp, ranges):
     groups = build_groups(Topology(1, 1, tp))
     n = len(ranges)
-    return [sum(p.numel() for p in build_model(cfg, tp_group=groups.tp, sequence_parallel=sp, layers=r,
-                                               has_embedding=v == 0, has_head=v == n - 1, device="meta").parameters())
-            for v, r in enumerate(ranges)]
+    return [
+        sum(
+            p.numel()
+            for p in build_model(
+                cfg,
+                tp_group=groups.tp,
+                sequence_parallel=sp,
+                layers=r,
+                has_embedding=v == 0,
+                has_head=v == n - 1,
+                device="meta",
+            ).parameters()
+        )
+        for v, r in enumerate(ranges)
+    ]
 
 
 @pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny"])
@@ -109,8 +121,9 @@ def test_activation_bytes_match_what_autograd_saves(name, precision, ckpt):
     cfg = preset(name, n_layers=3, d_model=64, seq_len=16, activation_checkpointing=ckpt)
     model = build_model(cfg, dtype=DTYPES[precision])
     measured = _saved_bytes(model, torch.randint(0, cfg.vocab_size, (4, 16)))
-    predicted = stage_activation_bytes(ModelShape.of(cfg), 4, 3, has_embedding=True, has_head=True,
-                                       checkpointing=ckpt, precision=precision)
+    predicted = stage_activation_bytes(
+        ModelShape.of(cfg), 4, 3, has_embedding=True, has_head=True, checkpointing=ckpt, precision=precision
+    )
     assert predicted == pytest.approx(measured, rel=0.02)
 
 
@@ -124,7 +137,8 @@ def _tp_saved(cfg, tp, sp):
 def test_activation_bytes_on_tensor_parallel_ranks(sp):
     cfg = preset("llama_tiny", n_layers=2, d_model=64, seq_len=16)
     measured = run_ranks(_tp_saved, 2, cfg, 2, sp, timeout=60)
-    predicted = stage_activation_bytes(ModelShape.of(cfg), 2, 2, has_embedding=True, has_head=True, tp=2,
-                                       sequence_parallel=sp, precision="fp32")
+    predicted = stage_activation_bytes(
+        ModelShape.of(cfg), 2, 2, has_embedding=True, has_head=True, tp=2, sequence_parallel=sp, precision="fp32"
+    )
     for m in measured:
         assert predicted == pytest.approx(m, rel=0.15)

@@ -15,8 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_run_plan_prints_a_table_and_writes_plan_json(tmp_path, capsys):
-    rc = scenario_config(["model.preset=gpt_tiny", "parallel.pp=2", "parallel.tp=2", "parallel.dp=2",
-                          "parallel.zero=1", "plan.hardware=cpu", "train.global_batch=16"])
+    rc = scenario_config(
+        [
+            "model.preset=gpt_tiny",
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.dp=2",
+            "parallel.zero=1",
+            "plan.hardware=cpu",
+            "train.global_batch=16",
+        ]
+    )
     summary = run_plan(rc, str(tmp_path))
     out = capsys.readouterr().out
     assert "plan for gpt_tiny" in out and "step" in out and "tokens/s" in out
@@ -29,8 +38,9 @@ def test_run_plan_prints_a_table_and_writes_plan_json(tmp_path, capsys):
 
 
 def test_recommend_through_the_config(tmp_path, capsys):
-    rc = scenario_config(["mode=recommend", "model.preset=gpt_tiny", "plan.world_size=4", "plan.top=3",
-                          "train.global_batch=16"])
+    rc = scenario_config(
+        ["mode=recommend", "model.preset=gpt_tiny", "plan.world_size=4", "plan.top=3", "train.global_batch=16"]
+    )
     summary = run_plan(rc, str(tmp_path))
     plans = json.loads((tmp_path / "plan.json").read_text())
     assert 1 <= len(plans) <= 3 and all(p["fits"] for p in plans)
@@ -38,13 +48,16 @@ def test_recommend_through_the_config(tmp_path, capsys):
     assert "best layouts" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["parallel.tp=3"], r"tp=3 does not divide n_heads=4; choose tp among \[1, 2, 4\]"),
-    (["parallel.pp=8"], "pp 8 × vpp 1 = 8 stages but the model has 4 layers"),
-    (["parallel.dp=3", "train.global_batch=16"], "global_batch 16 is not a multiple"),
-    (["plan.hardware=tpu_v9"], "unknown hardware profile 'tpu_v9'"),
-    (["parallel.dp=2", "plan.world_size=16"], "world size 16 ≠ dp 2 × pp 1 × tp 1 = 2"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.tp=3"], r"tp=3 does not divide n_heads=4; choose tp among \[1, 2, 4\]"),
+        (["parallel.pp=8"], "pp 8 × vpp 1 = 8 stages but the model has 4 layers"),
+        (["parallel.dp=3", "train.global_batch=16"], "global_batch 16 is not a multiple"),
+        (["plan.hardware=tpu_v9"], "unknown hardware profile 'tpu_v9'"),
+        (["parallel.dp=2", "plan.world_size=16"], "world size 16 ≠ dp 2 × pp 1 × tp 1 = 2"),
+    ],
+)
 def test_bad_input_is_refused_with_the_numbers(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         run_plan(scenario_config(["model.preset=gpt_tiny"] + overrides), str(tmp_path))
@@ -65,8 +78,15 @@ def test_docs_page_shows_the_generated_figures():
 
 
 def test_command_line_multirun_gathers_one_table(tmp_path):
-    cmd = [sys.executable, "-m", "recipes.gpt_tiny", "-m", "mode=plan", "parallel.tp=1,2",
-           f"hydra.sweep.dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recipes.gpt_tiny",
+        "-m",
+        "mode=plan",
+        "parallel.tp=1,2",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "sweep summary" in res.stdout
@@ -86,10 +106,18 @@ def test_plain_table_without_rich(tmp_path, capsys, monkeypatch):
 
 
 def test_user_hardware_profile_from_config(tmp_path):
-    lab = {"peak_tflops_16": 100.0, "peak_tflops_32": 10.0, "memory_bytes": 1e6, "intra_node_gbps": 32.0,
-           "inter_node_gbps": 3.0, "gpus_per_node": 2}
-    rc = scenario_config(["model.preset=gpt_tiny", "plan.hardware=lab", "parallel.tp=4"]
-                         + [f"plan.profiles.lab.{k}={v}" for k, v in lab.items()])
+    lab = {
+        "peak_tflops_16": 100.0,
+        "peak_tflops_32": 10.0,
+        "memory_bytes": 1e6,
+        "intra_node_gbps": 32.0,
+        "inter_node_gbps": 3.0,
+        "gpus_per_node": 2,
+    }
+    rc = scenario_config(
+        ["model.preset=gpt_tiny", "plan.hardware=lab", "parallel.tp=4"]
+        + [f"plan.profiles.lab.{k}={v}" for k, v in lab.items()]
+    )
     summary = run_plan(rc, str(tmp_path))
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["hardware"]["name"] == "lab" and summary["fits"] is False  # 1 MB of memory

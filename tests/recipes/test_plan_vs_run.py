@@ -28,8 +28,9 @@ def _measure(rc, tp):
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    ids = torch.randint(0, cfg.vocab_size, (rc.train.micro_batch, cfg.seq_len),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, cfg.vocab_size, (rc.train.micro_batch, cfg.seq_len), generator=torch.Generator().manual_seed(0)
+    )
     counter = comm.CommCounter()
     with counter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -41,8 +42,12 @@ def _measure(rc, tp):
     opt.step()
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     states = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
-    return {"params": nbytes(model.parameters()), "grads": nbytes(p.grad for p in model.parameters()),
-            "optimizer": nbytes(states), "activations": activations}, counter.sent_bytes("tp")
+    return {
+        "params": nbytes(model.parameters()),
+        "grads": nbytes(p.grad for p in model.parameters()),
+        "optimizer": nbytes(states),
+        "activations": activations,
+    }, counter.sent_bytes("tp")
 
 
 def _model_only_tp(plan, tp: int) -> float:
@@ -51,14 +56,31 @@ def _model_only_tp(plan, tp: int) -> float:
     return plan.ranks[0].traffic["tp"]["bytes"] - 4 * comm.SENT_FRACTION["all_reduce"](tp)
 
 
-@pytest.mark.parametrize("preset, tp, sp, ckpt", [("gpt_tiny", 1, False, "none"), ("gpt_tiny", 2, True, "none"),
-                                                  ("llama_tiny", 2, False, "none"), ("gpt_tiny", 2, False, "full"),
-                                                  ("llama_tiny", 2, True, "selective")])
+@pytest.mark.parametrize(
+    "preset, tp, sp, ckpt",
+    [
+        ("gpt_tiny", 1, False, "none"),
+        ("gpt_tiny", 2, True, "none"),
+        ("llama_tiny", 2, False, "none"),
+        ("gpt_tiny", 2, False, "full"),
+        ("llama_tiny", 2, True, "selective"),
+    ],
+)
 def test_prediction_matches_a_run(preset, tp, sp, ckpt):
-    rc = scenario_config([f"model.preset={preset}", "model.d_model=64", "model.seq_len=32", "train.precision=fp32",
-                          f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
-                          f"model.activation_checkpointing={ckpt}", "train.micro_batch=2", "train.global_batch=2",
-                          "plan.hardware=cpu"])
+    rc = scenario_config(
+        [
+            f"model.preset={preset}",
+            "model.d_model=64",
+            "model.seq_len=32",
+            "train.precision=fp32",
+            f"parallel.tp={tp}",
+            f"parallel.sequence_parallel={str(sp).lower()}",
+            f"model.activation_checkpointing={ckpt}",
+            "train.micro_batch=2",
+            "train.global_batch=2",
+            "plan.hardware=cpu",
+        ]
+    )
     plan = plan_from_config(rc)
     for measured, tp_sent in run_ranks(_measure, tp, rc, tp, timeout=60):
         if ckpt == "full":  # the recomputed layer's activations exist only during backward
@@ -71,10 +93,20 @@ def test_prediction_matches_a_run(preset, tp, sp, ckpt):
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_bytes_under_full_recomputation(sp):
-    rc = scenario_config(["model.preset=llama_tiny", "model.d_model=64", "model.seq_len=32", "parallel.tp=2",
-                          "train.precision=fp32", f"parallel.sequence_parallel={str(sp).lower()}",
-                          "model.activation_checkpointing=full", "train.micro_batch=2", "train.global_batch=2",
-                          "plan.hardware=cpu"])
+    rc = scenario_config(
+        [
+            "model.preset=llama_tiny",
+            "model.d_model=64",
+            "model.seq_len=32",
+            "parallel.tp=2",
+            "train.precision=fp32",
+            f"parallel.sequence_parallel={str(sp).lower()}",
+            "model.activation_checkpointing=full",
+            "train.micro_batch=2",
+            "train.global_batch=2",
+            "plan.hardware=cpu",
+        ]
+    )
     plan = plan_from_config(rc)
     for _, tp_sent in run_ranks(_measure, 2, rc, 2, timeout=60):
         assert _model_only_tp(plan, 2) == pytest.approx(tp_sent)
@@ -89,11 +121,18 @@ def _pipeline_bytes(rc, pp):
     cfg, t = model_config(rc.model), rc.train
     m = t.global_batch // t.micro_batch
     s = groups.pp_rank
-    chunk = build_model(cfg, layers=layer_partition(ModelShape.of(cfg), pp)[s], has_embedding=s == 0,
-                        has_head=s == pp - 1, seed=0)
-    ex = PipelineExecutor([chunk], build_schedule("1f1b", pp, m)[s], pp_group=groups.pp,
-                          activation_shape=(t.micro_batch, cfg.seq_len, cfg.d_model), dtype=torch.float32,
-                          loss_fn=chunk.loss if s == pp - 1 else None, embedding_group=groups.embedding)
+    chunk = build_model(
+        cfg, layers=layer_partition(ModelShape.of(cfg), pp)[s], has_embedding=s == 0, has_head=s == pp - 1, seed=0
+    )
+    ex = PipelineExecutor(
+        [chunk],
+        build_schedule("1f1b", pp, m)[s],
+        pp_group=groups.pp,
+        activation_shape=(t.micro_batch, cfg.seq_len, cfg.d_model),
+        dtype=torch.float32,
+        loss_fn=chunk.loss if s == pp - 1 else None,
+        embedding_group=groups.embedding,
+    )
     ids = [torch.randint(0, cfg.vocab_size, (t.micro_batch, cfg.seq_len)) for _ in range(m)]
     counter = comm.CommCounter()
     with counter:
@@ -102,8 +141,18 @@ def _pipeline_bytes(rc, pp):
 
 
 def test_pipeline_and_tied_embedding_bytes_match_a_run():
-    rc = scenario_config(["model.preset=gpt_tiny", "model.d_model=64", "model.seq_len=16", "parallel.pp=2",
-                          "train.precision=fp32", "train.micro_batch=2", "train.global_batch=8", "plan.hardware=cpu"])
+    rc = scenario_config(
+        [
+            "model.preset=gpt_tiny",
+            "model.d_model=64",
+            "model.seq_len=16",
+            "parallel.pp=2",
+            "train.precision=fp32",
+            "train.micro_batch=2",
+            "train.global_batch=8",
+            "plan.hardware=cpu",
+        ]
+    )
     plan = plan_from_config(rc)
     for stage, (pp_sent, emb_sent) in enumerate(run_ranks(_pipeline_bytes, 2, rc, 2, timeout=60)):
         traffic = plan.ranks[stage].traffic
@@ -136,8 +185,9 @@ def test_sequence_parallel_layer_saves_input_shards(preset_name):
     from parallel.plan.memory import layer_activation_bytes
 
     for measured, cfg in run_ranks(_saved_per_layer, 2, preset_name, 2, timeout=60):
-        planned = layer_activation_bytes(cfg, 2, tp=2, sequence_parallel=True, checkpointing="selective",
-                                         precision="fp32")
+        planned = layer_activation_bytes(
+            cfg, 2, tp=2, sequence_parallel=True, checkpointing="selective", precision="fp32"
+        )
         assert measured == planned
         gathered_inputs = 2 * 4 * 2 * cfg.seq_len * cfg.d_model  # what the gathered q/k/v and MLP inputs held
         without_sp = layer_activation_bytes(cfg, 2, tp=2, checkpointing="selective", precision="fp32")

@@ -23,9 +23,15 @@ def _zero_step(rc, stage):
     groups = build_groups(Topology(3, 1, 1))
     cfg = model_config(rc.model)
     model = build_model(cfg, seed=0)
-    z = zero.ZeroDataParallel(model, dp_group=groups.dp, stage=stage, optimizer_factory=torch.optim.AdamW,
-                              units=list(model.blocks.values()), precision=rc.train.precision,
-                              bucket_mb=rc.comm.bucket_mb)
+    z = zero.ZeroDataParallel(
+        model,
+        dp_group=groups.dp,
+        stage=stage,
+        optimizer_factory=torch.optim.AdamW,
+        units=list(model.blocks.values()),
+        precision=rc.train.precision,
+        bucket_mb=rc.comm.bucket_mb,
+    )
     ids = torch.randint(0, cfg.vocab_size, (rc.train.micro_batch, cfg.seq_len))
     counter = comm.CommCounter()
     with counter:
@@ -39,13 +45,26 @@ def _zero_step(rc, stage):
     return {"params": params, "grads": grads, "optimizer": optim}, counter.sent_bytes("dp")
 
 
-@pytest.mark.parametrize("precision, stage, bucket_mb", [("fp32", 0, 0.01), ("bf16", 1, 25), ("bf16", 2, 0.01),
-                                                         ("fp32", 3, 0.01), ("bf16", 3, 25)])
+@pytest.mark.parametrize(
+    "precision, stage, bucket_mb",
+    [("fp32", 0, 0.01), ("bf16", 1, 25), ("bf16", 2, 0.01), ("fp32", 3, 0.01), ("bf16", 3, 25)],
+)
 def test_model_states_and_dp_bytes_equal_the_engine(precision, stage, bucket_mb):
-    rc = scenario_config(["model.preset=gpt_tiny", "model.d_model=64", "model.seq_len=16", "model.vocab_size=250",
-                          "parallel.dp=3", f"parallel.zero={stage}", f"train.precision={precision}",
-                          f"comm.bucket_mb={bucket_mb}", "train.micro_batch=2", "train.global_batch=6",
-                          "plan.hardware=cpu"])
+    rc = scenario_config(
+        [
+            "model.preset=gpt_tiny",
+            "model.d_model=64",
+            "model.seq_len=16",
+            "model.vocab_size=250",
+            "parallel.dp=3",
+            f"parallel.zero={stage}",
+            f"train.precision={precision}",
+            f"comm.bucket_mb={bucket_mb}",
+            "train.micro_batch=2",
+            "train.global_batch=6",
+            "plan.hardware=cpu",
+        ]
+    )
     plan = plan_from_config(rc)
     for measured, dp_sent in run_ranks(_zero_step, 3, rc, stage, timeout=60):
         memory = plan.ranks[0].memory

@@ -24,8 +24,14 @@ def test_metrics_file_and_silent_other_ranks(tmp_path):
 def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    log = RunLogger(tmp_path, enabled=True, total_steps=1, progress=False, wandb_mode="offline",
-                    config={"model": {"preset": "gpt_tiny"}})
+    log = RunLogger(
+        tmp_path,
+        enabled=True,
+        total_steps=1,
+        progress=False,
+        wandb_mode="offline",
+        config={"model": {"preset": "gpt_tiny"}},
+    )
     log.log({"step": 1, "loss": 4.0})
     log.close()
     assert list((tmp_path / "wandb").glob("offline-run-*"))
@@ -88,8 +94,17 @@ def test_fit_metrics_keeps_the_first_that_fit():
     assert fit_metrics(shown, 5) == ""
 
 
-RECORD = {"step": 7, "loss": 2.3456, "val_loss": 2.4, "lr": 3e-4, "grad_norm": 1.234, "tokens_per_s": 12345.6,
-          "mfu": 0.0123, "comm_frac": 0.456, "mem_gb": 1.23}
+RECORD = {
+    "step": 7,
+    "loss": 2.3456,
+    "val_loss": 2.4,
+    "lr": 3e-4,
+    "grad_norm": 1.234,
+    "tokens_per_s": 12345.6,
+    "mfu": 0.0123,
+    "comm_frac": 0.456,
+    "mem_gb": 1.23,
+}
 
 
 def _on_a_pty(tmp_path, monkeypatch, columns):

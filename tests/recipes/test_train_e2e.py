@@ -51,20 +51,24 @@ def references(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout", [
-    dict(dp=2, pp=2, tp=2, zero=1),
-    dict(dp=2, pp=1, tp=2, zero=3),
-    dict(dp=1, pp=4, tp=1, zero=2),
-    dict(dp=2, pp=2, tp=1, zero=0, parallel__pp_schedule="gpipe"),
-    dict(dp=1, pp=2, tp=2, zero=2, parallel__sequence_parallel=True),
-    dict(dp=1, pp=2, tp=1, zero=1, parallel__pp_schedule="interleaved", parallel__vpp=2),
-    dict(dp=2, pp=2, tp=1, zero=3, model__preset="llama_tiny"),
-    dict(dp=1, pp=1, tp=2, zero=0, model__preset="llama_tiny", parallel__sequence_parallel=True),
-    # ZeRO-3 with recomputation, with GPipe (several backwards before the root is freed), interleaved
-    dict(dp=2, pp=1, tp=1, zero=3, model__activation_checkpointing="full"),
-    dict(dp=1, pp=2, tp=1, zero=3, parallel__pp_schedule="gpipe"),
-    dict(dp=2, pp=2, tp=1, zero=3, parallel__pp_schedule="interleaved", parallel__vpp=2),
-], ids=lambda d: ",".join(f"{k.split('__')[-1]}={v}" for k, v in d.items()))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(dp=2, pp=2, tp=2, zero=1),
+        dict(dp=2, pp=1, tp=2, zero=3),
+        dict(dp=1, pp=4, tp=1, zero=2),
+        dict(dp=2, pp=2, tp=1, zero=0, parallel__pp_schedule="gpipe"),
+        dict(dp=1, pp=2, tp=2, zero=2, parallel__sequence_parallel=True),
+        dict(dp=1, pp=2, tp=1, zero=1, parallel__pp_schedule="interleaved", parallel__vpp=2),
+        dict(dp=2, pp=2, tp=1, zero=3, model__preset="llama_tiny"),
+        dict(dp=1, pp=1, tp=2, zero=0, model__preset="llama_tiny", parallel__sequence_parallel=True),
+        # ZeRO-3 with recomputation, with GPipe (several backwards before the root is freed), interleaved
+        dict(dp=2, pp=1, tp=1, zero=3, model__activation_checkpointing="full"),
+        dict(dp=1, pp=2, tp=1, zero=3, parallel__pp_schedule="gpipe"),
+        dict(dp=2, pp=2, tp=1, zero=3, parallel__pp_schedule="interleaved", parallel__vpp=2),
+    ],
+    ids=lambda d: ",".join(f"{k.split('__')[-1]}={v}" for k, v in d.items()),
+)
 def test_layouts_match_one_process(references, tmp_path, layout):
     world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
     run_ranks(_train, world, tiny_recipe(**layout), str(tmp_path), timeout=300)

@@ -37,12 +37,12 @@ def flat_half_state(step: int) -> dict:
     """ZeRO-like: rank r holds the r-th half of the flattened tensor (5 boxes' worth, not a block)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     n = 30 // world
-    flat = reference(step).reshape(-1)[rank * n:(rank + 1) * n].clone()
+    flat = reference(step).reshape(-1)[rank * n : (rank + 1) * n].clone()
     w = Chunked(SHAPE, torch.float32)
     start = 0
     for off, size in flat_range_boxes(SHAPE, rank * n, (rank + 1) * n):
         k = torch.Size(size).numel()
-        w.add(off, flat[start:start + k].view(size))
+        w.add(off, flat[start : start + k].view(size))
         start += k
     return {"w": w, "step": torch.tensor(float(step))}
 
@@ -76,7 +76,7 @@ def _verify(ckpt):
 
 def test_two_ranks_save_flat_halves_one_rank_reads_it_whole(tmp_path):
     run_ranks(_save, 2, tmp_path, [3])
-    (local, step, saved_step), = run_ranks(_load_columns, 1, latest_checkpoint(tmp_path))
+    ((local, step, saved_step),) = run_ranks(_load_columns, 1, latest_checkpoint(tmp_path))
     assert torch.equal(local, reference(3)) and step == 3.0 and saved_step == 3
 
 
@@ -150,9 +150,12 @@ def _save_with_a_slow_rank(root, slow_rank, slow_part):
         return latest_checkpoint(root) == final
 
 
-@pytest.mark.parametrize("slow_rank, slow_part", [
-    (1, "_digest"),  # rank 0 must not read sums.1.json before rank 1 wrote it
-    (0, "prune"),    # rank 1 must not return before rank 0 moved `latest`
-])
+@pytest.mark.parametrize(
+    "slow_rank, slow_part",
+    [
+        (1, "_digest"),  # rank 0 must not read sums.1.json before rank 1 wrote it
+        (0, "prune"),  # rank 1 must not return before rank 0 moved `latest`
+    ],
+)
 def test_publication_waits_for_every_rank_when_collectives_complete_late(tmp_path, slow_rank, slow_part):
     assert run_ranks(_save_with_a_slow_rank, 2, tmp_path, slow_rank, slow_part, timeout=60) == [True, True]

@@ -48,7 +48,8 @@ def _bytes_rank():
         out["embedding", sp] = _sent(group, lambda: emb(torch.randint(0, 64, (B, S))).sum().backward())
     logits = torch.randn(B, S, 64 // n, requires_grad=True)
     out["cross_entropy", False] = _sent(
-        group, lambda: vocab_parallel_cross_entropy(logits, torch.randint(0, 64, (B, S)), group).sum().backward())
+        group, lambda: vocab_parallel_cross_entropy(logits, torch.randint(0, 64, (B, S)), group).sum().backward()
+    )
     return out
 
 

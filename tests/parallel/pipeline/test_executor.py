@@ -26,10 +26,15 @@ def _pipeline_step(n_layers, pp, m, schedule, vpp=1, tp=1, tied=True, pp_layers=
     ]
     actions = build_schedule(schedule, pp, m, vpp)[stage]
     ex = PipelineExecutor(
-        chunks, actions, pp_group=groups["pp"], activation_shape=ACTIVATION_SHAPE,
-        dtype=torch.float32, loss_fn=loss_fn,
+        chunks,
+        actions,
+        pp_group=groups["pp"],
+        activation_shape=ACTIVATION_SHAPE,
+        dtype=torch.float32,
+        loss_fn=loss_fn,
         tp_group=groups["tp"] if tp > 1 else None,
-        embedding_group=groups.get("embedding") if tied else None, record_timeline=True,
+        embedding_group=groups.get("embedding") if tied else None,
+        record_timeline=True,
     )
     xs, ys = data(m)
     counter = comm.CommCounter()
@@ -48,8 +53,7 @@ def _pipeline_step(n_layers, pp, m, schedule, vpp=1, tp=1, tied=True, pp_layers=
     # the recorded timeline is the action list, in order, one span after the other
     assert [sp.action for sp in ex.timeline] == [a if isinstance(a, Compute) else tuple(a) for a in batches(actions)]
     assert all(a.end <= b.start for a, b in zip(ex.timeline, ex.timeline[1:]))
-    return dict(stage=stage, loss=loss.item(), grads=grads, peak=peak,
-                counter=counter.summary() if count else None)
+    return dict(stage=stage, loss=loss.item(), grads=grads, peak=peak, counter=counter.summary() if count else None)
 
 
 def _sweep(pp, schedule, ms, vpp=1, n_layers=4):
@@ -87,12 +91,16 @@ def test_uneven_and_explicit_splits_untied_head():
     per_rank = run_ranks(_pipeline_step, 2, 5, 2, 4, "1f1b", pp_layers=[1, 4], timeout=60)
     _assert_matches(per_rank, 5, 4)
     assert sorted(n for n in per_rank[0]["grads"] if n.startswith("blocks")) == [
-        "blocks.0.linear.bias", "blocks.0.linear.weight"]
+        "blocks.0.linear.bias",
+        "blocks.0.linear.weight",
+    ]
 
 
 def _tp_sweep(m):
-    return [_pipeline_step(4, 2, m, schedule, vpp, tp=2, count=True)
-            for schedule, vpp in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))]
+    return [
+        _pipeline_step(4, 2, m, schedule, vpp, tp=2, count=True)
+        for schedule, vpp in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))
+    ]
 
 
 def test_tensor_parallel_scatter_gather_sends_one_tp_share():
@@ -143,15 +151,18 @@ def _bad_input(case):
     return None
 
 
-@pytest.mark.parametrize("case, words", [
-    ("vpp", ["vpp=2 does not divide", "[3, 3]"]),
-    ("interleaved_m", ["m=3", "pp=2", "m=2 or 4"]),
-    ("pp_gt_layers", ["4", "3 layers"]),
-    ("chunks", ["chunks [1]", "1 chunk"]),
-    ("inputs", ["4 micro-batches", "has 3"]),
-    ("pp", ["schedule has 4 stages", "group has 2 ranks", "pp=2"]),
-    ("peers", ["names peer stage", "pipeline of 2 ranks"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("vpp", ["vpp=2 does not divide", "[3, 3]"]),
+        ("interleaved_m", ["m=3", "pp=2", "m=2 or 4"]),
+        ("pp_gt_layers", ["4", "3 layers"]),
+        ("chunks", ["chunks [1]", "1 chunk"]),
+        ("inputs", ["4 micro-batches", "has 3"]),
+        ("pp", ["schedule has 4 stages", "group has 2 ranks", "pp=2"]),
+        ("peers", ["names peer stage", "pipeline of 2 ranks"]),
+    ],
+)
 def test_bad_input_fails_on_every_rank_before_any_p2p(case, words):
     results = run_ranks(_bad_input, 2, case, timeout=30)
     if case == "inputs":  # only the first stage reads inputs, only the last targets

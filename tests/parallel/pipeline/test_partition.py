@@ -14,9 +14,17 @@ def _optimal_max_cost(n, pp, lc, extra):
     return best
 
 
-@pytest.mark.parametrize("n, pp, emb, head", [
-    (7, 3, 0, 0), (8, 4, 1, 1), (10, 3, 2.5, 0.5), (9, 4, 0, 3), (12, 5, 1.5, 1.5), (6, 6, 4, 4),
-])
+@pytest.mark.parametrize(
+    "n, pp, emb, head",
+    [
+        (7, 3, 0, 0),
+        (8, 4, 1, 1),
+        (10, 3, 2.5, 0.5),
+        (9, 4, 0, 3),
+        (12, 5, 1.5, 1.5),
+        (6, 6, 4, 4),
+    ],
+)
 def test_balanced_split_is_optimal_and_covers_the_layers(n, pp, emb, head):
     ranges = partition_layers(n, pp, embedding_cost=emb, head_cost=head)
     assert [i for r in ranges for i in r] == list(range(n))
@@ -48,15 +56,18 @@ def test_explicit_pp_layers_and_virtual_stages():
     assert stage_costs(ranges, 2, head_cost=1.0) == [6.0, 3.0]
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(n_layers=3, pp=4), ["4", "3 layers"]),
-    (dict(n_layers=8, pp=2, vpp=8), ["16", "8 layers"]),
-    (dict(n_layers=7, pp=3, pp_layers=[3, 3, 3]), ["sums to 9", "7 layers"]),
-    (dict(n_layers=7, pp=3, pp_layers=[3, 4]), ["2 entries", "pp=3"]),
-    (dict(n_layers=7, pp=3, pp_layers=[0, 3, 4]), ["pp_layers[0]"]),
-    (dict(n_layers=6, pp=2, vpp=2), ["vpp=2 does not divide", "[3, 3]", "multiple of pp·vpp = 4"]),
-    (dict(n_layers=8, pp=0), ["pp must be a positive integer"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(n_layers=3, pp=4), ["4", "3 layers"]),
+        (dict(n_layers=8, pp=2, vpp=8), ["16", "8 layers"]),
+        (dict(n_layers=7, pp=3, pp_layers=[3, 3, 3]), ["sums to 9", "7 layers"]),
+        (dict(n_layers=7, pp=3, pp_layers=[3, 4]), ["2 entries", "pp=3"]),
+        (dict(n_layers=7, pp=3, pp_layers=[0, 3, 4]), ["pp_layers[0]"]),
+        (dict(n_layers=6, pp=2, vpp=2), ["vpp=2 does not divide", "[3, 3]", "multiple of pp·vpp = 4"]),
+        (dict(n_layers=8, pp=0), ["pp must be a positive integer"]),
+    ],
+)
 def test_bad_splits_are_refused_with_the_numbers(kwargs, words):
     with pytest.raises(PartitionError) as e:
         partition_layers(**kwargs)

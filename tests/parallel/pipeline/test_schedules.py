@@ -53,9 +53,7 @@ def test_interleaving_shrinks_the_bubble_vpp_fold(p, vpp, groups):
     assert r.bubble_fraction < plain.bubble_fraction
     assert r.busy == pytest.approx(plain.busy)
     # more in flight than 1F1B: the price of the smaller bubble (Megatron's warm-up)
-    assert all(
-        pk == min(2 * (p - s - 1) + (vpp - 1) * p + 1, m * vpp) for s, pk in enumerate(r.peak_activations)
-    )
+    assert all(pk == min(2 * (p - s - 1) + (vpp - 1) * p + 1, m * vpp) for s, pk in enumerate(r.peak_activations))
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

@@ -81,8 +81,7 @@ def make_groups(pp: int, tp: int = 1):
     topo = Topology(dp=1, pp=pp, tp=tp)
     rank = dist.get_rank()
     mine = {}
-    for axis, lists in (("pp", topo.groups("pp")), ("tp", topo.groups("tp")),
-                        ("embedding", topo.embedding_groups)):
+    for axis, lists in (("pp", topo.groups("pp")), ("tp", topo.groups("tp")), ("embedding", topo.embedding_groups)):
         for ranks in lists:
             g = dist.new_group(ranks, group_desc=axis)
             if rank in ranks:

@@ -57,8 +57,9 @@ def test_zero_traffic_volumes_match_theory():
 def test_topk_sends_values_and_indices_from_every_rank():
     hw = hardware_profile("a100")
     axis = AxisTraffic(4, True)
-    dp_traffic(hw, axis, psi=1000, zero=0, micro_batches=4, param_bytes=2, comm_bytes=2, compression="topk",
-               topk_ratio=0.1)
+    dp_traffic(
+        hw, axis, psi=1000, zero=0, micro_batches=4, param_bytes=2, comm_bytes=2, compression="topk", topk_ratio=0.1
+    )
     assert axis.bytes == pytest.approx(3 * 100 * (2 + 4))  # (N-1)·k·(b+4), once per step
 
 
@@ -85,8 +86,16 @@ def test_node_crossing():
 def test_profiles_custom_and_errors():
     assert hardware_profile("H200").memory_bytes == 141e9
     assert hardware_profile("h100", inter_node_gbps=12.5).inter_node_gbps == 12.5
-    mine = {"lab": dict(peak_tflops_16=100, peak_tflops_32=10, memory_bytes=24e9, intra_node_gbps=32,
-                        inter_node_gbps=3, gpus_per_node=4)}
+    mine = {
+        "lab": dict(
+            peak_tflops_16=100,
+            peak_tflops_32=10,
+            memory_bytes=24e9,
+            intra_node_gbps=32,
+            inter_node_gbps=3,
+            gpus_per_node=4,
+        )
+    }
     assert hardware_profile("lab", mine).gpus_per_node == 4
     with pytest.raises(PlanError, match="unknown hardware profile 'tpu'.*known"):
         hardware_profile("tpu")
@@ -130,12 +139,15 @@ def test_layer_activations_are_korthikanti_without_dropout_with_flash_attention(
         assert ours == pytest.approx(100.67e6, rel=1e-4)
 
 
-@pytest.mark.parametrize("name, bf16, fp32, ring_gbps", [
-    ("a100_80gb", 312.0, 19.5, 300.0),  # datasheet: 624 TFLOP/s with sparsity; NVLink3 600 GB/s both ways
-    ("h100_sxm", 989.0, 67.0, 450.0),  # 1,979 with sparsity; NVLink4 900 GB/s both ways
-    ("h100_pcie", 756.0, 51.0, 64.0),  # 1,513 with sparsity; PCIe Gen5 x16 128 GB/s both ways
-    ("h200", 989.0, 67.0, 450.0),  # the H100 SXM's compute with HBM3e
-])
+@pytest.mark.parametrize(
+    "name, bf16, fp32, ring_gbps",
+    [
+        ("a100_80gb", 312.0, 19.5, 300.0),  # datasheet: 624 TFLOP/s with sparsity; NVLink3 600 GB/s both ways
+        ("h100_sxm", 989.0, 67.0, 450.0),  # 1,979 with sparsity; NVLink4 900 GB/s both ways
+        ("h100_pcie", 756.0, 51.0, 64.0),  # 1,513 with sparsity; PCIe Gen5 x16 128 GB/s both ways
+        ("h200", 989.0, 67.0, 450.0),  # the H100 SXM's compute with HBM3e
+    ],
+)
 def test_profiles_hold_the_datasheets_dense_peaks(name, bf16, fp32, ring_gbps):
     hw = hardware_profile(name)
     assert hw.peak_flops("bf16") == bf16 * 1e12 and hw.peak_flops("fp32") == fp32 * 1e12

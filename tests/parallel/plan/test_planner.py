@@ -6,12 +6,23 @@ import pytest
 
 from parallel.pipeline.schedules import build_schedule
 from parallel.pipeline.simulator import simulate
-from parallel.plan import (Layout, ModelShape, PlanError, StageParams, Training, check, hardware_profile,
-                           layer_activation_bytes, pipeline_time, plan_layout, predicted_vs_measured, recommend)
+from parallel.plan import (
+    Layout,
+    ModelShape,
+    PlanError,
+    StageParams,
+    Training,
+    check,
+    hardware_profile,
+    layer_activation_bytes,
+    pipeline_time,
+    plan_layout,
+    predicted_vs_measured,
+    recommend,
+)
 from parallel.plan.report import format_comparison
 
-SHAPE = ModelShape(arch="gpt", n_layers=8, d_model=64, n_heads=4, n_kv_heads=4, d_ff=256, vocab_size=256,
-                   seq_len=16)
+SHAPE = ModelShape(arch="gpt", n_layers=8, d_model=64, n_heads=4, n_kv_heads=4, d_ff=256, vocab_size=256, seq_len=16)
 HW = hardware_profile("a100_80gb")
 
 

@@ -16,21 +16,22 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 def _zdp(stage, **kw):
     model = make_model()
-    return ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw,
-                            units=list(model.blocks), **kw)
+    return ZeroDataParallel(
+        model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, units=list(model.blocks), **kw
+    )
 
 
 def _one_step(zdp, x, y):
     dp, rank = dist.get_world_size(), dist.get_rank()
     per = x.shape[0] // dp
-    loss = nn.functional.mse_loss(zdp(x[rank * per:(rank + 1) * per]).float(), y[rank * per:(rank + 1) * per])
+    loss = nn.functional.mse_loss(zdp(x[rank * per : (rank + 1) * per]).float(), y[rank * per : (rank + 1) * per])
     zdp.backward(loss)
     return zdp.step()
 
 
 def _held(precision):
     out = {}
-    (x, y), = batches(1)
+    ((x, y),) = batches(1)
     for stage in range(4):
         zdp = _zdp(stage, precision=precision)
         _one_step(zdp, x, y)  # Adam's moments exist from the first step on
@@ -50,7 +51,7 @@ def test_model_state_bytes_per_rank_equal_zero_formulas(precision):
 
 
 def _sent(configs):
-    (x, y), = batches(1)
+    ((x, y),) = batches(1)
     out = []
     for stage, comm_dtype, compression in configs:
         zdp = _zdp(stage, comm_dtype=comm_dtype, compression=compression, topk_ratio=0.05)
@@ -97,7 +98,7 @@ def _accumulate(stage, micro):
             for m in range(micro):
                 ctx = zdp.no_sync() if m < micro - 1 else torch.enable_grad()
                 with ctx:
-                    loss = nn.functional.mse_loss(zdp(xs[m * per:(m + 1) * per]), ys[m * per:(m + 1) * per])
+                    loss = nn.functional.mse_loss(zdp(xs[m * per : (m + 1) * per]), ys[m * per : (m + 1) * per])
                     zdp.backward(loss / micro)
             zdp.step()
         losses.append(loss.item())
@@ -118,13 +119,15 @@ def test_accumulating_four_micro_batches_equals_one_big_batch(stage):
 def _gathered_during_forward():
     zdp = _zdp(3)
     seen = []
+
     def gathered():  # units whose full parameters occupy memory (gathered, or prefetch in flight)
-        return sorted(u for u, bs in enumerate(zdp._unit_buckets)
-                      if any(b.flat_param.untyped_storage().nbytes() for b in bs))
+        return sorted(
+            u for u, bs in enumerate(zdp._unit_buckets) if any(b.flat_param.untyped_storage().nbytes() for b in bs)
+        )
 
     for block in zdp.module.blocks:  # runs after ZeRO's own pre-hook: this block is gathered
         block.register_forward_pre_hook(lambda *_: seen.append(gathered()))
-    (x, y), = batches(1)
+    ((x, y),) = batches(1)
     _one_step(zdp, x, y)
     return seen, gathered(), len(zdp.units)
 
@@ -141,8 +144,9 @@ def _in_flight_before_backward_ends(stage, overlap):
     seen = []
     # the input layer's gradients are among the last of backward: by then later buckets are on the wire
     zdp.module.inp.weight.register_post_accumulate_grad_hook(
-        lambda _: seen.append(sum(b._pending is not None for b in zdp.buckets)))
-    (x, y), = batches(1)
+        lambda _: seen.append(sum(b._pending is not None for b in zdp.buckets))
+    )
+    ((x, y),) = batches(1)
     _one_step(zdp, x, y)
     return seen[0], len(zdp.buckets)
 
@@ -171,8 +175,7 @@ class _Recomputed(nn.Module):
 
 def _backward_gathers(recompute: bool):
     model = _Recomputed() if recompute else make_model()
-    zdp = ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=3, optimizer_factory=adamw,
-                           units=list(model.blocks))
+    zdp = ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=3, optimizer_factory=adamw, units=list(model.blocks))
     n_units = len(zdp.units)
     peak = [0]
 
@@ -184,10 +187,10 @@ def _backward_gathers(recompute: bool):
         p.register_hook(sample)  # before each gradient is accumulated
     for block in zdp.module.blocks:
         block.register_forward_pre_hook(sample)  # in backward: the recomputation, after ZeRO's pre-hook
-    (x, y), = batches(1)
+    ((x, y),) = batches(1)
     dp, rank = dist.get_world_size(), dist.get_rank()
     per = x.shape[0] // dp
-    loss = nn.functional.mse_loss(zdp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+    loss = nn.functional.mse_loss(zdp(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
     counter = comm.CommCounter()
     peak[0] = 0
     with counter:

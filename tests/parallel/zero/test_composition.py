@@ -17,7 +17,7 @@ from parallel.testing import run_ranks
 from parallel.topology import Topology
 from parallel.zero import ZeroConfigError, ZeroDataParallel
 
-from .toy import BATCH, D, Block, adamw, batches, make_model, reference_run
+from .toy import BATCH, Block, D, adamw, batches, make_model, reference_run
 
 CLIP, STEPS = 0.5, 6
 
@@ -83,8 +83,9 @@ def _dp_tp():
     out = {}
     for stage in range(4):
         model = Mlp(g.tp)
-        zdp = ZeroDataParallel(model, dp_group=g.dp, stage=stage, optimizer_factory=adamw,
-                               grad_clip=CLIP, tp_group=g.tp)
+        zdp = ZeroDataParallel(
+            model, dp_group=g.dp, stage=stage, optimizer_factory=adamw, grad_clip=CLIP, tp_group=g.tp
+        )
         losses, norms = [], []
         for x, y in batches(STEPS):
             loss = nn.functional.mse_loss(zdp(x[mine]), y[mine])
@@ -158,8 +159,16 @@ def _split(tied: bool, pp_rank: int):
 def _dp_pp(stage, tied):
     g = build_groups(Topology(dp=2, pp=2, tp=1))
     part, units, names = _split(tied, g.pp_rank)
-    zdp = ZeroDataParallel(part, dp_group=g.dp, stage=stage, optimizer_factory=adamw, units=units,
-                           grad_clip=CLIP, clip_groups=(g.pp,), embedding_group=g.embedding)
+    zdp = ZeroDataParallel(
+        part,
+        dp_group=g.dp,
+        stage=stage,
+        optimizer_factory=adamw,
+        units=units,
+        grad_clip=CLIP,
+        clip_groups=(g.pp,),
+        embedding_group=g.embedding,
+    )
     per, micro = BATCH // 2, 2
     mine = slice(g.dp_rank * per, (g.dp_rank + 1) * per)
     losses, norms = [], []
@@ -222,7 +231,7 @@ class SeqParallelToy(nn.Module):
         self.tp_group = tp_group
         if tp_group is not None:
             r, n = dist.get_rank(tp_group), comm.group_size(tp_group)
-            self.w = mark_tp_sharded(nn.Parameter(self.w.detach()[r * F // n:(r + 1) * F // n].clone()), 0)
+            self.w = mark_tp_sharded(nn.Parameter(self.w.detach()[r * F // n : (r + 1) * F // n].clone()), 0)
             mark_sequence_parallel(self.scale)
 
     def forward(self, x):
@@ -240,12 +249,15 @@ class SeqParallelToy(nn.Module):
 def _dp_tp_sequence_parallel(stage):
     g = build_groups(Topology(dp=2, pp=1, tp=2))
     model = SeqParallelToy(g.tp)
-    zdp = ZeroDataParallel(model, dp_group=g.dp, stage=stage, optimizer_factory=adamw, grad_clip=CLIP,
-                           tp_group=g.tp)  # one default bucket would hold both params: separation matters
+    zdp = ZeroDataParallel(
+        model, dp_group=g.dp, stage=stage, optimizer_factory=adamw, grad_clip=CLIP, tp_group=g.tp
+    )  # one default bucket would hold both params: separation matters
     per = BATCH // 2
     norms = []
     for x, y in batches(STEPS):
-        zdp.backward(model.local_loss(x[g.dp_rank * per:(g.dp_rank + 1) * per], y[g.dp_rank * per:(g.dp_rank + 1) * per]))
+        zdp.backward(
+            model.local_loss(x[g.dp_rank * per : (g.dp_rank + 1) * per], y[g.dp_rank * per : (g.dp_rank + 1) * per])
+        )
         norms.append(float(zdp.step()["grad_norm"]))
     return g.tp_rank, norms, {n: p.numpy() for n, p in zdp.full_parameters().items()}
 

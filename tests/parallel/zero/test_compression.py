@@ -52,14 +52,19 @@ def test_sparse_sum_is_every_ranks_top_k_and_the_residual_keeps_the_rest():
 
 def _train(compression, steps=150):
     rank = dist.get_rank()
-    zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=0,
-                           optimizer_factory=lambda g: torch.optim.AdamW(g, lr=3e-3, weight_decay=0.0),
-                           compression=compression, topk_ratio=0.05)
-    (ex, ey), = batches(1, batch=256, seed=7)
+    zdp = ZeroDataParallel(
+        make_model(),
+        dp_group=dist.group.WORLD,
+        stage=0,
+        optimizer_factory=lambda g: torch.optim.AdamW(g, lr=3e-3, weight_decay=0.0),
+        compression=compression,
+        topk_ratio=0.05,
+    )
+    ((ex, ey),) = batches(1, batch=256, seed=7)
     with torch.no_grad():
         start = nn.functional.mse_loss(zdp(ex), ey).item()
     for x, y in batches(steps, batch=32, seed=1):
-        zdp.backward(nn.functional.mse_loss(zdp(x[rank * 16:(rank + 1) * 16]), y[rank * 16:(rank + 1) * 16]))
+        zdp.backward(nn.functional.mse_loss(zdp(x[rank * 16 : (rank + 1) * 16]), y[rank * 16 : (rank + 1) * 16]))
         zdp.step()
     with torch.no_grad():
         return start, nn.functional.mse_loss(zdp(ex), ey).item()
@@ -81,15 +86,18 @@ def test_compression_beyond_stage_0_is_refused_with_the_fix():
         ZeroDataParallel(make_model(), dp_group=None, stage=2, optimizer_factory=None, compression="topk")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(stage=4), "stage must be 0, 1, 2 or 3"),
-    (dict(stage=0, precision="fp8"), "precision must be one of"),
-    (dict(stage=0, compression="powersgd"), "compression must be"),
-    (dict(stage=0, grad_clip=-1.0), "grad_clip must be positive"),
-    (dict(stage=0, bucket_mb=0), "bucket_mb must be positive"),
-    (dict(stage=0, compression="topk", topk_ratio=2.0), "topk_ratio"),
-    (dict(stage=0, comm_dtype="int8"), "comm_dtype must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(stage=4), "stage must be 0, 1, 2 or 3"),
+        (dict(stage=0, precision="fp8"), "precision must be one of"),
+        (dict(stage=0, compression="powersgd"), "compression must be"),
+        (dict(stage=0, grad_clip=-1.0), "grad_clip must be positive"),
+        (dict(stage=0, bucket_mb=0), "bucket_mb must be positive"),
+        (dict(stage=0, compression="topk", topk_ratio=2.0), "topk_ratio"),
+        (dict(stage=0, comm_dtype="int8"), "comm_dtype must be one of"),
+    ],
+)
 def test_bad_settings_are_refused_before_any_communication(kwargs, match):
     with pytest.raises(ZeroConfigError, match=match):
         ZeroDataParallel(make_model(), dp_group=None, optimizer_factory=None, **kwargs)

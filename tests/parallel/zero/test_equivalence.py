@@ -14,13 +14,20 @@ from .toy import BATCH, adamw, batches, make_model, reference_run
 def _train(stage, overlap, grad_clip, bucket_mb):
     dp, rank = dist.get_world_size(), dist.get_rank()
     model = make_model()
-    zdp = ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw,
-                           units=list(model.blocks), overlap=overlap, grad_clip=grad_clip,
-                           bucket_mb=bucket_mb)
+    zdp = ZeroDataParallel(
+        model,
+        dp_group=dist.group.WORLD,
+        stage=stage,
+        optimizer_factory=adamw,
+        units=list(model.blocks),
+        overlap=overlap,
+        grad_clip=grad_clip,
+        bucket_mb=bucket_mb,
+    )
     per = BATCH // dp
     losses, norms = [], []
     for x, y in batches():
-        xs, ys = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+        xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
         loss = nn.functional.mse_loss(zdp(xs), ys)
         zdp.backward(loss)
         stats = zdp.step()

@@ -44,17 +44,31 @@ def _step(stage, schedule, vpp):
     g = build_groups(Topology(dp, pp, 1))
     ranges = partition_layers(LAYERS, pp, vpp=vpp)
     last_v = pp * vpp - 1
-    chunks = [Stage(LAYERS, layers, first=c * pp + g.pp_rank == 0, last=c * pp + g.pp_rank == last_v, tied=False)
-              for c, layers in enumerate(stage_chunks(ranges, pp, g.pp_rank))]
-    zdp = ZeroDataParallel(_Chunks(chunks), dp_group=g.dp, stage=stage, bucket_mb=1e-3, clip_groups=[g.pp],
-                           optimizer_factory=lambda groups: torch.optim.SGD(groups, lr=LR))
+    chunks = [
+        Stage(LAYERS, layers, first=c * pp + g.pp_rank == 0, last=c * pp + g.pp_rank == last_v, tied=False)
+        for c, layers in enumerate(stage_chunks(ranges, pp, g.pp_rank))
+    ]
+    zdp = ZeroDataParallel(
+        _Chunks(chunks),
+        dp_group=g.dp,
+        stage=stage,
+        bucket_mb=1e-3,
+        clip_groups=[g.pp],
+        optimizer_factory=lambda groups: torch.optim.SGD(groups, lr=LR),
+    )
     events = []
     for b in zdp.buckets:
         launch = b.launch_reduction
         b.launch_reduction = lambda launch=launch, b=b: (events.append(("launch", b.layout.index)), launch())[1]
-    ex = PipelineExecutor([_View(zdp, c) for c in range(vpp)], build_schedule(schedule, pp, M, vpp)[g.pp_rank],
-                          pp_group=g.pp, activation_shape=ACTIVATION_SHAPE, dtype=torch.float32, loss_fn=loss_fn,
-                          final_backward=lambda chunk: zdp.sync_gradients())
+    ex = PipelineExecutor(
+        [_View(zdp, c) for c in range(vpp)],
+        build_schedule(schedule, pp, M, vpp)[g.pp_rank],
+        pp_group=g.pp,
+        activation_shape=ACTIVATION_SHAPE,
+        dtype=torch.float32,
+        loss_fn=loss_fn,
+        final_backward=lambda chunk: zdp.sync_gradients(),
+    )
     backward = ex._backward
     ex._backward = lambda a: (backward(a), events.append(("backward", a.chunk)))
     xs, ys = data(dp * M)

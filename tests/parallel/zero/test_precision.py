@@ -13,18 +13,25 @@ from .toy import adamw, batches, make_model
 
 def _zdp(stage, precision, optimizer_factory=adamw, **kw):
     model = make_model()
-    return ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=optimizer_factory,
-                            units=list(model.blocks), precision=precision, **kw)
+    return ZeroDataParallel(
+        model,
+        dp_group=dist.group.WORLD,
+        stage=stage,
+        optimizer_factory=optimizer_factory,
+        units=list(model.blocks),
+        precision=precision,
+        **kw,
+    )
 
 
 def _my_half(t):
     dp, rank = dist.get_world_size(), dist.get_rank()
     per = t.shape[0] // dp
-    return t[rank * per:(rank + 1) * per]
+    return t[rank * per : (rank + 1) * per]
 
 
 def _overfit(precision, steps=10):
-    (x, y), = batches(1)
+    ((x, y),) = batches(1)
     out = {}
     for stage in range(4):
         zdp = _zdp(stage, precision)
@@ -49,7 +56,7 @@ def test_bf16_runs_on_bf16_params_with_fp32_master_and_the_loss_falls_like_fp32(
 
 
 def _inject_inf(stage):
-    (x, y), = batches(1)
+    ((x, y),) = batches(1)
     zdp = _zdp(stage, "fp16", loss_scaler=DynamicLossScaler(scale=2.0**10, hysteresis=1))
     before = {n: p.clone() for n, p in zdp.full_parameters().items()}
     head = zdp.module.head.weight  # from stage 1 on it lies in rank 1's shard only
@@ -106,13 +113,15 @@ def _accumulated_grads(micro, comm_dtype):
                 zdp.backward(nn.functional.mse_loss(zdp(x).float(), y) / micro)
         zdp.step()
         got, want = [], []
-        for b, grad in zip([b for b in zdp.buckets if b.layout.weight_decay] +
-                           [b for b in zdp.buckets if not b.layout.weight_decay], zdp.optimizer.seen):
+        for b, grad in zip(
+            [b for b in zdp.buckets if b.layout.weight_decay] + [b for b in zdp.buckets if not b.layout.weight_decay],
+            zdp.optimizer.seen,
+        ):
             flat = torch.zeros(b.layout.padded_numel, dtype=torch.float64)
             for s in b.layout.slots:
-                flat[s.offset:s.end] = ref[s.name].reshape(-1) / dp
+                flat[s.offset : s.end] = ref[s.name].reshape(-1) / dp
             got.append(grad.double())
-            want.append(flat[b.lo:b.hi])
+            want.append(flat[b.lo : b.hi])
         got, want = torch.cat(got), torch.cat(want)
         errors[stage] = float((got - want).norm() / want.norm())
     return errors

@@ -7,16 +7,27 @@ from parallel.zero import DynamicLossScaler, ZeroConfigError, model_state_bytes,
 
 def _params():
     # (name, shape, wants weight decay, unit)
-    return [("a.w", (4, 5), True, 0, ""), ("a.b", (5,), False, 0, ""), ("b.w", (3, 3), True, 1, ""),
-            ("b.b", (3,), False, 1, ""), ("head", (7,), True, 2, ""), ("c.w", (2, 2), True, 0, ""),
-            ("emb", (3, 2), True, 2, "embedding")]
+    return [
+        ("a.w", (4, 5), True, 0, ""),
+        ("a.b", (5,), False, 0, ""),
+        ("b.w", (3, 3), True, 1, ""),
+        ("b.b", (3,), False, 1, ""),
+        ("head", (7,), True, 2, ""),
+        ("c.w", (2, 2), True, 0, ""),
+        ("emb", (3, 2), True, 2, "embedding"),
+    ]
 
 
 def test_buckets_split_by_unit_and_weight_decay_and_pad_to_dp():
     buckets = plan_buckets(_params(), dp=4, bucket_bytes=10**6, element_size=4)
     assert [(b.unit, b.weight_decay, [s.name for s in b.slots]) for b in buckets] == [
-        (0, True, ["a.w", "c.w"]), (0, False, ["a.b"]), (1, True, ["b.w"]), (1, False, ["b.b"]),
-        (2, True, ["head"]), (2, True, ["emb"])]
+        (0, True, ["a.w", "c.w"]),
+        (0, False, ["a.b"]),
+        (1, True, ["b.w"]),
+        (1, False, ["b.b"]),
+        (2, True, ["head"]),
+        (2, True, ["emb"]),
+    ]
     assert [b.extra_reduce for b in buckets] == [""] * 5 + ["embedding"]
     a = buckets[0]
     assert (a.numel, a.padded_numel, a.shard_numel) == (24, 24, 6)
@@ -35,10 +46,13 @@ def test_a_bucket_closes_before_it_would_exceed_the_byte_limit():
     assert len(big) == 1 and big[0].padded_numel == 102  # a parameter is never split
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(dp=0, bucket_bytes=8, element_size=4), "dp must be"),
-    (dict(dp=2, bucket_bytes=0, element_size=4), "bucket_mb"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(dp=0, bucket_bytes=8, element_size=4), "dp must be"),
+        (dict(dp=2, bucket_bytes=0, element_size=4), "bucket_mb"),
+    ],
+)
 def test_bad_layout_settings_are_refused(kwargs, match):
     with pytest.raises(ZeroConfigError, match=match):
         plan_buckets(_params(), **kwargs)
@@ -64,8 +78,9 @@ def test_loss_scale_backs_off_after_hysteresis_overflows_and_grows_after_a_clean
     assert restored == s
 
 
-@pytest.mark.parametrize("kwargs", [dict(scale=0), dict(backoff_factor=1.0), dict(growth_interval=0),
-                                    dict(scale=1.0, min_scale=2.0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(scale=0), dict(backoff_factor=1.0), dict(growth_interval=0), dict(scale=1.0, min_scale=2.0)]
+)
 def test_bad_scaler_settings_are_refused(kwargs):
     with pytest.raises(ZeroConfigError):
         DynamicLossScaler(**kwargs)
@@ -75,7 +90,11 @@ def test_zero_formulas_match_the_paper_and_design_md():
     psi, n = 7 * 10**9, 8
     # DESIGN.md / the paper (16-bit gradients): 7B with bf16 + Adam: 14 + 14 + 84 = 112 GB at stage 0
     assert model_state_bytes(psi, 0, n, param_bytes=2, grad_bytes=2) == {
-        "params": 14e9, "grads": 14e9, "optimizer": 84e9, "total": 112e9}
+        "params": 14e9,
+        "grads": 14e9,
+        "optimizer": 84e9,
+        "total": 112e9,
+    }
     # ZeRO-2 over 8: optimizer 10.5 GB, gradients 1.75 GB per GPU
     z2 = model_state_bytes(psi, 2, n, param_bytes=2, grad_bytes=2)
     assert (z2["optimizer"], z2["grads"], z2["params"]) == (10.5e9, 1.75e9, 14e9)

@@ -25,15 +25,21 @@ def _torch(tree):
 
 def _zdp(stage):
     model = make_model()
-    return ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw,
-                            units=list(model.blocks), bucket_mb=0.0005)
+    return ZeroDataParallel(
+        model,
+        dp_group=dist.group.WORLD,
+        stage=stage,
+        optimizer_factory=adamw,
+        units=list(model.blocks),
+        bucket_mb=0.0005,
+    )
 
 
 def _steps(zdp, first, last):
     dp, rank = dist.get_world_size(), dist.get_rank()
     per = BATCH // dp
     for x, y in batches()[first:last]:
-        zdp.backward(nn.functional.mse_loss(zdp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]))
+        zdp.backward(nn.functional.mse_loss(zdp(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]))
         zdp.step()
 
 

@@ -61,8 +61,10 @@ def reference_param_groups(model: nn.Module):
     from parallel.params import wants_weight_decay
 
     ps = [p for p in model.parameters()]
-    return [{"params": [p for p in ps if wants_weight_decay(p)]},
-            {"params": [p for p in ps if not wants_weight_decay(p)], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in ps if wants_weight_decay(p)]},
+        {"params": [p for p in ps if not wants_weight_decay(p)], "weight_decay": 0.0},
+    ]
 
 
 def reference_run(steps: int = STEPS, grad_clip: float | None = None, make=make_model):
