@@ -125,8 +125,9 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
 def test_sigterm_on_one_rank_checkpoints_and_stops_every_rank(tmp_path):
     rc = small_recipe(train__max_steps=6, train__fault="term@1:3")
     summaries = run_ranks(_train, 2, rc, str(tmp_path), timeout=120)
-    assert [s["steps"] for s in summaries] == [3, 3] and all(s["preempted"] for s in summaries)
-    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000003"
+    # signalled as step 3 starts; the flag agreed at step 3's end is read (without a host wait) at step 4's
+    assert [s["steps"] for s in summaries] == [4, 4] and all(s["preempted"] for s in summaries)
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
 
 
 def test_kill_while_saving_keeps_the_previous_checkpoint_for_resume(tmp_path):
