@@ -38,6 +38,7 @@ from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
 
 IMAGE, PATCH, CHANNELS, CLASSES = 8, 4, 3, 10
+LR, WEIGHT_DECAY, GRAD_CLIP, GLOBAL_BATCH = 3e-3, 0.1, 1.0, 8
 
 
 class Attention(nn.Module):
@@ -97,7 +98,7 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x.flatten(1) @ teacher).argmax(dim=1)
 
 
-def train(groups: ParallelGroups | None, *, stage: int, steps: int, global_batch: int = 8) -> list[float]:
+def train(groups: ParallelGroups | None, *, stage: int, steps: int, global_batch: int = GLOBAL_BATCH) -> list[float]:
     """Train ``steps`` AdamW steps; return each step's loss (mean over the global batch).
 
     ``groups``: this rank's dp × tp groups, or None for one process (tp=1, dp=1 on the world).
@@ -111,8 +112,8 @@ def train(groups: ParallelGroups | None, *, stage: int, steps: int, global_batch
         tp_group=tp,
         stage=stage,
         units=list(model.blocks),  # stage 3 gathers one block at a time
-        grad_clip=1.0,
-        optimizer_factory=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1),
+        grad_clip=GRAD_CLIP,
+        optimizer_factory=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY),
     )
     losses = []
     for step in range(steps):

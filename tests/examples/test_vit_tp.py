@@ -7,9 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from parallel.groups import build_groups
+from parallel.layers import init_parameters_
+from parallel.params import wants_weight_decay
 from parallel.testing import run_ranks
 from parallel.topology import Topology
 
@@ -34,12 +38,36 @@ def grid_losses() -> dict[int, list[float]]:
     return {stage: vit.train(groups, stage=stage, steps=STEPS) for stage in STAGES}
 
 
+def plain_torch_losses() -> list[float]:
+    """The same model in one process with plain PyTorch: AdamW (no decay where the layers say so), clip_grad_norm_."""
+    torch.manual_seed(0)
+    model = init_parameters_(vit.ViT(), seed=0)
+    decay = [p for p in model.parameters() if wants_weight_decay(p)]
+    rest = [p for p in model.parameters() if not wants_weight_decay(p)]
+    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=vit.LR, weight_decay=vit.WEIGHT_DECAY)
+    losses = []
+    for step in range(STEPS):
+        x, y = vit.batch(step, vit.GLOBAL_BATCH)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), vit.GRAD_CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.fixture(scope="module")
 def runs():
     (one,) = run_ranks(lambda: vit.train(None, stage=0, steps=STEPS), 1, timeout=60)
     grid = run_ranks(grid_losses, 4, timeout=90)
     assert all(r == grid[0] for r in grid)  # every rank reports the global mean
     return one, grid[0]
+
+
+def test_one_process_run_equals_plain_pytorch(runs):
+    assert runs[0] == pytest.approx(plain_torch_losses(), abs=1e-5, rel=0)
 
 
 @pytest.mark.parametrize("stage", STAGES)
