@@ -35,6 +35,7 @@ from parallel.pipeline.schedules import Backward, Forward, build_schedule
 from parallel.pipeline.simulator import Span
 from parallel.pipeline.timeline import bubble_fraction, draw_timeline
 from parallel.plan.shape import ModelShape, layer_partition, model_tflops_per_device
+from parallel.precision import TORCH_DTYPES
 from parallel.timing import StepClock
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
@@ -46,7 +47,7 @@ from .exits import finish_distributed
 from .profiling import StepProfiler, profile_steps
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES = TORCH_DTYPES  # one home: parallel.precision
 READ_KEYS = ("loss", "grad_norm", "skipped")  # the values train_step leaves on the device
 
 

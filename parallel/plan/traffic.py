@@ -12,17 +12,14 @@ consecutive ranks, a DP group has stride ``tp``, a pipeline stride ``tp·dp``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from ..comm.counter import SENT_FRACTION
+from ..zero.compression import INDEX_BYTES, topk_count
 from .hardware import Hardware
 
-RING_FACTOR = {
-    "all_reduce": (2, 2),
-    "reduce_scatter": (1, 1),
-    "all_gather": (1, 1),
-    "broadcast": (1, 1),
-}  # (bytes, steps) × (N-1)/N, N-1
+RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}  # × (N-1) latency steps
+# bytes sent: parallel.comm.SENT_FRACTION (the counter's, one home)
 
 
 def group_crosses_node(stride: int, size: int, gpus_per_node: int) -> bool:
@@ -57,8 +54,7 @@ class AxisTraffic:
         if kind == "p2p":
             sent, steps = payload, 1
         else:
-            fb, fs = RING_FACTOR[kind]
-            sent, steps = fb * (n - 1) / n * payload, fs * (n - 1)
+            sent, steps = SENT_FRACTION[kind](n) * payload, RING_STEPS[kind] * (n - 1)
         one = sent / hw.bandwidth(self.crosses_node) + steps * hw.latency_us * 1e-6
         self.bytes += count * sent
         self.time_s += count * one
@@ -66,9 +62,7 @@ class AxisTraffic:
         return one
 
 
-def topk_kept(numel: int, ratio: float) -> int:
-    """Entries Top-K keeps of ``numel``: ``ceil(ratio · numel)``, at least one."""
-    return max(1, math.ceil(ratio * numel))
+topk_kept = topk_count  # one home: parallel.zero.compression (entries Top-K keeps, ceil(ratio·numel) ≥ 1)
 
 
 def dp_traffic(
@@ -102,7 +96,9 @@ def dp_traffic(
     )
     if zero == 0 and compression == "topk":
         k = topk_kept(psi, topk_ratio)
-        one = axis.add("all_gather", n * k * (comm_bytes + 4), 1, hw, "Top-K gradients (values + int32 indices)")
+        one = axis.add(
+            "all_gather", n * k * (comm_bytes + INDEX_BYTES), 1, hw, "Top-K gradients (values + int32 indices)"
+        )
         out["grad_per_step"] = one
     elif zero == 0:
         out["grad_per_step"] = axis.add("all_reduce", psi * comm_bytes, 1, hw, "gradients")

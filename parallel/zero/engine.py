@@ -67,16 +67,18 @@ from torch import nn
 
 from .. import comm
 from ..params import is_sequence_parallel, is_shared_embedding, wants_weight_decay
+from ..precision import TORCH_DTYPES
 from .bucket import FlatBucket
-from .compression import TopKCompressor, topk_count
+from .compression import COMPRESSIONS, TopKCompressor, topk_count
 from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
+from .policy import ZERO_STAGES
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
 from .theory import grad_comm_dtype
 from .units import UnitGatherer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = TORCH_DTYPES  # one home: parallel.precision
 
 
 def _dtype(name, what: str) -> torch.dtype:
@@ -112,10 +114,11 @@ def host_flag(flag: torch.Tensor) -> bool:
 
 def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float):
     """Refuse impossible settings (the same on every rank, before any collective); return the compression."""
-    if stage not in (0, 1, 2, 3):
-        raise ZeroConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    if compression not in (None, "none", "topk"):
-        raise ZeroConfigError(f"compression must be None, 'none' or 'topk', got {compression!r}")
+    if stage not in ZERO_STAGES:
+        stages = ", ".join(map(str, ZERO_STAGES[:-1])) + f" or {ZERO_STAGES[-1]}"
+        raise ZeroConfigError(f"ZeRO stage must be {stages}, got {stage}")
+    if compression not in (None, *COMPRESSIONS):
+        raise ZeroConfigError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
     compression = None if compression == "none" else compression
     if compression and stage != 0:
         raise ZeroConfigError(
