@@ -25,6 +25,8 @@ from parallel.precision import PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.policy import ZERO_STAGES
 
+from .runlog import LR_SCHEDULES
+
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the numbers and the fix."""
@@ -191,12 +193,16 @@ class RecipeConfig:
     dryrun: DryrunSection = field(default_factory=DryrunSection)  # mode=dryrun keys
 
 
+# The typed choices of the config, each tuple imported from where the library defines the names.
+# OmegaConf 2.3's structured configs refuse ``Literal`` annotations ("Unexpected type annotation"),
+# so the fields stay ``str``/``int`` and this table is the one place they are validated
+# (:func:`check_values`, for every mode).
 CHOICES = {
     "mode": ("train", "plan", "recommend", "dryrun"),
     "parallel.pp_schedule": SCHEDULES,
     "train.precision": PRECISIONS,
     "optim.name": ("adamw", "sgd"),
-    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.schedule": LR_SCHEDULES,
     "comm.compression": COMPRESSIONS,
     "comm.dtype": (None, *PRECISIONS),
     "data.source": ("embedded", "memmap"),

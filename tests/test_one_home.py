@@ -38,6 +38,11 @@ def test_names_and_stage_numbers_have_one_home():
     assert config.CHOICES["train.precision"] is precision.PRECISIONS
     assert config.CHOICES["comm.dtype"] == (None, *precision.PRECISIONS)
     assert config.CHOICES["comm.compression"] is compression.COMPRESSIONS
+    from recipes.runlog import LR_SCHEDULES, lr_at
+
+    assert config.CHOICES["optim.schedule"] is LR_SCHEDULES
+    kw = dict(lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10)
+    assert len({lr_at(3, schedule=s, **kw) for s in LR_SCHEDULES}) == len(LR_SCHEDULES)  # each name does something
 
 
 def test_precision_tables_have_one_home():
