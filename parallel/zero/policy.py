@@ -1,13 +1,14 @@
 """What each ZeRO stage does, in one table (see docs/architecture.md, "ZeRO").
 
-=====  =================  ==============  ===============  ===========================  ==========================
-stage  optimizer state    gradients       parameters       gradient reduction           parameters gathered
-=====  =================  ==============  ===============  ===========================  ==========================
-0      replicated         replicated      replicated       all-reduce, once per step    never (all held)
-1      sharded            replicated      replicated       reduce-scatter, once a step  all-gather after the step
-2      sharded            sharded         replicated       reduce-scatter, every m-b    all-gather after the step
-3      sharded            sharded         sharded          reduce-scatter, every m-b    per unit, fwd and bwd; freed
-=====  =====================================================================================================
+=====  ==========  ==========  ==========  =============================  ===============================
+stage  optimizer   gradients   parameters  gradient reduction             parameters gathered
+=====  ==========  ==========  ==========  =============================  ===============================
+0      replicated  replicated  replicated  all-reduce, once per step      never (every rank holds all)
+1      sharded     replicated  replicated  reduce-scatter, once per step  all-gather after the step
+2      sharded     sharded     replicated  reduce-scatter, every m-batch  all-gather after the step
+3      sharded     sharded     sharded     reduce-scatter, every m-batch  per unit for fwd and bwd, freed
+=====  ==========  ==========  ==========  =============================  ===============================
+
 The engine, its buckets and the theory read these named properties, never the stage number.
 """
 
