@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from parallel.layers.embedding import padded_vocab_size
+from parallel.memory import CHECKPOINTING
 
 ARCHS = ("gpt", "llama")
-CHECKPOINTING = ("none", "selective", "full")
 
 
 class ModelConfigError(ValueError):

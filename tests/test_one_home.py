@@ -45,6 +45,13 @@ def test_names_and_stage_numbers_have_one_home():
     assert len({lr_at(3, schedule=s, **kw) for s in LR_SCHEDULES}) == len(LR_SCHEDULES)  # each name does something
 
 
+def test_checkpointing_modes_have_one_home():
+    import models.config
+    import parallel.memory
+
+    assert models.config.CHECKPOINTING is parallel.memory.CHECKPOINTING is plan_inputs.CHECKPOINTING
+
+
 def test_precision_tables_have_one_home():
     assert zero_theory.DTYPE_BYTES is precision.DTYPE_BYTES
     assert plan_memory.PRECISION_BYTES is precision.DTYPE_BYTES

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..memory import CHECKPOINTING
 from ..pipeline.schedules import schedule_problem
 from ..topology import world_size_mismatch
 from . import memory as M
 from .hardware import PlanError
 from .shape import ModelShape
-
-CHECKPOINTING = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
