@@ -31,6 +31,7 @@ from parallel.pipeline.timeline import bubble_fraction, draw_timeline
 from parallel.testing import run_ranks
 
 from .common import time_alternating
+from .theory import bubble_fraction as theory_bubble
 
 
 def _stage(layers: range, n_layers: int, d: int, first: bool, last: bool) -> nn.Sequential:
@@ -105,7 +106,7 @@ def main(
     t0 = min(r[2][0].start for r in results)
     timeline = [[Span(s.action, s.start - t0, s.end - t0) for s in r[2]] for r in results]
     measured = bubble_fraction(timeline)
-    theory = (pp - 1) / (m + pp - 1)
+    theory = theory_bubble(pp, m)  # one home: benchmarks.theory
     out = dict(pp=pp, m=m, ours_s=ours, torch_s=theirs, ratio=ratio, bubble_measured=measured, bubble_theory=theory)
     print(
         f"pp={pp} m={m} layers={n_layers} d={d} micro-batch={mbs}×{seq}: step ours {ours * 1e3:.0f} ms, "

@@ -7,6 +7,8 @@ All figures are bytes sent per rank per optimizer step (the mean over ranks).
 
 from __future__ import annotations
 
+from parallel.comm import SENT_FRACTION
+from parallel.zero.policy import policy
 from parallel.zero.theory import step_sent_bytes
 
 
@@ -30,11 +32,12 @@ def dp_bytes(psi: int, stage: int, dp: int, m: int, regathered_psi: int | None =
     all-gathers the updated parameters once; stage 3 does its whole exchange
     (reduce-scatter, forward and backward all-gathers) every micro-batch, except
     that the parameters outside the blocks are gathered once per step."""
-    if stage <= 1:
+    pol = policy(stage)
+    if not pol.reduce_every_microbatch:
         return step_sent_bytes(psi, stage, dp, param_bytes)
-    rho = (dp - 1) / dp
-    if stage == 2:
-        return m * rho * psi * param_bytes + rho * psi * param_bytes
+    rho = SENT_FRACTION["reduce_scatter"](dp)
+    if not pol.gathers_per_unit:
+        return m * rho * psi * param_bytes + SENT_FRACTION["all_gather"](dp) * psi * param_bytes
     # blocks: reduce-scatter + forward and backward gathers every micro-batch; the rest (embedding,
     # head) is gathered once per step and stays until the optimizer step
     rest = 0 if regathered_psi is None else psi - regathered_psi
@@ -52,7 +55,7 @@ def tp_bytes(
     vocabulary-parallel cross-entropy's three fp32 ``[b, s]`` all-reduces
     (max, sum of exponentials, target logit: 2ρ·12·b·s bytes) — the sum of
     ``TransformerStage``'s documented figures. ``A`` is one activation ``[b, s, d]``."""
-    rho = (tp - 1) / tp
+    rho = SENT_FRACTION["reduce_scatter"](tp)  # an all-reduce sends 2ρ
     a = micro_batch * seq * d_model * act_bytes
     per_mb = rho * a * (8 * layers + (2 if first else 0) + (2 if last else 0))
     if last:

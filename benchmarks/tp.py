@@ -26,6 +26,7 @@ from torch import nn
 
 from models import ModelConfig
 from models.transformer import TransformerBlock
+from parallel.params import tp_shard_dim
 from parallel.testing import run_ranks
 
 
@@ -69,7 +70,7 @@ def copy_weights(ours: TransformerBlock, plain: PlainBlock, group=None) -> None:
         for name, p in ours.named_parameters():
             prefix, leaf = name.rsplit(".", 1)
             full = theirs[f"{NAMES[prefix]}.{leaf}"]
-            dim = getattr(p, "tp_shard_dim", None)
+            dim = tp_shard_dim(p)
             p.copy_(full if dim is None else comm.split_along(full, dim, group))
 
 

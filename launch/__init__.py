@@ -1,1 +1,1 @@
-"""gridtrain launch (see DESIGN.md)."""
+"""gridtrain launch (see docs/architecture.md)."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from parallel.layers.embedding import padded_vocab_size
+from parallel.memory import CHECKPOINTING
+
 ARCHS = ("gpt", "llama")
-CHECKPOINTING = ("none", "selective", "full")
 
 
 class ModelConfigError(ValueError):
@@ -55,8 +57,7 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     def padded_vocab(self, tp: int = 1) -> int:
-        step = self.vocab_multiple * tp
-        return -(-self.vocab_size // step) * step
+        return padded_vocab_size(self.vocab_size, tp, self.vocab_multiple)  # one home: parallel.layers
 
     def replace(self, **changes) -> ModelConfig:
         """A changed copy. Sizes this config derived (``d_ff`` from ``d_model``, ``n_kv_heads``

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from parallel import comm
-from parallel.params import tp_shard_dim
+from parallel.params import tp_shard_dim, vocab_rows
 
 from .config import ModelConfig, ModelConfigError
 from .transformer import gather_full_state_dict
@@ -228,7 +228,7 @@ def load_hf_weights(stage: nn.Module, source, tp_group=None) -> nn.Module:
             shape = list(p.shape)
             if dim is not None:
                 shape[dim] *= tp
-            if getattr(p, "vocab_size", None) is not None and full.shape[0] == p.vocab_size:
+            if vocab_rows(p) is not None and full.shape[0] == p.vocab_size:
                 full = torch.cat([full, full.new_zeros(shape[0] - full.shape[0], *full.shape[1:])])
             if list(full.shape) != shape:
                 raise ModelConfigError(

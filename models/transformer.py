@@ -28,7 +28,7 @@ from parallel.layers import (
     mark_vocab_rows,
     vocab_parallel_cross_entropy,
 )
-from parallel.params import mark_sequence_parallel, mark_shared_embedding
+from parallel.params import mark_init_key, mark_sequence_parallel, mark_shared_embedding
 
 from .config import CHECKPOINTING, ModelConfig, ModelConfigError
 
@@ -142,7 +142,7 @@ class TransformerStage(nn.Module):
             if cfg.tie_embeddings and has_embedding:
                 self.lm_head.weight = self.tok_embed.weight
             elif cfg.tie_embeddings:
-                self.lm_head.weight.init_key = "tok_embed.weight"
+                mark_init_key(self.lm_head.weight, "tok_embed.weight")
                 mark_shared_embedding(self.lm_head.weight)
         if cfg.tie_embeddings and has_embedding and not has_head:
             mark_shared_embedding(self.tok_embed.weight)

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .topology import Coords, Topology, TopologyError
+from .topology import Coords, Topology, TopologyError, world_size_mismatch
 
 GROUP_AXES = ("tp", "dp", "pp", "mp", "embedding")
 
@@ -216,12 +216,7 @@ def build_groups(
         raise RuntimeError("build_groups needs torch.distributed initialised: call init_distributed() first")
     world = dist.get_world_size()
     if world != topology.world_size:
-        pp_tp = topology.pp * topology.tp
-        raise TopologyError(
-            f"world size {world} ≠ dp {topology.dp} × pp {topology.pp} × tp {topology.tp} = "
-            f"{topology.world_size}; with pp={topology.pp} tp={topology.tp} the world must be "
-            f"a multiple of {pp_tp}"
-        )
+        raise TopologyError(world_size_mismatch(world, topology.dp, topology.pp, topology.tp))
     rank = dist.get_rank()
     backend = backend or dist.get_backend()
     timeout = timedelta(seconds=timeout_s) if timeout_s else None

@@ -9,6 +9,8 @@ import weakref
 import torch
 from torch import nn
 
+CHECKPOINTING = ("none", "selective", "full")  # activation checkpointing modes: the one home
+
 
 class SavedActivationMeter:
     """Counts the bytes autograd saves for backward while active (activations).

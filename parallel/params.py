@@ -16,6 +16,15 @@ they survive ``.to()`` and ``named_parameters()``.
   head; when pipeline parallel puts them on different stages its gradient is
   all-reduced over the embedding group (first + last stage).
 * ``no_weight_decay``: excluded from weight decay (biases, norm weights).
+* ``vocab_size``: rows ``≥ vocab_size`` of the gathered parameter are vocabulary padding
+  (the embedding and the head; :func:`mark_vocab_rows`, read by initialisation, checkpoints
+  and HF export, which drop or zero the padding).
+* ``init_key``: the name whose initial values this parameter takes, when it is a second copy of
+  another one (the head of a tied embedding on a stage without the embedding); initialisation and
+  checkpoints key it by that name (:func:`init_key`).
+
+Every reader goes through the accessors below, never ``getattr`` with the attribute's name.
+See docs/architecture.md for where each mark is consumed.
 """
 
 from __future__ import annotations
@@ -62,3 +71,25 @@ def mark_no_weight_decay(param: torch.nn.Parameter) -> torch.nn.Parameter:
 
 def wants_weight_decay(param: torch.Tensor) -> bool:
     return not getattr(param, "no_weight_decay", False)
+
+
+def mark_vocab_rows(param: torch.nn.Parameter, vocab_size: int) -> torch.nn.Parameter:
+    """Record that rows ``≥ vocab_size`` of the (gathered) ``param`` are padding."""
+    param.vocab_size = vocab_size
+    return param
+
+
+def vocab_rows(param: torch.Tensor) -> int | None:
+    """The real vocabulary rows of ``param`` (the rest are padding), or None if unmarked."""
+    return getattr(param, "vocab_size", None)
+
+
+def mark_init_key(param: torch.nn.Parameter, key: str) -> torch.nn.Parameter:
+    """Make ``param`` take the initial values (and checkpoint key) of parameter ``key``."""
+    param.init_key = key
+    return param
+
+
+def init_key(param: torch.Tensor, default: str | None = None) -> str | None:
+    """The name ``param`` is initialised and checkpointed under: its mark, else ``default``."""
+    return getattr(param, "init_key", None) or default

@@ -42,6 +42,15 @@ AXES = ("dp", "pp", "tp")
 DEFAULT_ORDER = "tp-dp-pp"
 
 
+def world_size_mismatch(world_size: int, dp: int, pp: int, tp: int) -> str:
+    """The one message for a world that is not ``dp × pp × tp`` (topology, groups, planner)."""
+    hint = f" (dp=auto would give dp={world_size // (pp * tp)})" if world_size % (pp * tp) == 0 else ""
+    return (
+        f"world size {world_size} ≠ dp {dp} × pp {pp} × tp {tp} = {dp * pp * tp}; "
+        f"with pp={pp} tp={tp} the world must be a multiple of {pp * tp}{hint}"
+    )
+
+
 class TopologyError(ValueError):
     """A layout that cannot exist; the message names the numbers and the fix."""
 
@@ -118,11 +127,7 @@ class Topology:
             dp = world_size // (pp * tp)
         dp = _check_size("dp", dp)
         if world_size is not None and world_size != dp * pp * tp:
-            raise TopologyError(
-                f"world size {world_size} ≠ dp {dp} × pp {pp} × tp {tp} = {dp * pp * tp}; "
-                f"with pp={pp} tp={tp} the world must be a multiple of {pp * tp}"
-                + (f" (dp=auto would give dp={world_size // (pp * tp)})" if world_size % (pp * tp) == 0 else "")
-            )
+            raise TopologyError(world_size_mismatch(world_size, dp, pp, tp))
         self.dp, self.pp, self.tp = dp, pp, tp
         self.order = _parse_order(order)
         self.world_size = dp * pp * tp

@@ -1,1 +1,1 @@
-"""gridtrain recipes (see DESIGN.md)."""
+"""gridtrain recipes (see docs/architecture.md)."""

@@ -41,6 +41,7 @@ from parallel.checkpoint import (
     verify_checkpoint,
     zero_state_pieces,
 )
+from parallel.params import init_key
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -53,7 +54,7 @@ def global_names(stage_module) -> dict[str, str]:
     out = {}
     for local, p in stage_module.named_parameters():
         name = re.sub(r"^chunks\.\d+\.", "", local)
-        out[local] = getattr(p, "init_key", None) or name
+        out[local] = init_key(p, name)
     return out
 
 

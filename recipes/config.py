@@ -20,6 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from models.config import PRESETS, ModelConfig
+from parallel.pipeline.schedules import SCHEDULES, schedule_problem
+from parallel.precision import PRECISIONS
+from parallel.zero.compression import COMPRESSIONS
+from parallel.zero.policy import ZERO_STAGES
+
+from .runlog import LR_SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -187,17 +193,21 @@ class RecipeConfig:
     dryrun: DryrunSection = field(default_factory=DryrunSection)  # mode=dryrun keys
 
 
+# The typed choices of the config, each tuple imported from where the library defines the names.
+# OmegaConf 2.3's structured configs refuse ``Literal`` annotations ("Unexpected type annotation"),
+# so the fields stay ``str``/``int`` and this table is the one place they are validated
+# (:func:`check_values`, for every mode).
 CHOICES = {
     "mode": ("train", "plan", "recommend", "dryrun"),
-    "parallel.pp_schedule": ("1f1b", "gpipe", "interleaved"),
-    "train.precision": ("fp32", "bf16", "fp16"),
+    "parallel.pp_schedule": SCHEDULES,
+    "train.precision": PRECISIONS,
     "optim.name": ("adamw", "sgd"),
-    "optim.schedule": ("cosine", "linear", "constant"),
-    "comm.compression": ("none", "topk"),
-    "comm.dtype": (None, "fp32", "bf16", "fp16"),
+    "optim.schedule": LR_SCHEDULES,
+    "comm.compression": COMPRESSIONS,
+    "comm.dtype": (None, *PRECISIONS),
     "data.source": ("embedded", "memmap"),
     "logger.wandb": ("disabled", "offline", "online"),
-    "parallel.zero": (0, 1, 2, 3),
+    "parallel.zero": ZERO_STAGES,
     "parallel.backend": (None, "nccl", "gloo"),
 }
 
@@ -385,10 +395,9 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
             f"use global_batch={lo} or {lo + per_replica}, or change micro_batch"
         )
     grad_accum = t.global_batch // per_replica
-    if p.pp_schedule == "interleaved" and p.vpp < 2:
-        raise ConfigError("parallel.pp_schedule=interleaved needs parallel.vpp ≥ 2 virtual stages per rank")
-    if p.pp_schedule == "interleaved" and p.pp < 2:
-        raise ConfigError("parallel.pp_schedule=interleaved needs parallel.pp ≥ 2 (with pp=1 use 1f1b)")
+    problem = schedule_problem(p.pp_schedule, p.pp, p.vpp, prefix="parallel.")  # the library's own rule
+    if problem:
+        raise ConfigError(problem)
     if p.pp_schedule == "interleaved" and grad_accum % p.pp:
         raise ConfigError(
             f"the interleaved schedule needs the micro-batches per step (global_batch {t.global_batch} / "
@@ -397,8 +406,6 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         )
     if t.eval_every and t.eval_batches < 1:
         raise ConfigError(f"train.eval_batches must be ≥ 1 when train.eval_every={t.eval_every} (or set eval_every=0)")
-    if p.vpp > 1 and p.pp_schedule != "interleaved":
-        raise ConfigError(f"parallel.vpp={p.vpp} needs parallel.pp_schedule=interleaved")
     if p.pp_layers is not None:
         layers = list(p.pp_layers)
         if len(layers) != p.pp or sum(layers) != mc.n_layers or min(layers) < 1:

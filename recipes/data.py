@@ -8,7 +8,7 @@ The embedded corpus is real text with no download: the Python standard
 library's own source files, read as bytes (vocabulary 256), built on first use
 and cached under ``$GRIDTRAIN_CACHE`` (default ``~/.cache/gridtrain``).
 
-**The global batch does not depend on the layout** (DESIGN.md invariant 2):
+**The global batch does not depend on the layout** (docs/architecture.md invariant 2):
 :meth:`TokenDataset.global_batch` draws the ``global_batch`` sequence offsets of
 step ``s`` from a generator seeded by ``(seed, s)``; a DP rank takes its
 contiguous slice of them and each micro-batch a contiguous slice of that.

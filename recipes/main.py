@@ -39,6 +39,7 @@ from launch.local import LocalWorldError, check_local_world, spawn_local, under_
 
 from .config import (
     ConfigError,
+    Layout,
     RecipeConfig,
     check_keys,
     check_overrides,
@@ -109,13 +110,13 @@ def _typed(cfg: DictConfig) -> RecipeConfig:
     return OmegaConf.to_object(cfg)
 
 
-def worker(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
-    """Entry point of one spawned or torchrun-launched rank."""
+def worker(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[str, Any]:
+    """Entry point of one spawned or torchrun-launched rank (``layout``: this process validated already)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from .trainer import train
 
-    return record(train)(rc, run_dir)
+    return record(train)(rc, run_dir, layout)
 
 
 def refuse(e: Exception) -> NoReturn:
@@ -162,7 +163,7 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
         if under_torchrun():  # every rank, before any collective: a clean message everywhere
             layout = validate(rc, world_size=int(os.environ["WORLD_SIZE"]))
             preflight(rc, layout, run_dir, rank=int(os.environ.get("RANK", "0")), world=int(os.environ["WORLD_SIZE"]))
-            return worker(rc, run_dir)
+            return worker(rc, run_dir, layout)  # validate() runs once per process
         layout = validate(rc, world_size=None)
         check_local_world(layout.world_size, oversubscribe=rc.parallel.oversubscribe)  # cheapest first
         preflight(rc, layout, run_dir)

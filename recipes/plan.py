@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from models.config import ModelConfig, ModelConfigError
-from parallel.params import is_shared_embedding, tp_shard_dim, wants_weight_decay
+from parallel.params import init_key, is_shared_embedding, tp_shard_dim, wants_weight_decay
 from parallel.plan import Layout, Plan, PlanError, StageParams, Training, hardware_profile, plan_layout, recommend
 
 from .config import ConfigError, RecipeConfig, model_config
@@ -35,7 +35,7 @@ def _count_module(module, tp: int, *, is_block: bool) -> StageParams:
         full += n
         numel += local
         replicated += 0 if sharded else n
-        tied += n if hasattr(p, "init_key") else 0  # the head's copy of a tied embedding
+        tied += n if init_key(p) is not None else 0  # the head's copy of a tied embedding
         shared += local if is_shared_embedding(p) else 0
         groups[int(not wants_weight_decay(p))].append(local)
     classes = (tuple(groups[0]), tuple(groups[1]))

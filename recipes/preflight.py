@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from models.config import ModelConfig
+from parallel.params import init_key, vocab_rows
 
 from .config import ConfigError, Layout, bad
 
@@ -130,9 +131,9 @@ def _expected_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
     out = {}
     for name, p in model.named_parameters():
         shape = tuple(p.shape)
-        if getattr(p, "vocab_size", None) is not None:
+        if vocab_rows(p) is not None:
             shape = (p.vocab_size, *shape[1:])
-        out["model/" + (getattr(p, "init_key", None) or name)] = shape
+        out["model/" + (init_key(p, name))] = shape
     return out
 
 

@@ -20,6 +20,8 @@ import torch
 
 from parallel.timing import StepClock
 
+LR_SCHEDULES = ("cosine", "linear", "constant")  # the one home of the names (config: optim.schedule)
+
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: int, schedule: str) -> float:
     """Learning rate of 0-based ``step``: linear warm-up, then cosine/linear decay or constant."""

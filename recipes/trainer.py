@@ -35,6 +35,7 @@ from parallel.pipeline.schedules import Backward, Forward, build_schedule
 from parallel.pipeline.simulator import Span
 from parallel.pipeline.timeline import bubble_fraction, draw_timeline
 from parallel.plan.shape import ModelShape, layer_partition, model_tflops_per_device
+from parallel.precision import TORCH_DTYPES
 from parallel.timing import StepClock
 from parallel.topology import Topology
 from parallel.zero import ZeroDataParallel
@@ -46,7 +47,7 @@ from .exits import finish_distributed
 from .profiling import StepProfiler, profile_steps
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE_DTYPES = TORCH_DTYPES  # one home: parallel.precision
 READ_KEYS = ("loss", "grad_norm", "skipped")  # the values train_step leaves on the device
 
 
@@ -90,11 +91,12 @@ class ChunkView(nn.Module):
 class Trainer:
     """One rank's training state: groups, model chunks, ZeRO, executor, data."""
 
-    def __init__(self, rc: RecipeConfig, run_dir: str | Path):
+    def __init__(self, rc: RecipeConfig, run_dir: str | Path, layout: Layout | None = None):
         self.rc = rc
         self.run_dir = Path(run_dir)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.layout: Layout = validate(rc, world_size=world)  # every rank, before any collective
+        # every rank, before any collective; once per process (a caller that validated passes its Layout)
+        self.layout: Layout = layout if layout is not None else validate(rc, world_size=world)
         p, t = rc.parallel, rc.train
         threads = t.threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         torch.set_num_threads(threads)
@@ -393,9 +395,10 @@ class Trainer:
         return checkpointing.load(self, ckpt)
 
 
-def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
-    """Run a whole training job as this rank; return a summary (rank 0's is the job's)."""
-    trainer = Trainer(rc, run_dir)
+def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[str, Any]:
+    """Run a whole training job as this rank; return a summary (rank 0's is the job's).
+    ``layout``: :func:`recipes.config.validate`'s result for this world, if the caller has it."""
+    trainer = Trainer(rc, run_dir, layout)
     is_rank0 = trainer.rank == 0
     t = rc.train
     log = RunLogger(

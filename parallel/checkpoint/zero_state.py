@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from ..params import tp_shard_dim
+from ..params import tp_shard_dim, vocab_rows
 from .chunks import CheckpointError, flat_range_boxes, to_global, tp_placement
 from .planner import Chunked
 
@@ -60,9 +60,7 @@ def zero_state_pieces(
         sources = {"model": b.master.detach(), **{k: v for k, v in state.items() if _per_element(v, b.master)}}
         for slot, param in zip(b.layout.slots, b.params):
             name = global_name(slot.name)
-            place = tp_placement(
-                slot.shape, tp_shard_dim(param), tp_rank, tp_size, rows=getattr(param, "vocab_size", None)
-            )
+            place = tp_placement(slot.shape, tp_shard_dim(param), tp_rank, tp_size, rows=vocab_rows(param))
             for key, value in state.items():
                 if not _per_element(value, b.master):
                     out[f"optim/{name}/{key}"] = value

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-from ..params import mark_tp_sharded
+from ..params import mark_tp_sharded, mark_vocab_rows
 from .init import reset_default_
 from .linear import LayerConfigError, divide
 
@@ -20,12 +20,6 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
     """
     step = multiple * tp
     return -(-vocab_size // step) * step
-
-
-def mark_vocab_rows(param: nn.Parameter, vocab_size: int) -> nn.Parameter:
-    """Record that rows ``≥ vocab_size`` of the (gathered) ``param`` are padding."""
-    param.vocab_size = vocab_size
-    return param
 
 
 class VocabParallelEmbedding(nn.Module):

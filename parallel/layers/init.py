@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..params import tp_shard_dim
+from ..params import init_key, tp_shard_dim, vocab_rows
 
 TILE_ROWS = 256
 TILE_COLS = 4096
@@ -135,7 +135,7 @@ def reset_default_(
         shard_dim=dim,
         tp_rank=rank,
         tp_size=tp,
-        vocab_size=getattr(param, "vocab_size", None),
+        vocab_size=vocab_rows(param),
     )
     return param
 
@@ -163,13 +163,13 @@ def init_parameters_(
                 dim = tp_shard_dim(p)
                 init_tensor_shard_(
                     p.data,
-                    key=getattr(p, "init_key", name),
+                    key=init_key(p, name),
                     seed=seed,
                     std=how[1],
                     shard_dim=dim,
                     tp_rank=rank if dim is not None else 0,
                     tp_size=tp if dim is not None else 1,
-                    vocab_size=getattr(p, "vocab_size", None),
+                    vocab_size=vocab_rows(p),
                 )
     return module
 
@@ -186,5 +186,5 @@ def gather_full_tensor(param: torch.Tensor, tp_group, *, data: torch.Tensor | No
     full = t.clone() if dim is None else comm.all_gather_along(t, dim, tp_group)
     if full is t:
         full = t.clone()
-    vocab = getattr(param, "vocab_size", None)
+    vocab = vocab_rows(param)
     return full[:vocab] if vocab is not None else full

@@ -69,6 +69,9 @@ from .schedules import (
     SendActivation,
     SendGrad,
     batches,
+    peer_of,
+    points_next,
+    virtual_stage,
 )
 from .simulator import Span
 
@@ -165,12 +168,10 @@ class PipelineExecutor:
                 f"stage {self.stage}: actions name chunks {bad} but this rank holds "
                 f"{self.vpp} chunk(s); build the schedule with vpp={self.vpp}"
             )
-        last = self.pp * self.vpp - 1
         for a in actions:
             if isinstance(a, P2P):
                 v = self._virtual(a.chunk)
-                forward_edge = isinstance(a, (SendActivation, RecvGrad))
-                want = None if v == (last if forward_edge else 0) else (v + (1 if forward_edge else -1)) % self.pp
+                want = peer_of(v, self.pp, self.vpp, to_next=points_next(a))
                 if a.peer != want:
                     raise ScheduleError(
                         f"stage {self.stage}: {a} names peer stage {a.peer}, but in a pipeline of "
@@ -186,7 +187,7 @@ class PipelineExecutor:
         return 1 + max(a.mb for a in computes)
 
     def _virtual(self, chunk: int) -> int:
-        return chunk * self.pp + self.stage
+        return virtual_stage(chunk, self.stage, self.pp)
 
     def _is_first(self, chunk: int) -> bool:
         return self._virtual(chunk) == 0

@@ -103,6 +103,26 @@ def check_schedule_args(pp: int, m: int, vpp: int = 1, *, name: str = "schedule"
         )
 
 
+# ------------------------------------------------------- virtual-stage arithmetic
+def virtual_stage(chunk: int, stage: int, pp: int) -> int:
+    """The virtual stage of chunk ``chunk`` on pipeline rank ``stage``: ``chunk·pp + stage``
+    (Megatron's interleaving: virtual stage ``v`` lives on rank ``v mod pp``)."""
+    return chunk * pp + stage
+
+
+def peer_of(v: int, pp: int, vpp: int, *, to_next: bool) -> int | None:
+    """The rank holding the virtual stage after (``to_next``) or before ``v`` in a pipeline
+    of ``pp`` ranks × ``vpp`` chunks; ``None`` past either end."""
+    if v == (pp * vpp - 1 if to_next else 0):
+        return None
+    return (v + (1 if to_next else -1)) % pp
+
+
+def points_next(action: P2P) -> bool:
+    """Whether a transfer talks to the next virtual stage (activation sends, gradient receives)."""
+    return isinstance(action, (SendActivation, RecvGrad))
+
+
 # ------------------------------------------------------------------- builders
 def _with_p2p(order: list[Compute], stage: int, pp: int, vpp: int, segments: list[int] | None = None) -> list[Action]:
     """Insert the transfers each computation needs.
@@ -113,7 +133,6 @@ def _with_p2p(order: list[Compute], stage: int, pp: int, vpp: int, segments: lis
     a backward, Megatron's interleaved steady state) prefetch the backward's
     gradient together with the forward's input.
     """
-    last = pp * vpp - 1
     segments = segments or [1] * len(order)
     if sum(segments) != len(order):
         raise ScheduleError(f"segments {segments} do not cover {len(order)} computations")
@@ -126,15 +145,16 @@ def _with_p2p(order: list[Compute], stage: int, pp: int, vpp: int, segments: lis
         recvs: list[P2P] = []
         sends: list[P2P] = []
         for a in run:
-            v = a.chunk * pp + stage
-            if isinstance(a, Forward) and v > 0:
-                recvs.append(RecvActivation(a.mb, a.chunk, (v - 1) % pp))
-            if isinstance(a, Backward) and v < last:
-                recvs.append(RecvGrad(a.mb, a.chunk, (v + 1) % pp))
-            if isinstance(a, Forward) and v < last:
-                sends.append(SendActivation(a.mb, a.chunk, (v + 1) % pp))
-            if isinstance(a, Backward) and v > 0:
-                sends.append(SendGrad(a.mb, a.chunk, (v - 1) % pp))
+            v = virtual_stage(a.chunk, stage, pp)
+            prev, nxt = peer_of(v, pp, vpp, to_next=False), peer_of(v, pp, vpp, to_next=True)
+            if isinstance(a, Forward) and prev is not None:
+                recvs.append(RecvActivation(a.mb, a.chunk, prev))
+            if isinstance(a, Backward) and nxt is not None:
+                recvs.append(RecvGrad(a.mb, a.chunk, nxt))
+            if isinstance(a, Forward) and nxt is not None:
+                sends.append(SendActivation(a.mb, a.chunk, nxt))
+            if isinstance(a, Backward) and prev is not None:
+                sends.append(SendGrad(a.mb, a.chunk, prev))
         out += pending_sends + recvs + run
         pending_sends = sends
     return out + pending_sends
@@ -194,20 +214,38 @@ def interleaved_1f1b(pp: int, m: int, vpp: int) -> list[list[Action]]:
     return schedule
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the one home of the schedule names (config: parallel.pp_schedule)
+
+
+def schedule_problem(name: str, pp: int, vpp: int, *, prefix: str = "") -> str | None:
+    """Why schedule ``name`` cannot run ``pp`` ranks × ``vpp`` chunks, or ``None`` if it can.
+
+    The one rule the library and the config share: ``interleaved`` needs ``vpp ≥ 2`` and
+    ``pp ≥ 2``; ``vpp > 1`` needs ``interleaved``. ``prefix`` qualifies the key names in the
+    message (the config passes ``"parallel."``).
+    """
+    if name not in SCHEDULES:
+        return f"{prefix}pp_schedule={name!r} is not one of {SCHEDULES}"
+    if name == "interleaved" and vpp < 2:
+        return f"{prefix}pp_schedule=interleaved needs {prefix}vpp ≥ 2 virtual stages per rank"
+    if name == "interleaved" and pp < 2:
+        return f"{prefix}pp_schedule=interleaved needs {prefix}pp ≥ 2 (with pp=1 use 1f1b)"
+    if vpp > 1 and name != "interleaved":
+        return f"{prefix}vpp={vpp} needs {prefix}pp_schedule=interleaved"
+    return None
 
 
 def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action]]:
     """The schedule called ``name`` (one of :data:`SCHEDULES`; config key ``parallel.pp_schedule``).
 
-    ``"interleaved"`` with ``vpp=1`` is plain 1F1B (as in Megatron), whose warm-up is shorter.
+    Raises :class:`ScheduleError` with :func:`schedule_problem`'s message on a combination the
+    config refuses too (``interleaved`` with ``vpp=1``, ``vpp > 1`` without it).
     """
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown pipeline schedule {name!r}; expected one of {SCHEDULES}")
+    problem = schedule_problem(name, pp, vpp)
+    if problem:
+        raise ScheduleError(problem)
     if name == "interleaved":
-        return interleaved_1f1b(pp, m, vpp) if vpp > 1 else one_f_one_b(pp, m)
-    if vpp != 1:
-        raise ScheduleError(f"schedule {name!r} runs one chunk per rank; got vpp={vpp} (use 'interleaved')")
+        return interleaved_1f1b(pp, m, vpp)
     return gpipe(pp, m) if name == "gpipe" else one_f_one_b(pp, m)
 
 

@@ -34,11 +34,13 @@ from .schedules import (
     Compute,
     Forward,
     RecvActivation,
-    RecvGrad,
     ScheduleError,
     SendActivation,
     SendGrad,
     batches,
+    peer_of,
+    points_next,
+    virtual_stage,
 )
 
 
@@ -125,7 +127,7 @@ def simulate(
     recvs: dict[tuple[int, int], list] = {}
 
     def key_of(st: _Stage, a: P2P) -> tuple:
-        v = a.chunk * pp + st.index
+        v = virtual_stage(a.chunk, st.index, pp)
         if isinstance(a, SendActivation):
             return ("activation", a.mb, v + 1)
         if isinstance(a, RecvActivation):
@@ -135,11 +137,10 @@ def simulate(
         return ("grad", a.mb, v)
 
     def check_p2p(st: _Stage, a: P2P) -> None:
-        v = a.chunk * pp + st.index
-        to_next = isinstance(a, (SendActivation, RecvGrad))
-        if (to_next and v == last) or (not to_next and v == 0):
+        v = virtual_stage(a.chunk, st.index, pp)
+        want = peer_of(v, pp, vpp, to_next=points_next(a))
+        if want is None:
             raise ScheduleError(f"stage {st.index}: {a} has no peer (virtual stage {v} of {last + 1})")
-        want = (v + 1) % pp if to_next else (v - 1) % pp
         if a.peer != want:
             raise ScheduleError(f"stage {st.index}: {a} names peer {a.peer}, virtual stage {v}'s is {want}")
         if isinstance(a, SendActivation) and ("fwd", a.mb, a.chunk) not in st.done:

@@ -1,4 +1,4 @@
-"""Advice in plain words from a plan, following DESIGN.md's layout rules:
+"""Advice in plain words from a plan, following the layout rules (docs/architecture.md):
 ZeRO before plain DP when the model does not fit; activation checkpointing
 before a smaller batch; TP when one layer does not fit, kept inside a node; PP
 for deep models across nodes; DP across nodes for scale."""

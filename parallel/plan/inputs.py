@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..memory import CHECKPOINTING
+from ..pipeline.schedules import schedule_problem
+from ..topology import world_size_mismatch
 from . import memory as M
 from .hardware import PlanError
 from .shape import ModelShape
-
-CHECKPOINTING = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,7 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
     _positive("global_batch", training.global_batch)
     _positive("micro_batch", training.micro_batch)
     if world_size is not None and world_size != layout.world_size:
-        raise PlanError(
-            f"world size {world_size} ≠ dp {layout.dp} × pp {layout.pp} × tp {layout.tp} = "
-            f"{layout.world_size}; with pp={layout.pp} tp={layout.tp} the world must be a multiple "
-            f"of {layout.pp * layout.tp}"
-        )
+        raise PlanError(world_size_mismatch(world_size, layout.dp, layout.pp, layout.tp))
     shape.check_tp(layout.tp)
     if layout.pp * layout.vpp > shape.n_layers:
         raise PlanError(
@@ -68,13 +64,9 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
         )
     if layout.zero not in M.ZERO_STAGES:
         raise PlanError(f"zero={layout.zero!r} not in {M.ZERO_STAGES}")
-    if layout.schedule not in SCHEDULES:
-        raise PlanError(f"pipeline schedule {layout.schedule!r} not in {SCHEDULES}")
-    if (layout.vpp > 1) != (layout.schedule == "interleaved"):
-        raise PlanError(
-            f"vpp={layout.vpp} with schedule {layout.schedule!r}: virtual stages (vpp ≥ 2) go with "
-            f"the interleaved schedule and only with it"
-        )
+    problem = schedule_problem(layout.schedule, layout.pp, layout.vpp)  # the library's rule
+    if problem:
+        raise PlanError(problem)
     if shape.arch not in ("gpt", "llama"):
         raise PlanError(f"arch {shape.arch!r} not in ('gpt', 'llama')")
     if training.checkpointing not in CHECKPOINTING:

@@ -62,11 +62,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..zero import theory as zero_theory
+from ..zero.layout import pack, padded
+from ..zero.policy import ZERO_STAGES
 from .hardware import PlanError
 
 PRECISION_BYTES = zero_theory.DTYPE_BYTES  # one home: bytes per element of each precision
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # fp32 tensors per parameter
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 Group = tuple[int, ...]  # per-rank element counts of the parameters of one ZeRO bucket class, in order
@@ -113,19 +114,8 @@ class StageParams:
         return (self.numel, self.replicated, self.full, self.tied_copy, self.shared_embedding)
 
 
-def padded(numel: int, dp: int) -> int:
-    """``numel`` rounded up to a multiple of ``dp`` (ZeRO's equal shards)."""
-    return -(-numel // dp) * dp
-
-
-def _bucket_sizes(group: Group, bucket_elems: float) -> list[int]:
-    sizes, current = [], 0
-    for n in group:
-        if current and current + n > bucket_elems:
-            sizes.append(current)
-            current = 0
-        current += n
-    return sizes + ([current] if current else [])
+def _bucket_sizes(group: Group, bucket_bytes: float, element_size: int) -> list[int]:
+    return [sum(group[i] for i in bucket) for bucket in pack(group, element_size, bucket_bytes)]
 
 
 def zero_padded_numel(
@@ -147,7 +137,7 @@ def zero_padded_numel(
     total = 0
     for unit in units:
         for group in unit:
-            total += sum(padded(n, dp) for n in _bucket_sizes(group, bucket_bytes / element_size))
+            total += sum(padded(n, dp) for n in _bucket_sizes(group, bucket_bytes, element_size))
     return total
 
 

@@ -22,6 +22,8 @@ from typing import Callable
 
 from ..pipeline.schedules import ScheduleError, build_schedule
 from ..pipeline.simulator import simulate
+from ..zero.compression import INDEX_BYTES
+from ..zero.policy import policy
 from . import memory as M
 from .advice import advise
 from .hardware import Hardware, PlanError
@@ -156,10 +158,10 @@ def plan_layout(
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one, exact=exact)
     ranks, dp_exposed = [], 0.0
     for s, (chunks, params, tp_axis, fwd, bwd, acts, flops_s) in enumerate(stage_info):
-        psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=L.zero == 3)
+        psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
         states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer)
         if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
-            sp_shard = M.padded(params.replicated, dp) // (dp if L.zero >= 1 else 1)
+            sp_shard = M.padded(params.replicated, dp) // (dp if policy(L.zero).shards_optimizer else 1)
             tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
         tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
@@ -178,7 +180,7 @@ def plan_layout(
         )
         # the step's scalars: the loss averaged over DP; the gradient norm summed over DP when sharded.
         # They follow backward, so nothing hides them.
-        n_scalars = 1 + (L.zero >= 1)
+        n_scalars = 1 + policy(L.zero).shards_optimizer
         scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
         dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap) + scalars_s)
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
@@ -187,7 +189,9 @@ def plan_layout(
         pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
         pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         emb_axis = AxisTraffic(2 if params.shared_embedding and pp > 1 else 1, pp_axis.crosses_node)
-        emb_shard = M.padded(params.shared_embedding, dp) // (dp if L.zero >= 1 else 1)  # as for SP: its fp32 shard
+        emb_shard = M.padded(params.shared_embedding, dp) // (
+            dp if policy(L.zero).shards_optimizer else 1
+        )  # as for SP: its fp32 shard
         emb_axis.add("all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)")
         in_flight = peaks[s]
         activations = in_flight * max(acts) + M.recompute_peak_bytes(
@@ -304,12 +308,12 @@ def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg
     (current + prefetched), Top-K's fp32 residual and gathered values, four p2p messages."""
     bucket = tr.bucket_mb * 2**20 * (2 if tr.overlap else 1)
     total = 0.0
-    if L.dp > 1 and (L.zero >= 2 or c != e):
+    if L.dp > 1 and (policy(L.zero).shards_grads or c != e):
         total += bucket
-    if L.zero == 3 and L.dp > 1:
+    if policy(L.zero).gathers_per_unit and L.dp > 1:
         total += 2 * e * count(range(0, 1), False, False, L.tp).numel
     if tr.compression == "topk":
-        total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + 4)
+        total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
     if L.pp > 1:
         total += 4 * act_msg
     return total

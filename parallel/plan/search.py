@@ -1,6 +1,6 @@
 """``mode=recommend``: the layouts that fit a device count, ranked by predicted throughput.
 
-Searched: tp among the divisors of the heads that fit inside a node (DESIGN.md:
+Searched: tp among the divisors of the heads that fit inside a node (docs/architecture.md:
 TP stays inside a node), pp among the divisors of the rest up to the layer
 count, dp the remainder, ZeRO 0–3, micro-batches, checkpointing; sequence
 parallelism whenever tp > 1. Each candidate is first timed with the 1F1B

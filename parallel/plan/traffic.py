@@ -12,17 +12,15 @@ consecutive ranks, a DP group has stride ``tp``, a pipeline stride ``tp·dp``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from ..comm.counter import SENT_FRACTION
+from ..zero.compression import INDEX_BYTES, topk_count
+from ..zero.policy import policy
 from .hardware import Hardware
 
-RING_FACTOR = {
-    "all_reduce": (2, 2),
-    "reduce_scatter": (1, 1),
-    "all_gather": (1, 1),
-    "broadcast": (1, 1),
-}  # (bytes, steps) × (N-1)/N, N-1
+RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}  # × (N-1) latency steps
+# bytes sent: parallel.comm.SENT_FRACTION (the counter's, one home)
 
 
 def group_crosses_node(stride: int, size: int, gpus_per_node: int) -> bool:
@@ -57,8 +55,7 @@ class AxisTraffic:
         if kind == "p2p":
             sent, steps = payload, 1
         else:
-            fb, fs = RING_FACTOR[kind]
-            sent, steps = fb * (n - 1) / n * payload, fs * (n - 1)
+            sent, steps = SENT_FRACTION[kind](n) * payload, RING_STEPS[kind] * (n - 1)
         one = sent / hw.bandwidth(self.crosses_node) + steps * hw.latency_us * 1e-6
         self.bytes += count * sent
         self.time_s += count * one
@@ -66,9 +63,7 @@ class AxisTraffic:
         return one
 
 
-def topk_kept(numel: int, ratio: float) -> int:
-    """Entries Top-K keeps of ``numel``: ``ceil(ratio · numel)``, at least one."""
-    return max(1, math.ceil(ratio * numel))
+topk_kept = topk_count  # one home: parallel.zero.compression (entries Top-K keeps, ceil(ratio·numel) ≥ 1)
 
 
 def dp_traffic(
@@ -100,19 +95,20 @@ def dp_traffic(
     out = dict.fromkeys(
         ("grad_per_mb", "grad_per_step", "param_after_step", "param_fwd_per_mb", "param_bwd_per_mb"), 0.0
     )
-    if zero == 0 and compression == "topk":
+    pol = policy(zero)  # what the engine does at this stage (parallel/zero/policy.py)
+    if pol.reduce == "all_reduce" and compression == "topk":
         k = topk_kept(psi, topk_ratio)
-        one = axis.add("all_gather", n * k * (comm_bytes + 4), 1, hw, "Top-K gradients (values + int32 indices)")
+        one = axis.add(
+            "all_gather", n * k * (comm_bytes + INDEX_BYTES), 1, hw, "Top-K gradients (values + int32 indices)"
+        )
         out["grad_per_step"] = one
-    elif zero == 0:
-        out["grad_per_step"] = axis.add("all_reduce", psi * comm_bytes, 1, hw, "gradients")
-    elif zero == 1:
-        out["grad_per_step"] = axis.add("reduce_scatter", psi * comm_bytes, 1, hw, "gradients")
+    elif not pol.reduce_every_microbatch:
+        out["grad_per_step"] = axis.add(pol.reduce, psi * comm_bytes, 1, hw, "gradients")
     else:
-        out["grad_per_mb"] = axis.add("reduce_scatter", psi * comm_bytes, m, hw, "gradients, every micro-batch")
-    if zero in (1, 2):
+        out["grad_per_mb"] = axis.add(pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch")
+    if pol.gathers_after_step:
         out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters")
-    if zero == 3:
+    if pol.gathers_per_unit:
         blocks = psi if regathered_psi is None else regathered_psi
         out["param_fwd_per_mb"] = axis.add("all_gather", blocks * param_bytes, m, hw, "block parameters before forward")
         out["param_bwd_per_mb"] = axis.add(

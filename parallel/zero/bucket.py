@@ -43,6 +43,7 @@ import torch
 from .. import comm
 from .compression import TopKCompressor
 from .layout import BucketLayout
+from .policy import policy
 
 
 class FlatBucket:
@@ -59,22 +60,23 @@ class FlatBucket:
         compressor: TopKCompressor | None,
     ):
         self.layout, self.params, self.stage, self.group = layout, list(params), stage, group
+        self.policy = pol = policy(stage)  # what this stage shards, reduces and gathers
         self.param_dtype, self.comm_dtype, self.compressor = param_dtype, comm_dtype, compressor
-        self.lo, self.hi = (0, layout.padded_numel) if stage == 0 else layout.shard_range(dp_rank)
+        self.lo, self.hi = layout.shard_range(dp_rank) if pol.shards_optimizer else (0, layout.padded_numel)
         device = self.params[0].device
         self.flat_param = torch.zeros(layout.padded_numel, dtype=param_dtype, device=device)
         for p, slot in zip(self.params, layout.slots):
             self.flat_param[slot.offset : slot.end].copy_(p.detach().reshape(-1))
             p.data = self.flat_param[slot.offset : slot.end].view(slot.shape)
         owned = self.flat_param[self.lo : self.hi]
-        self.param_shard = owned.clone() if stage == 3 else None
-        home = self.param_shard if stage == 3 else owned
+        self.param_shard = owned.clone() if pol.shards_params else None
+        home = self.param_shard if pol.shards_params else owned
         self.master = home if param_dtype == torch.float32 else home.float()
         self.master_is_separate = self.master is not home  # (not data_ptr: 0 for every meta tensor)
         self.flat_grad = None
         self.grad_shard = None
-        self.grad_views = stage <= 1 and param_dtype == torch.float32  # .grad are views of flat_grad
-        if stage <= 1:
+        self.grad_views = not pol.shards_grads and param_dtype == torch.float32  # .grad are views of flat_grad
+        if not pol.shards_grads:
             self.flat_grad = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
             for p, slot in zip(self.params, layout.slots) if self.grad_views else ():
                 p.grad = self.flat_grad[slot.offset : slot.end].view(slot.shape)
@@ -85,8 +87,8 @@ class FlatBucket:
         self.reduced = False  # stages 0-1: this step's reduction was launched
         self._pending = None  # (handle, finish) of an in-flight collective
         self._gather = None  # stage 3: handle of an in-flight parameter all-gather
-        self.gathered = stage != 3
-        if stage == 3:
+        self.gathered = not pol.shards_params
+        if pol.shards_params:
             self.free_params()
 
     # gradients ---------------------------------------------------------------
@@ -95,7 +97,7 @@ class FlatBucket:
         if self.compressor is not None:
             handle, gathered = self.compressor.start(self.flat_grad, self.group)
             self._pending = (handle, lambda: self.compressor.finish(gathered, self.flat_grad))
-        elif self.stage == 0:
+        elif self.policy.reduce == "all_reduce":
             buf = self.flat_grad if self.comm_dtype == self.flat_grad.dtype else self.flat_grad.to(self.comm_dtype)
             handle = comm.all_reduce(buf, group=self.group, async_op=True)
             self._pending = (handle, (lambda: None) if buf is self.flat_grad else (lambda: self.flat_grad.copy_(buf)))
@@ -107,7 +109,7 @@ class FlatBucket:
         self.reduced = True
 
     def _full_grad_for_comm(self) -> torch.Tensor:
-        if self.flat_grad is not None:  # stage 1
+        if self.flat_grad is not None:  # gradients not sharded (stage 1)
             g = self.flat_grad
             return g if g.dtype == self.comm_dtype else g.to(self.comm_dtype)
         full = torch.zeros(self.layout.padded_numel, dtype=self.comm_dtype, device=self.flat_param.device)
@@ -156,15 +158,15 @@ class FlatBucket:
         param.grad = view.view(slot.shape)
 
     def has_unreduced_grads(self) -> bool:
-        if self.stage <= 1:
+        if not self.policy.shards_grads:  # one reduction per step, of the accumulated flat_grad
             return not self.reduced
         return any(p.grad is not None for p in self.params)
 
     def main_grad(self) -> torch.Tensor:
         """This rank's reduced gradient (sum over DP) of the range it steps, in fp32."""
-        if self.stage == 0:
+        if not self.policy.shards_optimizer:
             g = self.flat_grad
-        elif self.stage == 1:
+        elif not self.policy.shards_grads:  # the reduce-scatter's shard, kept until the step
             g = self._stage1_shard
         else:
             g = self.grad_shard
@@ -183,12 +185,12 @@ class FlatBucket:
     # parameters --------------------------------------------------------------
     def publish_master(self) -> None:
         """After the optimizer step: make the compute parameters equal the updated master."""
-        home = self.param_shard if self.stage == 3 else self.flat_param[self.lo : self.hi]
+        home = self.param_shard if self.policy.shards_params else self.flat_param[self.lo : self.hi]
         if self.master_is_separate:
             home.copy_(self.master)
-        if self.stage in (1, 2):
+        if self.policy.gathers_after_step:
             comm.all_gather(self.flat_param, home.clone(), group=self.group)
-        elif self.stage == 3:
+        elif self.policy.gathers_per_unit:
             self.free_params()
 
     def free_params(self) -> None:

@@ -30,6 +30,9 @@ import torch
 from .. import comm
 from .layout import ZeroConfigError
 
+COMPRESSIONS = ("none", "topk")  # the one home of the names (config: comm.compression)
+INDEX_BYTES = 4  # each kept entry travels with its int32 index
+
 
 def topk_count(numel: int, ratio: float) -> int:
     """Entries kept per bucket: ``ceil(ratio · numel)``, at least 1."""
@@ -40,7 +43,7 @@ def topk_count(numel: int, ratio: float) -> int:
 
 def topk_sent_bytes(numel: int, ratio: float, dp: int, value_bytes: int) -> float:
     """Bytes one rank sends for one bucket (ring all-gather of values + int32 indices)."""
-    return (dp - 1) * topk_count(numel, ratio) * (value_bytes + 4)
+    return (dp - 1) * topk_count(numel, ratio) * (value_bytes + INDEX_BYTES)
 
 
 class TopKCompressor:

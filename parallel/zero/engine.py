@@ -67,16 +67,18 @@ from torch import nn
 
 from .. import comm
 from ..params import is_sequence_parallel, is_shared_embedding, wants_weight_decay
+from ..precision import TORCH_DTYPES
 from .bucket import FlatBucket
-from .compression import TopKCompressor, topk_count
+from .compression import COMPRESSIONS, TopKCompressor, topk_count
 from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
+from .policy import ZERO_STAGES, policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
 from .theory import grad_comm_dtype
 from .units import UnitGatherer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = TORCH_DTYPES  # one home: parallel.precision
 
 
 def _dtype(name, what: str) -> torch.dtype:
@@ -112,12 +114,13 @@ def host_flag(flag: torch.Tensor) -> bool:
 
 def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float):
     """Refuse impossible settings (the same on every rank, before any collective); return the compression."""
-    if stage not in (0, 1, 2, 3):
-        raise ZeroConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-    if compression not in (None, "none", "topk"):
-        raise ZeroConfigError(f"compression must be None, 'none' or 'topk', got {compression!r}")
+    if stage not in ZERO_STAGES:
+        stages = ", ".join(map(str, ZERO_STAGES[:-1])) + f" or {ZERO_STAGES[-1]}"
+        raise ZeroConfigError(f"ZeRO stage must be {stages}, got {stage}")
+    if compression not in (None, *COMPRESSIONS):
+        raise ZeroConfigError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
     compression = None if compression == "none" else compression
-    if compression and stage != 0:
+    if compression and policy(stage).reduce != "all_reduce":
         raise ZeroConfigError(
             f"top-k compression needs stage 0 (it replaces the all-reduce), got stage {stage}; "
             f"use stage=0 or compression=None"
@@ -170,10 +173,13 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             _extra_reduce(name, p, self)
         # every setting is checked above, on every rank, before the first collective
         self.module, self.stage, self.dp_group, self.overlap = module, stage, dp_group, overlap
+        self.policy = policy(stage)  # the stage's behaviour, read by name below (parallel/zero/policy.py)
         self.dp_size = comm.group_size(dp_group)
         self.dp_rank = torch.distributed.get_rank(dp_group) if self.dp_size > 1 else 0
         self.grad_clip, self.tp_group = grad_clip, tp_group
-        self.norm_groups = ([dp_group] if stage >= 1 else []) + ([tp_group] if tp_group else []) + list(clip_groups)
+        self.norm_groups = (
+            ([dp_group] if self.policy.shards_optimizer else []) + ([tp_group] if tp_group else []) + list(clip_groups)
+        )
         self.scaler = (loss_scaler or DynamicLossScaler()) if self.param_dtype == torch.float16 else None
         self.units = list(units or [])
         self._build_buckets(bucket_mb, compression, topk_ratio)
@@ -185,7 +191,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self._sync = True
         self._callback_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_bucket]
-        if stage == 3:
+        if self.policy.gathers_per_unit:
             self._unit_gatherer = UnitGatherer(self.module, self.units, self._unit_buckets)
 
     # construction ---------------------------------------------------------------
@@ -201,7 +207,9 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 unit_of[id(p)] = u
         root = len(self.units)
         order = sorted(named.items(), key=lambda kv: unit_of.get(id(kv[1]), root))  # units, then the rest
-        if self.stage < 3:  # only stage 3 gathers per unit: fewer, larger buckets are fewer collectives
+        if (
+            not self.policy.gathers_per_unit
+        ):  # only stage 3 gathers per unit: fewer, larger buckets are fewer collectives
             unit_of = {}
         specs = [
             (n, tuple(p.shape), wants_weight_decay(p), unit_of.get(id(p), root), _extra_reduce(n, p, self))
@@ -280,7 +288,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             self._sync = previous
 
     def _communicates_now(self) -> bool:
-        return self._sync or self.stage >= 2
+        return self._sync or self.policy.reduce_every_microbatch
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._callback_queued:
@@ -310,7 +318,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             if not self.overlap and b.ready == len(b.params) and b.has_unreduced_grads():
                 self._reduce(b, wait=False)
         for b in self.buckets:
-            if self.stage >= 2:  # the shard takes this micro-batch's reduce-scatter before the next
+            if self.policy.reduce_every_microbatch:  # the shard takes this micro-batch's reduce-scatter before the next
                 b.finish_reduction()
                 b.ready = 0
             # stages 0-1 reduce once per step: step() waits, so with interleaving a chunk's reductions
@@ -322,7 +330,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         """Stage 3 frees a block unit once its backward has run (the unit's grad hook gathers
         it again for the next micro-batch's backward); the root unit has no such hook, so it
         stays gathered until the optimizer step publishes new parameters."""
-        return self.stage == 3 and bucket.layout.unit != len(self.units)
+        return self.policy.gathers_per_unit and bucket.layout.unit != len(self.units)
 
     # the optimizer step -------------------------------------------------------------
     def _finish_gradients(self) -> list[torch.Tensor]:

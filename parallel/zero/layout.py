@@ -29,6 +29,7 @@ bucket of its own).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -88,6 +89,22 @@ def padded(numel: int, dp: int) -> int:
     return -(-numel // dp) * dp
 
 
+def pack(numels: Sequence[int], element_size: int, bucket_bytes: float) -> list[list[int]]:
+    """Indices of ``numels`` packed in order into buckets of at most ``bucket_bytes``: a bucket
+    closes when the next parameter would overflow it (a larger parameter gets its own).
+    The one packing rule: :func:`plan_buckets` and the planner's
+    :func:`parallel.plan.memory.zero_padded_numel` both use it."""
+    buckets: list[list[int]] = []
+    filled = 0
+    for i, n in enumerate(numels):
+        if not buckets or (filled + n) * element_size > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(i)
+        filled += n
+    return buckets
+
+
 def plan_buckets(
     params: Sequence[tuple[str, tuple[int, ...], bool, int, str]],
     *,
@@ -111,33 +128,22 @@ def plan_buckets(
         by_class.setdefault((unit, not wd, extra), []).append((name, tuple(shape)))
     buckets: list[BucketLayout] = []
     for (unit, no_wd, extra), members in sorted(by_class.items()):
-        current: list[ParamSlot] = []
-        offset = 0
-
-        def close():  # called within this iteration of the loop only
-            nonlocal current, offset
-            if current:
-                buckets.append(
-                    BucketLayout(
-                        index=len(buckets),
-                        unit=unit,  # noqa: B023
-                        weight_decay=not no_wd,  # noqa: B023
-                        extra_reduce=extra,  # noqa: B023
-                        slots=tuple(current),
-                        numel=offset,
-                        padded_numel=padded(offset, dp),
-                        dp=dp,
-                    )
+        numels = [math.prod(shape) for _, shape in members]
+        for indices in pack(numels, element_size, bucket_bytes):
+            slots, offset = [], 0
+            for i in indices:
+                slots.append(ParamSlot(members[i][0], members[i][1], offset, numels[i]))
+                offset += numels[i]
+            buckets.append(
+                BucketLayout(
+                    index=len(buckets),
+                    unit=unit,
+                    weight_decay=not no_wd,
+                    extra_reduce=extra,
+                    slots=tuple(slots),
+                    numel=offset,
+                    padded_numel=padded(offset, dp),
+                    dp=dp,
                 )
-            current, offset = [], 0
-
-        for name, shape in members:
-            numel = 1
-            for d in shape:
-                numel *= d
-            if current and (offset + numel) * element_size > bucket_bytes:
-                close()
-            current.append(ParamSlot(name, shape, offset, numel))
-            offset += numel
-        close()
+            )
     return buckets

@@ -24,7 +24,7 @@ from .layout import ZeroConfigError
 
 def _full_flat(bucket, local: torch.Tensor) -> torch.Tensor:
     """The whole padded flat tensor of ``bucket`` from each rank's owned range."""
-    if bucket.stage == 0:
+    if not bucket.policy.shards_optimizer:  # every rank holds the whole range
         return local.float()
     out = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=local.device)
     comm.all_gather(out, local.float().contiguous(), group=bucket.group)

@@ -34,9 +34,12 @@ the fp32 buffer).
 
 from __future__ import annotations
 
+from ..comm.counter import SENT_FRACTION
+from ..precision import DTYPE_BYTES
+from .policy import policy
+
 GRAD_BYTES = 4  # the fp32 main gradient, at every precision
 DEFAULT_COMM_DTYPE = "fp32"  # gradients travel in the dtype they accumulate in unless comm_dtype says otherwise
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def grad_comm_dtype(comm_dtype: str | None) -> str:
@@ -55,9 +58,10 @@ def model_state_bytes(
     """Bytes of parameters, gradients and optimizer state one rank holds between steps
     (``grad_bytes``: the engine's fp32 main gradient; pass ``param_bytes`` for the ZeRO paper's count)."""
     k = optimizer_bytes_per_param(param_bytes, state_tensors)
-    params = param_bytes * psi / (dp if stage >= 3 else 1)
-    grads = grad_bytes * psi / (dp if stage >= 2 else 1)
-    optim = k * psi / (dp if stage >= 1 else 1)
+    pol = policy(stage)
+    params = param_bytes * psi / (dp if pol.shards_params else 1)
+    grads = grad_bytes * psi / (dp if pol.shards_grads else 1)
+    optim = k * psi / (dp if pol.shards_optimizer else 1)
     return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
 
 
@@ -78,10 +82,11 @@ def step_sent_bytes(
     Excludes the 4-byte norm all-reduce.
     """
     c = DTYPE_BYTES[DEFAULT_COMM_DTYPE] if comm_bytes is None else comm_bytes
-    f = (dp - 1) / dp
-    if stage == 0:
-        return 2 * f * psi * c
-    sent = f * psi * c + f * psi * param_bytes
-    if stage == 3:
+    pol = policy(stage)
+    sent = SENT_FRACTION[pol.reduce](dp) * psi * c
+    if pol.gathers_after_step or pol.gathers_per_unit:
+        sent += SENT_FRACTION["all_gather"](dp) * psi * param_bytes
+    if pol.gathers_per_unit:  # gathered again for backward
+        f = SENT_FRACTION["all_gather"](dp)
         sent += f * (psi if regathered_psi is None else regathered_psi) * param_bytes
     return sent

@@ -1,4 +1,4 @@
-"""Exact resume and resharding through the trainer (DESIGN.md invariant 1 across a restart)."""
+"""Exact resume and resharding through the trainer (docs/architecture.md invariant 1 across a restart)."""
 
 import pytest
 

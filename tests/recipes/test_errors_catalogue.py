@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from parallel.params import init_key, vocab_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "errors.md"
 
@@ -174,8 +176,8 @@ def _checkpoint(root: Path) -> Path:
     model = build_model(PRESETS["gpt_tiny"], seed=1)
     state = {}
     for name, p in model.named_parameters():
-        rows = getattr(p, "vocab_size", None)
-        state["model/" + (getattr(p, "init_key", None) or name)] = p.detach()[:rows].clone()
+        rows = vocab_rows(p)
+        state["model/" + (init_key(p, name))] = p.detach()[:rows].clone()
     return save_checkpoint(state, root / "checkpoints", 4, meta={})
 
 

@@ -1,4 +1,4 @@
-"""End to end: every layout trains the same model as one process (DESIGN.md invariant 1)."""
+"""End to end: every layout trains the same model as one process (docs/architecture.md invariant 1)."""
 
 import json
 

@@ -13,6 +13,7 @@ from parallel.layers import (
     gather_full_tensor,
     vocab_parallel_cross_entropy,
 )
+from parallel.params import tp_shard_dim
 from parallel.testing import run_ranks
 
 
@@ -22,7 +23,7 @@ def _ref(seed, *shape):
 
 def _load_shard(param, full, group):
     with torch.no_grad():
-        dim = getattr(param, "tp_shard_dim", None)
+        dim = tp_shard_dim(param)
         param.copy_(full if dim is None else comm.split_along(full, dim, group))
 
 

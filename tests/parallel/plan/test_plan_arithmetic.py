@@ -1,4 +1,4 @@
-"""The design brief's arithmetic, from first principles (DESIGN.md), and the hardware profiles."""
+"""The design brief's arithmetic, from first principles, and the hardware profiles."""
 
 import pytest
 

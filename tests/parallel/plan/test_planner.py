@@ -115,7 +115,7 @@ def test_bad_input_names_the_numbers():
         check(SHAPE, Layout(dp=3), tr)
     with pytest.raises(PlanError, match="zero=5"):
         check(SHAPE, Layout(zero=5), tr)
-    with pytest.raises(PlanError, match="vpp=2 with schedule '1f1b'"):
+    with pytest.raises(PlanError, match="vpp=2 needs pp_schedule=interleaved"):
         check(SHAPE, Layout(pp=2, vpp=2), tr)
     with pytest.raises(PlanError, match=r"micro-batches per step \(8 = .*\) to be a multiple of pp 3"):
         check(SHAPE, Layout(pp=3, vpp=2, schedule="interleaved", pp_layers=None), tr)

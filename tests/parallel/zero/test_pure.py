@@ -88,7 +88,7 @@ def test_bad_scaler_settings_are_refused(kwargs):
 
 def test_zero_formulas_match_the_paper_and_design_md():
     psi, n = 7 * 10**9, 8
-    # DESIGN.md / the paper (16-bit gradients): 7B with bf16 + Adam: 14 + 14 + 84 = 112 GB at stage 0
+    # the ZeRO paper (16-bit gradients): 7B with bf16 + Adam: 14 + 14 + 84 = 112 GB at stage 0
     assert model_state_bytes(psi, 0, n, param_bytes=2, grad_bytes=2) == {
         "params": 14e9,
         "grads": 14e9,
@@ -104,7 +104,7 @@ def test_zero_formulas_match_the_paper_and_design_md():
     assert model_state_bytes(psi, 1, n, param_bytes=2)["total"] == (6 + 12 / n) * psi
     assert model_state_bytes(psi, 2, n, param_bytes=2)["grads"] == 4 * psi / n
     assert model_state_bytes(100, 1, 4)["optimizer"] == 8 * 100 / 4  # fp32: no separate master
-    # DESIGN.md: 7B fp16 gradients ring all-reduce at N=8: 24.5 GB sent per rank
+    # the design brief: 7B fp16 gradients ring all-reduce at N=8: 24.5 GB sent per rank
     assert step_sent_bytes(psi, 0, n, param_bytes=2, comm_bytes=2) == pytest.approx(24.5e9)
     assert step_sent_bytes(psi, 1, n, 2, 2) == step_sent_bytes(psi, 2, n, 2, 2) == pytest.approx(24.5e9)
     assert step_sent_bytes(psi, 3, n, 2, 2) == pytest.approx(1.5 * 24.5e9)

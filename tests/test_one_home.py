@@ -1,0 +1,132 @@
+"""Each shared formula, limit and name is defined once: the other users import it (issue 13, item 3).
+
+Identity checks (``a is b``) where a module re-exports the one home; behaviour checks on
+sample inputs where a module calls it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import benchmarks.theory as bench
+import parallel.comm as comm
+import parallel.pipeline.executor as executor
+import parallel.pipeline.schedules as schedules
+import parallel.pipeline.simulator as simulator
+import parallel.plan.inputs as plan_inputs
+import parallel.plan.memory as plan_memory
+import parallel.plan.traffic as plan_traffic
+import parallel.precision as precision
+import parallel.zero.compression as compression
+import parallel.zero.engine as zero_engine
+import parallel.zero.layout as layout
+import parallel.zero.policy as policy
+import parallel.zero.theory as zero_theory
+import recipes.config as config
+import recipes.trainer as trainer
+from models.config import ModelConfig
+from parallel.layers.embedding import padded_vocab_size
+from parallel.plan.hardware import PlanError
+from parallel.topology import Topology, TopologyError, world_size_mismatch
+
+
+def test_names_and_stage_numbers_have_one_home():
+    assert config.CHOICES["parallel.pp_schedule"] is schedules.SCHEDULES
+    assert config.CHOICES["parallel.zero"] is policy.ZERO_STAGES
+    assert plan_memory.ZERO_STAGES is policy.ZERO_STAGES
+    assert config.CHOICES["train.precision"] is precision.PRECISIONS
+    assert config.CHOICES["comm.dtype"] == (None, *precision.PRECISIONS)
+    assert config.CHOICES["comm.compression"] is compression.COMPRESSIONS
+    from recipes.runlog import LR_SCHEDULES, lr_at
+
+    assert config.CHOICES["optim.schedule"] is LR_SCHEDULES
+    kw = dict(lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10)
+    assert len({lr_at(3, schedule=s, **kw) for s in LR_SCHEDULES}) == len(LR_SCHEDULES)  # each name does something
+
+
+def test_checkpointing_modes_have_one_home():
+    import models.config
+    import parallel.memory
+
+    assert models.config.CHECKPOINTING is parallel.memory.CHECKPOINTING is plan_inputs.CHECKPOINTING
+
+
+def test_precision_tables_have_one_home():
+    assert zero_theory.DTYPE_BYTES is precision.DTYPE_BYTES
+    assert plan_memory.PRECISION_BYTES is precision.DTYPE_BYTES
+    assert zero_engine.DTYPES is precision.TORCH_DTYPES
+    assert trainer.COMPUTE_DTYPES is precision.TORCH_DTYPES
+    for name, dtype in precision.TORCH_DTYPES.items():
+        assert torch.empty((), dtype=dtype).element_size() == precision.DTYPE_BYTES[name]
+
+
+@pytest.mark.parametrize("stage", policy.ZERO_STAGES)
+def test_model_state_bytes_have_one_home(stage):
+    psi, dp = 1000, 4  # psi a multiple of dp: the planner's padding is then a no-op
+    ours = zero_theory.model_state_bytes(psi, stage, dp, param_bytes=2, state_tensors=2)
+    assert plan_memory.model_state_bytes(psi, stage, dp, "bf16", "adamw") == {k: int(v) for k, v in ours.items()}
+    pol = policy.policy(stage)
+    assert ours["optimizer"] == 12 * psi / (dp if pol.shards_optimizer else 1)
+
+
+def test_padding_and_bucket_packing_have_one_home():
+    assert plan_memory.padded is layout.padded
+    sizes = [5, 7, 30, 2, 2, 9]
+    buckets = layout.plan_buckets(
+        [(f"p{i}", (n,), True, 0, "") for i, n in enumerate(sizes)], dp=4, bucket_bytes=40, element_size=4
+    )
+    packed = [[int(s.name[1:]) for s in b.slots] for b in buckets]
+    assert packed == layout.pack(sizes, 4, 40) == [[0], [1], [2], [3, 4], [5]]
+    assert plan_memory._bucket_sizes(tuple(sizes), 40, 4) == [b.numel for b in buckets]
+
+
+def test_ring_factors_and_topk_wire_count_have_one_home():
+    assert plan_traffic.SENT_FRACTION is comm.SENT_FRACTION
+    assert plan_traffic.topk_kept is compression.topk_count
+    assert plan_traffic.INDEX_BYTES is compression.INDEX_BYTES
+    # the benchmark's stage-2/3 rows and the theory agree where they should (m = 1)
+    for stage in (0, 1, 2):
+        assert bench.dp_bytes(1000, stage, 4, 1) == pytest.approx(zero_theory.step_sent_bytes(1000, stage, 4))
+    assert zero_theory.step_sent_bytes(1000, 0, 4) == comm.SENT_FRACTION["all_reduce"](4) * 1000 * 4
+
+
+def test_padded_vocab_has_one_home():
+    cfg = ModelConfig(vocab_size=1000, vocab_multiple=64)
+    for tp in (1, 2, 3, 8):
+        assert cfg.padded_vocab(tp) == padded_vocab_size(1000, tp, 64)
+
+
+def test_virtual_stage_peers_have_one_home():
+    assert executor.peer_of is schedules.peer_of is simulator.peer_of
+    assert executor.virtual_stage is schedules.virtual_stage is simulator.virtual_stage
+    pp, vpp = 3, 2
+    assert [schedules.peer_of(v, pp, vpp, to_next=True) for v in range(6)] == [1, 2, 0, 1, 2, None]
+    assert [schedules.peer_of(v, pp, vpp, to_next=False) for v in range(6)] == [None, 0, 1, 2, 0, 1]
+
+
+def test_world_size_message_has_one_home():
+    msg = world_size_mismatch(16, 2, 2, 2)
+    with pytest.raises(TopologyError) as e:
+        Topology(2, 2, 2, world_size=16)
+    assert str(e.value) == msg
+    from parallel.plan.inputs import Layout, Training, check
+    from parallel.plan.shape import ModelShape
+
+    with pytest.raises(PlanError) as e:
+        check(ModelShape.of(ModelConfig()), Layout(dp=2, pp=2, tp=2), Training(16, 2), world_size=16)
+    assert str(e.value) == msg
+    assert plan_inputs.world_size_mismatch is world_size_mismatch
+
+
+def test_schedule_rule_is_shared_by_library_planner_and_config():
+    """``interleaved`` with vpp=1 is refused by the library exactly as by the config."""
+    problem = schedules.schedule_problem("interleaved", 2, 1)
+    with pytest.raises(schedules.ScheduleError) as e:
+        schedules.build_schedule("interleaved", 2, 4, vpp=1)
+    assert str(e.value) == problem
+    rc = config.RecipeConfig()
+    rc.parallel.pp, rc.parallel.pp_schedule, rc.parallel.vpp = 2, "interleaved", 1
+    with pytest.raises(config.ConfigError) as e:
+        config.validate(rc, world_size=None)
+    assert schedules.schedule_problem("interleaved", 2, 1, prefix="parallel.") in str(e.value)
