@@ -33,7 +33,8 @@ from . import comm
 from .checkpoint import prepare_optimizer_state, publish, zero_state_pieces
 from .memory import SavedActivationMeter, peak_memory_bytes
 from .pipeline.executor import PipelineExecutor
-from .pipeline.schedules import Action
+from .pipeline.partition import partition_layers, stage_chunks
+from .pipeline.schedules import Action, build_schedule
 from .timing import StepClock
 from .zero import ZeroDataParallel
 
@@ -70,6 +71,33 @@ class ModelChunks(nn.Module):
             local: getattr(p, "init_key", None) or re.sub(r"^chunks\.\d+\.", "", local)
             for local, p in self.named_parameters()
         }
+
+
+def chunks_from_pieces(
+    first: nn.Module,
+    blocks: Sequence[nn.Module],
+    last: nn.Module,
+    *,
+    pp: int,
+    pp_rank: int,
+    vpp: int = 1,
+    embedding_cost: float = 0.0,
+    head_cost: float = 0.0,
+) -> list[nn.Module]:
+    """Rank ``pp_rank``'s chunks of a model given as pieces: ``first`` (e.g. the embedding),
+    identical ``blocks``, ``last`` (e.g. the head). The blocks are split by
+    :func:`~parallel.pipeline.partition.partition_layers` (cost-balanced: a block costs 1,
+    the first and last pieces what the caller says); virtual stage 0 starts with ``first``
+    and the last one ends with ``last``. Chunk ``c`` is virtual stage ``c·pp + pp_rank``."""
+    ranges = partition_layers(len(blocks), pp, vpp=vpp, embedding_cost=embedding_cost, head_cost=head_cost)
+    chunks = []
+    for c, layers in enumerate(stage_chunks(ranges, pp, pp_rank)):
+        virtual = c * pp + pp_rank
+        pieces = [first] if virtual == 0 else []
+        pieces += [blocks[i] for i in layers]
+        pieces += [last] if virtual == len(ranges) - 1 else []
+        chunks.append(nn.Sequential(*pieces))
+    return chunks
 
 
 class _ChunkCall:
@@ -141,6 +169,32 @@ class StepEngine:
         self.activation_bytes = 0.0  # saved activations at the schedule's peak (a measured step)
         self.model_state_bytes: dict = {}
         self.last_comm: comm.CommCounter | None = None
+
+    @classmethod
+    def from_pieces(
+        cls,
+        first: nn.Module,
+        blocks: Sequence[nn.Module],
+        last: nn.Module,
+        *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        pp_group: dist.ProcessGroup,
+        microbatches: int,
+        schedule: str = "1f1b",
+        vpp: int = 1,
+        embedding_cost: float = 0.0,
+        head_cost: float = 0.0,
+        **kwargs: Any,
+    ) -> StepEngine:
+        """An engine for a model given as pieces (:func:`chunks_from_pieces`): this rank's
+        chunks of the cost-balanced split, scheduled by ``schedule`` over ``microbatches``
+        micro-batches per step; ``kwargs`` as for the constructor."""
+        pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        chunks = chunks_from_pieces(
+            first, blocks, last, pp=pp, pp_rank=pp_rank, vpp=vpp, embedding_cost=embedding_cost, head_cost=head_cost
+        )
+        actions = build_schedule(schedule, pp, microbatches, vpp)[pp_rank]
+        return cls(chunks, actions, loss_fn=loss_fn, pp_group=pp_group, **kwargs)
 
     # ---------------------------------------------------------------- the step
     @property

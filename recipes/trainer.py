@@ -82,7 +82,7 @@ class Trainer:
         """This rank's GPT chunks (the planner's layer split, so its per-stage predictions
         describe this very run) in a :class:`~parallel.engine.StepEngine`."""
         p, g, mc, o, t, cm = self.rc.parallel, self.groups, self.model_cfg, self.rc.optim, self.rc.train, self.rc.comm
-        ranges = layer_partition(ModelShape.of(mc), p.pp, p.vpp, p.pp_layers)
+        ranges = self.ranges = layer_partition(ModelShape.of(mc), p.pp, p.vpp, p.pp_layers)
         chunks = [
             build_model(
                 mc,
