@@ -1,10 +1,10 @@
 """The training loop every recipe shares, as one rank runs it.
 
 Read top to bottom: validate the config (pure, before any collective) → join
-the process group → build this rank's grid groups → build this rank's model
-chunks (its pipeline stage's layers, its tensor-parallel shards) → wrap them
-in ZeRO data parallelism → run the pipeline schedule step by step, logging on
-rank 0.
+the process group → build this rank's grid groups → build this rank's step
+engine (:func:`recipes.gpt_engine.build_gpt_engine`: its GPT chunks under ZeRO,
+the pipeline schedule; :class:`parallel.engine.StepEngine` owns the step) → the
+loop: learning rate, evaluation, logging, checkpoint policy, profiler, timeline.
 
 Every layout runs the same math: the global batch of a step is fixed by
 ``(seed, step)``; DP ranks take disjoint slices; micro-batches are accumulated
@@ -22,25 +22,22 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from models.transformer import build_model
-from parallel.engine import StepEngine, read_stats
+from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
 from parallel.layers import check_token_ids
-from parallel.pipeline.partition import stage_chunks
-from parallel.pipeline.schedules import build_schedule
-from parallel.plan.shape import ModelShape, layer_partition, model_tflops_per_device
+from parallel.plan.shape import model_tflops_per_device
 from parallel.topology import Topology
 
 from . import checkpointing
 from .config import Layout, RecipeConfig, validate
 from .data import open_data
 from .exits import finish_distributed
+from .gpt_engine import build_gpt_engine
 from .profiling import StepProfiler, profile_steps
 from .reports import memory_report, timeline_step
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-read_record = read_stats  # the loop reads a step's device values with the engine's one host read
 
 
 class Trainer:
@@ -62,7 +59,7 @@ class Trainer:
         self.device = default_device(self.groups.backend)
         self.dtype = COMPUTE_DTYPES[t.precision]
         self.model_cfg = self.layout.model
-        self.engine = self._build_engine()
+        self.ranges, self.engine = build_gpt_engine(rc, self.layout, self.groups, self.device, self.dtype)
         self.train_data = self.open_data("train")
         if self.train_data.vocab_size > self.model_cfg.vocab_size:
             raise ValueError(
@@ -77,59 +74,6 @@ class Trainer:
         """The token dataset of ``split`` ("train" / "val") that ``rc.data`` names."""
         d = self.rc.data
         return open_data(d.source, d.path, split, self.model_cfg.seq_len, d.embedded_mb, d.val_fraction)
-
-    def _build_engine(self) -> StepEngine:
-        """This rank's GPT chunks (the planner's layer split, so its per-stage predictions
-        describe this very run) in a :class:`~parallel.engine.StepEngine`."""
-        p, g, mc, o, t, cm = self.rc.parallel, self.groups, self.model_cfg, self.rc.optim, self.rc.train, self.rc.comm
-        ranges = self.ranges = layer_partition(ModelShape.of(mc), p.pp, p.vpp, p.pp_layers)
-        chunks = [
-            build_model(
-                mc,
-                tp_group=g.tp,
-                sequence_parallel=p.sequence_parallel,
-                layers=layers,
-                has_embedding=c * p.pp + g.pp_rank == 0,
-                has_head=c * p.pp + g.pp_rank == len(ranges) - 1,
-                device=self.device,
-                dtype=torch.float32,
-                seed=t.seed,
-            )
-            for c, layers in enumerate(stage_chunks(ranges, p.pp, g.pp_rank))
-        ]
-        fused = True if self.device.type == "cuda" else None  # one kernel for all tensors; None: foreach
-
-        def optimizer_factory(param_groups):
-            if o.name == "sgd":
-                return torch.optim.SGD(param_groups, lr=o.lr, weight_decay=o.weight_decay)
-            return torch.optim.AdamW(
-                param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=fused
-            )
-
-        seq = mc.seq_len // p.tp if p.sequence_parallel else mc.seq_len
-        return StepEngine(
-            chunks,
-            build_schedule(p.pp_schedule, p.pp, self.layout.grad_accum, p.vpp)[g.pp_rank],
-            loss_fn=chunks[-1].loss,  # used on the last virtual stage only, which holds the head
-            dp_group=g.dp,
-            pp_group=g.pp,
-            tp_group=g.tp,
-            embedding_group=g.embedding,
-            activation_shape=(self.layout.micro_batch, seq, mc.d_model),
-            compute_dtype=self.dtype,
-            sequence_parallel=p.sequence_parallel,
-            stage=p.zero,
-            optimizer_factory=optimizer_factory,
-            units=[b for ch in chunks for b in ch.blocks.values()],
-            precision=t.precision,
-            comm_dtype=cm.dtype,
-            bucket_mb=cm.bucket_mb,
-            overlap=cm.overlap,
-            grad_clip=t.grad_clip or None,
-            clip_groups=[g.pp],
-            compression=cm.compression,
-            topk_ratio=cm.topk_ratio,
-        )
 
     def microbatches(self, step: int, data=None, seed: int | None = None):
         """This rank's micro-batches of ``step``: its DP slice of the layout-independent global batch."""
@@ -259,7 +203,7 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
                 log.info(f"checkpoint {path}")
             if preempted:
                 if not read:
-                    log.log(read_record(rec))
+                    log.log(read_stats(rec))
                 log.info(f"SIGTERM: stopped after step {trainer.step} with a checkpoint")
                 break
             # --- end checkpoint ---
@@ -269,7 +213,7 @@ def train(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         profiler.close()
         preemption.close()
         log.close()
-    last = read_record(last)
+    last = read_stats(last)
     finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/exits.py)
     return {
         "final_loss": last.get("loss"),
