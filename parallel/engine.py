@@ -159,7 +159,7 @@ class StepEngine:
             pp_group=pp_group,
             activation_shape=activation_shape,
             dtype=compute_dtype,
-            loss_fn=lambda out, targets: loss_fn(out, targets) * self.loss_scale,
+            loss_fn=lambda out, targets: self._scaled(loss_fn(out, targets)),
             tp_group=None if sequence_parallel else tp_group,
             embedding_group=None,  # ZeRO sums the tied-embedding gradient (on its shard, any stage)
             # ZeRO 0-1 run the step under no_sync(); each chunk's last backward launches its DP reduction
@@ -203,7 +203,11 @@ class StepEngine:
         divides the gradients by it (fused with the DP mean) before clipping."""
         return self.zero.scaler.scale if self.zero.scaler else 1.0
 
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.zero.scaler.scale if self.zero.scaler else loss  # fp32/bf16: no extra op
+
     def set_lr(self, lr: float) -> None:
+        """Set every parameter group's learning rate (the loop's schedule)."""
         for group in self.zero.optimizer.param_groups:
             group["lr"] = lr
 
