@@ -32,7 +32,7 @@ class Ours:
         from recipes.trainer import Trainer
 
         self.trainer = Trainer(rc, run_dir=tempfile.gettempdir())
-        self.trainer.executor.record_timeline = record_timeline
+        self.trainer.engine.executor.record_timeline = record_timeline
         self._steps = itertools.count()
         self.sent_bytes = 0.0
 
@@ -40,11 +40,11 @@ class Ours:
         self.sent_bytes = self.trainer.train_step(next(self._steps))["comm_bytes"]
 
     def state_bytes(self) -> int:
-        return self.trainer.zero.held_bytes()["total"]
+        return self.trainer.engine.zero.held_bytes()["total"]
 
     def timeline(self) -> list[Span]:
         """The last step's recorded computations, on the machine-wide perf_counter clock."""
-        ex = self.trainer.executor
+        ex = self.trainer.engine.executor
         return [Span(s.action, s.start + ex.timeline_origin, s.end + ex.timeline_origin) for s in ex.timeline]
 
 

@@ -118,7 +118,7 @@ def measure(layout: tuple[int, int, int], a, dry_run: bool) -> dict:
     cfg = trainer.model_cfg
     tokens_per_s = rc.train.global_batch * cfg.seq_len / elapsed
     tflops = model_tflops_per_device(tokens_per_s, cfg, world)
-    n_params = sum(p.numel() for p in trainer.stage_module.parameters())
+    n_params = sum(p.numel() for p in trainer.engine.model.parameters())
     del trainer
     gc.collect()
     if cuda:

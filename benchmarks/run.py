@@ -80,11 +80,11 @@ def expected_bytes(ours: Ours) -> float:
     m, mb = lay.grad_accum, lay.micro_batch
     sent = 0.0
     if lay.dp > 1:
-        psi = sum(q.numel() for q in tr.stage_module.parameters())
-        in_units = sum(q.numel() for ch in tr.stage_module.chunks for q in ch.blocks.parameters())
+        psi = sum(q.numel() for q in tr.engine.model.parameters())
+        in_units = sum(q.numel() for ch in tr.engine.model.chunks for q in ch.blocks.parameters())
         sent += theory.dp_bytes(psi, p.zero, lay.dp, m, regathered_psi=in_units)
     if lay.tp > 1:
-        for chunk in tr.stage_module.chunks:
+        for chunk in tr.engine.model.chunks:
             sent += theory.tp_bytes(
                 lay.tp, m, mb, mc.seq_len, mc.d_model, len(chunk.layers), chunk.has_embedding, chunk.has_head
             )

@@ -19,7 +19,6 @@ float rounding (the reductions add in another order).
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import threading
@@ -33,29 +32,15 @@ from parallel.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
-    prepare_optimizer_state,
-    publish,
     resolve_checkpoint,
     save_checkpoint,
     saved_tensors,
     verify_checkpoint,
-    zero_state_pieces,
 )
-from parallel.params import init_key
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def global_names(stage_module) -> dict[str, str]:
-    """Local parameter name → layout-independent name: drop the ``chunks.<c>.`` prefix of
-    :class:`~recipes.trainer.StageChunks`; a tied head on the last stage is the embedding."""
-    out = {}
-    for local, p in stage_module.named_parameters():
-        name = re.sub(r"^chunks\.\d+\.", "", local)
-        out[local] = init_key(p, name)
-    return out
 
 
 def layout_of(trainer) -> dict:
@@ -75,8 +60,7 @@ def layout_of(trainer) -> dict:
 
 def state_pieces(trainer, *, with_rng: bool = True) -> dict:
     """This rank's part of the checkpoint: ``{key: Chunked | tensor}`` (views, no copies)."""
-    names = global_names(trainer.stage_module)
-    state = zero_state_pieces(trainer.zero, global_name=names.__getitem__, tp_group=trainer.groups.tp)
+    state = trainer.engine.checkpoint_pieces(tp_group=trainer.groups.tp)
     if with_rng:
         state[f"rng/{trainer.rank}/cpu"] = torch.get_rng_state()
         if torch.cuda.is_available() and trainer.device.type == "cuda":
@@ -86,11 +70,10 @@ def state_pieces(trainer, *, with_rng: bool = True) -> dict:
 
 def save(trainer, *, on_written=None) -> Path:
     """Save the trainer's state at ``trainer.step`` (collective over the world)."""
-    scaler = trainer.zero.scaler
     meta = {
         "step": trainer.step,
         "layout": layout_of(trainer),
-        "scaler": scaler.state_dict() if scaler else None,
+        "scaler": trainer.engine.scaler_state(),
         "config": OmegaConf.to_container(OmegaConf.structured(trainer.rc)),
     }
     return save_checkpoint(
@@ -106,18 +89,15 @@ def save(trainer, *, on_written=None) -> Path:
 def load(trainer, ckpt: str | Path) -> int:
     """Load ``ckpt`` (any layout's) into the trainer; return the step to continue from."""
     manifest = verify_checkpoint(ckpt)
-    names = global_names(trainer.stage_module)
-    prepare_optimizer_state(trainer.zero, saved_tensors(ckpt), names.__getitem__)
+    trainer.engine.prepare_load(saved_tensors(ckpt))
     same_layout = manifest["meta"].get("layout") == layout_of(trainer)
     state = state_pieces(trainer, with_rng=same_layout)
     load_checkpoint(state, ckpt, verify=False)
-    publish(trainer.zero)
+    trainer.engine.finish_load(manifest["meta"].get("scaler"))
     if same_layout:
         torch.set_rng_state(state[f"rng/{trainer.rank}/cpu"])
         if f"rng/{trainer.rank}/cuda" in state:
             torch.cuda.set_rng_state(state[f"rng/{trainer.rank}/cuda"], trainer.device)
-    if trainer.zero.scaler and manifest["meta"].get("scaler"):
-        trainer.zero.scaler.load_state_dict(manifest["meta"]["scaler"])
     trainer.step = int(manifest["step"])
     return trainer.step
 
@@ -259,7 +239,6 @@ __all__ = [
     "checkpoint_root",
     "fault_drill",
     "find_resume_point",
-    "global_names",
     "load",
     "save",
     "save_due",

@@ -120,7 +120,7 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
         with counter, recorder:
             trainer.train_step(1, read=False)
         t_step = time.perf_counter()
-        held = trainer.zero.held_bytes()
+        held = trainer.engine.zero.held_bytes()
         peak, at_peak = mem.peak, dict(mem.at_peak)
         val_counter, val_recorder = comm.CommCounter(), comm.CallRecorder()
         with val_counter, val_recorder:

@@ -111,7 +111,7 @@ def _trainer_losses(on_device: bool):
     rc.parallel.backend = None if on_device else "gloo"
     trainer = Trainer(rc, run_dir=".")
     assert trainer.device.type == (DEVICE.type if on_device else "cpu")
-    assert all(p.device.type == trainer.device.type for p in trainer.stage_module.parameters())
+    assert all(p.device.type == trainer.device.type for p in trainer.engine.model.parameters())
     losses = [trainer.train_step(step)["loss"] for step in range(3)]
     return losses, str(trainer.device)
 

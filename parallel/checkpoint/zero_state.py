@@ -20,13 +20,16 @@ any other's checkpoint, because only global boxes are exchanged.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..params import tp_shard_dim, vocab_rows
 from .chunks import CheckpointError, flat_range_boxes, to_global, tp_placement
 from .planner import Chunked
+
+if TYPE_CHECKING:
+    from ..zero import ZeroDataParallel
 
 
 def _tp_rank_size(tp_group) -> tuple[int, int]:
@@ -40,7 +43,7 @@ def _per_element(value, master: torch.Tensor) -> bool:
 
 
 def zero_state_pieces(
-    zdp, *, global_name: Callable[[str], str] = lambda n: n, tp_group=None, optimizer: bool = True
+    zdp: ZeroDataParallel, *, global_name: Callable[[str], str] = lambda n: n, tp_group=None, optimizer: bool = True
 ) -> dict[str, object]:
     """``{global key: Chunked | 0-dim tensor}`` over this rank's ZeRO shards (see module doc).
 
@@ -85,7 +88,9 @@ def zero_state_pieces(
 
 
 def prepare_optimizer_state(
-    zdp, saved_keys: dict[str, tuple[tuple[int, ...], torch.dtype]], global_name: Callable[[str], str] = lambda n: n
+    zdp: ZeroDataParallel,
+    saved_keys: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    global_name: Callable[[str], str] = lambda n: n,
 ) -> None:
     """Give every bucket the optimizer state tensors a checkpoint holds, so it can be read into.
 
@@ -109,7 +114,7 @@ def prepare_optimizer_state(
                 )
 
 
-def publish(zdp) -> None:
+def publish(zdp: ZeroDataParallel) -> None:
     """Copy freshly loaded master shards into the compute parameters (every stage)."""
     for b in zdp.buckets:
         b.publish_master()

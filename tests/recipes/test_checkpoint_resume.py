@@ -57,13 +57,12 @@ def test_other_layout_resumes_within_1e4(uninterrupted, tmp_path, layout):
 
 
 def _full_params_after_load(rc, run_dir, ckpt):
-    from recipes.checkpointing import global_names
     from recipes.trainer import Trainer
 
     trainer = Trainer(rc, run_dir)
     trainer.load_state_dict(ckpt)
-    names = global_names(trainer.stage_module)
-    return {names[k]: v for k, v in trainer.zero.full_parameters().items()}
+    names = trainer.engine.model.global_names()
+    return {names[k]: v for k, v in trainer.engine.zero.full_parameters().items()}
 
 
 def test_inspect_lists_it_and_exports_what_a_loaded_trainer_holds(uninterrupted, tmp_path, capsys):

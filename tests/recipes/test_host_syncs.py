@@ -27,9 +27,9 @@ def _count(rc: RecipeConfig, run_dir: str, fused: bool):
 
     trainer = Trainer(rc, run_dir)
     if fused:  # what the trainer builds on a GPU, here on the CPU: AdamW with a device-side skip
-        opt = trainer.zero.optimizer
+        opt = trainer.engine.zero.optimizer
         groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups]
-        trainer.zero.optimizer = torch.optim.AdamW(groups, fused=True)
+        trainer.engine.zero.optimizer = torch.optim.AdamW(groups, fused=True)
     trainer.train_step(0)  # warm up: the optimizer state exists
     counts = {}
     for read in (False, True):

@@ -1,0 +1,310 @@
+"""One training step of one rank, in one place: :class:`StepEngine`.
+
+The engine owns, each exactly once: the rank's model chunks (one per virtual
+pipeline stage it holds) under ZeRO data parallelism, the pipeline schedule and
+its executor, the fp16 loss scale, the gradient reductions (DP through ZeRO —
+each chunk's last backward launches its reduction; the tied embedding and
+replicated tensor-parallel parameters are reduced by ZeRO, on its shard), the
+clipping and the optimizer step (ZeRO's ``step``). Following one batch:
+
+    step(inputs, targets) → executor.run (forwards/backwards of the schedule; the
+    loss function multiplies by the loss scale; ZeRO 0–1 accumulate under
+    ``no_sync`` and reduce in each chunk's final backward) → ZeroDataParallel.step
+    (unscale ÷ dp·scale, clip, optimizer, publish) → the loss, unscaled, averaged
+    over DP.
+
+It takes process groups and modules as arguments and knows nothing of the
+models or the recipes (the dependency rule of ``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .checkpoint import prepare_optimizer_state, publish, zero_state_pieces
+from .memory import SavedActivationMeter, peak_memory_bytes
+from .params import init_key
+from .pipeline.executor import PipelineExecutor
+from .pipeline.partition import partition_layers, stage_chunks
+from .pipeline.schedules import Action, build_schedule
+from .timing import StepClock
+from .zero import ZeroDataParallel
+
+READ_KEYS = ("loss", "grad_norm", "skipped")  # the values a step leaves on the device unless read
+
+
+def read_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` with its device values (:data:`READ_KEYS`) read as Python numbers: one host read."""
+    keys = [k for k in READ_KEYS if torch.is_tensor(stats.get(k))]
+    if not keys:
+        return stats
+    values = torch.stack([stats[k].detach().float().reshape(()) for k in keys]).tolist()
+    out = dict(stats, **dict(zip(keys, values)))
+    if "skipped" in keys:
+        out["skipped"] = bool(out["skipped"])
+    return out
+
+
+class ModelChunks(nn.Module):
+    """A rank's model chunks (one per virtual stage it holds) as one module, so that ZeRO
+    shards all of them together; ``forward(x, chunk)`` runs chunk ``chunk``."""
+
+    def __init__(self, chunks: Sequence[nn.Module]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+
+    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        return self.chunks[chunk](x)
+
+    def global_names(self) -> dict[str, str]:
+        """Local parameter name → layout-independent name: the ``chunks.<c>.`` prefix dropped;
+        a parameter marked ``init_key`` (a tied head is the embedding) takes that name."""
+        return {local: init_key(p, re.sub(r"^chunks\.\d+\.", "", local)) for local, p in self.named_parameters()}
+
+
+def chunks_from_pieces(
+    first: nn.Module,
+    blocks: Sequence[nn.Module],
+    last: nn.Module,
+    *,
+    pp: int,
+    pp_rank: int,
+    vpp: int = 1,
+    embedding_cost: float = 0.0,
+    head_cost: float = 0.0,
+) -> list[nn.Module]:
+    """Rank ``pp_rank``'s chunks of a model given as pieces: ``first`` (e.g. the embedding),
+    identical ``blocks``, ``last`` (e.g. the head). The blocks are split by
+    :func:`~parallel.pipeline.partition.partition_layers` (cost-balanced: a block costs 1,
+    the first and last pieces what the caller says); virtual stage 0 starts with ``first``
+    and the last one ends with ``last``. Chunk ``c`` is virtual stage ``c·pp + pp_rank``."""
+    ranges = partition_layers(len(blocks), pp, vpp=vpp, embedding_cost=embedding_cost, head_cost=head_cost)
+    chunks = []
+    for c, layers in enumerate(stage_chunks(ranges, pp, pp_rank)):
+        virtual = c * pp + pp_rank
+        pieces = [first] if virtual == 0 else []
+        pieces += [blocks[i] for i in layers]
+        pieces += [last] if virtual == len(ranges) - 1 else []
+        chunks.append(nn.Sequential(*pieces))
+    return chunks
+
+
+class _ChunkCall:
+    """Chunk ``chunk`` called through ZeRO (its compute-dtype cast): what the executor runs.
+    Not a module, so nothing is registered twice."""
+
+    def __init__(self, zero: ZeroDataParallel, chunk: int):
+        self.zero, self.chunk = zero, chunk
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.zero(x, chunk=self.chunk)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.zero.module.chunks[self.chunk].parameters()
+
+
+class StepEngine:
+    """One rank's training step: chunks under ZeRO, the pipeline schedule, loss scaling,
+    gradient reduction, clipping and the optimizer step.
+
+    Args:
+        chunks: the rank's model chunks, chunk ``c`` being virtual stage ``c·pp + pp_rank``.
+        actions: this stage's action list (or the whole schedule) from
+            :func:`parallel.pipeline.schedules.build_schedule`.
+        loss_fn: ``loss_fn(output, targets)``, the mean loss of one micro-batch (last stage).
+        groups: ``dp``, ``pp``, ``tp`` process groups (``None``: that dimension is 1);
+            ``embedding_group`` sums a tied embedding's gradient (ZeRO does it, on its shard).
+        activation_shape: one micro-batch's activation between stages.
+        compute_dtype: the dtype of activations (and of ZeRO's compute parameters).
+        sequence_parallel: activations between stages are sequence-sharded over TP.
+        zero: keyword arguments of :class:`~parallel.zero.ZeroDataParallel` (``stage``,
+            ``optimizer_factory``, ``precision``, ``units`` ...).
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[nn.Module],
+        actions: Sequence[Action] | Sequence[Sequence[Action]],
+        *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        dp_group: dist.ProcessGroup | None,
+        pp_group: dist.ProcessGroup,
+        tp_group: dist.ProcessGroup | None = None,
+        embedding_group: dist.ProcessGroup | None = None,
+        activation_shape: Sequence[int],
+        compute_dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
+        **zero: Any,
+    ):
+        self.model = ModelChunks(chunks)
+        self.dp_group = dp_group
+        self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.zero = ZeroDataParallel(
+            self.model, dp_group=dp_group, tp_group=tp_group, embedding_group=embedding_group, **zero
+        )
+        self.executor = PipelineExecutor(
+            [_ChunkCall(self.zero, c) for c in range(len(chunks))],
+            actions,
+            pp_group=pp_group,
+            activation_shape=activation_shape,
+            dtype=compute_dtype,
+            loss_fn=lambda out, targets: self._scaled(loss_fn(out, targets)),
+            tp_group=None if sequence_parallel else tp_group,
+            embedding_group=None,  # ZeRO sums the tied-embedding gradient (on its shard, any stage)
+            # ZeRO 0-1 run the step under no_sync(); each chunk's last backward launches its DP reduction
+            final_backward=lambda chunk: self.zero.sync_gradients(),
+        )
+        self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        self.activation_bytes = 0.0  # saved activations at the schedule's peak (a measured step)
+        self.model_state_bytes: dict = {}
+        self.last_comm: comm.CommCounter | None = None
+
+    @classmethod
+    def from_pieces(
+        cls,
+        first: nn.Module,
+        blocks: Sequence[nn.Module],
+        last: nn.Module,
+        *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        pp_group: dist.ProcessGroup,
+        microbatches: int,
+        schedule: str = "1f1b",
+        vpp: int = 1,
+        embedding_cost: float = 0.0,
+        head_cost: float = 0.0,
+        **kwargs: Any,
+    ) -> StepEngine:
+        """An engine for a model given as pieces (:func:`chunks_from_pieces`): this rank's
+        chunks of the cost-balanced split, scheduled by ``schedule`` over ``microbatches``
+        micro-batches per step; ``kwargs`` as for the constructor."""
+        pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        chunks = chunks_from_pieces(
+            first, blocks, last, pp=pp, pp_rank=pp_rank, vpp=vpp, embedding_cost=embedding_cost, head_cost=head_cost
+        )
+        actions = build_schedule(schedule, pp, microbatches, vpp)[pp_rank]
+        return cls(chunks, actions, loss_fn=loss_fn, pp_group=pp_group, **kwargs)
+
+    # ---------------------------------------------------------------- the step
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale the step multiplies the loss by (1 without a scaler); ZeRO
+        divides the gradients by it (fused with the DP mean) before clipping."""
+        return self.zero.scaler.scale if self.zero.scaler else 1.0
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.zero.scaler.scale if self.zero.scaler else loss  # fp32/bf16: no extra op
+
+    def set_lr(self, lr: float) -> None:
+        """Set every parameter group's learning rate (the loop's schedule)."""
+        for group in self.zero.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(
+        self,
+        inputs: Sequence[torch.Tensor],
+        targets: Sequence[torch.Tensor],
+        *,
+        read: bool = True,
+        measure_memory: bool = False,
+    ) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches; the step's stats.
+
+        ``loss`` is the mean over the DP replicas (the global batch). ``read``: read
+        ``loss``, ``grad_norm``, ``skipped`` on the host (one device synchronisation,
+        inside the timed region, so ``step_time_s`` is device time); otherwise they stay
+        device tensors (:func:`read_stats` reads them) and ``step_time_s`` is host
+        (enqueueing) time. ``measure_memory``: also record :attr:`activation_bytes`
+        (autograd's saved activations at the schedule's peak) and :attr:`model_state_bytes`.
+        """
+        scale = self.loss_scale
+        counter = comm.CommCounter()
+        clock = StepClock(self.device)  # CUDA events on a GPU (host clocks would time enqueueing)
+        t0, host_t0 = clock.mark(), time.perf_counter()
+        meter = SavedActivationMeter(self.model.parameters()) if measure_memory else None
+        with counter, self.zero.no_sync(), meter or contextlib.nullcontext():
+            loss = self.executor.run(inputs, targets)
+        if meter is not None:  # per (micro-batch, chunk) × the most the schedule held at once
+            pairs = len(inputs or targets) * len(self.model.chunks)
+            self.activation_bytes = meter.bytes / pairs * self.executor.peak_activations
+        with counter:
+            stats = self.zero.step()
+        if measure_memory:  # after the step: the optimizer state exists from its first step
+            self.model_state_bytes = self.zero.held_bytes()
+        loss = loss.detach().float() / scale
+        with counter:
+            comm.all_reduce(loss, group=self.dp_group)  # mean over DP replicas = the global batch
+        end = clock.mark()
+        rec = {
+            "loss": loss / self.dp,
+            "grad_norm": stats["grad_norm"],
+            "skipped": stats["skipped"],
+            "loss_scale": float(stats["loss_scale"]),
+        }
+        host_s = time.perf_counter() - host_t0
+        if read:
+            rec = read_stats(rec)  # waits for the device: the step's work is all in
+            host_s = time.perf_counter() - host_t0
+            elapsed = clock.seconds(t0, end)  # device time; resolving after the read waits for nothing
+            rec.update(step_time_s=elapsed, comm_frac=min(1.0, counter.wait_seconds() / elapsed))
+        else:  # no read: on a GPU the step is only enqueued, its events resolve later
+            rec.update(step_time_s=host_s)
+        rec.update(host_time_s=host_s, comm_bytes=counter.sent_bytes(), mem_gb=peak_memory_bytes(self.device) / 2**30)
+        self.last_comm = counter
+        return rec
+
+    def evaluate(self, batches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]) -> torch.Tensor:
+        """Forward-only mean loss over ``batches`` (``(inputs, targets)`` per global batch),
+        averaged over DP: a device tensor, unread."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for inputs, targets in batches:
+            total += self.executor.run(inputs, targets, forward_only=True).float() / self.loss_scale
+        comm.all_reduce(total, group=self.dp_group)
+        return total / (len(batches) * self.dp)
+
+    @contextlib.contextmanager
+    def recording_timeline(self) -> Iterator[None]:
+        """Within: steps keep the executor's :class:`~parallel.pipeline.simulator.Span` list
+        (:attr:`timeline`) of every computation and transfer."""
+        self.executor.record_timeline = True
+        try:
+            yield
+        finally:
+            self.executor.record_timeline = False
+
+    @property
+    def timeline(self) -> list:
+        return self.executor.timeline
+
+    # -------------------------------------------------------------- checkpoint
+    def checkpoint_pieces(self, tp_group: dist.ProcessGroup | None = None) -> dict[str, object]:
+        """This rank's model and optimizer state as ``{global key: Chunked | tensor}`` views
+        (see :mod:`parallel.checkpoint.zero_state`); no collective, no copy."""
+        names = self.model.global_names()
+        return zero_state_pieces(self.zero, global_name=names.__getitem__, tp_group=tp_group)
+
+    def prepare_load(self, saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Create the optimizer state a checkpoint holds (``saved``: key → (shape, dtype)),
+        so :meth:`checkpoint_pieces` has views to load into."""
+        names = self.model.global_names()
+        prepare_optimizer_state(self.zero, saved, names.__getitem__)
+
+    def finish_load(self, scaler_state: dict | None) -> None:
+        """After loading into :meth:`checkpoint_pieces`: publish the master weights to the
+        compute parameters and restore the fp16 loss scaler."""
+        publish(self.zero)
+        if self.zero.scaler and scaler_state:
+            self.zero.scaler.load_state_dict(scaler_state)
+
+    def scaler_state(self) -> dict | None:
+        """The fp16 loss scaler's state (``None`` without one)."""
+        return self.zero.scaler.state_dict() if self.zero.scaler else None

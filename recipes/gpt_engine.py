@@ -1,0 +1,78 @@
+"""The GPT of a recipe as a :class:`~parallel.engine.StepEngine`: this rank's chunks, the
+optimizer, the schedule and the ZeRO settings, all read from the config."""
+
+from __future__ import annotations
+
+import torch
+
+from models.transformer import build_model
+from parallel.engine import StepEngine
+from parallel.groups import ParallelGroups
+from parallel.pipeline.partition import stage_chunks
+from parallel.pipeline.schedules import build_schedule
+from parallel.plan.shape import ModelShape, layer_partition
+
+from .config import Layout, RecipeConfig
+
+
+def optimizer_factory(rc: RecipeConfig, device: torch.device):
+    """``factory(param_groups)`` building ``rc.optim``'s optimizer (fused AdamW on a GPU)."""
+    o = rc.optim
+    fused = True if device.type == "cuda" else None  # one kernel for all tensors; None: foreach
+
+    def factory(param_groups):
+        if o.name == "sgd":
+            return torch.optim.SGD(param_groups, lr=o.lr, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(
+            param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=fused
+        )
+
+    return factory
+
+
+def build_gpt_engine(
+    rc: RecipeConfig, layout: Layout, g: ParallelGroups, device: torch.device, dtype: torch.dtype
+) -> tuple[list[range], StepEngine]:
+    """The layer split (the planner's, so its per-stage predictions describe this very run)
+    and this rank's GPT chunks in a step engine."""
+    p, mc, t, cm = rc.parallel, layout.model, rc.train, rc.comm
+    ranges = layer_partition(ModelShape.of(mc), p.pp, p.vpp, p.pp_layers)
+    chunks = [
+        build_model(
+            mc,
+            tp_group=g.tp,
+            sequence_parallel=p.sequence_parallel,
+            layers=layers,
+            has_embedding=c * p.pp + g.pp_rank == 0,
+            has_head=c * p.pp + g.pp_rank == len(ranges) - 1,
+            device=device,
+            dtype=torch.float32,
+            seed=t.seed,
+        )
+        for c, layers in enumerate(stage_chunks(ranges, p.pp, g.pp_rank))
+    ]
+    seq = mc.seq_len // p.tp if p.sequence_parallel else mc.seq_len
+    engine = StepEngine(
+        chunks,
+        build_schedule(p.pp_schedule, p.pp, layout.grad_accum, p.vpp)[g.pp_rank],
+        loss_fn=chunks[-1].loss,  # used on the last virtual stage only, which holds the head
+        dp_group=g.dp,
+        pp_group=g.pp,
+        tp_group=g.tp,
+        embedding_group=g.embedding,
+        activation_shape=(layout.micro_batch, seq, mc.d_model),
+        compute_dtype=dtype,
+        sequence_parallel=p.sequence_parallel,
+        stage=p.zero,
+        optimizer_factory=optimizer_factory(rc, device),
+        units=[b for ch in chunks for b in ch.blocks.values()],
+        precision=t.precision,
+        comm_dtype=cm.dtype,
+        bucket_mb=cm.bucket_mb,
+        overlap=cm.overlap,
+        grad_clip=t.grad_clip or None,
+        clip_groups=[g.pp],
+        compression=cm.compression,
+        topk_ratio=cm.topk_ratio,
+    )
+    return ranges, engine
