@@ -1,6 +1,7 @@
 """A :class:`~parallel.zero.ZeroDataParallel`'s training state as global, resharding-ready pieces.
 
-Every rank describes what it holds, without any communication and without
+Every rank describes what it holds (through ZeRO's public
+:meth:`~parallel.zero.ZeroDataParallel.shards`), without any communication and without
 copying: for each parameter, the boxes of the global tensor that its ZeRO
 shard covers (see :mod:`parallel.checkpoint.chunks`), each a *view* into the
 fp32 master shard or into an optimizer state tensor. The keys are global::
@@ -52,8 +53,8 @@ def zero_state_pieces(
     """
     tp_rank, tp_size = _tp_rank_size(tp_group)
     out: dict[str, object] = {}
-    for b in zdp.buckets:
-        state = zdp.optimizer.state.get(b.master, {}) if optimizer else {}
+    for b in zdp.shards():
+        state = zdp.shard_optimizer_state(b) if optimizer else {}
         for key, value in state.items():
             if not torch.is_tensor(value):
                 raise CheckpointError(
@@ -61,7 +62,7 @@ def zero_state_pieces(
                     f"only tensor state can be checkpointed"
                 )
         sources = {"model": b.master.detach(), **{k: v for k, v in state.items() if _per_element(v, b.master)}}
-        for slot, param in zip(b.layout.slots, b.params):
+        for slot, param in zip(b.slots, b.params):
             name = global_name(slot.name)
             place = tp_placement(slot.shape, tp_shard_dim(param), tp_rank, tp_size, rows=vocab_rows(param))
             for key, value in state.items():
@@ -99,12 +100,12 @@ def prepare_optimizer_state(
     state like the master shard, 0-dim state as scalars) under the names the
     checkpoint uses for the bucket's first parameter.
     """
-    for b in zdp.buckets:
-        prefix = f"optim/{global_name(b.layout.slots[0].name)}/"
+    for b in zdp.shards():
+        prefix = f"optim/{global_name(b.slots[0].name)}/"
         wanted = {k[len(prefix) :]: v for k, v in saved_keys.items() if k.startswith(prefix)}
         if not wanted:
             continue
-        state = zdp.optimizer.state.setdefault(b.master, {})
+        state = zdp.shard_optimizer_state(b, create=True)
         for key, (shape, dtype) in wanted.items():
             if key not in state:
                 state[key] = (
@@ -116,5 +117,4 @@ def prepare_optimizer_state(
 
 def publish(zdp: ZeroDataParallel) -> None:
     """Copy freshly loaded master shards into the compute parameters (every stage)."""
-    for b in zdp.buckets:
-        b.publish_master()
+    zdp.publish_masters()

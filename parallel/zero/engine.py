@@ -391,25 +391,3 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.zero_grad()
-
-    def held_bytes(self) -> dict:
-        """Model-state bytes this rank holds now, counted from its tensors.
-
-        ``params``: compute parameters (stage 3: the shard plus whatever is
-        gathered at the moment); ``grads``: gradient buffers; ``optimizer``: the
-        separate fp32 master (16-bit precisions) plus every per-element optimizer
-        state tensor (0-dim scalars such as Adam's ``step`` are left out).
-        """
-        nbytes = lambda t: t.untyped_storage().nbytes()  # noqa: E731 - 0 once freed (stage 3)
-        params = grads = optim = 0
-        for b in self.buckets:
-            params += nbytes(b.flat_param) + (b.param_shard.nbytes if b.param_shard is not None else 0)
-            grads += sum(t.nbytes for t in (b.flat_grad, b.grad_shard) if t is not None)
-            grads += sum(p.grad.nbytes for p in b.params if b.flat_grad is None and p.grad is not None)
-            optim += b.master.nbytes if b.master_is_separate else 0
-            optim += sum(
-                v.nbytes
-                for v in self.optimizer.state.get(b.master, {}).values()
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape == b.master.shape
-            )
-        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}

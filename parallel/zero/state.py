@@ -16,10 +16,31 @@ Two forms:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 
 from .. import comm
-from .layout import ZeroConfigError
+from .layout import ParamSlot, ZeroConfigError
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """One bucket's part of the training state this rank owns: what checkpoints read and write.
+
+    ``master`` is the fp32 master shard, elements ``[lo, hi)`` of the bucket's flat
+    layout, in which parameter ``params[i]`` occupies ``slots[i]`` (its name, shape and
+    ``[offset, end)``). The optimizer's state for the shard is keyed by ``master``
+    (:meth:`StateDictMixin.shard_optimizer_state`). Views, not copies: writing into
+    ``master`` and then calling :meth:`StateDictMixin.publish_masters` loads weights.
+    """
+
+    master: torch.Tensor
+    lo: int
+    hi: int
+    slots: tuple[ParamSlot, ...]
+    params: tuple[nn.Parameter, ...]
 
 
 def _full_flat(bucket, local: torch.Tensor) -> torch.Tensor:
@@ -51,6 +72,21 @@ def _owned(bucket, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 class StateDictMixin:
     """State dict methods of ZeroDataParallel (needs ``buckets``, ``optimizer``, ``scaler``)."""
 
+    def shards(self) -> list[ShardView]:
+        """This rank's master shards with their parameters' places (the public checkpoint interface)."""
+        return [ShardView(b.master, b.lo, b.hi, tuple(b.layout.slots), tuple(b.params)) for b in self.buckets]
+
+    def shard_optimizer_state(self, shard: ShardView, create: bool = False) -> dict:
+        """The optimizer's state of ``shard`` (``{}`` before the first step; ``create``: made and kept)."""
+        return (
+            self.optimizer.state.setdefault(shard.master, {}) if create else self.optimizer.state.get(shard.master, {})
+        )
+
+    def publish_masters(self) -> None:
+        """Copy the (freshly loaded) master shards into the compute parameters, at every stage."""
+        for b in self.buckets:
+            b.publish_master()
+
     def _layout_key(self) -> dict:
         return {
             "stage": self.stage,
@@ -80,7 +116,7 @@ class StateDictMixin:
             b.master.data.copy_(m)
         self.optimizer.load_state_dict(state["optimizer"])
         self._load_scaler(state["scaler"])
-        self._publish()
+        self.publish_masters()
 
     def full_state_dict(self) -> dict:
         """Whole fp32 parameters and optimizer state by parameter name (collective over DP)."""
@@ -122,12 +158,30 @@ class StateDictMixin:
             if state:
                 self.optimizer.state[b.master] = state
         self._load_scaler(full.get("scaler"))
-        self._publish()
+        self.publish_masters()
 
     def _load_scaler(self, state) -> None:
         if self.scaler and state:
             self.scaler.load_state_dict(state)
 
-    def _publish(self) -> None:
+    def held_bytes(self) -> dict:
+        """Model-state bytes this rank holds now, counted from its tensors.
+
+        ``params``: compute parameters (stage 3: the shard plus whatever is
+        gathered at the moment); ``grads``: gradient buffers; ``optimizer``: the
+        separate fp32 master (16-bit precisions) plus every per-element optimizer
+        state tensor (0-dim scalars such as Adam's ``step`` are left out).
+        """
+        nbytes = lambda t: t.untyped_storage().nbytes()  # noqa: E731 - 0 once freed (stage 3)
+        params = grads = optim = 0
         for b in self.buckets:
-            b.publish_master()
+            params += nbytes(b.flat_param) + (b.param_shard.nbytes if b.param_shard is not None else 0)
+            grads += sum(t.nbytes for t in (b.flat_grad, b.grad_shard) if t is not None)
+            grads += sum(p.grad.nbytes for p in b.params if b.flat_grad is None and p.grad is not None)
+            optim += b.master.nbytes if b.master_is_separate else 0
+            optim += sum(
+                v.nbytes
+                for v in self.optimizer.state.get(b.master, {}).values()
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape == b.master.shape
+            )
+        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}

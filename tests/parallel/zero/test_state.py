@@ -103,3 +103,29 @@ def test_per_rank_state_round_trips_and_refuses_another_layout():
         for name, p in ref_params.items():
             torch.testing.assert_close(torch.from_numpy(params[name]), p, atol=1e-5, rtol=0)
         assert "stage 2 dp 2" in refused and "stage 1 dp 2" in refused and "reshard" in refused
+
+
+def _shard_cover(stage):
+    zdp = _zdp(stage)
+    owned = {}
+    for shard in zdp.shards():
+        assert shard.master.numel() == shard.hi - shard.lo and shard.master.dtype == torch.float32
+        for slot, p in zip(shard.slots, shard.params):
+            lo, hi = max(slot.offset, shard.lo), min(slot.end, shard.hi)
+            owned[slot.name] = owned.get(slot.name, 0) + max(0, hi - lo)
+            assert tuple(p.shape) == slot.shape
+        assert zdp.shard_optimizer_state(shard) == {}  # no state before the first step
+        shard.master.fill_(0.5)  # a load writes the masters, then publishes them
+    zdp.publish_masters()
+    return owned, all(bool((p == 0.5).all()) for p in zdp.module.parameters()) if stage < 3 else None
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_public_shard_view_covers_every_parameter_once_over_the_dp_group_and_publishes(stage):
+    """The checkpoint interface (shards / shard_optimizer_state / publish_masters): at stage 0 every
+    rank owns every element; from stage 1 the DP ranks' shards partition each parameter."""
+    results = run_ranks(_shard_cover, 2, stage, timeout=60)
+    numels = {n: p.numel() for n, p in make_model().named_parameters()}
+    total = {n: sum(r[0].get(n, 0) for r in results) for n in numels}
+    assert total == {n: numels[n] * (2 if stage == 0 else 1) for n in numels}
+    assert all(r[1] for r in results)
