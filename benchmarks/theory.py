@@ -8,6 +8,7 @@ All figures are bytes sent per rank per optimizer step (the mean over ranks).
 from __future__ import annotations
 
 from parallel.comm import SENT_FRACTION
+from parallel.layers.cross_entropy import CE_ALL_REDUCE_BYTES_PER_TOKEN
 from parallel.zero.policy import policy
 from parallel.zero.theory import step_sent_bytes
 
@@ -59,7 +60,7 @@ def tp_bytes(
     a = micro_batch * seq * d_model * act_bytes
     per_mb = rho * a * (8 * layers + (2 if first else 0) + (2 if last else 0))
     if last:
-        per_mb += 2 * rho * 12 * micro_batch * seq
+        per_mb += 2 * rho * CE_ALL_REDUCE_BYTES_PER_TOKEN * micro_batch * seq
     return m * per_mb
 
 

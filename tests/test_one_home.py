@@ -130,3 +130,12 @@ def test_schedule_rule_is_shared_by_library_planner_and_config():
     with pytest.raises(config.ConfigError) as e:
         config.validate(rc, world_size=None)
     assert schedules.schedule_problem("interleaved", 2, 1, prefix="parallel.") in str(e.value)
+
+
+def test_cross_entropy_all_reduce_bytes_have_one_home():
+    from benchmarks import theory as bench
+    from parallel.layers import cross_entropy
+    from parallel.plan import traffic
+
+    assert traffic.CE_ALL_REDUCE_BYTES_PER_TOKEN is cross_entropy.CE_ALL_REDUCE_BYTES_PER_TOKEN
+    assert bench.CE_ALL_REDUCE_BYTES_PER_TOKEN is cross_entropy.CE_ALL_REDUCE_BYTES_PER_TOKEN

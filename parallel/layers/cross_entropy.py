@@ -21,6 +21,10 @@ import torch.nn.functional as F
 from .. import comm
 from .linear import LayerConfigError
 
+CE_ALL_REDUCE_BYTES_PER_TOKEN = 12
+"""Payload of the vocabulary-parallel cross-entropy's forward all-reduces per token: the fp32 max
+(4 B, one call) and the fp32 sum of exponentials with the target logit (8 B, one call)."""
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..comm.counter import SENT_FRACTION
+from ..layers.cross_entropy import CE_ALL_REDUCE_BYTES_PER_TOKEN
 from ..zero.compression import INDEX_BYTES, topk_count
 from ..zero.policy import policy
 from .hardware import Hardware
@@ -158,5 +159,5 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
         fwd += op("all_gather", 1, "head forward") if sp else 0.0
         bwd += op("reduce_scatter" if sp else "all_reduce", 1, "head input gradient")
         bwd += op("all_gather", 1, "head backward (input, gathered again)") if sp else 0.0
-        fwd += op("all_reduce", 1, "cross-entropy max and sums", 12 * mb * shape.seq_len)
+        fwd += op("all_reduce", 1, "cross-entropy max and sums", CE_ALL_REDUCE_BYTES_PER_TOKEN * mb * shape.seq_len)
     return fwd, bwd
