@@ -1,31 +1,23 @@
-"""The typed recipe configuration and its up-front validation.
+"""The typed recipe configuration: the schema every key a user types belongs to.
 
 Every key a user types (``parallel.tp=2``, ``train.global_batch=64`` ...) is a
 field of one of the dataclasses below; Hydra refuses unknown keys because the
-schema is structured. :func:`validate` then checks the *relations* between
-keys (batch arithmetic, layout against world size) and raises
-:class:`ConfigError` naming the numbers and the fix. It is pure and runs on
-every rank before any collective, so a bad configuration is an error
-everywhere, never a hang.
+schema is structured. This module holds the schema (the ``*Config`` /
+``*Section`` dataclasses and :class:`RecipeConfig`), the resolved
+:class:`Layout`, :func:`model_config`, and the one error type
+(:class:`ConfigError`, built by :func:`bad`).
+
+The checks live in :mod:`recipes.validation` (:func:`validate`, the ``CHOICES``
+table, unknown-key and override checks); they are re-exported here, so
+``from recipes.config import validate`` keeps working.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import math
-import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from models.config import PRESETS, ModelConfig
-from parallel.pipeline.schedules import SCHEDULES, schedule_problem
-from parallel.precision import PRECISIONS
-from parallel.zero.compression import COMPRESSIONS
-from parallel.zero.policy import ZERO_STAGES
-
-from .runlog import LR_SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -193,32 +185,6 @@ class RecipeConfig:
     dryrun: DryrunSection = field(default_factory=DryrunSection)  # mode=dryrun keys
 
 
-# The typed choices of the config, each tuple imported from where the library defines the names.
-# OmegaConf 2.3's structured configs refuse ``Literal`` annotations ("Unexpected type annotation"),
-# so the fields stay ``str``/``int`` and this table is the one place they are validated
-# (:func:`check_values`, for every mode).
-CHOICES = {
-    "mode": ("train", "plan", "recommend", "dryrun"),
-    "parallel.pp_schedule": SCHEDULES,
-    "train.precision": PRECISIONS,
-    "optim.name": ("adamw", "sgd"),
-    "optim.schedule": LR_SCHEDULES,
-    "comm.compression": COMPRESSIONS,
-    "comm.dtype": (None, *PRECISIONS),
-    "data.source": ("embedded", "memmap"),
-    "logger.wandb": ("disabled", "offline", "online"),
-    "parallel.zero": ZERO_STAGES,
-    "parallel.backend": (None, "nccl", "gloo"),
-}
-
-
-def _get(cfg: Any, dotted: str) -> Any:
-    obj = cfg
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 @dataclass(frozen=True)
 class Layout:
     """The resolved layout and batch arithmetic of a run."""
@@ -235,332 +201,31 @@ class Layout:
         return self.dp * self.pp * self.tp
 
 
-def resolve_dp(parallel: ParallelConfig, world_size: int | None) -> int:
-    """dp as an int: the configured value, or world_size / (pp·tp) for ``auto``."""
-    from parallel.topology import Topology, TopologyError
-
-    dp = None if parallel.dp in (None, "auto") else parallel.dp
-    if dp is None and world_size is None:
-        return 1  # self-spawned single replica: dp=auto means 1
-    try:
-        return Topology(dp, parallel.pp, parallel.tp, world_size=world_size).dp
-    except TopologyError as e:
-        raise ConfigError(f"{e}. (Try `mode=plan` to size a layout before launching.)") from None
-
-
-def resolve_aliases(cfg: Any) -> None:
-    """``parallel.mp`` is another name for ``parallel.tp``: fold it in (idempotent)."""
-    p = cfg.parallel
-    if p.mp is None:
-        return
-    if p.tp not in (1, p.mp):
-        raise ConfigError(f"parallel.mp={p.mp} and parallel.tp={p.tp} disagree (mp is an alias of tp); set one")
-    p.tp = p.mp
+# The checks live in recipes.validation (which imports this module's dataclasses); every name stays
+# importable from here through a lazy re-export, so importing either module first has no cycle.
+_VALIDATION_NAMES = frozenset(
+    {
+        "CHOICES",
+        "check_keys",
+        "check_overrides",
+        "check_values",
+        "key_error",
+        "resolve_aliases",
+        "resolve_dp",
+        "schema_keys",
+        "unknown_keys",
+        "validate",
+    }
+)
 
 
-def _number(
-    key: str,
-    v: Any,
-    *,
-    lo: float,
-    lo_open: bool = False,
-    hi: float = math.inf,
-    hi_open: bool = False,
-    integer: bool = False,
-    fix: str,
-) -> None:
-    """Refuse ``key=v`` unless it is a finite number (an int if ``integer``) in the given range."""
-    kind = "an integer" if integer else "a number"
-    ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok_type or (not integer and not math.isfinite(v)):
-        raise bad(key, v, f"must be {kind}" + ("" if integer else " (finite)"), fix)
-    if v < lo or (lo_open and v == lo) or v > hi or (hi_open and v == hi):
-        span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-        if hi == math.inf:
-            span = f"> {lo:g}" if lo_open else f"≥ {lo:g}"
-        raise bad(key, v, f"must be {span}", fix)
+def __getattr__(name: str) -> Any:
+    if name in _VALIDATION_NAMES:
+        from . import validation
+
+        return getattr(validation, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def check_values(cfg: Any) -> None:
-    """Every single-key range the trainer and its libraries rely on (a torch or NumPy error
-    later would never name the key). Pure; raises :class:`ConfigError`."""
-    o, t, c, d, p = cfg.optim, cfg.train, cfg.comm, cfg.data, cfg.parallel
-    _number("optim.lr", o.lr, lo=0, lo_open=True, fix="a learning rate like optim.lr=1e-3")
-    _number("optim.min_lr", o.min_lr, lo=0, fix="the schedule's floor, e.g. optim.min_lr=1e-4 (0 allowed)")
-    if o.min_lr > o.lr:
-        raise bad("optim.min_lr", o.min_lr, f"above optim.lr={o.lr:g}", "use optim.min_lr ≤ optim.lr")
-    betas = list(o.betas) if isinstance(o.betas, (list, tuple)) else o.betas
-    if not isinstance(betas, list) or len(betas) != 2:
-        raise bad("optim.betas", betas, "must be two numbers [beta1,beta2]", "e.g. optim.betas=[0.9,0.95]")
-    for b in betas:
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1:
-            raise bad("optim.betas", betas, "each beta must be in [0, 1)", "e.g. optim.betas=[0.9,0.95]")
-    _number("optim.eps", o.eps, lo=0, lo_open=True, fix="e.g. optim.eps=1e-8")
-    _number("optim.weight_decay", o.weight_decay, lo=0, fix="e.g. optim.weight_decay=0.1 (0 disables)")
-    _number("optim.warmup_steps", o.warmup_steps, lo=0, integer=True, fix="e.g. optim.warmup_steps=20")
-    _number(
-        "train.eval_every",
-        t.eval_every,
-        lo=0,
-        integer=True,
-        fix="validation every N steps; train.eval_every=0 disables it",
-    )
-    _number(
-        "train.threads",
-        t.threads,
-        lo=0,
-        integer=True,
-        fix="intra-op threads per rank; train.threads=0 picks cores / local ranks",
-    )
-    _number("train.grad_clip", t.grad_clip, lo=0, fix="a global-norm bound like train.grad_clip=1.0; 0 disables")
-    _number("train.sigterm_grace_s", t.sigterm_grace_s, lo=0, lo_open=True, fix="e.g. train.sigterm_grace_s=60")
-    _number("comm.bucket_mb", c.bucket_mb, lo=0, lo_open=True, fix="e.g. comm.bucket_mb=25")
-    _number(
-        "data.val_fraction",
-        d.val_fraction,
-        lo=0,
-        lo_open=True,
-        hi=1,
-        hi_open=True,
-        fix="the held-out share of the embedded corpus, e.g. data.val_fraction=0.05",
-    )
-    _number(
-        "data.embedded_mb",
-        d.embedded_mb,
-        lo=0,
-        lo_open=True,
-        fix="the embedded corpus size in MiB, e.g. data.embedded_mb=4",
-    )
-    _number("parallel.gpus_per_node", p.gpus_per_node, lo=1, integer=True, fix="e.g. parallel.gpus_per_node=8")
-    from parallel.topology import Topology, TopologyError
-
-    try:
-        Topology(1, 1, 1, order=p.order)
-    except TopologyError:
-        raise bad(
-            "parallel.order",
-            p.order,
-            "must name each of tp, dp, pp once, fastest first",
-            "e.g. parallel.order=tp-dp-pp",
-        ) from None
-
-
-def validate(cfg: Any, world_size: int | None = None) -> Layout:
-    """Check every relation between keys; return the resolved :class:`Layout`.
-
-    ``world_size`` is the number of launched processes (None when the recipe
-    will spawn its own: dp=auto then means 1). Raises :class:`ConfigError`.
-    """
-    resolve_aliases(cfg)
-    for key, allowed in CHOICES.items():
-        v = _get(cfg, key)
-        if v not in allowed:
-            raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(repr, allowed))}")
-    check_values(cfg)
-    p, t = cfg.parallel, cfg.train
-    for key in (
-        "parallel.pp",
-        "parallel.tp",
-        "parallel.vpp",
-        "train.global_batch",
-        "train.micro_batch",
-        "train.max_steps",
-        "train.log_every",
-    ):
-        v = _get(cfg, key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{key} must be a positive integer, got {v!r}")
-    if p.dp not in (None, "auto") and (isinstance(p.dp, bool) or not isinstance(p.dp, int) or p.dp < 1):
-        raise ConfigError(f"parallel.dp must be a positive integer or 'auto', got {p.dp!r}")
-    dp = resolve_dp(p, world_size)
-    from models.config import ModelConfigError
-
-    try:
-        mc = model_config(cfg.model).validate(tp=p.tp)
-    except ModelConfigError as e:  # name the keys this config set that the rule involves
-        keys = [
-            f"model.{k}={_show(v)}"
-            for k, v in vars(cfg.model).items()
-            if k != "preset" and v is not None and re.search(rf"\b{k}\b", str(e))
-        ]
-        if p.tp > 1 and re.search(r"\btp\b", str(e)):
-            keys.append(f"parallel.tp={p.tp}")
-        raise ConfigError(f"{', '.join(keys) or f'model.preset={cfg.model.preset}'}: {e}") from None
-    per_replica = t.micro_batch * dp
-    if t.global_batch % per_replica:
-        lo = max(1, t.global_batch // per_replica) * per_replica
-        raise ConfigError(
-            f"train.global_batch {t.global_batch} is not a multiple of micro_batch {t.micro_batch} × "
-            f"dp {dp} = {per_replica} (global_batch = micro_batch × grad_accum × dp); "
-            f"use global_batch={lo} or {lo + per_replica}, or change micro_batch"
-        )
-    grad_accum = t.global_batch // per_replica
-    problem = schedule_problem(p.pp_schedule, p.pp, p.vpp, prefix="parallel.")  # the library's own rule
-    if problem:
-        raise ConfigError(problem)
-    if p.pp_schedule == "interleaved" and grad_accum % p.pp:
-        raise ConfigError(
-            f"the interleaved schedule needs the micro-batches per step (global_batch {t.global_batch} / "
-            f"(micro_batch {t.micro_batch} × dp {dp}) = {grad_accum}) to be a multiple of pp {p.pp}; "
-            f"use train.global_batch={(grad_accum // p.pp + 1) * p.pp * per_replica}"
-        )
-    if t.eval_every and t.eval_batches < 1:
-        raise ConfigError(f"train.eval_batches must be ≥ 1 when train.eval_every={t.eval_every} (or set eval_every=0)")
-    if p.pp_layers is not None:
-        layers = list(p.pp_layers)
-        if len(layers) != p.pp or sum(layers) != mc.n_layers or min(layers) < 1:
-            raise ConfigError(
-                f"parallel.pp_layers={layers} must list {p.pp} positive layer counts "
-                f"(one per pipeline rank, pp {p.pp}) summing to model.n_layers {mc.n_layers}"
-            )
-    if p.pp * p.vpp > mc.n_layers:
-        raise ConfigError(
-            f"pp {p.pp} × vpp {p.vpp} = {p.pp * p.vpp} stages but the model has only "
-            f"{mc.n_layers} layers; lower parallel.pp (or vpp)"
-        )
-    from parallel.plan.shape import ModelShape, layer_partition
-
-    try:  # the trainer's own split (vpp must divide each rank's layers)
-        layer_partition(ModelShape.of(mc), p.pp, p.vpp, p.pp_layers)
-    except ValueError as e:
-        raise bad(
-            "parallel.vpp",
-            p.vpp,
-            str(e).split("; ")[0],
-            f"use model.n_layers a multiple of pp·vpp = {p.pp * p.vpp}, or parallel.pp_layers "
-            f"with multiples of {p.vpp}",
-        ) from None
-    if p.sequence_parallel and p.tp == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
-    if p.sequence_parallel and mc.seq_len % p.tp:
-        raise ConfigError(
-            f"sequence parallelism splits model.seq_len {mc.seq_len} over tp {p.tp}: it must be divisible"
-        )
-    if not 0 < cfg.comm.topk_ratio <= 1:
-        raise ConfigError(f"comm.topk_ratio must be in (0, 1], got {cfg.comm.topk_ratio}")
-    if cfg.comm.compression != "none" and p.zero != 0:
-        raise ConfigError("comm.compression=topk is implemented for parallel.zero=0 only")
-    if cfg.data.source == "memmap" and not cfg.data.path:
-        raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
-    from .profiling import profile_steps  # logger.profile
-
-    profile_steps(cfg.logger.profile, t.max_steps)
-    if p.timeout_s <= 0:
-        raise ConfigError(f"parallel.timeout_s must be positive, got {p.timeout_s}")
-    if t.ckpt_every < 0 or t.ckpt_keep < 0:
-        raise ConfigError(f"train.ckpt_every ({t.ckpt_every}) and train.ckpt_keep ({t.ckpt_keep}) must be ≥ 0")
-    if t.fault is not None and not re.fullmatch(r"(raise|kill|term|kill_in_save)@\d+:\d+", t.fault):
-        raise ConfigError(
-            f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind raise, kill, term or kill_in_save"
-        )
-    return Layout(dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc)
-
-
-# --- unknown keys: refused in every form (plain, `+`, `++`, `~`) ---------------------------------------
-def schema_keys(schema: Any = None, prefix: str = "") -> dict[str, bool]:
-    """Every dotted key of the recipe schema → True where the key is a free-form mapping
-    (``plan.profiles``: user-named entries below it are allowed)."""
-    schema = RecipeConfig() if schema is None else schema
-    out: dict[str, bool] = {}
-    for f in dataclasses.fields(schema):
-        value, dotted = getattr(schema, f.name), prefix + f.name
-        out[dotted] = isinstance(value, dict)
-        if dataclasses.is_dataclass(value):
-            out.update(schema_keys(value, dotted + "."))
-    return out
-
-
-def key_error(key: str, value: Any = None) -> ConfigError | None:
-    """None if ``key`` (dotted) is in the schema or under a free-form mapping; else the error
-    naming the closest valid key."""
-    keys = schema_keys()
-    parts = key.split(".")
-    for i in range(1, len(parts) + 1):
-        head = ".".join(parts[:i])
-        if head not in keys:
-            break
-        if keys[head] or i == len(parts):
-            return None
-    leaves = [k for k in keys if not any(o.startswith(k + ".") for o in keys)]
-    close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.6)
-    if not close:  # a typo in the section name: compare the last part within every section
-        by_name = {k.rsplit(".", 1)[-1]: k for k in leaves}
-        close = [by_name[m] for m in difflib.get_close_matches(parts[-1], list(by_name), n=1, cutoff=0.8)]
-    fix = f"did you mean {close[0]}?" if close else "`--cfg job` lists every key"
-    reason = "no such key in the recipe schema (recipes/config.py)"
-    return bad(key, value, reason, fix) if value is not None else ConfigError(f"{key}: {reason}; {fix}")
-
-
-def unknown_keys(cfg: dict, schema: Any = None, prefix: str = "") -> list[tuple[str, Any]]:
-    """``(dotted key, value)`` of every entry of a composed config (a plain dict, e.g.
-    ``OmegaConf.to_container(cfg)``) that the schema does not define. Hydra's ``+key=value``
-    adds keys to a structured config on purpose, so the composed config is checked here."""
-    schema = RecipeConfig() if schema is None else schema
-    out = []
-    for key, value in cfg.items():
-        dotted = prefix + str(key)
-        if not hasattr(schema, str(key)):
-            out.append((dotted, value))
-        elif dataclasses.is_dataclass(getattr(schema, key)) and isinstance(value, dict):
-            out.extend(unknown_keys(value, getattr(schema, key), dotted + "."))
-    return out
-
-
-def check_keys(cfg: dict) -> None:
-    """Raise :class:`ConfigError` for the first key of a composed config the schema lacks."""
-    for key, value in unknown_keys(cfg):
-        err = key_error(key, value)
-        if err is not None:
-            raise err
-
-
-def _override_values(ov: Any) -> list | None:
-    """The values an override sets (each of a sweep's), or None where only Hydra can expand them."""
-    try:
-        return list(ov.sweep_iterator()) if ov.is_sweep_override() else [ov.value()]
-    except Exception:  # noqa: BLE001 - glob / interval sweeps need the config: Hydra checks them
-        return None
-
-
-def check_overrides(overrides: Iterable[str]) -> None:
-    """Refuse command-line overrides of keys the schema lacks, or of values its types reject,
-    before Hydra composes (Hydra's own message is a multi-line exit 1 that suggests ``+key``).
-
-    Left to Hydra / :func:`check_keys`: ``hydra.*`` keys, config groups (``hydra/launcher=...``),
-    the ``+``/``++`` append forms (a ``+group=option`` may be a user's config group; what it adds
-    is checked after composition) and sweep values that are not plain lists.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import OverrideType
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
-    except HydraException:
-        return  # a syntax error: Hydra's own message shows where
-    schema = None
-    for ov in parsed:
-        key = ov.key_or_group
-        if key == "hydra" or key.startswith("hydra.") or "/" in key or ov.package is not None:
-            continue
-        if ov.type in (OverrideType.ADD, OverrideType.FORCE_ADD):
-            continue
-        text = ov.input_line.split("=", 1)[1] if "=" in ov.input_line else None
-        err = key_error(key, text)
-        if err is not None:
-            raise err
-        if ov.type == OverrideType.DEL:
-            continue
-        values = _override_values(ov)
-        if values is None:
-            continue
-        schema = OmegaConf.structured(RecipeConfig) if schema is None else schema
-        for v in values:
-            try:
-                OmegaConf.update(schema, key, v, merge=True)
-            except OmegaConfBaseException as e:
-                default = OmegaConf.select(OmegaConf.structured(RecipeConfig), key)
-                reason = str(e).splitlines()[0].rstrip(".")
-                raise bad(key, v, reason, f"the default is {key}={_show(default)}") from None
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _VALIDATION_NAMES)

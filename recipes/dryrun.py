@@ -40,8 +40,9 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from .config import RecipeConfig, bad, validate
+from .config import RecipeConfig, bad
 from .trainer import Trainer
+from .validation import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 MEMORY_KEYS = ("params", "grads", "optimizer", "buffers", "activations", "temporaries")

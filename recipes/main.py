@@ -37,19 +37,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.local import LocalWorldError, check_local_world, spawn_local, under_torchrun
 
-from .config import (
-    ConfigError,
-    Layout,
-    RecipeConfig,
-    check_keys,
-    check_overrides,
-    check_values,
-    resolve_aliases,
-    resolve_dp,
-    validate,
-)
+from .config import ConfigError, Layout, RecipeConfig
 from .deepspeed import apply_deepspeed
 from .sweep import JobFailed
+from .validation import check_keys, check_overrides, check_values, resolve_aliases, resolve_dp, validate
 
 _REGISTERED = False
 

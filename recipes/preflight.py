@@ -1,6 +1,6 @@
 """Checks that read the machine and the files a run names, before any worker or collective.
 
-:func:`recipes.config.validate` checks the config's keys and their relations
+:func:`recipes.validation.validate` checks the config's keys and their relations
 (pure). :func:`preflight` checks what those keys point at: the backend against
 the hardware, the token files (header, sizes, vocabulary, windows per split),
 the checkpoint to resume (exists, complete, intact, the same model shape).
@@ -191,7 +191,7 @@ def check_resume(rc: Any, mc: ModelConfig, run_dir: str | Path, rank: int = 0, w
 def preflight(rc: Any, layout: Layout, run_dir: str | Path, rank: int = 0, world: int = 1) -> None:
     """Every check that reads the machine or files (see the module doc); raises :class:`ConfigError`.
 
-    Call after :func:`recipes.config.validate` (which gives ``layout``), in the launcher with
+    Call after :func:`recipes.validation.validate` (which gives ``layout``), in the launcher with
     ``rank=0, world=1`` and on each torchrun rank with its own, before any collective.
     """
     check_backend(rc.parallel.backend)

@@ -30,13 +30,14 @@ from parallel.precision import TORCH_DTYPES
 from parallel.topology import Topology
 
 from . import checkpointing
-from .config import Layout, RecipeConfig, validate
+from .config import Layout, RecipeConfig
 from .data import open_data
 from .exits import finish_distributed
 from .gpt_engine import build_gpt_engine
 from .profiling import StepProfiler, profile_steps
 from .reports import memory_report, timeline_step
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
+from .validation import validate
 
 COMPUTE_DTYPES = TORCH_DTYPES  # one home: parallel.precision
 
@@ -130,7 +131,7 @@ class Trainer:
 
 def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[str, Any]:
     """Run a whole training job as this rank; return a summary (rank 0's is the job's).
-    ``layout``: :func:`recipes.config.validate`'s result for this world, if the caller has it."""
+    ``layout``: :func:`recipes.validation.validate`'s result for this world, if the caller has it."""
     trainer = Trainer(rc, run_dir, layout)
     is_rank0 = trainer.rank == 0
     t = rc.train
