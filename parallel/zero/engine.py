@@ -60,9 +60,11 @@ an inf/NaN on any rank of the DP, TP or ``clip_groups`` is skipped on all.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import comm
@@ -148,7 +150,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self,
         module: nn.Module,
         *,
-        dp_group,
+        dp_group: dist.ProcessGroup | None,
         stage: int,
         optimizer_factory: Callable[[list[dict]], torch.optim.Optimizer],
         units: Sequence[nn.Module] | None = None,
@@ -157,9 +159,9 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         bucket_mb: float = 25,
         overlap: bool = True,
         grad_clip: float | None = None,
-        tp_group=None,
-        embedding_group=None,
-        clip_groups: Sequence = (),
+        tp_group: dist.ProcessGroup | None = None,
+        embedding_group: dist.ProcessGroup | None = None,
+        clip_groups: Sequence[dist.ProcessGroup | None] = (),
         compression: str | None = None,
         topk_ratio: float = 0.01,
         loss_scaler: DynamicLossScaler | None = None,
@@ -252,7 +254,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self._unit_buckets = [[b for b in self.buckets if b.layout.unit == u] for u in range(root + 1)]
 
     # forward / backward -----------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.param_dtype != torch.float32:
             cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
             args = tuple(cast(a) for a in args)
@@ -264,7 +266,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         (loss.float() * self.scaler.scale if self.scaler else loss).backward()
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without communicating (stages 0–1; see the module docstring)."""
         previous, self._sync = self._sync, False
         try:
@@ -273,7 +275,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             self._sync = previous
 
     @contextlib.contextmanager
-    def sync_gradients(self):
+    def sync_gradients(self) -> Iterator[None]:
         """Communicate during this backward even inside :meth:`no_sync` (stages 0–1).
 
         For the last backward of a micro-batch loop that runs under ``no_sync()``: each
