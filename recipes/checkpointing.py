@@ -192,10 +192,9 @@ class Preemption:
             self._device_flag = torch.zeros(1, device=comm.device_for())
         flag = self._device_flag.fill_(float(self.flag))  # a kernel, not a host-to-device copy
         comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-        if flag.device.type == "cuda":
-            host = torch.empty(1, pin_memory=True)
+        if flag.device.type == "cuda":  # one pinned buffer and event, reused: the last copy was read above
+            done, host = self._pending or (torch.cuda.Event(), torch.empty(1, pin_memory=True))
             host.copy_(flag, non_blocking=True)
-            done = torch.cuda.Event()
             done.record()
             self._pending = (done, host)
         else:

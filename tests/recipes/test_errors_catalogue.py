@@ -114,28 +114,25 @@ def _fixtures(tmp: Path) -> dict[str, str]:
     return f
 
 
-def _children(pid: int) -> list[int]:
+def _procs_with(field: int, value: int) -> list[int]:
+    """Live pids whose /proc stat field ``field`` (after the name: 1 = parent, 3 = session) is ``value``."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(fields[field]) == value:
             out.append(int(stat.parent.name))
     return out
+
+
+def _children(pid: int) -> list[int]:
+    return _procs_with(1, pid)
 
 
 def _session_members(sid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            out.append(int(stat.parent.name))
-    return out
+    return _procs_with(3, sid)
 
 
 def run_catalogue(cases_json: str, out_json: str) -> None:
