@@ -43,7 +43,7 @@ class ParallelConfig:
     mp: Optional[int] = None  # alias of tp (Megatron's "model parallel" size)
     sequence_parallel: bool = False
     zero: int = 0  # 0-3
-    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved
+    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved | zb-h1 (zero bubble)
     vpp: int = 1  # virtual stages per rank (interleaved)
     pp_layers: Optional[List[int]] = None  # explicit layers per stage
     order: str = "tp-dp-pp"  # rank order, fastest axis first

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from ..pipeline.schedules import ScheduleError, build_schedule
+from ..pipeline.schedules import ScheduleError, build_schedule, zb_h1_makespan
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
@@ -102,15 +102,20 @@ def pipeline_time(
     rounded to 0.1 %, so layouts share simulations). Otherwise 1F1B's closed form
     ``(m + pp − 1)(f + b)`` plus p2p latencies, with stage ``s`` holding
     ``min(pp − s, m)`` micro-batches (GPipe: ``m``): the search's quick estimate.
+    ZB-H1 (m ≥ pp): :func:`~parallel.pipeline.schedules.zb_h1_makespan` with the backward
+    split evenly into B and W, every stage holding ``min(pp, m)``.
     """
     if fwd <= 0:
         raise PlanError(f"forward time must be positive, got {fwd}")
-    if exact or schedule == "interleaved":
+    if exact or schedule == "interleaved" or (schedule == "zb-h1" and m < pp):
         try:
             span, bubble, peaks = _simulate(schedule, pp, m, vpp, round(bwd / fwd, 3), round(p2p / fwd, 3))
         except ScheduleError as e:
             raise PlanError(str(e)) from None
         return span * fwd, bubble, peaks
+    if schedule == "zb-h1":
+        span = zb_h1_makespan(pp, m, fwd, bwd / 2, bwd / 2) + (2 * (pp - 1) + m - 1) * p2p
+        return span, 1 - m * (fwd + bwd) / span, (min(pp, m),) * pp
     span = (m + pp - 1) * (fwd + bwd) + (2 * (pp - 1) + m - 1) * p2p
     peaks = tuple(m if schedule == "gpipe" else min(pp - s, m) for s in range(pp))
     return span, 1 - m * (fwd + bwd) / span, peaks

@@ -1,0 +1,250 @@
+"""Zero-bubble ZB-H1: the schedule is deadlock-free with a third of 1F1B's bubble at 1F1B's peak
+memory (the paper's closed form), and the split backward computes exactly a plain backward's
+gradients, each once, B doing no weight-gradient work."""
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallel.pipeline.schedules import (
+    BackwardInput,
+    BackwardWeight,
+    Compute,
+    Forward,
+    ScheduleError,
+    SendGrad,
+    build_schedule,
+    one_f_one_b,
+    zb_h1,
+    zb_h1_makespan,
+)
+from parallel.pipeline.simulator import simulate
+from parallel.pipeline.split_backward import SavedTensorStash, backward_input, backward_weight
+from parallel.testing import run_ranks
+
+SIZES = [(p, m) for p in (1, 2, 3, 4, 6, 8) for m in (1, 2, 3, 4, 6, 8, 13, 16)]
+
+
+@pytest.mark.parametrize("p, m", SIZES)
+def test_zb_h1_is_deadlock_free_with_1f1b_memory_and_a_smaller_bubble(p, m):
+    zb, ref = simulate(zb_h1(p, m)), simulate(one_f_one_b(p, m))  # B = W = F (backward = 2F)
+    assert max(zb.peak_activations) == max(ref.peak_activations) == min(p, m)  # the first stage's
+    assert all(pk <= min(p, m) for pk in zb.peak_activations)
+    assert zb.busy == pytest.approx(ref.busy)  # the same work, split
+    if p > 1:
+        assert zb.bubble_fraction < ref.bubble_fraction
+    if m >= p:  # Qi et al. §2.1: bubble (p − 1)(F + B − W), a third of 1F1B's (p − 1)(F + B + W)
+        assert zb.makespan == pytest.approx(zb_h1_makespan(p, m, 1.0, 1.0, 1.0))
+        assert zb.makespan - 3 * m == pytest.approx((ref.makespan - 3 * m) / 3)
+        assert zb.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1))
+
+
+@pytest.mark.parametrize("f, b, w", [(1.0, 1.5, 0.5), (1.0, 1.2, 0.8), (2.0, 2.0, 1.0), (1.0, 0.8, 0.8)])
+@pytest.mark.parametrize("p, m", [(2, 2), (3, 7), (4, 8), (6, 12)])
+def test_closed_form_with_unequal_costs_and_latency_still_beats_1f1b(f, b, w, p, m):
+    zb = simulate(zb_h1(p, m), forward=f, backward=b + w, weight=w)
+    assert zb.makespan == pytest.approx(zb_h1_makespan(p, m, f, b, w))  # holds while W ≤ B
+    lat = 0.1 * f  # and with transfer latency, still ahead of 1F1B
+    slow, ref = (
+        simulate(s, forward=f, backward=b + w, weight=w, p2p_latency=lat) for s in (zb_h1(p, m), one_f_one_b(p, m))
+    )
+    assert slow.makespan < ref.makespan
+
+
+def test_w_after_b_after_forward_and_sends_right_after_b():
+    for s, actions in enumerate(zb_h1(4, 8)):
+        order = [a for a in actions if isinstance(a, Compute)]
+        seen = set()
+        for a in order:
+            need = {BackwardInput: (Forward, a.mb), BackwardWeight: (BackwardInput, a.mb)}.get(type(a))
+            assert need is None or need in seen, (s, a)
+            seen.add((type(a), a.mb))
+        if s > 0:  # the input gradient leaves right after B, before any W
+            for i, a in enumerate(actions):
+                if isinstance(a, BackwardInput):
+                    assert actions[i + 1] == SendGrad(a.mb, 0, s - 1)
+    with pytest.raises(ScheduleError, match="vpp=2 needs parallel.pp_schedule=interleaved"):
+        from parallel.pipeline.schedules import schedule_problem
+
+        raise ScheduleError(schedule_problem("zb-h1", 2, 2, prefix="parallel."))
+    assert build_schedule("zb-h1", 3, 5) == zb_h1(3, 5)
+
+
+def test_simulator_refuses_w_before_b_and_a_half_split():
+    good = zb_h1(2, 2)
+    w_first = [
+        good[0],
+        [
+            BackwardWeight(0) if a == BackwardInput(0) else BackwardInput(0) if a == BackwardWeight(0) else a
+            for a in good[1]
+        ],
+    ]
+    with pytest.raises(ScheduleError, match="BackwardWeight.*before its BackwardInput|before its RecvGrad"):
+        simulate(w_first)
+    no_w = [good[0], [a for a in good[1] if a != BackwardWeight(1)]]
+    with pytest.raises(
+        ScheduleError, match=r"micro-batch 1, chunk 0\) needs exactly one Backward or one BackwardInput"
+    ):
+        simulate(no_w)
+
+
+# ------------------------------------------------------------------ the split backward
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Net(nn.Module):
+    """LayerNorm, two linears and a residual; ``shared``: one more weight used twice (two frontier
+    nodes in one group; W then also recomputes the input gradient between its two uses)."""
+
+    def __init__(self, shared: bool, d=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.shared = nn.Parameter(torch.randn(d, d) / d) if shared else None
+
+    def forward(self, x):
+        h = x + self.down(torch.tanh(self.up(self.norm(x))))
+        return h if self.shared is None else torch.tanh(h @ self.shared) @ self.shared + h
+
+
+def _matmuls(ops):
+    return sum(n for k, n in ops.items() if k in ("mm", "addmm", "bmm"))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("stash", [False, True])
+def test_split_backward_equals_backward_each_gradient_once_and_b_computes_no_weight_gradient(shared, stash):
+    x0, gy = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1)), torch.randn(2, 3, 8)
+    ref = _Net(shared)
+    x = x0.clone().requires_grad_()
+    out = ref(x)
+    with _Count() as full:
+        out.backward(gy)
+    net, xs = _Net(shared), x0.clone().requires_grad_()
+    calls = []
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: calls.append(p))
+    keep = SavedTensorStash() if stash else None
+    with keep.hooks() if keep else contextlib.nullcontext():
+        out = net(xs)
+    with _Count() as b_ops:
+        dx, work = backward_input(out, gy, xs, net.parameters(), keep)
+    assert all(p.grad is None for p in net.parameters()) and not calls  # B accumulates nothing
+    torch.testing.assert_close(dx, x.grad)
+    with _Count() as w_ops:
+        backward_weight(work)
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert sorted(map(id, calls)) == sorted(map(id, net.parameters()))  # each hook once
+    n_weights = 2 + 2 * shared  # weight-gradient products: up, down (and both uses of shared)
+    assert _matmuls(b_ops.ops) == _matmuls(full.ops) - n_weights  # B: input gradients only
+    # W: the weight gradients; nothing else unless a weight feeds the input path twice
+    assert _matmuls(w_ops.ops) == n_weights + shared
+
+
+def test_output_independent_of_the_input_runs_the_whole_backward_in_b():
+    net = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    out = net(torch.ones(2, 4)) + 0 * x.detach()
+    dx, work = backward_input(out, torch.ones(2, 4), x, net.parameters())
+    assert dx is None and work is None and net.weight.grad is not None
+
+
+def test_planner_prices_zb_h1_below_1f1b_at_the_same_peak():
+    from parallel.plan.planner import pipeline_time
+
+    for pp, m, f, b, d in [(4, 8, 1.0, 2.0, 0.1), (8, 16, 1.0, 2.3, 0.05), (3, 2, 0.5, 1.5, 0.0)]:
+        exact = pipeline_time("zb-h1", pp, m, 1, f, b, d)
+        quick = pipeline_time("zb-h1", pp, m, 1, f, b, d, exact=False)
+        assert quick[0] == pytest.approx(exact[0], rel=0.05) and quick[2] == exact[2]
+        one = pipeline_time("1f1b", pp, m, 1, f, b, d)
+        assert exact[0] < one[0] and exact[1] < one[1] and max(exact[2]) == max(one[2])
+
+
+# ------------------------------------------------------------- measured activation memory
+class _LiveSaved:
+    """Bytes of the tensors autograd holds for backward right now (each storage once), and
+    their peak: the packed object dies when autograd releases the saved tensor."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.refs, self.live, self.peak = {}, 0, 0
+
+    def pack(self, t):
+        key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+        if key in self.params:
+            return t
+        if self.refs.get(key, 0) == 0:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        return _Held(t.detach(), self, key, nbytes)  # detached: a saved output must not keep its graph
+
+
+class _Held:
+    def __init__(self, tensor, meter, key, nbytes):
+        self.tensor, self.meter, self.key, self.nbytes = tensor, meter, key, nbytes
+
+    def __del__(self):
+        self.meter.refs[self.key] -= 1
+        if self.meter.refs[self.key] == 0:
+            self.meter.live -= self.nbytes
+
+
+def _peak_saved_bytes(pp, m):
+    import torch.distributed as dist
+
+    from parallel.pipeline.executor import PipelineExecutor
+    from parallel.pipeline.partition import partition_layers, stage_chunks
+
+    from .toy import ACTIVATION_SHAPE, Stage, data, loss_fn, make_groups
+
+    topo, groups = make_groups(pp)
+    stage = topo.coords(dist.get_rank()).pp
+    ranges = partition_layers(8, pp)
+    chunk = Stage(8, stage_chunks(ranges, pp, stage)[0], first=stage == 0, last=stage == pp - 1, tied=False)
+    xs, ys = data(m)
+    out = {}
+    for schedule in ("1f1b", "zb-h1"):
+        ex = PipelineExecutor(
+            [chunk],
+            build_schedule(schedule, pp, m)[stage],
+            pp_group=groups["pp"],
+            activation_shape=ACTIVATION_SHAPE,
+            dtype=torch.float32,
+            loss_fn=loss_fn,
+        )
+        meter = _LiveSaved(chunk.parameters())
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda h: h if torch.is_tensor(h) else h.tensor):
+            ex.run(xs if stage == 0 else None, ys if stage == pp - 1 else None)
+        import gc
+
+        gc.collect()
+        assert meter.live == 0, (schedule, meter.live)  # everything released by the end of the step
+        out[schedule] = (meter.peak, ex.peak_activations)
+    return out
+
+
+def test_measured_peak_activation_memory_is_1f1bs():
+    pp, m = 4, 8
+    per_stage = run_ranks(_peak_saved_bytes, pp, pp, m, timeout=60)
+    one = [r["1f1b"] for r in per_stage]
+    zb = [r["zb-h1"] for r in per_stage]
+    assert max(b for b, _ in zb) == max(b for b, _ in one)
+    assert zb[0] == one[0]
+    # B released what W does not read: the last stage holds 4 micro-batches in less than 4 × 1F1B's one
+    assert zb[-1][0] < 0.6 * pp * one[-1][0]
+    # later stages hold up to pp micro-batches (1F1B: pp − s), as the simulator says
+    assert [n for _, n in zb] == simulate(zb_h1(pp, m)).peak_activations
+    assert [n for _, n in one] == simulate(one_f_one_b(pp, m)).peak_activations
