@@ -17,10 +17,10 @@ forward runs under a :class:`SavedTensorStash`, and after B every saved tensor n
 W node reads (softmax probabilities, activation-function outputs, the logits of
 the loss ...) is released; a matmul's input, which ``dW`` needs, stays.
 
-W accumulates into ``.grad`` through the parameters' own ``AccumulateGrad`` nodes
-(``torch.autograd.backward(..., inputs=params)``), so post-accumulate-grad hooks
-(ZeRO's buckets) see each parameter's gradient once per micro-batch, and a callback
-queued during W runs when W ends, as after an ordinary backward.
+W accumulates into ``.grad`` through the parameters' own ``AccumulateGrad`` nodes, in
+one autograd run, so post-accumulate-grad hooks (ZeRO's buckets) see each parameter's
+gradient once per micro-batch, and a callback queued during W runs once, when W ends,
+as after an ordinary backward.
 """
 
 from __future__ import annotations
@@ -193,8 +193,16 @@ def backward_input(
 
 
 def backward_weight(work: WeightGradWork) -> None:
-    """W: accumulate the weight gradients :func:`backward_input` deferred into ``.grad``
-    (each parameter's post-accumulate-grad hooks run once); the graph is released after."""
+    """W: accumulate the weight gradients :func:`backward_input` deferred into ``.grad``.
+
+    Each group's gradients are computed (``autograd.grad``, nothing accumulated), then one
+    autograd run hands them all to the parameters' ``AccumulateGrad`` nodes through views
+    that cost nothing: every post-accumulate-grad hook runs once, and a callback queued
+    during W (ZeRO's end of backward) once, when all of W is in — as after one backward.
+    The stage's weight gradients are therefore all alive at once for a moment (autograd
+    would accumulate them one by one). The graph is released after.
+    """
+    params_out, grads_out = [], []
     for params, nodes in work.groups:
         edges, grads, pin = [], [], []
         for node in nodes:
@@ -209,8 +217,14 @@ def backward_weight(work: WeightGradWork) -> None:
                 pin.append(node.register_prehook(lambda _grads, rec=recorded: rec))
         try:
             if edges:
-                torch.autograd.backward(edges, grads, retain_graph=True, inputs=params)
+                dws = torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
+                for p, dw in zip(params, dws):
+                    if dw is not None:
+                        params_out.append(p)
+                        grads_out.append(dw)
         finally:
             for h in pin:
                 h.remove()
     work.groups, work.recorded, work.outputs = [], {}, []
+    if params_out:
+        torch.autograd.backward([p.view_as(p) for p in params_out], grads_out, inputs=params_out)

@@ -248,3 +248,80 @@ def test_measured_peak_activation_memory_is_1f1bs():
     # later stages hold up to pp micro-batches (1F1B: pp − s), as the simulator says
     assert [n for _, n in zb] == simulate(zb_h1(pp, m)).peak_activations
     assert [n for _, n in one] == simulate(one_f_one_b(pp, m)).peak_activations
+
+
+# ------------------------------------------------------------------ with ZeRO
+def _zero_step(stage, pp, m, schedule="zb-h1"):
+    from parallel import comm
+    from parallel.groups import build_groups
+    from parallel.pipeline.executor import PipelineExecutor
+    from parallel.pipeline.partition import partition_layers, stage_chunks
+    from parallel.topology import Topology
+    from parallel.zero import ZeroDataParallel
+
+    from ..zero.test_pipeline_overlap import _Chunks, _View
+    from .toy import ACTIVATION_SHAPE, Stage, data, loss_fn
+
+    dp, layers = 2, 4
+    g = build_groups(Topology(dp, pp, 1))
+    (mine,) = stage_chunks(partition_layers(layers, pp), pp, g.pp_rank)
+    chunk = Stage(layers, mine, first=g.pp_rank == 0, last=g.pp_rank == pp - 1, tied=False)
+    zdp = ZeroDataParallel(
+        _Chunks([chunk]),
+        dp_group=g.dp,
+        stage=stage,
+        bucket_mb=1e-3,
+        clip_groups=[g.pp],
+        units=list(chunk.blocks.values()) if stage == 3 else None,
+        optimizer_factory=lambda groups: torch.optim.SGD(groups, lr=0.1),
+    )
+    events = []
+    for b in zdp.buckets:
+        launch = b.launch_reduction
+        b.launch_reduction = lambda launch=launch: (events.append("launch"), launch())[1]
+    ex = PipelineExecutor(
+        [_View(zdp, 0)],
+        build_schedule(schedule, pp, m)[g.pp_rank],
+        pp_group=g.pp,
+        activation_shape=ACTIVATION_SHAPE,
+        dtype=torch.float32,
+        loss_fn=loss_fn,
+        final_backward=lambda chunk: zdp.sync_gradients(),
+    )
+    for name in ("_backward_input", "_backward_weight"):
+        run = getattr(ex, name)
+        setattr(ex, name, lambda a, run=run, name=name: (events.append(name), run(a))[1])
+    xs, ys = data(dp * m)
+    rows = slice(g.dp_rank * m, (g.dp_rank + 1) * m)
+    counter = comm.CommCounter()
+    with counter, zdp.no_sync():
+        ex.run(xs[rows] if g.pp_rank == 0 else None, ys[rows] if g.pp_rank == pp - 1 else None)
+    events.append("step")
+    with counter:
+        zdp.step()
+    params = {n.split(".", 2)[2]: p.detach().clone() for n, p in zdp.full_parameters().items()}
+    return g.pp_rank, events, len(zdp.buckets), params
+
+
+@pytest.mark.parametrize("stage, pp", [(0, 2), (1, 4), (2, 2), (3, 2)])
+def test_zero_stages_see_each_gradient_once_and_equal_one_process(stage, pp):
+    from .toy import Stage, data, loss_fn
+
+    m, dp = 4, 2
+    ref = Stage(4, range(4), first=True, last=True, tied=False)
+    xs, ys = data(dp * m)
+    (sum(loss_fn(ref(x), y) for x, y in zip(xs, ys)) / (dp * m)).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    want = dict(ref.named_parameters())
+    for pp_rank, events, n_buckets, params in run_ranks(_zero_step, dp * pp, stage, pp, m, timeout=120):
+        for name, p in params.items():
+            torch.testing.assert_close(p, want[name].detach(), atol=1e-5, rtol=1e-5, msg=name)
+        launches = [i for i, e in enumerate(events) if e == "launch"]
+        # ZeRO 0-1 reduce each bucket once per step, from inside the last weight-gradient pass
+        # (the first stage's last B, which runs its whole backward); 2-3 once per micro-batch
+        assert len(launches) == n_buckets * (1 if stage < 2 else m)
+        assert launches[-1] < events.index("step")
+        if stage < 2:
+            last = "_backward_input" if pp_rank == 0 else "_backward_weight"
+            final = max(i for i, e in enumerate(events) if e == last)
+            assert all(i > final for i in launches)
