@@ -69,7 +69,8 @@ class TrainConfig:
     resume: Optional[str] = None  # auto (the run's checkpoints/latest, if any) | a checkpoint path
     sigterm_grace_s: float = 60.0  # after SIGTERM, a rank not at a step's end by then exits (143)
     ckpt_keep: int = 3  # published checkpoints kept (0: all)
-    fault: Optional[str] = None  # fault drill: "<raise|kill|term|kill_in_save>@<rank>:<step>" (checkpointing.py)
+    ckpt_async: bool = True  # stage to host memory, write in a background thread (docs/checkpoint.md)
+    fault: Optional[str] = None  # fault drill: "<kind>@<rank>:<step>" (kinds: recipes/checkpointing.py)
     threads: int = 0  # intra-op threads per rank on CPU; 0: cores / local ranks
 
 

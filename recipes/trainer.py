@@ -162,6 +162,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
         log.info(f"resuming from {resume_from} (step {trainer.load_state_dict(resume_from)})")
         log.advance(trainer.step)
     preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
+    saver = checkpointing.Saver(trainer)  # train.ckpt_async: saves written in the background
     preempted = False
     # --- end checkpoint ---
     profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
@@ -199,12 +200,15 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             # --- checkpoint: periodic / final save, SIGTERM → save and stop ---
             trainer.step = step + 1
             preempted = preemption.poll()  # every step, no host wait: agreed by all ranks one step late
+            if (done := saver.poll()) is not None:  # raises a failed background save here, at once
+                log.info(f"checkpoint {done} published")
             if save_due or preempted:
-                path = checkpointing.save(
-                    trainer,
-                    on_written=lambda: checkpointing.fault_drill(t.fault, trainer.rank, trainer.step, where="save"),
+                path = saver.save(  # the drill's step is bound now: a background writer calls it later
+                    on_written=lambda at=trainer.step: checkpointing.fault_drill(
+                        t.fault, trainer.rank, at, where="save"
+                    ),
                 )
-                log.info(f"checkpoint {path}")
+                log.info(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
             if preempted:
                 if not read:
                     log.log(read_stats(rec))
@@ -213,6 +217,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             # --- end checkpoint ---
             if read:  # evaluation, logging and saving are not training time
                 window_start, window_steps = time.perf_counter(), 0
+        if (done := saver.close()) is not None:  # the end of training waits for the last save
+            log.info(f"checkpoint {done} published")
     finally:
         profiler.close()
         preemption.close()

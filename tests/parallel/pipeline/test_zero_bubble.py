@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from parallel.memory import PeakSavedMeter
 from parallel.pipeline.schedules import (
     BackwardInput,
     BackwardWeight,
@@ -173,35 +174,6 @@ def test_planner_prices_zb_h1_below_1f1b_at_the_same_peak():
 
 
 # ------------------------------------------------------------- measured activation memory
-class _LiveSaved:
-    """Bytes of the tensors autograd holds for backward right now (each storage once), and
-    their peak: the packed object dies when autograd releases the saved tensor."""
-
-    def __init__(self, params):
-        self.params = {p.untyped_storage().data_ptr() for p in params}
-        self.refs, self.live, self.peak = {}, 0, 0
-
-    def pack(self, t):
-        key, nbytes = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-        if key in self.params:
-            return t
-        if self.refs.get(key, 0) == 0:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        self.refs[key] = self.refs.get(key, 0) + 1
-        return _Held(t.detach(), self, key, nbytes)  # detached: a saved output must not keep its graph
-
-
-class _Held:
-    def __init__(self, tensor, meter, key, nbytes):
-        self.tensor, self.meter, self.key, self.nbytes = tensor, meter, key, nbytes
-
-    def __del__(self):
-        self.meter.refs[self.key] -= 1
-        if self.meter.refs[self.key] == 0:
-            self.meter.live -= self.nbytes
-
-
 def _peak_saved_bytes(pp, m):
     import torch.distributed as dist
 
@@ -225,8 +197,7 @@ def _peak_saved_bytes(pp, m):
             dtype=torch.float32,
             loss_fn=loss_fn,
         )
-        meter = _LiveSaved(chunk.parameters())
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, lambda h: h if torch.is_tensor(h) else h.tensor):
+        with PeakSavedMeter(chunk.parameters()) as meter:
             ex.run(xs if stage == 0 else None, ys if stage == pp - 1 else None)
         import gc
 
