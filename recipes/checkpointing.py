@@ -75,12 +75,13 @@ def state_pieces(trainer, *, with_rng: bool = True) -> dict:
     return state
 
 
-def _meta(trainer) -> dict:
+def _meta(trainer, config: dict | None = None) -> dict:
+    """The manifest's facts; ``config``: the config as plain data, if already converted."""
     return {
         "step": trainer.step,
         "layout": layout_of(trainer),
         "scaler": trainer.engine.scaler_state(),
-        "config": OmegaConf.to_container(OmegaConf.structured(trainer.rc)),
+        "config": config if config is not None else OmegaConf.to_container(OmegaConf.structured(trainer.rc)),
     }
 
 
@@ -109,6 +110,7 @@ class Saver:
         self.trainer = trainer
         t = trainer.rc.train
         self.background = BackgroundSaver(timeout_s=trainer.rc.parallel.timeout_s) if t.ckpt_async else None
+        self._config = OmegaConf.to_container(OmegaConf.structured(trainer.rc))  # fixed for the run: once
 
     def save(self, *, on_written=None) -> Path:
         """Save at ``trainer.step``; returns the directory (published once :meth:`poll` returns it)."""
@@ -119,7 +121,7 @@ class Saver:
             state_pieces(tr),
             checkpoint_root(tr.run_dir),
             tr.step,
-            meta=_meta(tr),
+            meta=_meta(tr, self._config),
             keep=tr.rc.train.ckpt_keep,
             on_written=on_written,
         )
