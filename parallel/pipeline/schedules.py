@@ -284,7 +284,7 @@ def schedule_problem(name: str, pp: int, vpp: int, *, prefix: str = "") -> str |
     """Why schedule ``name`` cannot run ``pp`` ranks × ``vpp`` chunks, or ``None`` if it can.
 
     The one rule the library and the config share: ``interleaved`` needs ``vpp ≥ 2`` and
-    ``pp ≥ 2``; ``vpp > 1`` needs ``interleaved``. ``prefix`` qualifies the key names in the
+    ``pp ≥ 2``; ``vpp > 1`` needs ``interleaved`` (``zb-h1`` is not interleaved). ``prefix`` qualifies the key names in the
     message (the config passes ``"parallel."``).
     """
     if name not in SCHEDULES:
@@ -293,6 +293,11 @@ def schedule_problem(name: str, pp: int, vpp: int, *, prefix: str = "") -> str |
         return f"{prefix}pp_schedule=interleaved needs {prefix}vpp ≥ 2 virtual stages per rank"
     if name == "interleaved" and pp < 2:
         return f"{prefix}pp_schedule=interleaved needs {prefix}pp ≥ 2 (with pp=1 use 1f1b)"
+    if vpp > 1 and name == "zb-h1":
+        return (
+            f"{prefix}pp_schedule=zb-h1 runs one model chunk per rank, not {prefix}vpp={vpp}: use "
+            f"{prefix}vpp=1, or {prefix}pp_schedule=interleaved for virtual stages"
+        )
     if vpp > 1 and name != "interleaved":
         return f"{prefix}vpp={vpp} needs {prefix}pp_schedule=interleaved"
     return None

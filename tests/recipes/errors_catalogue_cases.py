@@ -63,6 +63,7 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["parallel.vpp=2"], "parallel.vpp", {}),
     (["model.n_layers=6", "parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.vpp=2"], "parallel.vpp", {}),
     (["parallel.pp_schedule=zigzag"], "parallel.pp_schedule", {}),
+    (["parallel.pp=2", "parallel.pp_schedule=zb-h1", "parallel.vpp=2"], "parallel.pp_schedule", {}),
     (["parallel.zero=4"], "parallel.zero", {}),
     (["parallel.backend=nccl"], "parallel.backend", {}),
     (["parallel.backend=mpi"], "parallel.backend", {}),

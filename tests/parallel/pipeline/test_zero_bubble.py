@@ -67,10 +67,14 @@ def test_w_after_b_after_forward_and_sends_right_after_b():
             for i, a in enumerate(actions):
                 if isinstance(a, BackwardInput):
                     assert actions[i + 1] == SendGrad(a.mb, 0, s - 1)
-    with pytest.raises(ScheduleError, match="vpp=2 needs parallel.pp_schedule=interleaved"):
-        from parallel.pipeline.schedules import schedule_problem
+    from parallel.pipeline.schedules import schedule_problem
 
-        raise ScheduleError(schedule_problem("zb-h1", 2, 2, prefix="parallel."))
+    assert schedule_problem("zb-h1", 2, 2, prefix="parallel.") == (
+        "parallel.pp_schedule=zb-h1 runs one model chunk per rank, not parallel.vpp=2: use "
+        "parallel.vpp=1, or parallel.pp_schedule=interleaved for virtual stages"
+    )
+    with pytest.raises(ScheduleError, match="zb-h1 runs one model chunk per rank"):
+        build_schedule("zb-h1", 2, 4, vpp=2)
     assert build_schedule("zb-h1", 3, 5) == zb_h1(3, 5)
 
 
