@@ -112,9 +112,14 @@ def _layout(rc: RecipeConfig) -> Layout:
     p = rc.parallel
     if p.dp in (None, "auto"):
         world = rc.plan.world_size
-        dp = world // (p.pp * p.tp) if world else 1
-        if world and world % (p.pp * p.tp):
-            raise PlanError(f"plan.world_size {world} is not a multiple of pp {p.pp} × tp {p.tp} = {p.pp * p.tp}")
+        per_replica = p.pp * p.tp * p.cp
+        dp = world // per_replica if world else 1
+        if world and world % per_replica:
+            raise PlanError(
+                f"plan.world_size {world} is not a multiple of pp {p.pp} × tp {p.tp}"
+                + (f" × cp {p.cp}" if p.cp > 1 else "")
+                + f" = {per_replica}"
+            )
     else:
         dp = p.dp
     return Layout(
@@ -126,6 +131,8 @@ def _layout(rc: RecipeConfig) -> Layout:
         zero=p.zero,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
+        cp=p.cp,
+        cp_impl=p.cp_impl,
     )
 
 
@@ -133,7 +140,9 @@ def summary(plan: Plan) -> dict[str, Any]:
     """The flat numbers a sweep compares."""
     L, s = plan.layout, plan.step
     return {
-        "layout": f"dp{L['dp']}·pp{L['pp']}·tp{L['tp']} zero{L['zero']}",
+        "layout": f"dp{L['dp']}·pp{L['pp']}·tp{L['tp']}"
+        + (f"·cp{L['cp']}" if L.get("cp", 1) > 1 else "")
+        + f" zero{L['zero']}",
         "fits": plan.fits,
         "peak_gb": round(plan.peak_memory / GB, 2),
         "step_s": round(s["step_time_s"], 4),

@@ -227,11 +227,13 @@ class _RingAttention(torch.autograd.Function):
                 acc[qi] = _merge(acc[qi], *_block_forward(qh[qi], kh[ki], vh[ki], scale, diag))
             _wait(works)
             kv = nxt_kv
-        out = torch.cat([acc[0][0], acc[1][0]], dim=3)
+        out = torch.cat([acc[0][0], acc[1][0]], dim=3).reshape(b, h, s, d)
+        # stored [b, s, h, d] (as SDPA's kernels store it), so that the caller's [b, s, h·d] is a view
+        out = out.transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
         lse = torch.cat([acc[0][1], acc[1][1]], dim=3)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)  # what SDPA's flash kernels keep: q, k, v, out, fp32 LSE
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
-        return out.reshape(b, h, s, d).to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -243,7 +245,7 @@ class _RingAttention(torch.autograd.Function):
         g = h // hk
         qf = q.float().reshape(b, hk, g, s, d)
         do = grad_out.float().reshape(b, hk, g, s, d)
-        delta = (do * out).sum(-1)
+        delta = (do * out.float().reshape(b, hk, g, s, d)).sum(-1)
         qh, doh, lseh, deltah = qf.chunk(2, 3), do.chunk(2, 3), lse.chunk(2, 3), delta.chunk(2, 3)
         dq = [torch.zeros_like(qh[0]), torch.zeros_like(qh[1])]
         kv = torch.stack([k, v]).contiguous()
@@ -332,7 +334,8 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     send = x.reshape(b, hl, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # chunk i: rank i's tokens
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, group=group)  # chunk j: rank j's heads, my tokens
-    return recv.transpose(0, 1).reshape(b, cp * hl, s // cp, d)
+    # [b, s/cp, h, d] in memory (as SDPA's kernels store their output): [b, s/cp, h·d] is a view
+    return recv.permute(1, 3, 0, 2, 4).reshape(b, s // cp, cp * hl, d).transpose(1, 2)
 
 
 class _SeqToHeads(torch.autograd.Function):
