@@ -98,35 +98,43 @@ def cp_unslice(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-def block_pairs(cp: int, rank: int, src: int, causal: bool) -> list[tuple[int, int, bool]]:
-    """Which (query half, key half) pairs rank ``rank`` computes against ``src``'s K/V block.
+def ring_block(cp: int, rank: int, src: int, causal: bool) -> tuple[str, str, bool]:
+    """What rank ``rank`` computes against ``src``'s K/V block: ``(query rows, key rows, causal)``.
 
-    Returns ``(q_half, kv_half, diagonal)`` for each pair a causal mask does not hide
-    entirely (``diagonal``: the same chunk, so a triangular mask applies). Without
-    a mask every pair is full. Each rank computes ``2·cp + 1`` half-pairs causal
-    (``4·cp`` without a mask), whatever its rank: the load balance.
+    Rows are ``"all"`` or one half (``"first"``, ``"second"``) of the local sequence. Under a
+    causal mask: its own block with the causal mask over the local sequence (chunk ``i``
+    never sees chunk ``2·cp−1−i``, which the local order puts after it, while chunk
+    ``2·cp−1−i`` sees all of chunk ``i``: exactly the global mask); an earlier rank's block
+    (``src < rank``): all queries against its first chunk, unmasked; a later rank's block:
+    this rank's second chunk against both, unmasked. One kernel call per step, and every
+    rank computes ``2·cp + 1`` (query half × key half) pairs in all: the load balance.
 
-    >>> block_pairs(2, 0, 1, causal=True)
-    [(1, 0, False), (1, 1, False)]
+    >>> [ring_block(2, 1, src, True) for src in (1, 0)]
+    [('all', 'all', True), ('all', 'first', False)]
     """
-    pairs = []
-    for qh, qc in enumerate(cp_chunks(cp, rank)):
-        for kh, kc in enumerate(cp_chunks(cp, src)):
-            if not causal or qc > kc:
-                pairs.append((qh, kh, False))
-            elif qc == kc:
-                pairs.append((qh, kh, True))
-    return pairs
+    if not causal:
+        return "all", "all", False
+    if src == rank:
+        return "all", "all", True
+    return ("all", "first", False) if src < rank else ("second", "all", False)
+
+
+def _rows(t: torch.Tensor, which: str, dim: int = 2) -> torch.Tensor:
+    if which == "all":
+        return t
+    half = t.shape[dim] // 2
+    return t.narrow(dim, 0 if which == "first" else half, half)
 
 
 def ring_bytes(batch: int, kv_heads: int, local_seq: int, head_dim: int, cp: int, elt: int) -> dict[str, float]:
     """Bytes one rank sends per ring-attention call (one layer): ``forward``, ``backward`` and ``kv`` (one block).
 
-    The dK/dV accumulators travel in fp32 (4 bytes), K/V in the input's ``elt``."""
+    Forward ``cp−1`` K/V hops; backward ``cp−1`` K/V hops and ``cp−1`` hops of the fp32 dK/dV
+    accumulators (4 bytes an element; K/V travel in the input's ``elt``)."""
     kv = 2 * batch * kv_heads * local_seq * head_dim
     if cp == 1:
         return {"kv": kv * elt, "forward": 0.0, "backward": 0.0}
-    return {"kv": kv * elt, "forward": (cp - 1) * kv * elt, "backward": (cp - 1) * kv * elt + cp * kv * 4}
+    return {"kv": kv * elt, "forward": (cp - 1) * kv * elt, "backward": (cp - 1) * kv * (elt + 4)}
 
 
 def ulysses_bytes(batch: int, heads: int, kv_heads: int, local_seq: int, head_dim: int, cp: int, elt: int) -> dict:
@@ -155,40 +163,59 @@ def check_cp_impl(impl: str) -> None:
 # ---------------------------------------------------------------- block kernel
 
 
-def _scores(q, k, scale, diagonal):
-    """``q`` ``[b, hk, g, sq, d]``, ``k`` ``[b, hk, sk, d]`` (fp32) → masked scores ``[b, hk, g, sq, sk]``."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if diagonal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V ``[b, h_kv, s, d]`` repeated for grouped-query attention (query head i uses kv head i // g)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def _block_forward(q, k, v, scale, diagonal):
-    s = _scores(q, k, scale, diagonal)
+def _fold_kv(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of :func:`_expand_kv`: summed over each kv head's query group."""
+    b, h, s, d = g.shape
+    return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def flash_kernel(t: torch.Tensor) -> bool:
+    """Whether blocks on ``t``'s device use torch's flash kernel (the CPU's, which returns the LSE and
+    takes it back in backward); elsewhere the exact fp32 math kernel below."""
+    return t.device.type == "cpu"
+
+
+def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: ``(out, fp32 log-sum-exp [b, h, sq])``. On the CPU, torch's flash kernel (fp32
+    accumulation); elsewhere exact fp32 math (a flash kernel that returns the LSE is the drop-in)."""
+    if flash_kernel(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.unsqueeze(2))
-    return out, lse
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
+
+
+def _attend_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+    """A block's ``dq, dk, dv`` given the *merged* output and log-sum-exp of all blocks (so that
+    ``exp(S − lse)`` is this block's share of the softmax and ``rowsum(dO·O)`` the whole row's)."""
+    if flash_kernel(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), dof)
+    ds = p * (torch.matmul(dof, vf.transpose(-1, -2)) - (dof * out.float()).sum(-1, keepdim=True)) * scale
+    return torch.matmul(ds, kf).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qf), dv
 
 
 def _merge(acc, out, lse):
-    """Log-sum-exp merge of a block's ``(out, lse)`` into the running ``acc`` (``None`` at first)."""
+    """Log-sum-exp merge of a block's ``(out, lse)`` into the running fp32 ``acc`` (``None`` at first)."""
     if acc is None:
-        return out, lse
+        return out.float(), lse
     o0, l0 = acc
     new = torch.logaddexp(l0, lse)
-    return o0 * torch.exp(l0 - new).unsqueeze(-1) + out * torch.exp(lse - new).unsqueeze(-1), new
-
-
-def _block_backward(q, k, v, do, lse, delta, scale, diagonal):
-    """Gradients of one block given the *final* ``lse`` and ``delta = rowsum(dO·O)``."""
-    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
-    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
-    dp = torch.matmul(do, v.unsqueeze(2).transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1)) * scale
-    dq = torch.matmul(ds, k.unsqueeze(2))
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2)
-    return dq, dk, dv
+    return o0 * torch.exp(l0 - new).unsqueeze(-1) + out.float() * torch.exp(lse - new).unsqueeze(-1), new
 
 
 # ---------------------------------------------------------------- ring
@@ -209,76 +236,77 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale):
         cp, r, nxt, prv = _ring_peers(group)
-        b, h, s, d = q.shape
-        hk = k.shape[1]
-        qf = q.float().reshape(b, hk, h // hk, s, d)
-        kv = torch.stack([k, v]).contiguous()
-        halves = lambda t, dim: t.chunk(2, dim=dim)  # noqa: E731
-        qh = halves(qf, 3)
-        acc = [None, None]
+        h, hk = q.shape[1], k.shape[1]
+        kv = torch.stack([k, v])
+        halves: list = [None, None]  # per query half: the fp32 running (output, log-sum-exp)
         for step in range(cp):
             src = (r - step) % cp
             works, nxt_kv = [], None
-            if step < cp - 1:
+            if step < cp - 1:  # post the next block's transfer, then compute on this one
                 nxt_kv = torch.empty_like(kv)
                 works = comm.exchange(sends=[(kv, nxt)], recvs=[(nxt_kv, prv)], group=group)
-            kh, vh = halves(kv[0].float(), 2), halves(kv[1].float(), 2)
-            for qi, ki, diag in block_pairs(cp, r, src, causal):
-                acc[qi] = _merge(acc[qi], *_block_forward(qh[qi], kh[ki], vh[ki], scale, diag))
+            rows, cols, masked = ring_block(cp, r, src, causal)
+            ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
+            block_out, block_lse = _attend(_rows(q, rows), ks, vs, masked, scale)
+            if rows == "all":
+                for i, (oh, lh) in enumerate(zip(block_out.chunk(2, 2), block_lse.chunk(2, 2))):
+                    halves[i] = _merge(halves[i], oh, lh)
+            else:
+                halves[1] = _merge(halves[1], block_out, block_lse)
             _wait(works)
             kv = nxt_kv
-        out = torch.cat([acc[0][0], acc[1][0]], dim=3).reshape(b, h, s, d)
+        out = torch.cat([halves[0][0], halves[1][0]], dim=2)
+        lse = torch.cat([halves[0][1], halves[1][1]], dim=2)
         # stored [b, s, h, d] (as SDPA's kernels store it), so that the caller's [b, s, h·d] is a view
         out = out.transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
-        lse = torch.cat([acc[0][1], acc[1][1]], dim=3)
         ctx.save_for_backward(q, k, v, out, lse)  # what SDPA's flash kernels keep: q, k, v, out, fp32 LSE
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.kv_heads = group, causal, scale, hk
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale = ctx.group, ctx.causal, ctx.scale
+        group, causal, scale, hk = ctx.group, ctx.causal, ctx.scale, ctx.kv_heads
         cp, r, nxt, prv = _ring_peers(group)
-        b, h, s, d = q.shape
-        hk = k.shape[1]
-        g = h // hk
-        qf = q.float().reshape(b, hk, g, s, d)
-        do = grad_out.float().reshape(b, hk, g, s, d)
-        delta = (do * out.float().reshape(b, hk, g, s, d)).sum(-1)
-        qh, doh, lseh, deltah = qf.chunk(2, 3), do.chunk(2, 3), lse.chunk(2, 3), delta.chunk(2, 3)
-        dq = [torch.zeros_like(qh[0]), torch.zeros_like(qh[1])]
-        kv = torch.stack([k, v]).contiguous()
-        dkv = None  # the accumulated dK/dV of the block this rank held last step
+        h = q.shape[1]
+        do = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        own = acc = None  # dK/dV of this rank's own block; the accumulator of the block held now
         for step in range(cp):
+            # step 0: the own block (its gradient stays here); step t ≥ 1: rank r−t's block, whose
+            # partial dK/dV arrive from upstream (t ≥ 2) and travel on: home after cp−1 hops
             src = (r - step) % cp
             sends, recvs, nxt_kv, got = [], [], None, None
             if step < cp - 1:
                 nxt_kv = torch.empty_like(kv)
                 sends.append((kv, nxt))
                 recvs.append((nxt_kv, prv))
-            if step > 0:  # pass the previous block's dK/dV on; receive this block's from upstream
-                got = torch.empty(2, b, hk, s, d, dtype=torch.float32, device=q.device)
-                sends.append((dkv, nxt))
+            if step >= 2:
+                got = torch.empty(kv.shape, dtype=torch.float32, device=q.device)
+                sends.append((acc, nxt))
                 recvs.append((got, prv))
             works = comm.exchange(sends=sends, recvs=recvs, group=group)
-            kh, vh = kv[0].float().chunk(2, 2), kv[1].float().chunk(2, 2)
-            local = torch.zeros(2, b, hk, s, d, dtype=torch.float32, device=q.device)
-            dkh, dvh = local[0].chunk(2, 2), local[1].chunk(2, 2)
-            for qi, ki, diag in block_pairs(cp, r, src, causal):
-                gq, gk, gv = _block_backward(qh[qi], kh[ki], vh[ki], doh[qi], lseh[qi], deltah[qi], scale, diag)
-                dq[qi] += gq
-                dkh[ki].add_(gk)
-                dvh[ki].add_(gv)
+            rows, cols, masked = ring_block(cp, r, src, causal)
+            ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
+            gq, gk, gv = _attend_backward(
+                _rows(do, rows), _rows(q, rows), ks, vs, _rows(out, rows), _rows(lse, rows), masked, scale
+            )
+            _rows(dq, rows).add_(gq)
+            part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            _rows(part[0], cols).add_(_fold_kv(gk, hk))
+            _rows(part[1], cols).add_(_fold_kv(gv, hk))
             _wait(works)
-            dkv = local if got is None else local.add_(got)
+            if step == 0:
+                own = part
+            else:
+                acc = part if got is None else part.add_(got)
             kv = nxt_kv
-        if cp > 1:  # the last hop brings every block's gradient home
-            home = torch.empty_like(dkv)
-            _wait(comm.exchange(sends=[(dkv, nxt)], recvs=[(home, prv)], group=group))
-            dkv = home
-        dq = torch.cat(dq, dim=3).reshape(b, h, s, d).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        if cp > 1:  # the last hop brings each block's accumulated dK/dV home
+            home = torch.empty_like(own)
+            _wait(comm.exchange(sends=[(acc, nxt)], recvs=[(home, prv)], group=group))
+            own = own.add_(home)
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
 
 
 def _check_qkv(q, k, v, what: str) -> None:

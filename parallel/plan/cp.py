@@ -9,8 +9,8 @@ sequence, so its attention FLOPs are ``1/cp`` of the full sequence's (the planne
 
 Traffic on the cp group per layer and micro-batch comes from the layer's own byte
 formulas (:func:`parallel.layers.ring_attention.ring_bytes`, ``ulysses_bytes``): the
-ring sends ``cp−1`` K/V blocks forward and ``cp−1`` K/V blocks plus ``cp`` fp32 dK/dV
-blocks backward; recomputation (``selective`` or ``full``) runs the forward ring again.
+ring sends ``cp−1`` K/V blocks forward and ``cp−1`` K/V blocks plus ``cp−1`` fp32 dK/dV
+accumulators backward; recomputation (``selective`` or ``full``) runs the forward ring again.
 
 Overlap (:func:`cp_traffic`): each ring hop is posted before one block's compute and
 awaited after it, so a hop costs only what exceeds that block's attention FLOPs
@@ -107,8 +107,10 @@ def cp_traffic(
     hop = axis.add("p2p", kv, (cp - 1) * count, hw, "ring K/V blocks (forward)")
     fwd = (cp - 1) * max(0.0, hop - block)
     hop_b = axis.add("p2p", kv, (cp - 1) * count, hw, "ring K/V blocks (backward)")
-    hop_g = axis.add("p2p", dkv, cp * count, hw, "ring dK/dV blocks, fp32 (backward)")
-    bwd = (cp - 1) * max(0.0, hop_b + hop_g - 2 * block) + hop_g  # the last hop brings dK/dV home
+    hop_g = axis.add("p2p", dkv, (cp - 1) * count, hw, "ring dK/dV accumulators, fp32 (backward)")
+    bwd = hop_g  # the last hop (dK/dV home) has no compute left to hide behind
+    for step in range(cp):  # step t posts the next K/V (t < cp−1) and passes an accumulator on (t ≥ 2)
+        bwd += max(0.0, hop_b * (step < cp - 1) + hop_g * (step >= 2) - 2 * block)
     if recompute:
         axis.add("p2p", kv, (cp - 1) * count, hw, "ring K/V blocks (recomputation)")
         bwd += fwd
