@@ -216,15 +216,20 @@ def plan_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
                 tp,
                 f"{t['pp']['bytes'] / GB:.2f}",
             ]
+            + ([f"{t['cp']['bytes'] / GB:.2f}/{t['cp']['time_s']:.3f}"] if plan.layout.get("cp", 1) > 1 else [])
         )
+    if plan.layout.get("cp", 1) > 1:  # context parallel: the ring's (or Ulysses') traffic (docs/cp.md)
+        header.append("CP GB/s-step")
     return header, rows
 
 
 def plan_footer(plan: Plan) -> list[str]:
     s, L, hw = plan.step, plan.layout, plan.hardware
     lines = [
-        f"{L['dp'] * L['pp'] * L['tp']} × {hw['name']} ({hw['memory_bytes'] / GB:.1f} GB): dp={L['dp']} pp={L['pp']} "
-        f"tp={L['tp']} zero={L['zero']} sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
+        f"{L['dp'] * L['pp'] * L['tp'] * L.get('cp', 1)} × {hw['name']} ({hw['memory_bytes'] / GB:.1f} GB): "
+        f"dp={L['dp']} pp={L['pp']} tp={L['tp']}"
+        + (f" cp={L['cp']} ({L['cp_impl']})" if L.get("cp", 1) > 1 else "")
+        + f" zero={L['zero']} sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
         f"{plan.grad_accum} per step, checkpointing {plan.training['checkpointing']}, {plan.training['precision']}",
         f"fits: {'yes' if plan.fits else 'NO'} (peak {plan.peak_memory / GB:.2f} GB)  step {s['step_time_s']:.3f} s "
         f"(pipeline {s['pipeline_s']:.3f}, bubble {s['bubble_fraction']:.1%}, exposed DP {s['dp_exposed_s']:.3f})  "

@@ -180,16 +180,41 @@ def flash_kernel(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
+MATH_SCORE_ELEMENTS = 1 << 24  # the math kernel's fp32 score tiles hold at most this many elements (64 MiB)
+
+
+def _row_tiles(q: torch.Tensor, sk: int) -> list[int]:
+    """Query-row tile starts so that one ``[b, h, rows, sk]`` fp32 score tile stays under
+    :data:`MATH_SCORE_ELEMENTS` (the math kernel's memory is ``O(rows·sk)``, not ``O(s²)``)."""
+    b, h, sq, _ = q.shape
+    rows = max(1, MATH_SCORE_ELEMENTS // max(1, b * h * sk))
+    return list(range(0, sq, rows)) + [sq]
+
+
+def _tile_probs(q, k, lse, start, stop, causal, scale):
+    """``exp(S − lse)`` and the scores of query rows ``[start, stop)`` (fp32; causal: key j ≤ row i)."""
+    s = torch.matmul(q[:, :, start:stop].float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(start, stop, device=s.device)[:, None]
+        s = s.masked_fill(torch.arange(k.shape[2], device=s.device)[None, :] > rows, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)), lse
+
+
 def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: ``(out, fp32 log-sum-exp [b, h, sq])``. On the CPU, torch's flash kernel (fp32
-    accumulation); elsewhere exact fp32 math (a flash kernel that returns the LSE is the drop-in)."""
+    accumulation); elsewhere exact fp32 math in query-row tiles (a flash kernel that returns the
+    LSE and takes it back is the drop-in there)."""
     if flash_kernel(q):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()).to(q.dtype), lse
+    tiles = _row_tiles(q, k.shape[2])
+    outs, lses = [], []
+    for start, stop in zip(tiles, tiles[1:]):
+        p, lse = _tile_probs(q, k, None, start, stop, causal, scale)
+        outs.append(torch.matmul(p, v.float()).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _attend_backward(do, q, k, v, out, lse, causal: bool, scale: float):
@@ -199,14 +224,18 @@ def _attend_backward(do, q, k, v, out, lse, causal: bool, scale: float):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal, scale=scale
         )
-    qf, kf, vf, dof = q.float(), k.float(), v.float(), do.float()
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dof)
-    ds = p * (torch.matmul(dof, vf.transpose(-1, -2)) - (dof * out.float()).sum(-1, keepdim=True)) * scale
-    return torch.matmul(ds, kf).to(q.dtype), torch.matmul(ds.transpose(-1, -2), qf), dv
+    kf, vf = k.float(), v.float()
+    dq, dk, dv = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(kf), torch.zeros_like(vf)
+    tiles = _row_tiles(q, k.shape[2])
+    for start, stop in zip(tiles, tiles[1:]):
+        p, _ = _tile_probs(q, k, lse[:, :, start:stop], start, stop, causal, scale)
+        dof = do[:, :, start:stop].float()
+        dv += torch.matmul(p.transpose(-1, -2), dof)
+        delta = (dof * out[:, :, start:stop].float()).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(dof, vf.transpose(-1, -2)) - delta) * scale
+        dq[:, :, start:stop] = torch.matmul(ds, kf)
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, start:stop].float())
+    return dq, dk, dv
 
 
 def _merge(acc, out, lse):

@@ -72,6 +72,7 @@ def test_cp_attention_equals_full_sdpa(cp, kernel, monkeypatch):
     ring = importlib.import_module("parallel.layers.ring_attention")  # the module (the package exports the function)
     if kernel == "math":  # the kernel used off the CPU, checked here (the ranks inherit the patch)
         monkeypatch.setattr(ring, "flash_kernel", lambda t: False)
+        monkeypatch.setattr(ring, "MATH_SCORE_ELEMENTS", 100)  # several query-row tiles per block
     s = 8 * cp
     for rank_results in run_ranks(_cp_rank, cp, CASES, s, timeout=120):
         assert len(rank_results) >= 5
