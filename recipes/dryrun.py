@@ -247,6 +247,8 @@ def compare_with_plan(result: dict, plan) -> dict[str, Any]:
     }
     sent = {g: sum(s["sent_bytes"] for s in ops.values()) for g, ops in result["comm"].items()}
     planned_sent = {axis: t["bytes"] for axis, t in stage.traffic.items()}
+    if "dpcp" in sent and "dp" not in sent:  # context parallel: the planner's DP traffic is on dp × cp
+        planned_sent["dpcp"] = planned_sent.pop("dp")
     return {
         "memory": {"dryrun": result["memory"], "plan": planned_mem},
         "bytes": {"dryrun": sent, "plan": planned_sent},
