@@ -77,3 +77,22 @@ def test_local_shape_and_recommend_choices():
     assert local_shape(shape, 4).seq_len == 8192
     assert cp_choices(shape, 64, 2, 8) == [1, 2, 4]  # tp·cp inside the node
     assert cp_choices(shape, 64, 1, 8, min_local_seq=8192) == [1, 2, 4]
+
+
+def test_recommend_splits_a_long_sequence():
+    """Llama-7B on 64k-token sequences over 16 H100s: no layout without cp is best (activations)."""
+    from recipes.plan import recommend_from_config
+
+    rc = scenario_config(
+        [
+            "model.preset=llama_7b",
+            "model.seq_len=65536",
+            "train.global_batch=8",
+            "train.precision=bf16",
+            "plan.hardware=h100_80gb",
+            "plan.world_size=16",
+        ]
+    )
+    plans = recommend_from_config(rc)
+    assert plans and all(p.layout["cp"] > 1 for p in plans)
+    assert plans[0].ranks[0].traffic["cp"]["bytes"] > 0
