@@ -8,8 +8,7 @@ from recipes.config import ConfigError, validate
 
 from .test_train_e2e import STEPS, _train, losses, references, tiny_recipe  # noqa: F401 - fixture
 
-LAYOUTS = [
-    dict(cp=2, zero=1),
+LAYOUTS = [  # and (cp=2, ZeRO-1, GPT): the `cp_run` fixture below
     dict(dp=2, cp=2, zero=1, model__preset="llama_tiny"),
     dict(cp=2, tp=2, zero=1, parallel__sequence_parallel=True, model__preset="llama_tiny"),
     dict(cp=2, pp=2, zero=3),
@@ -47,3 +46,26 @@ def test_cp_layouts_match_one_process(references, tmp_path, layout):  # noqa: F8
 def test_bad_cp_refused_before_any_collective(layout, world, message):
     with pytest.raises(ConfigError, match=message):
         validate(cp_recipe(**layout), world_size=world)
+
+
+@pytest.fixture(scope="module")
+def cp_run(tmp_path_factory):
+    """(cp=2, ZeRO-1, GPT) for 10 steps, saving a checkpoint at step 4 (saving changes no loss)."""
+    d = tmp_path_factory.mktemp("cp2")
+    run_ranks(_train, 2, cp_recipe(cp=2, zero=1, train__ckpt_every=4), str(d), timeout=300)
+    return d
+
+
+def test_cp2_matches_one_process(references, cp_run):  # noqa: F811 - the fixture
+    loss, norm = losses(cp_run)
+    ref_loss, ref_norm = references("gpt_tiny")
+    assert loss == pytest.approx(ref_loss, abs=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4)
+    assert loss[-1] < loss[0] - 0.3  # and it learns
+
+
+def test_cp_checkpoint_resumes_in_another_layout(cp_run, tmp_path):
+    """The (cp=2) checkpoint of step 4 continues at (dp=2, ZeRO-1): step 5's loss within 1e-4."""
+    ckpt = str(cp_run / "checkpoints" / "step_00000004")
+    run_ranks(_train, 2, cp_recipe(dp=2, zero=1, train__max_steps=5, train__resume=ckpt), str(tmp_path), timeout=300)
+    got = losses(tmp_path)[0]
+    assert len(got) == 1 and got[0] == pytest.approx(losses(cp_run)[0][4], abs=1e-4)
