@@ -96,3 +96,27 @@ def test_recommend_splits_a_long_sequence():
     plans = recommend_from_config(rc)
     assert plans and all(p.layout["cp"] > 1 for p in plans)
     assert plans[0].ranks[0].traffic["cp"]["bytes"] > 0
+
+
+def test_llama_32k_recipe_plans_and_activations_fall_as_one_over_cp():
+    """recipes/conf/llama_32k.yaml validates at its world (8) and its planned activations halve with cp."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from recipes.config import RecipeConfig, validate
+
+    yaml = OmegaConf.load(Path(__file__).parents[2] / "recipes" / "conf" / "llama_32k.yaml")
+    yaml.pop("defaults")
+    base = OmegaConf.merge(OmegaConf.structured(RecipeConfig(mode="plan")), yaml)
+    rc = OmegaConf.to_object(base)
+    rc.plan.hardware = "h100_80gb"
+    layout = validate(rc, world_size=8)
+    assert (layout.dp, layout.cp, layout.tp, layout.model.seq_len) == (1, 4, 2, 32768)
+    acts = {}
+    for cp in (1, 2, 4):
+        rc.parallel.cp, rc.plan.world_size = cp, 2 * cp
+        plan = plan_from_config(rc)
+        assert plan.fits
+        acts[cp] = plan.ranks[0].memory["activations"]
+    assert acts[1] == pytest.approx(2 * acts[2], rel=1e-3) and acts[2] == pytest.approx(2 * acts[4], rel=1e-3)
