@@ -13,12 +13,14 @@ Two ways to attend over the whole sequence:
   travel around the cp ring, ``cp−1`` hops forward; each rank merges the
   partial results of its queries against every block with the log-sum-exp rule.
   The next block's transfer (``isend``/``irecv`` through :func:`parallel.comm.exchange`)
-  is posted before the current block's compute and awaited after it. Backward
-  sends K/V around again (``cp−1`` hops) and the dK/dV accumulators with them
-  (``cp`` hops: the last hop brings each block's gradient home). Per block the
-  compute is an explicit fp32 math kernel that returns the log-sum-exp (so fp32
-  gradients are exact; a flash kernel with LSE output is the drop-in on GPU).
-  Chunk pairs a causal mask hides entirely are skipped.
+  is posted before the current block's compute and awaited after it. One kernel
+  call per step (:func:`ring_block`): the causal mask's hidden quarters are never
+  computed. Backward sends K/V around again (``cp−1`` hops) and the fp32 dK/dV
+  accumulators with them (``cp−1`` hops: the owner keeps its own share and the rest
+  comes home on the last hop). Per block: torch's CPU flash kernel, which returns the
+  log-sum-exp and whose backward takes the merged output and log-sum-exp (exact fp32);
+  on other devices an exact fp32 math kernel in query-row tiles (a CUDA flash kernel
+  with the same contract is the drop-in, not done here).
 * :func:`ulysses_attention` — DeepSpeed-Ulysses: an all-to-all turns
   ``[b, h, s/cp, d]`` into ``[b, h/cp, s, d]`` for q, k and v, SDPA runs on whole
   sequences of ``h/cp`` heads, and an all-to-all turns the output back. Needs
@@ -26,7 +28,7 @@ Two ways to attend over the whole sequence:
 
 Bytes sent per rank per layer (``KV`` = bytes of this rank's packed K and V,
 ``2·b·h_kv·(s/cp)·d·elt``; :func:`ring_bytes`, :func:`ulysses_bytes`):
-ring forward ``(cp−1)·KV``, backward ``(cp−1)·KV + cp·KV_fp32``; Ulysses
+ring forward ``(cp−1)·KV``, backward ``(cp−1)·(KV + KV_fp32)``; Ulysses
 forward ``(cp−1)/cp·(Q+KV+O)``, backward the same.
 """
 
