@@ -57,6 +57,7 @@ def layout_of(trainer) -> dict:
         "dp": trainer.layout.dp,
         "pp": p.pp,
         "tp": p.tp,
+        "cp": p.cp,
         "vpp": p.vpp,
         "zero": p.zero,
         "sequence_parallel": p.sequence_parallel,

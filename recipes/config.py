@@ -42,6 +42,8 @@ class ParallelConfig:
     tp: int = 1
     mp: Optional[int] = None  # alias of tp (Megatron's "model parallel" size)
     sequence_parallel: bool = False
+    cp: int = 1  # context parallel: ranks that split each sequence (docs/cp.md)
+    cp_impl: str = "ring"  # ring | alltoall (Ulysses: heads divisible by cp·tp)
     zero: int = 0  # 0-3
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved | zb-h1 (zero bubble)
     vpp: int = 1  # virtual stages per rank (interleaved)
@@ -196,10 +198,11 @@ class Layout:
     micro_batch: int
     grad_accum: int  # micro-batches per DP rank per step
     model: ModelConfig
+    cp: int = 1  # context parallel ranks per sequence
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
 
 
 # The checks live in recipes.validation (which imports this module's dataclasses); every name stays

@@ -45,18 +45,21 @@ def build_gpt_engine(
             layers=layers,
             has_embedding=c * p.pp + g.pp_rank == 0,
             has_head=c * p.pp + g.pp_rank == len(ranges) - 1,
+            cp_group=g.cp,
+            cp_impl=p.cp_impl,
             device=device,
             dtype=torch.float32,
             seed=t.seed,
         )
         for c, layers in enumerate(stage_chunks(ranges, p.pp, g.pp_rank))
     ]
-    seq = mc.seq_len // p.tp if p.sequence_parallel else mc.seq_len
+    seq = mc.seq_len // p.cp  # context parallelism: this rank's load-balanced slice of each sample
+    seq = seq // p.tp if p.sequence_parallel else seq
     engine = StepEngine(
         chunks,
         build_schedule(p.pp_schedule, p.pp, layout.grad_accum, p.vpp)[g.pp_rank],
         loss_fn=chunks[-1].loss,  # used on the last virtual stage only, which holds the head
-        dp_group=g.dp,
+        dp_group=g.dpcp,  # gradients (and the loss) averaged over dp × cp: the mean over all tokens
         pp_group=g.pp,
         tp_group=g.tp,
         embedding_group=g.embedding,

@@ -56,7 +56,7 @@ class Trainer:
         torch.set_num_threads(threads)
         self.owns_process_group = not torch.distributed.is_initialized()  # then train() destroys it at the end
         init_distributed(backend=p.backend, timeout_s=p.timeout_s)
-        self.topology = Topology(self.layout.dp, p.pp, p.tp, world_size=world, order=p.order)
+        self.topology = Topology(self.layout.dp, p.pp, p.tp, p.cp, world_size=world, order=p.order)
         self.groups: ParallelGroups = build_groups(self.topology, timeout_s=p.timeout_s)
         self.rank = self.groups.rank
         self.device = default_device(self.groups.backend)
@@ -88,6 +88,8 @@ class Trainer:
             dp_rank=self.groups.dp_rank,
             micro_batch=t.micro_batch,
             seed=t.seed if seed is None else seed,
+            cp=self.rc.parallel.cp,
+            cp_rank=self.groups.cp_rank,
         )
         for x, y in mbs:  # on the host batch, before it moves: no device read per micro-batch
             check_token_ids(x, self.model_cfg.vocab_size)

@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from parallel.layers.ring_attention import CP_IMPLS
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem
 from parallel.precision import PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
@@ -42,6 +43,7 @@ CHOICES = {
     "logger.wandb": ("disabled", "offline", "online"),
     "parallel.zero": ZERO_STAGES,
     "parallel.backend": (None, "nccl", "gloo"),
+    "parallel.cp_impl": CP_IMPLS,
 }
 
 
@@ -53,14 +55,14 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 def resolve_dp(parallel: ParallelConfig, world_size: int | None) -> int:
-    """dp as an int: the configured value, or world_size / (pp·tp) for ``auto``."""
+    """dp as an int: the configured value, or world_size / (pp·tp·cp) for ``auto``."""
     from parallel.topology import Topology, TopologyError
 
     dp = None if parallel.dp in (None, "auto") else parallel.dp
     if dp is None and world_size is None:
         return 1  # self-spawned single replica: dp=auto means 1
     try:
-        return Topology(dp, parallel.pp, parallel.tp, world_size=world_size).dp
+        return Topology(dp, parallel.pp, parallel.tp, parallel.cp, world_size=world_size).dp
     except TopologyError as e:
         raise ConfigError(f"{e}. (Try `mode=plan` to size a layout before launching.)") from None
 
@@ -178,6 +180,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     for key in (
         "parallel.pp",
         "parallel.tp",
+        "parallel.cp",
         "parallel.vpp",
         "train.global_batch",
         "train.micro_batch",
@@ -247,6 +250,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
             f"use model.n_layers a multiple of pp·vpp = {p.pp * p.vpp}, or parallel.pp_layers "
             f"with multiples of {p.vpp}",
         ) from None
+    check_cp(p, mc)
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
     if p.sequence_parallel and mc.seq_len % p.tp:
@@ -270,7 +274,28 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         raise ConfigError(
             f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind raise, kill, term, kill_in_save or raise_in_save"
         )
-    return Layout(dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc)
+    return Layout(dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc, cp=p.cp)
+
+
+def check_cp(p: ParallelConfig, mc: Any) -> None:
+    """Context parallelism's relations: 2·cp chunks per sample (times tp with sequence
+    parallelism), and Ulysses heads divisible by cp·tp. Pure; raises :class:`ConfigError`."""
+    from parallel.layers import LayerConfigError, check_cp_seq_len, check_ulysses_heads
+
+    if p.cp == 1:
+        return
+    try:
+        check_cp_seq_len(mc.seq_len, p.cp)
+        if p.cp_impl == "alltoall":
+            check_ulysses_heads(mc.n_heads, mc.n_kv_heads, p.cp, p.tp)
+    except LayerConfigError as e:
+        raise ConfigError(f"parallel.cp={p.cp}: {e}") from None
+    if p.sequence_parallel and (mc.seq_len // p.cp) % p.tp:
+        raise ConfigError(
+            f"parallel.cp={p.cp}, sequence_parallel: each cp rank's {mc.seq_len // p.cp} tokens "
+            f"(model.seq_len {mc.seq_len} / cp {p.cp}) must split over tp {p.tp}; use a seq_len divisible by "
+            f"cp·tp = {p.cp * p.tp} and 2·cp = {2 * p.cp}"
+        )
 
 
 # --- unknown keys: refused in every form (plain, `+`, `++`, `~`) ---------------------------------------

@@ -26,6 +26,7 @@ from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
 from . import memory as M
 from .advice import advise
+from .cp import cp_traffic, extra_activation_bytes, local_shape
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training, check
 from .shape import ModelShape, forward_flops, layer_partition, model_flops_per_token, recompute_flops
@@ -138,7 +139,8 @@ def plan_layout(
     """The per-rank-class memory, traffic and time of ``layout`` (module docstring)."""
     shape = ModelShape.of(shape)
     m = check(shape, layout, training, world_size)
-    L, t, dp, pp, vpp = layout, layout.tp, layout.dp, layout.pp, layout.vpp
+    L, t, dp, pp, vpp = layout, layout.tp, layout.dp * layout.cp, layout.pp, layout.vpp  # ZeRO spans dp × cp
+    local = local_shape(shape, L.cp)  # what one cp rank holds of each sample (parallel/plan/cp.py)
     e = M.PRECISION_BYTES[training.precision]
     c = M.comm_bytes(training.precision, training.comm_dtype)
     sp, ckpt, mb = L.sequence_parallel, training.checkpointing, training.micro_batch
@@ -151,18 +153,18 @@ def plan_layout(
         key = tuple((len(r),) + _stage_flags(v, pp * vpp) for v, r in chunks)
         if key not in alike:
             alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops)
-        params, tp_axis, fwd, bwd, acts, flops_s = alike[key]
+        params, tp_axis, cp_axis, fwd, bwd, acts, flops_s = alike[key]
         tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
-        stage_info.append((chunks, params, tp_axis, fwd, bwd, acts, flops_s))
+        stage_info.append((chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s))
     # the slowest stage paces the pipeline; p2p of one activation between stages
     p2p_axis_proto = AxisTraffic(pp, group_crosses_node(t * dp, pp, gpn))
-    act_msg = e * mb * shape.seq_len * shape.d_model / (t if sp else 1)
+    act_msg = e * mb * local.seq_len * shape.d_model / (t if sp else 1)
     p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + hw.latency_us * 1e-6) if pp > 1 else 0.0
     slow_f = max(i[3] for i in stage_info) / vpp
     slow_b = max(i[4] for i in stage_info) / vpp
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one, exact=exact)
     ranks, dp_exposed = [], 0.0
-    for s, (chunks, params, tp_axis, fwd, bwd, acts, flops_s) in enumerate(stage_info):
+    for s, (chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
         states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer)
         if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
@@ -200,9 +202,9 @@ def plan_layout(
         emb_axis.add("all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)")
         in_flight = peaks[s]
         activations = in_flight * max(acts) + M.recompute_peak_bytes(
-            shape, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision
+            local, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision
         )
-        buffers = _buffer_bytes(L, training, params, count_params, act_msg, e, c)
+        buffers = _buffer_bytes(dataclasses.replace(L, dp=dp), training, params, count_params, act_msg, e, c)
         mem = {
             **{k: float(v) for k, v in states.items() if k != "total"},
             "model_states": float(states["total"]),
@@ -214,6 +216,7 @@ def plan_layout(
             name: a.as_dict()
             for name, a in (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis))
         }
+        traffic["cp"] = cp_axis.as_dict()
         ranks.append(
             RankClass(
                 stage=s,
@@ -265,9 +268,11 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
     chunk and the step's compute seconds of a rank holding ``chunks``."""
     t, sp, ckpt, mb = L.tp, L.sequence_parallel, training.checkpointing, training.micro_batch
     e = M.PRECISION_BYTES[training.precision]
-    tokens = mb * shape.seq_len
+    local = local_shape(shape, L.cp)  # activations and TP messages: s/cp tokens; FLOPs: those tokens over all s
+    tokens = mb * local.seq_len
     params = M.StageParams(0)
     tp_axis = AxisTraffic(t, group_crosses_node(1, t, hw.gpus_per_node))
+    cp_axis = AxisTraffic(L.cp, group_crosses_node(t, L.cp, hw.gpus_per_node))
     fwd = bwd = flops_s = 0.0
     acts = []
     for v, r in chunks:
@@ -276,14 +281,17 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
         f = forward_flops(shape, tokens, len(r), last, t)
         rc = recompute_flops(shape, tokens, len(r), ckpt, t)
         tf, tb = tp_traffic(
-            shape, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
+            local, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
         )
-        fwd += f / peak_flops + tf
-        bwd += (2 * f + rc) / peak_flops + tb
+        cf, cb = cp_traffic(
+            shape, cp_axis, hw, n_layers=len(r), mb=mb, m=m, e=e, tp=t, ckpt=ckpt, impl=L.cp_impl, peak_flops=peak_flops
+        )
+        fwd += f / peak_flops + tf + cf
+        bwd += (2 * f + rc) / peak_flops + tb + cb
         flops_s += (3 * f + rc) / peak_flops
         acts.append(
             M.stage_activation_bytes(
-                shape,
+                local,
                 mb,
                 len(r),
                 has_embedding=first,
@@ -293,8 +301,9 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
                 checkpointing=ckpt,
                 precision=training.precision,
             )
+            + len(r) * extra_activation_bytes(shape, mb, cp=L.cp, tp=t, impl=L.cp_impl, checkpointing=ckpt, e=e)
         )
-    return params, tp_axis, fwd, bwd, acts, flops_s
+    return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s
 
 
 def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) -> float:

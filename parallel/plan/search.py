@@ -3,7 +3,8 @@
 Searched: tp among the divisors of the heads that fit inside a node (docs/architecture.md:
 TP stays inside a node), pp among the divisors of the rest up to the layer
 count, dp the remainder, ZeRO 0–3, micro-batches, checkpointing; sequence
-parallelism whenever tp > 1. Each candidate is first timed with the 1F1B
+parallelism whenever tp > 1; context parallelism (cp, inside the node beside tp) where each
+rank keeps at least 1,024 tokens (:func:`parallel.plan.cp.cp_choices`). Each candidate is first timed with the 1F1B
 closed form; the best are planned again with the simulator and re-ranked.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .cp import cp_choices
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training
 from .planner import ParamCounter, Plan, plan_layout
@@ -27,15 +29,16 @@ def candidate_layouts(shape: ModelShape, world_size: int, hw: Hardware, zeros=(0
     for tp in _divisors(min(hw.gpus_per_node, world_size)):
         if hw.gpus_per_node % tp or world_size % tp or shape.n_heads % tp or shape.n_kv_heads % tp or shape.d_ff % tp:
             continue
-        sp = tp > 1 and shape.seq_len % tp == 0
-        for pp in _divisors(world_size // tp):
-            if pp > shape.n_layers:
-                break
-            dp = world_size // (tp * pp)
-            for zero in zeros:
-                if dp == 1 and zero:
-                    continue
-                out.append(Layout(dp=dp, pp=pp, tp=tp, sequence_parallel=sp, zero=zero))
+        for cp in cp_choices(shape, world_size, tp, hw.gpus_per_node):  # long sequences: context parallel too
+            sp = tp > 1 and shape.seq_len // cp % tp == 0
+            for pp in _divisors(world_size // (tp * cp)):
+                if pp > shape.n_layers:
+                    break
+                dp = world_size // (tp * cp * pp)
+                for zero in zeros:
+                    if dp * cp == 1 and zero:
+                        continue
+                    out.append(Layout(dp=dp, pp=pp, tp=tp, sequence_parallel=sp, zero=zero, cp=cp))
     return out
 
 

@@ -73,6 +73,9 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["parallel.pp=2", "parallel.pp_layers=[1,2]"], "parallel.pp_layers", {}),
     (["parallel.timeout_s=0"], "parallel.timeout_s", {}),
     (["parallel.gpus_per_node=0"], "parallel.gpus_per_node", {}),
+    (["parallel.cp=2", "model.seq_len=30"], "parallel.cp", {}),
+    (["parallel.cp=4", "parallel.cp_impl=alltoall", "model.n_heads=2"], "parallel.cp", {}),
+    (["parallel.cp_impl=ulysses"], "parallel.cp_impl", {}),
     # model
     (["model.preset=gpt5"], "model.preset", {}),
     (["model.seq_len=300000"], "model.seq_len", {}),
