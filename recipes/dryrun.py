@@ -128,14 +128,18 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
             trainer.evaluate(read=False)
         pieces = trainer.state_dict()
     model_states = held["params"] + held["grads"] + held["optimizer"]
+    # ZeRO-Offload's host tensors are meta tensors too here (LiveMemory sees them); they exist through
+    # the whole measured step, so they sit in the baseline and come off it and the peak exactly
+    host = held.get("host", 0)
     memory = {
         "params": held["params"],
         "grads": held["grads"],
         "optimizer": held["optimizer"],
-        "buffers": at_peak["baseline"] - model_states,
+        "buffers": at_peak["baseline"] - host - model_states,
         "activations": at_peak["activations"],
         "temporaries": at_peak["temporaries"],
-        "total": peak,
+        "total": peak - host,
+        "host": host,
     }
     ckpt_bytes = sum(_piece_bytes(v) for v in pieces.values())
     done = time.perf_counter()

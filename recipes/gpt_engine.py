@@ -20,7 +20,8 @@ def optimizer_factory(rc: RecipeConfig, device: torch.device):
     o = rc.optim
     # one kernel for all tensors; None: foreach. Offloaded, the optimizer steps host shards: torch's
     # fused CPU AdamW (vectorised, multi-threaded; torch >= 2.4)
-    fused = True if device.type == "cuda" or rc.parallel.offload != "none" else None
+    offloaded = rc.parallel.offload != "none"
+    fused = True if device.type == "cuda" or (offloaded and device.type == "cpu") else None
 
     def factory(param_groups):
         if o.name == "sgd":

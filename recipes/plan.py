@@ -126,6 +126,7 @@ def _layout(rc: RecipeConfig) -> Layout:
         zero=p.zero,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
+        offload=p.offload,
     )
 
 
