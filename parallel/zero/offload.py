@@ -32,6 +32,8 @@ still separate tensors and every copy still happens, so the tests run the whole 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .layout import ZeroConfigError
@@ -127,6 +129,20 @@ class HostCopier:
         self.events.clear()
 
 
+@contextlib.contextmanager
+def _host_work(host: torch.Tensor):
+    """Run host-side work. In the dry run (``meta`` tensors) the host's tensors look like the
+    device's: there the step runs outside any dispatch mode, so device-memory tracking
+    (:class:`parallel.dryrun.LiveMemory`) sees neither the optimizer state nor its temporaries."""
+    if host.device.type != "meta":
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
 def host_step(zdp, norm: torch.Tensor, found_inf: torch.Tensor, coef: torch.Tensor | None) -> dict:
     """:meth:`ZeroDataParallel.step` with the optimizer in host memory (``offload``): one host read of the
     skip flag and clip coefficient together, one wait for the gradient copies, the step
@@ -140,7 +156,8 @@ def host_step(zdp, norm: torch.Tensor, found_inf: torch.Tensor, coef: torch.Tens
     if not skipped:
         for b in zdp.buckets:
             b.master.grad = b.host_grad.mul_(flags[1]) if coef is not None else b.host_grad
-        zdp.optimizer.step()
+        with _host_work(zdp.buckets[0].master):
+            zdp.optimizer.step()
         for b in zdp.buckets:
             b.publish_master()
             b.master.grad = None
