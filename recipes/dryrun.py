@@ -137,14 +137,24 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
             trainer.evaluate(read=False)
         pieces = trainer.state_dict()
     model_states = held["params"] + held["grads"] + held["optimizer"]
+    # ZeRO-Offload's host tensors are meta tensors too here. The optimizer state (and the host step's
+    # temporaries) appear outside LiveMemory's view (parallel/zero/offload.py); the master and gradient
+    # copy target it saw exist through the whole measured step: they come off the baseline and the peak
+    host = held.get("host", 0)
+    zero = trainer.engine.zero
+    unseen = sum(
+        v.nbytes for st in zero.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0
+    )
+    seen_host = host - unseen if host else 0
     memory = {
         "params": held["params"],
         "grads": held["grads"],
         "optimizer": held["optimizer"],
-        "buffers": at_peak["baseline"] - model_states,
+        "buffers": at_peak["baseline"] - seen_host - model_states,
         "activations": at_peak["activations"],
         "temporaries": at_peak["temporaries"],
-        "total": peak,
+        "total": peak - seen_host,
+        "host": host,
     }
     ckpt_bytes = sum(_piece_bytes(v) for v in pieces.values())
     done = time.perf_counter()

@@ -18,7 +18,10 @@ from .config import Layout, RecipeConfig
 def optimizer_factory(rc: RecipeConfig, device: torch.device):
     """``factory(param_groups)`` building ``rc.optim``'s optimizer (fused AdamW on a GPU)."""
     o = rc.optim
-    fused = True if device.type == "cuda" else None  # one kernel for all tensors; None: foreach
+    # one kernel for all tensors; None: foreach. Offloaded, the optimizer steps host shards: torch's
+    # fused CPU AdamW (vectorised, multi-threaded; torch >= 2.4)
+    offloaded = rc.parallel.offload != "none"
+    fused = True if device.type == "cuda" or (offloaded and device.type == "cpu") else None
 
     def factory(param_groups):
         if o.name == "sgd":
@@ -67,6 +70,7 @@ def build_gpt_engine(
         compute_dtype=dtype,
         sequence_parallel=p.sequence_parallel,
         stage=p.zero,
+        offload=p.offload,
         optimizer_factory=optimizer_factory(rc, device),
         units=[b for ch in chunks for b in ch.blocks.values()],
         precision=t.precision,

@@ -133,6 +133,7 @@ def _layout(rc: RecipeConfig) -> Layout:
         pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
         cp=p.cp,
         cp_impl=p.cp_impl,
+        offload=p.offload,
     )
 
 

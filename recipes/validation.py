@@ -22,6 +22,8 @@ from parallel.layers.ring_attention import CP_IMPLS
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem
 from parallel.precision import PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
+from parallel.zero.offload import MIN_STAGE as OFFLOAD_MIN_STAGE
+from parallel.zero.offload import OFFLOAD_MODES
 from parallel.zero.policy import ZERO_STAGES
 
 from .config import ConfigError, Layout, ParallelConfig, RecipeConfig, _show, bad, model_config
@@ -42,6 +44,7 @@ CHOICES = {
     "data.source": ("embedded", "memmap"),
     "logger.wandb": ("disabled", "offline", "online"),
     "parallel.zero": ZERO_STAGES,
+    "parallel.offload": OFFLOAD_MODES,
     "parallel.backend": (None, "nccl", "gloo"),
     "parallel.cp_impl": CP_IMPLS,
 }
@@ -261,6 +264,14 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         raise ConfigError(f"comm.topk_ratio must be in (0, 1], got {cfg.comm.topk_ratio}")
     if cfg.comm.compression != "none" and p.zero != 0:
         raise ConfigError("comm.compression=topk is implemented for parallel.zero=0 only")
+    if p.zero < OFFLOAD_MIN_STAGE[p.offload]:
+        need = OFFLOAD_MIN_STAGE[p.offload]
+        raise ConfigError(
+            f"parallel.offload={p.offload} needs parallel.zero ≥ {need} (what it offloads is each rank's "
+            f"shard), got parallel.zero={p.zero}; set parallel.zero={need}"
+            + ("" if need == 3 else " (or 2, 3)")
+            + " or parallel.offload=none"
+        )
     if cfg.data.source == "memmap" and not cfg.data.path:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
     from .profiling import profile_steps  # logger.profile

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from ..memory import CHECKPOINTING
 from ..pipeline.schedules import schedule_problem
 from ..topology import world_size_mismatch
+from ..zero.layout import ZeroConfigError
+from ..zero.offload import check_offload
 from . import memory as M
 from .cp import check_cp
 from .hardware import PlanError
@@ -25,6 +27,7 @@ class Layout:
     pp_layers: tuple[int, ...] | None = None
     cp: int = 1  # context parallel ranks per sequence (parallel/plan/cp.py)
     cp_impl: str = "ring"
+    offload: str = "none"  # none | optimizer | optimizer+params (parallel/zero/offload.py)
 
     @property
     def world_size(self) -> int:
@@ -68,6 +71,10 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
         )
     if layout.zero not in M.ZERO_STAGES:
         raise PlanError(f"zero={layout.zero!r} not in {M.ZERO_STAGES}")
+    try:
+        check_offload(layout.offload, layout.zero)  # the library's rule
+    except ZeroConfigError as e:
+        raise PlanError(str(e)) from None
     problem = schedule_problem(layout.schedule, layout.pp, layout.vpp)  # the library's rule
     if problem:
         raise PlanError(problem)

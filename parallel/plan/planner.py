@@ -25,6 +25,7 @@ from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
 from . import memory as M
+from . import offload as O
 from .advice import advise
 from .cp import cp_traffic, extra_activation_bytes, local_shape
 from .hardware import Hardware, PlanError
@@ -163,10 +164,12 @@ def plan_layout(
     slow_f = max(i[3] for i in stage_info) / vpp
     slow_b = max(i[4] for i in stage_info) / vpp
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one, exact=exact)
-    ranks, dp_exposed = [], 0.0
+    ranks, dp_exposed, offload_exposed = [], 0.0, 0.0
     for s, (chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
-        states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer)
+        states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer, L.offload)
+        shard = psi // dp if policy(L.zero).shards_optimizer else psi
+        offload_s = O.offload_seconds(shard, e, L.offload, hw, m, fwd, bwd)
         if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
             sp_shard = M.padded(params.replicated, dp) // (dp if policy(L.zero).shards_optimizer else 1)
             tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
@@ -212,6 +215,7 @@ def plan_layout(
             "buffers": buffers,
         }
         mem["total"] = mem["model_states"] + activations + buffers
+        host_ok = O.host_fits(mem.get("host", 0.0), min(gpn, layout.world_size), hw)
         traffic = {
             name: a.as_dict()
             for name, a in (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis))
@@ -229,11 +233,12 @@ def plan_layout(
                 backward_s=bwd,
                 compute_s=m * flops_s,
                 traffic=traffic,
-                fits=mem["total"] <= hw.memory_bytes,
+                fits=mem["total"] <= hw.memory_bytes and host_ok,
             )
         )
+        offload_exposed = max(offload_exposed, offload_s["exposed_s"])
     emb_time = max(r.traffic["embedding"]["time_s"] for r in ranks)
-    step_time = makespan + dp_exposed + emb_time
+    step_time = makespan + dp_exposed + emb_time + offload_exposed  # offload: host Adam and PCIe copies
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
@@ -243,6 +248,7 @@ def plan_layout(
         "pipeline_s": makespan,
         "bubble_fraction": bubble,
         "dp_exposed_s": dp_exposed,
+        "offload_s": offload_exposed,
         "tokens_per_s": tokens_step / step_time,
         "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),
         "compute_s": compute,

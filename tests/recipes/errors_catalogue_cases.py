@@ -65,6 +65,8 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["parallel.pp_schedule=zigzag"], "parallel.pp_schedule", {}),
     (["parallel.pp=2", "parallel.pp_schedule=zb-h1", "parallel.vpp=2"], "parallel.pp_schedule", {}),
     (["parallel.zero=4"], "parallel.zero", {}),
+    (["parallel.offload=optimizer"], "parallel.offload", {}),
+    (["parallel.offload=optimizer+params", "parallel.zero=2"], "parallel.offload", {}),
     (["parallel.backend=nccl"], "parallel.backend", {}),
     (["parallel.backend=mpi"], "parallel.backend", {}),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", {}),
