@@ -14,11 +14,15 @@ from parallel.plan.shape import ModelShape, layer_partition
 
 from .config import Layout, RecipeConfig
 
+#: device types with a fused AdamW kernel (on CPU 7× faster than foreach at 3.3 M parameters, torch 2.13)
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
 
 def optimizer_factory(rc: RecipeConfig, device: torch.device):
-    """``factory(param_groups)`` building ``rc.optim``'s optimizer (fused AdamW on a GPU)."""
+    """``factory(param_groups)`` building ``rc.optim``'s optimizer: fused AdamW where torch has the
+    kernel (CUDA and, since torch 2.4, CPU), foreach elsewhere (the dry run's meta tensors)."""
     o = rc.optim
-    fused = True if device.type == "cuda" else None  # one kernel for all tensors; None: foreach
+    fused = True if device.type in FUSED_ADAMW_DEVICES else None  # one kernel for all tensors; None: foreach
 
     def factory(param_groups):
         if o.name == "sgd":

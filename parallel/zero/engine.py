@@ -192,7 +192,13 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self.optimizer = optimizer_factory([g for g in groups if g["params"]])
         self._sync = True
         self._callback_queued = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_bucket]
+        # fp32 at stages 0-1 accumulates straight into flat_grad (the .grad are views): a hook has
+        # work only in a backward whose reductions can launch (dp > 1, not under no_sync)
+        self._hooks_on_demand = (
+            self.param_dtype == torch.float32 and not self.policy.shards_grads and not self.policy.shards_params
+        )
+        self._hooks: list = []
+        self._update_hooks()
         if self.policy.gathers_per_unit:
             self._unit_gatherer = UnitGatherer(self.module, self.units, self._unit_buckets)
 
@@ -269,10 +275,12 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without communicating (stages 0–1; see the module docstring)."""
         previous, self._sync = self._sync, False
+        self._update_hooks()
         try:
             yield
         finally:
             self._sync = previous
+            self._update_hooks()
 
     @contextlib.contextmanager
     def sync_gradients(self) -> Iterator[None]:
@@ -284,13 +292,31 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         last backward (``PipelineExecutor(final_backward=...)``); a bucket that spans chunks
         launches once the gradients of all of them are final."""
         previous, self._sync = self._sync, True
+        self._update_hooks()
         try:
             yield
         finally:
             self._sync = previous
+            self._update_hooks()
 
     def _communicates_now(self) -> bool:
         return self._sync or self.policy.reduce_every_microbatch
+
+    def _update_hooks(self) -> None:
+        """Have a post-accumulate-grad hook on every parameter only while one can do work.
+
+        Always at stages 2-3 and in 16-bit precision (each micro-batch's gradient is taken
+        into the fp32 buffer or sent). fp32 at stages 0-1 only while this backward communicates
+        over more than one DP rank (the hooks launch each bucket's reduction as it fills):
+        at dp=1 and under ``no_sync`` no Python runs per parameter, and :meth:`step` takes in
+        any gradient that is not a view of ``flat_grad`` (``model.zero_grad()`` set it to None)."""
+        want = not self._hooks_on_demand or (self.dp_size > 1 and self._communicates_now())
+        if want and not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_bucket]
+        elif not want and self._hooks:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._callback_queued:
@@ -339,6 +365,9 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         """Reduce what backward left unreduced (unused parameters, no_sync); return fp32 grads, averaged."""
         for b in self.buckets:
             if b.has_unreduced_grads():
+                if self._hooks_on_demand:  # no hook saw these gradients: adopt any that is not a view
+                    for i, p in enumerate(b.params):
+                        b.take_grad(p, i)
                 self._reduce(b, wait=True)
             b.finish_reduction()
         divisor = self.dp_size * (self.scaler.scale if self.scaler else 1.0)
@@ -349,7 +378,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 comm.all_reduce(g, group=self.extra_groups[b.layout.extra_reduce])
         return grads
 
-    def step(self) -> dict:
+    def step(self, norm: bool = True) -> dict:
         """Reduce gradients, clip, step the optimizer on this rank's shard, publish parameters.
 
         Returns ``{"grad_norm": tensor, "skipped": tensor, "loss_scale": float}``:
@@ -365,8 +394,23 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         GPUs): no host read at all. Otherwise, and under fp16 (the loss scaler is host
         bookkeeping), the flag is read once per step — as Megatron-LM and torch's
         GradScaler do.
+
+        ``norm=False`` (a step nobody logs): without clipping and without fp16's scaler nothing
+        needs the norm, so it is not computed (no reduction, no collective) and ``grad_norm``
+        and ``skipped`` are None; the step is taken as is, as DDP and FSDP take it.
         """
         grads = self._finish_gradients()
+        if not norm and self.grad_clip is None and self.scaler is None:
+            for b, g in zip(self.buckets, grads):
+                b.master.grad = g
+            if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                self.optimizer.found_inf = None  # no skip decided: the fused kernels step
+            self.optimizer.step()
+            for b in self.buckets:
+                b.publish_master()
+                b.master.grad = None
+            self.zero_grad()
+            return {"grad_norm": None, "skipped": None, "loss_scale": 1.0}
         norm = global_norm(local_sq_norm(grads, [b.norm_ranges for b in self.buckets]), self.norm_groups)
         found_inf = ~torch.isfinite(norm)
         coef = clip_coefficient(norm, self.grad_clip)
