@@ -43,6 +43,7 @@ class ParallelConfig:
     mp: Optional[int] = None  # alias of tp (Megatron's "model parallel" size)
     sequence_parallel: bool = False
     zero: int = 0  # 0-3
+    zero3_accumulate: str = "sharded"  # sharded | unsharded: ZeRO-3 keeps full fp32 grads, 1 reduce-scatter/step
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved
     vpp: int = 1  # virtual stages per rank (interleaved)
     pp_layers: Optional[List[int]] = None  # explicit layers per stage

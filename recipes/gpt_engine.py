@@ -78,5 +78,6 @@ def build_gpt_engine(
         clip_groups=[g.pp],
         compression=cm.compression,
         topk_ratio=cm.topk_ratio,
+        accumulate=p.zero3_accumulate,
     )
     return ranges, engine

@@ -22,6 +22,7 @@ from parallel.pipeline.schedules import SCHEDULES, schedule_problem
 from parallel.precision import PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.policy import ZERO_STAGES
+from parallel.zero.theory import ZERO3_ACCUMULATE
 
 from .config import ConfigError, Layout, ParallelConfig, RecipeConfig, _show, bad, model_config
 from .runlog import LR_SCHEDULES
@@ -41,6 +42,7 @@ CHOICES = {
     "data.source": ("embedded", "memmap"),
     "logger.wandb": ("disabled", "offline", "online"),
     "parallel.zero": ZERO_STAGES,
+    "parallel.zero3_accumulate": ZERO3_ACCUMULATE,
     "parallel.backend": (None, "nccl", "gloo"),
 }
 
@@ -257,6 +259,12 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         raise ConfigError(f"comm.topk_ratio must be in (0, 1], got {cfg.comm.topk_ratio}")
     if cfg.comm.compression != "none" and p.zero != 0:
         raise ConfigError("comm.compression=topk is implemented for parallel.zero=0 only")
+    if p.zero3_accumulate == "unsharded" and p.zero != 3:
+        raise ConfigError(
+            f"parallel.zero3_accumulate=unsharded keeps ZeRO-3's full gradients across micro-batches; "
+            f"parallel.zero is {p.zero} (stages 0-1 keep them anyway): set parallel.zero=3 or "
+            f"parallel.zero3_accumulate=sharded"
+        )
     if cfg.data.source == "memmap" and not cfg.data.path:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
     from .profiling import profile_steps  # logger.profile

@@ -33,7 +33,11 @@ communicate once, on the last micro-batch (or at :meth:`step`); inside
 each bucket's reduction as its gradients become final. Stages 2–3
 reduce-scatter every micro-batch into the accumulated gradient shard: keeping
 the full gradient across micro-batches would give up the memory these stages
-exist to save (DeepSpeed and FSDP do the same).
+exist to save (DeepSpeed does the same). ``accumulate="unsharded"`` (stage 3
+only) makes FSDP2's choice instead: under :meth:`no_sync` each micro-batch's
+gradient is added into a full fp32 buffer per bucket (``g·Ψ`` bytes while
+accumulating, :func:`parallel.zero.theory.accumulation_grad_bytes`) and the
+step's last backward reduce-scatters it once — m× fewer gradient bytes.
 
 Overlap: with ``overlap=True`` a bucket's collective is launched, asynchronous,
 from the hook of its last gradient, while backward goes on; all are waited for
@@ -77,7 +81,7 @@ from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
 from .policy import ZERO_STAGES, policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
-from .theory import grad_comm_dtype
+from .theory import ZERO3_ACCUMULATE, grad_comm_dtype
 from .units import UnitGatherer
 
 DTYPES = TORCH_DTYPES  # one home: parallel.precision
@@ -114,11 +118,18 @@ def host_flag(flag: torch.Tensor) -> bool:
     return bool(flag)
 
 
-def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float):
+def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float, accumulate="sharded"):
     """Refuse impossible settings (the same on every rank, before any collective); return the compression."""
     if stage not in ZERO_STAGES:
         stages = ", ".join(map(str, ZERO_STAGES[:-1])) + f" or {ZERO_STAGES[-1]}"
         raise ZeroConfigError(f"ZeRO stage must be {stages}, got {stage}")
+    if accumulate not in ZERO3_ACCUMULATE:
+        raise ZeroConfigError(f"accumulate must be one of {ZERO3_ACCUMULATE}, got {accumulate!r}")
+    if accumulate == "unsharded" and stage != 3:
+        raise ZeroConfigError(
+            f"accumulate='unsharded' is ZeRO-3's choice (stages 0-1 keep full gradients anyway; stage 2 "
+            f"with them is stage 1), got stage {stage}; use stage=3, or stage=1 for unsharded gradients"
+        )
     if compression not in (None, *COMPRESSIONS):
         raise ZeroConfigError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
     compression = None if compression == "none" else compression
@@ -165,9 +176,11 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         compression: str | None = None,
         topk_ratio: float = 0.01,
         loss_scaler: DynamicLossScaler | None = None,
+        accumulate: str = "sharded",
     ):
         super().__init__()
-        compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio)
+        compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio, accumulate)
+        self.keep_full = accumulate == "unsharded"  # ZeRO-3: one reduce-scatter per step (theory.ZERO3_ACCUMULATE)
         self.param_dtype = _dtype(precision, "precision")
         self.comm_dtype = _dtype(grad_comm_dtype(comm_dtype), "comm_dtype")
         self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
@@ -250,6 +263,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 param_dtype=self.param_dtype,
                 comm_dtype=self.comm_dtype,
                 compressor=compressor,
+                keep_full=self.keep_full,
             )
             bucket.norm_ranges = counted_ranges(layout, bucket.lo, bucket.hi, params, count_replicated=tp_rank == 0)
             if layout.extra_reduce == "embedding" and not first_stage:
@@ -300,7 +314,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             self._update_hooks()
 
     def _communicates_now(self) -> bool:
-        return self._sync or self.policy.reduce_every_microbatch
+        return self._sync or (self.policy.reduce_every_microbatch and not self.keep_full)
 
     def _update_hooks(self) -> None:
         """Have a post-accumulate-grad hook on every parameter only while one can do work.
@@ -325,7 +339,13 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         bucket = self._param_bucket[param]
         if bucket.flat_grad is not None:
             bucket.take_grad(param, self._slot_index[param])
+        elif self.keep_full:
+            bucket.accumulate_full(param, self._slot_index[param])
         if not self._communicates_now():
+            if self.keep_full:  # all of a unit's gradients are in: its backward is over, free its parameters
+                bucket.ready += 1
+                if bucket.ready == len(bucket.params) and self._frees_after_backward(bucket):
+                    bucket.free_params()
             return
         bucket.ready += 1
         if self.overlap and bucket.ready == len(bucket.params):
@@ -341,6 +361,10 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         if not self._communicates_now():
+            for b in self.buckets if self.keep_full else ():
+                b.ready = 0
+                if self._frees_after_backward(b):
+                    b.free_params()
             return
         for b in self.buckets:
             if not self.overlap and b.ready == len(b.params) and b.has_unreduced_grads():
