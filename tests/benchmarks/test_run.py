@@ -38,6 +38,9 @@ def test_pytorch_traffic_is_counted_where_visible(two_rank_rows):
     assert two_rank_rows["dp ZeRO-2"]["theirs_sent_MB"] == pytest.approx(2 * rs, rel=0.02)
     # FSDP2 resharding: all-gathers in forward and backward of every micro-batch, one reduce-scatter
     assert two_rank_rows["dp ZeRO-3"]["theirs_sent_MB"] == pytest.approx((2 * m + 1) * rs, rel=0.02)
+    # ours accumulating unsharded at stage 3: FSDP2's gradient traffic, one reduce-scatter per step
+    ours3, fsdp3 = two_rank_rows["dp ZeRO-3 unsharded acc."], two_rank_rows["dp ZeRO-3"]
+    assert ours3["ours_sent_MB"] == pytest.approx(fsdp3["ours_sent_MB"] - (m - 1) * rs, rel=0.02)
     assert two_rank_rows["tp=2"]["theirs_sent_MB"] is None  # DTensor's functional collectives: not seen
 
 
