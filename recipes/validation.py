@@ -25,6 +25,7 @@ from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.offload import MIN_STAGE as OFFLOAD_MIN_STAGE
 from parallel.zero.offload import OFFLOAD_MODES
 from parallel.zero.policy import ZERO_STAGES
+from parallel.zero.theory import ZERO3_ACCUMULATE
 
 from .config import ConfigError, Layout, ParallelConfig, RecipeConfig, _show, bad, model_config
 from .runlog import LR_SCHEDULES
@@ -45,6 +46,7 @@ CHOICES = {
     "logger.wandb": ("disabled", "offline", "online"),
     "parallel.zero": ZERO_STAGES,
     "parallel.offload": OFFLOAD_MODES,
+    "parallel.zero3_accumulate": ZERO3_ACCUMULATE,
     "parallel.backend": (None, "nccl", "gloo"),
     "parallel.cp_impl": CP_IMPLS,
 }
@@ -271,6 +273,18 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
             f"shard), got parallel.zero={p.zero}; set parallel.zero={need}"
             + ("" if need == 3 else " (or 2, 3)")
             + " or parallel.offload=none"
+        )
+    if p.zero3_accumulate == "unsharded" and p.zero != 3:
+        raise ConfigError(
+            f"parallel.zero3_accumulate=unsharded keeps ZeRO-3's full gradients across micro-batches; "
+            f"parallel.zero is {p.zero} (stages 0-1 keep them anyway): set parallel.zero=3 or "
+            f"parallel.zero3_accumulate=sharded"
+        )
+    if p.zero3_accumulate == "unsharded" and p.offload != "none":
+        raise ConfigError(
+            f"parallel.zero3_accumulate=unsharded keeps the full fp32 gradients on the device across "
+            f"micro-batches, which undoes parallel.offload={p.offload} (it exists to free device memory): "
+            f"set parallel.zero3_accumulate=sharded or parallel.offload=none"
         )
     if cfg.data.source == "memmap" and not cfg.data.path:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")

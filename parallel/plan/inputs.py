@@ -46,6 +46,7 @@ class Training:
     compression: str = "none"  # none | topk
     topk_ratio: float = 0.01
     bucket_mb: float = 25.0
+    zero3_accumulate: str = "sharded"  # parallel.zero.theory.ZERO3_ACCUMULATE
 
 
 def _positive(name: str, v) -> int:

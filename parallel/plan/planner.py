@@ -24,6 +24,7 @@ from ..pipeline.schedules import ScheduleError, build_schedule, zb_h1_makespan
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
+from ..zero.theory import accumulation_grad_bytes
 from . import memory as M
 from . import offload as O
 from .advice import advise
@@ -187,6 +188,7 @@ def plan_layout(
             compression=training.compression,
             topk_ratio=training.topk_ratio,
             regathered_psi=psi - root_psi,
+            accumulate=training.zero3_accumulate,
         )
         # the step's scalars: the loss averaged over DP; the gradient norm summed over DP when sharded.
         # They follow backward, so nothing hides them.
@@ -336,4 +338,5 @@ def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg
         total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
     if L.pp > 1:
         total += 4 * act_msg
+    total += accumulation_grad_bytes(params.numel, L.zero, tr.zero3_accumulate)  # ZeRO-3's full fp32 gradient
     return total

@@ -60,6 +60,7 @@ class FlatBucket:
         comm_dtype: torch.dtype,
         compressor: TopKCompressor | None,
         offload: str = "none",
+        keep_full: bool = False,
     ):
         self.layout, self.params, self.stage, self.group = layout, list(params), stage, group
         self.policy = pol = policy(stage)  # what this stage shards, reduces and gathers
@@ -92,6 +93,8 @@ class FlatBucket:
         else:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
         self._stage1_shard = None
+        self.keep_full = keep_full  # ZeRO-3, accumulate="unsharded": the full fp32 gradient until the step
+        self.acc: torch.Tensor | None = None  # that full gradient, allocated at the first backward
         self.ready = 0  # parameters whose gradient has been accumulated in this backward
         self.reduced = False  # stages 0-1: this step's reduction was launched
         self._pending = None  # (handle, finish) of an in-flight collective
@@ -117,7 +120,24 @@ class FlatBucket:
             self._pending = (handle, lambda: self._keep_shard(out))
         self.reduced = True
 
+    def accumulate_full(self, param, slot_index: int) -> None:
+        """ZeRO-3 with unsharded accumulation: add ``param.grad`` into the fp32 full gradient
+        ``acc`` (n · 4 bytes, held until the step's reduce-scatter) and drop it."""
+        grad = param.grad
+        if grad is None:
+            return
+        if self.acc is None:
+            self.acc = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=grad.device)
+        slot = self.layout.slots[slot_index]
+        self.acc[slot.offset : slot.end].add_(grad.reshape(-1))
+        param.grad = None
+
     def _full_grad_for_comm(self) -> torch.Tensor:
+        if self.acc is not None:  # unsharded accumulation: send the sum of all micro-batches, once
+            for i, p in enumerate(self.params):
+                self.accumulate_full(p, i)
+            acc, self.acc = self.acc, None
+            return acc if acc.dtype == self.comm_dtype else acc.to(self.comm_dtype)
         if self.flat_grad is not None:  # gradients not sharded (stage 1)
             g = self.flat_grad
             return g if g.dtype == self.comm_dtype else g.to(self.comm_dtype)
@@ -169,7 +189,7 @@ class FlatBucket:
     def has_unreduced_grads(self) -> bool:
         if not self.policy.shards_grads:  # one reduction per step, of the accumulated flat_grad
             return not self.reduced
-        return any(p.grad is not None for p in self.params)
+        return self.acc is not None or any(p.grad is not None for p in self.params)
 
     def main_grad(self) -> torch.Tensor:
         """This rank's reduced gradient (sum over DP) of the range it steps, in fp32."""

@@ -107,3 +107,27 @@ def step_sent_bytes(
         f = SENT_FRACTION["all_gather"](dp)
         sent += f * (psi if regathered_psi is None else regathered_psi) * param_bytes
     return sent
+
+
+#: how ZeRO-3 accumulates gradients over the micro-batches of a step: ``sharded`` reduce-scatters
+#: every micro-batch into the fp32 shard (Ψ·g/N held); ``unsharded`` keeps the full fp32 gradient
+#: until the step's last micro-batch and reduce-scatters once (FSDP2's accumulation: m× fewer
+#: gradient bytes on the wire for g·Ψ·(N-1)/N more bytes held while accumulating)
+ZERO3_ACCUMULATE = ("sharded", "unsharded")
+
+
+def grad_reductions_per_step(stage: int, microbatches: int, accumulate: str = "sharded") -> int:
+    """How many times a step reduces each gradient over DP: once at stages 0–1 and for ZeRO-3
+    with ``accumulate="unsharded"``; every micro-batch at stage 2 and sharded stage 3."""
+    if accumulate not in ZERO3_ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {ZERO3_ACCUMULATE}, got {accumulate!r}")
+    once = not policy(stage).reduce_every_microbatch or (stage == 3 and accumulate == "unsharded")
+    return 1 if once else microbatches
+
+
+def accumulation_grad_bytes(psi: int, stage: int, accumulate: str = "sharded", grad_bytes: int = GRAD_BYTES) -> int:
+    """Bytes of full (unsharded) gradient a rank holds while accumulating, beyond
+    :func:`model_state_bytes`: ``grad_bytes·Ψ`` for ZeRO-3 with ``accumulate="unsharded"``
+    (allocated at the first backward, freed by the step's reduce-scatter), else 0."""
+    grad_reductions_per_step(stage, 1, accumulate)  # refuses an unknown mode
+    return grad_bytes * psi if stage == 3 and accumulate == "unsharded" else 0

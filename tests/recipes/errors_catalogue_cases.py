@@ -54,6 +54,7 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["comm.bucket_mb=0"], "comm.bucket_mb", {}),
     (["comm.topk_ratio=2"], "comm.topk_ratio", {}),
     (["comm.compression=topk", "parallel.zero=1"], "comm.compression", {}),
+    (["parallel.zero3_accumulate=unsharded", "parallel.zero=1"], "parallel.zero3_accumulate", {}),
     (["comm.dtype=int8"], "comm.dtype", {}),
     # layout
     (["parallel.order=bogus"], "parallel.order", {}),
