@@ -24,7 +24,7 @@ from ..pipeline.schedules import ScheduleError, build_schedule, zb_h1_makespan
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
-from ..zero.theory import accumulation_grad_bytes
+from ..zero.theory import REDUCTIONS_IN_FLIGHT, accumulation_grad_bytes
 from . import memory as M
 from . import offload as O
 from .advice import advise
@@ -326,9 +326,9 @@ def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) ->
 
 
 def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg, e, c) -> float:
-    """Communication buffers: a bucket in flight (two with overlap), stage 3's gathered blocks
-    (current + prefetched), Top-K's fp32 residual and gathered values, four p2p messages."""
-    bucket = tr.bucket_mb * 2**20 * (2 if tr.overlap else 1)
+    """Communication buffers: a bucket in flight (REDUCTIONS_IN_FLIGHT with overlap), stage 3's gathered
+    blocks (current + prefetched), Top-K's fp32 residual and gathered values, four p2p messages."""
+    bucket = tr.bucket_mb * 2**20 * (REDUCTIONS_IN_FLIGHT if tr.overlap else 1)
     total = 0.0
     if L.dp > 1 and (policy(L.zero).shards_grads or c != e):
         total += bucket

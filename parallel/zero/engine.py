@@ -64,6 +64,7 @@ an inf/NaN on any rank of the DP, TP or ``clip_groups`` is skipped on all.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -82,7 +83,7 @@ from .offload import HostCopier, check_offload, host_step
 from .policy import ZERO_STAGES, policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
-from .theory import ZERO3_ACCUMULATE, grad_comm_dtype
+from .theory import REDUCTIONS_IN_FLIGHT, ZERO3_ACCUMULATE, grad_comm_dtype
 from .units import UnitGatherer
 
 DTYPES = TORCH_DTYPES  # one home: parallel.precision
@@ -215,6 +216,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self._host_copier = HostCopier(self.buckets[0].flat_param.device) if self.offload != "none" else None
         self._sync = True
         self._callback_queued = False
+        self._in_flight: deque[FlatBucket] = deque()  # stages 2-3: reduce-scatters not yet waited for
         # fp32 at stages 0-1 accumulates straight into flat_grad (the .grad are views): a hook has
         # work only in a backward whose reductions can launch (dp > 1, not under no_sync)
         self._hooks_on_demand = (
@@ -368,6 +370,12 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         bucket.launch_reduction()
         if wait:
             bucket.finish_reduction()
+        elif self.policy.reduce_every_microbatch:
+            # the reduce-scatter's input is a temporary full gradient, alive until waited for: keep at
+            # most REDUCTIONS_IN_FLIGHT (on NCCL the wait orders the stream; the host does not block)
+            self._in_flight.append(bucket)
+            while len(self._in_flight) > REDUCTIONS_IN_FLIGHT:
+                self._in_flight.popleft().finish_reduction()
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -380,6 +388,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         for b in self.buckets:
             if not self.overlap and b.ready == len(b.params) and b.has_unreduced_grads():
                 self._reduce(b, wait=False)
+        self._in_flight.clear()
         for b in self.buckets:
             if self.policy.reduce_every_microbatch:  # the shard takes this micro-batch's reduce-scatter before the next
                 b.finish_reduction()
@@ -405,6 +414,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                         b.take_grad(p, i)
                 self._reduce(b, wait=True)
             b.finish_reduction()
+        self._in_flight.clear()
         divisor = self.dp_size * (self.scaler.scale if self.scaler else 1.0)
         grads = [b.main_grad() for b in self.buckets]
         for b, g in zip(self.buckets, grads):

@@ -40,6 +40,10 @@ from .offload import host_state_bytes
 from .policy import policy
 
 GRAD_BYTES = 4  # the fp32 main gradient, at every precision
+# With overlap, stages 2-3 reduce-scatter each bucket from a temporary full gradient while backward
+# goes on; the engine waits for the oldest once more than this many are in flight, so these
+# temporaries never hold more than this many buckets (the planner's communication buffers).
+REDUCTIONS_IN_FLIGHT = 2
 DEFAULT_COMM_DTYPE = "fp32"  # gradients travel in the dtype they accumulate in unless comm_dtype says otherwise
 
 
