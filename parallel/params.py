@@ -22,8 +22,8 @@ they survive ``.to()`` and ``named_parameters()``.
 * ``init_key``: the name whose initial values this parameter takes, when it is a second copy of
   another one (the head of a tied embedding on a stage without the embedding); initialisation and
   checkpoints key it by that name (:func:`init_key`).
-* ``expert``: a mixture-of-experts expert's parameter (:mod:`parallel.layers.moe`): each ep rank
-  holds different experts, so it is data-parallel over the ``edp`` group, not ``dp``, and a global
+* ``expert_shard``: a mixture-of-experts expert's parameter (:mod:`parallel.layers.moe`), stacked
+  over experts along dim 0, each ep rank holding its slice of the global experts, so it is data-parallel over the ``edp`` group, not ``dp``, and a global
   gradient norm sums it over ``ep`` too.
 
 Every reader goes through the accessors below, never ``getattr`` with the attribute's name.
@@ -98,11 +98,18 @@ def init_key(param: torch.Tensor, default: str | None = None) -> str | None:
     return getattr(param, "init_key", None) or default
 
 
-def mark_expert(param: torch.nn.Parameter) -> torch.nn.Parameter:
-    param.expert = True
+def mark_expert(param: torch.nn.Parameter, ep_rank: int = 0, ep_size: int = 1) -> torch.nn.Parameter:
+    """Mark an MoE expert parameter whose dim 0 is this ep rank's slice (rank ``ep_rank`` of ``ep_size``)
+    of the global experts."""
+    param.expert_shard = (ep_rank, ep_size)
     return param
+
+
+def expert_shard(param: torch.Tensor) -> tuple[int, int] | None:
+    """``(ep_rank, ep_size)`` of an MoE expert parameter (split over ep along dim 0), else None."""
+    return getattr(param, "expert_shard", None)
 
 
 def is_expert(param: torch.Tensor) -> bool:
     """True for an MoE expert's parameter (sharded over ep, data-parallel over edp)."""
-    return bool(getattr(param, "expert", False))
+    return expert_shard(param) is not None

@@ -54,6 +54,7 @@ from torch import nn
 
 from .. import comm
 from ..params import mark_expert, mark_no_weight_decay
+from .init import reset_default_
 from .linear import LayerConfigError
 from .mlp import ACTIVATIONS, ParallelMLP
 
@@ -186,56 +187,47 @@ class _AllToAll(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """``num_local`` experts as stacked weights ``[L, d, f]`` / ``[L, f, d]``, run over sorted segments.
+    """``num_local`` experts as stacked weights, run over sorted segments (one matmul per weight each).
 
-    Expert ``global_offset + l`` is initialised like ``nn.Linear`` (``U(-1/√in, 1/√in)``) from its own
-    generator seeded by (a seed drawn from torch's default generator, its global index), so the
-    experts are the same for every ep.
+    SwiGLU: ``gate_proj``, ``up_proj`` ``[L, d, f]`` and ``down_proj`` ``[L, f, d]``; GELU: ``fc_in``
+    ``[L, d, f]`` and ``fc_out`` ``[L, f, d]`` (+ ``fc_in_bias`` ``[L, f]``, ``fc_out_bias`` ``[L, d]``).
+    Each is rank ``ep_rank``'s slice along dim 0 of the global ``[E, …]`` tensor (marked
+    :func:`~parallel.params.mark_expert`), initialised like ``nn.Linear`` (``U(-1/√in, 1/√in)``) with the
+    layout-independent tiles of :mod:`parallel.layers.init`, so the experts are the same for every ep.
     """
 
     def __init__(self, num_local: int, d_model: int, d_ff: int, *, activation: str, bias: bool,
-                 global_offset: int = 0, device=None, dtype=None):  # fmt: skip
+                 ep_rank: int = 0, ep_size: int = 1, device=None, dtype=None):  # fmt: skip
         super().__init__()
-        self.activation, self.global_offset = activation, global_offset
+        self.activation = activation
         kw = dict(device=device, dtype=dtype)
-        names = ("w_in", "w_out") if activation == "gelu" else ("w_gate", "w_up", "w_out")
-        for name in names:
-            shape = (num_local, d_ff, d_model) if name == "w_out" else (num_local, d_model, d_ff)
-            self.register_parameter(name, mark_expert(nn.Parameter(torch.empty(shape, **kw))))
-        self.b_in = self.b_out = None
+        up, down = ("fc_in",), "fc_out"
+        if activation != "gelu":
+            up, down = ("gate_proj", "up_proj"), "down_proj"
+        shapes = {n: (num_local, d_model, d_ff) for n in up} | {down: (num_local, d_ff, d_model)}
         if bias:
-            self.b_in = mark_no_weight_decay(mark_expert(nn.Parameter(torch.empty(num_local, d_ff, **kw))))
-            self.b_out = mark_no_weight_decay(mark_expert(nn.Parameter(torch.empty(num_local, d_model, **kw))))
+            shapes |= {"fc_in_bias": (num_local, d_ff), "fc_out_bias": (num_local, d_model)}
+        self.fan_in = {n: d_ff if n in (down, "fc_out_bias") else d_model for n in shapes}
+        for name, shape in shapes.items():
+            param = mark_expert(nn.Parameter(torch.empty(shape, **kw)), ep_rank, ep_size)
+            self.register_parameter(name, mark_no_weight_decay(param) if name.endswith("bias") else param)
+        self.bias = bias
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.w_out.is_meta:
-            return
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        d_ff, d_model = self.w_out.shape[1:]
-        fan_in = {"b_in": d_model, "b_out": d_ff}  # weights: their dim 1 (x @ w[i])
-        params = list(self.named_parameters(recurse=False))
-        for i in range(self.w_out.shape[0]):
-            gen = torch.Generator().manual_seed(seed + 7919 * (self.global_offset + i))
-            for name, p in params:
-                bound = 1 / math.sqrt(fan_in.get(name, p.shape[1]))
-                vals = torch.rand(p.shape[1:], generator=gen, dtype=torch.float32) * 2 * bound - bound
-                with torch.no_grad():
-                    p[i].copy_(vals)
+        for name, p in self.named_parameters(recurse=False):
+            reset_default_(p, bound=1 / math.sqrt(self.fan_in[name]))
 
     def expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert ``i`` on rows ``x`` ``[n, d]``."""
         if self.activation == "gelu":
-            h = x @ self.w_in[i]
-            if self.b_in is not None:
-                h = h + self.b_in[i]
-            y = F.gelu(h, approximate="tanh") @ self.w_out[i]
-        else:
-            y = (F.silu(x @ self.w_gate[i]) * (x @ self.w_up[i])) @ self.w_out[i]
-        return y + self.b_out[i] if self.b_out is not None else y
+            h = x @ self.fc_in[i]
+            y = F.gelu(h + self.fc_in_bias[i] if self.bias else h, approximate="tanh") @ self.fc_out[i]
+            return y + self.fc_out_bias[i] if self.bias else y
+        return (F.silu(x @ self.gate_proj[i]) * (x @ self.up_proj[i])) @ self.down_proj[i]
 
     def forward(self, x: torch.Tensor, segments: list[int]) -> torch.Tensor:
-        """Rows ``x`` sorted by local expert, ``segments[l]`` rows each (host ints)."""
+        """Rows ``x`` sorted by local expert, ``segments[i]`` rows each (host ints)."""
         parts = torch.split(x, segments)
         return torch.cat([self.expert(i, part) for i, part in enumerate(parts)], dim=0)
 
@@ -265,7 +257,7 @@ class MoELayer(nn.Module):
         self.router = nn.Linear(d_model, cfg.num_experts, bias=False, device=device, dtype=dtype)
         self.experts = GroupedExperts(
             self.num_local, d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.bias,
-            global_offset=ep_rank * self.num_local, device=device, dtype=dtype,
+            ep_rank=ep_rank, ep_size=ep, device=device, dtype=dtype,
         )  # fmt: skip
         self.shared = None
         if cfg.num_shared_experts:

@@ -29,11 +29,10 @@ CASES = {
 
 def _expert(full: dict, e: int, x: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     if cfg.activation == "gelu":
-        h = x @ full["w_in"][e] + (full["b_in"][e] if cfg.bias else 0)
-        y = F.gelu(h, approximate="tanh") @ full["w_out"][e]
-    else:
-        y = (F.silu(x @ full["w_gate"][e]) * (x @ full["w_up"][e])) @ full["w_out"][e]
-    return y + full["b_out"][e] if cfg.bias else y
+        h = x @ full["fc_in"][e] + (full["fc_in_bias"][e] if cfg.bias else 0)
+        y = F.gelu(h, approximate="tanh") @ full["fc_out"][e]
+        return y + full["fc_out_bias"][e] if cfg.bias else y
+    return (F.silu(x @ full["gate_proj"][e]) * (x @ full["up_proj"][e])) @ full["down_proj"][e]
 
 
 def _reference(x, router_w, full, shared, cfg):
