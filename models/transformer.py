@@ -19,6 +19,7 @@ from parallel import comm
 from parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,
+    MoELayer,
     ParallelMLP,
     ParallelSelfAttention,
     RMSNorm,
@@ -41,7 +42,17 @@ class TransformerBlock(nn.Module):
     two all-gathers + two reduce-scatters each way).
     """
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel=False, device=None, dtype=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp_group=None,
+        sequence_parallel=False,
+        device=None,
+        dtype=None,
+        layer=0,
+        ep_group=None,
+    ):
         super().__init__()
         llama = cfg.arch == "llama"
         kw = dict(device=device, dtype=dtype)
@@ -59,6 +70,12 @@ class TransformerBlock(nn.Module):
             **kw,
         )
         self.mlp_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
+        if cfg.is_moe_layer(layer):  # experts instead of the MLP (parallel/layers/moe.py)
+            self.mlp = MoELayer(
+                cfg.d_model, cfg.moe_config(), ep_group=ep_group, tp_group=tp_group,
+                sequence_parallel=sequence_parallel, **kw,
+            )  # fmt: skip
+            return
         self.mlp = ParallelMLP(
             cfg.d_model,
             cfg.d_ff,
@@ -106,6 +123,7 @@ class TransformerStage(nn.Module):
         has_head=True,
         device="cpu",
         dtype=torch.float32,
+        ep_group=None,
     ):
         super().__init__()
         tp = comm.tp_world_size(tp_group)
@@ -130,7 +148,10 @@ class TransformerStage(nn.Module):
                 if sp:
                     mark_sequence_parallel(self.pos_embed.weight)
         self.blocks = nn.ModuleDict(
-            {str(i): TransformerBlock(cfg, tp_group=tp_group, sequence_parallel=sp, **kw) for i in layers}
+            {
+                str(i): TransformerBlock(cfg, tp_group=tp_group, sequence_parallel=sp, layer=i, ep_group=ep_group, **kw)
+                for i in layers
+            }
         )
         if has_head:
             norm = RMSNorm if cfg.arch == "llama" else LayerNorm
@@ -235,7 +256,7 @@ def init_rule(cfg: ModelConfig):
             return ("zeros",)
         if p.dim() == 1:
             return ("ones",)
-        if name.endswith(("o_proj.weight", "fc_out.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "fc_out.weight", "down_proj.weight", "experts.down_proj", "experts.fc_out")):
             return ("normal", residual_std)
         return ("normal", cfg.init_std)
 
@@ -253,6 +274,7 @@ def build_model(
     device="cpu",
     dtype=torch.float32,
     seed: int = 0,
+    ep_group=None,
 ) -> TransformerStage:
     """Build (and, unless on ``meta``, initialise) one stage of the model; see :class:`TransformerStage`.
 
@@ -270,6 +292,7 @@ def build_model(
         has_head=has_head,
         device="meta",
         dtype=dtype,
+        ep_group=ep_group,
     )
     if torch.device(device).type != "meta":
         stage.to_empty(device=device)
