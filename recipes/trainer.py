@@ -56,7 +56,7 @@ class Trainer:
         torch.set_num_threads(threads)
         self.owns_process_group = not torch.distributed.is_initialized()  # then train() destroys it at the end
         init_distributed(backend=p.backend, timeout_s=p.timeout_s)
-        self.topology = Topology(self.layout.dp, p.pp, p.tp, world_size=world, order=p.order)
+        self.topology = Topology(self.layout.dp, p.pp, p.tp, ep=p.ep, world_size=world, order=p.order)
         self.groups: ParallelGroups = build_groups(self.topology, timeout_s=p.timeout_s)
         self.rank = self.groups.rank
         self.device = default_device(self.groups.backend)
