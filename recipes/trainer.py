@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
 from parallel.layers import check_token_ids
+from parallel.layers.moe import moe_metrics
 from parallel.plan.shape import model_tflops_per_device
 from parallel.precision import TORCH_DTYPES
 from parallel.topology import Topology
@@ -190,6 +191,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                 rec["tokens_per_s"] = tokens_per_step * window_steps / (time.perf_counter() - window_start)
                 if peak:
                     rec["mfu"] = model_tflops_per_device(rec["tokens_per_s"], trainer.model_cfg, world) / peak
+            if read:  # MoE models: router loss, tokens per expert, dropped (one host read, logged steps only)
+                rec.update(moe_metrics(trainer.engine.model))
             if eval_due:
                 rec["val_loss"] = trainer.evaluate()
             last = rec

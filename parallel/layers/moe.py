@@ -237,7 +237,9 @@ class MoELayer(nn.Module):
 
     After each forward, ``last_stats`` holds device tensors (no host read): ``aux_loss`` (weighted
     total), ``balance_loss``, ``z_loss``, ``tokens_per_expert`` ``[E]`` (this rank's assignments per
-    global expert, before dropping) and ``dropped`` (this rank's dropped assignments).
+    global expert, before dropping) and ``dropped`` (this rank's dropped assignments); training
+    forwards also add them up on the device for :func:`moe_metrics` (recomputed forwards of
+    activation checkpointing count again).
     ``aux_loss_scale`` multiplies the aux-loss gradient (set it to the main loss's normalisation,
     e.g. 1 / micro-batches).
     """
@@ -267,6 +269,8 @@ class MoELayer(nn.Module):
             )
         self.aux_loss_scale = 1.0
         self.last_stats: dict[str, torch.Tensor] = {}
+        self.stats_sum: dict[str, torch.Tensor] = {}
+        self.stats_calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.top_k
@@ -323,5 +327,31 @@ class MoELayer(nn.Module):
             "tokens_per_expert": torch.bincount(r.experts.reshape(-1), minlength=E),
             "dropped": counts[E],
         }
+        if torch.is_grad_enabled():  # training: add up over the micro-batches until moe_metrics() reads them
+            for key, v in self.last_stats.items():
+                self.stats_sum[key] = self.stats_sum[key] + v if key in self.stats_sum else v.clone()
+            self.stats_calls += 1
         out = _AttachAux.apply(out, aux, self.aux_loss_scale) if torch.is_grad_enabled() else out
         return out.view(shape)
+
+
+def moe_metrics(model: nn.Module) -> dict[str, float | list[int]]:
+    """This rank's MoE figures since the last call, over all its MoE layers and micro-batches (one
+    host read; call it on logged steps only): ``moe_aux_loss`` (mean weighted router loss per layer
+    call), ``moe_tokens_per_expert`` (assignments per global expert, summed over layers),
+    ``moe_dropped`` (dropped assignments). Resets the sums. Empty without MoE layers or calls."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.stats_calls]
+    if not layers:
+        return {}
+    aux = torch.stack([m.stats_sum["aux_loss"] for m in layers]).sum()
+    calls = sum(m.stats_calls for m in layers)
+    per_expert = torch.stack([m.stats_sum["tokens_per_expert"] for m in layers]).sum(0)
+    dropped = torch.stack([m.stats_sum["dropped"] for m in layers]).sum()
+    host = torch.cat([aux.reshape(1).double(), dropped.reshape(1).double(), per_expert.double()]).tolist()
+    for m in layers:
+        m.stats_sum, m.stats_calls = {}, 0
+    return {
+        "moe_aux_loss": host[0] / calls,
+        "moe_dropped": int(host[1]),
+        "moe_tokens_per_expert": [int(v) for v in host[2:]],
+    }

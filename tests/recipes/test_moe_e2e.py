@@ -1,5 +1,7 @@
 """End to end: an MoE model (mixtral_tiny) trains identically under ep with dp, tp, pp and ZeRO."""
 
+import json
+
 import pytest
 
 from parallel.testing import run_ranks
@@ -17,6 +19,10 @@ def _moe(**layout):
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe_ref")
     run_ranks(_train, 1, _moe(), str(d), timeout=300)
+    rows = [json.loads(line) for line in open(d / "metrics.jsonl")]
+    # every logged step: 8 sequences × 32 tokens × top-2 × 2 MoE layers routed, none dropped (dropless)
+    assert all(sum(r["moe_tokens_per_expert"]) == 8 * 32 * 2 * 2 and r["moe_dropped"] == 0 for r in rows)
+    assert all(r["moe_aux_loss"] > 0 for r in rows)
     return losses(d)
 
 
