@@ -12,7 +12,7 @@ STEPS = 6
 
 
 def _moe(**layout):
-    return tiny_recipe(model__preset="mixtral_tiny", model__n_layers=2, train__max_steps=STEPS, **layout)
+    return tiny_recipe(**{"model__preset": "mixtral_tiny", "model__n_layers": 2, "train__max_steps": STEPS, **layout})
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +43,14 @@ def test_moe_layouts_match_one_process(reference, tmp_path, layout):
     assert loss == pytest.approx(ref_loss, abs=1e-4)
     assert norm == pytest.approx(ref_norm, rel=1e-4)
     assert loss[-1] < loss[0] - 0.2  # and it learns
+
+
+def test_moe_checkpoint_at_ep2_resumes_in_one_process(tmp_path):
+    """Experts saved from two ep ranks (each its half of [E, ...]) load whole into one process."""
+    saved, resumed = tmp_path / "saved", tmp_path / "resumed"
+    run_ranks(_train, 4, _moe(dp=4, parallel__ep=2, zero=1, train__ckpt_every=4), str(saved), timeout=300)
+    full = losses(saved)[0]
+    rc = _moe(train__max_steps=5, train__resume=str(saved / "checkpoints" / "step_00000004"))
+    run_ranks(_train, 1, rc, str(resumed), timeout=300)
+    got = losses(resumed)[0]
+    assert len(got) == 1 and got[0] == pytest.approx(full[4], abs=1e-4)
