@@ -155,6 +155,22 @@ def kept_assignments(experts: torch.Tensor, cfg: MoEConfig) -> torch.Tensor | No
     return (position < cap).view(cfg.top_k, -1).t()
 
 
+def _count(index: torch.Tensor, n: int) -> torch.Tensor:
+    """``torch.bincount(index, minlength=n)`` (int64) that also runs on ``meta``."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(0, index, torch.ones_like(index))
+
+
+def _read_counts(counts: torch.Tensor, assignments: int, halves: int = 1) -> list[int]:
+    """The one host read of a layer call (module docstring). On ``meta`` (the dry run: no values)
+    every rank is taken to spread its ``assignments`` evenly over the experts (remainder first);
+    ``halves`` = 2 when ``counts`` is the sent counts followed by the received ones."""
+    if counts.device.type != "meta":
+        return counts.tolist()
+    experts = counts.numel() // halves
+    per, extra = divmod(assignments, experts)
+    return [per + (i < extra) for i in range(experts)] * halves
+
+
 class _AttachAux(torch.autograd.Function):
     """Identity on ``out``; backward also sends ``scale`` as the gradient of ``aux`` (a scalar loss)."""
 
@@ -284,17 +300,17 @@ class MoELayer(nn.Module):
         keep = kept_assignments(r.experts, cfg)
         if keep is not None:
             flat_e = torch.where(keep.reshape(-1), flat_e, E)  # dropped → sentinel expert E, sorted last
-        counts = torch.bincount(flat_e, minlength=E + 1)
+        counts = _count(flat_e, E + 1)
         order = torch.argsort(flat_e, stable=True)
         send_counts = counts[:E]
 
         if self.ep > 1:
             recv_counts = torch.empty_like(send_counts)
             comm.all_to_all(recv_counts, send_counts, self.ep_group)
-            host = torch.cat([send_counts, recv_counts]).tolist()  # the one host read (module docstring)
+            host = _read_counts(torch.cat([send_counts, recv_counts]), k * h.shape[0], halves=2)
             send, recv = host[:E], host[E:]
         else:
-            send = recv = send_counts.tolist()
+            send = recv = _read_counts(send_counts, k * h.shape[0])
         P, L = self.ep, self.num_local
         n_send = sum(send)
         order = order[:n_send]
@@ -324,7 +340,7 @@ class MoELayer(nn.Module):
             "aux_loss": aux.detach(),
             "balance_loss": balance.detach(),
             "z_loss": z.detach(),
-            "tokens_per_expert": torch.bincount(r.experts.reshape(-1), minlength=E),
+            "tokens_per_expert": _count(r.experts.reshape(-1), E),
             "dropped": counts[E],
         }
         if torch.is_grad_enabled():  # training: add up over the micro-batches until moe_metrics() reads them

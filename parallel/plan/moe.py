@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .hardware import PlanError
 
-#: the count exchange's element: int64 (parallel.layers.moe exchanges torch.bincount's output)
+#: the count exchange's element: int64 (parallel.layers.moe exchanges int64 counts)
 COUNT_BYTES = 8
 
 
