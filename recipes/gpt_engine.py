@@ -19,7 +19,10 @@ from .config import Layout, RecipeConfig
 def optimizer_factory(rc: RecipeConfig, device: torch.device):
     """``factory(param_groups)`` building ``rc.optim``'s optimizer (fused AdamW on a GPU)."""
     o = rc.optim
-    fused = True if device.type == "cuda" else None  # one kernel for all tensors; None: foreach
+    # one kernel for all tensors; None: foreach. Offloaded, the optimizer steps host shards: torch's
+    # fused CPU AdamW (vectorised, multi-threaded; torch >= 2.4)
+    offloaded = rc.parallel.offload != "none"
+    fused = True if device.type == "cuda" or (offloaded and device.type == "cpu") else None
 
     def factory(param_groups):
         if o.name == "sgd":
@@ -46,6 +49,8 @@ def build_gpt_engine(
             layers=layers,
             has_embedding=c * p.pp + g.pp_rank == 0,
             has_head=c * p.pp + g.pp_rank == len(ranges) - 1,
+            cp_group=g.cp,
+            cp_impl=p.cp_impl,
             device=device,
             dtype=torch.float32,
             seed=t.seed,
@@ -53,12 +58,13 @@ def build_gpt_engine(
         )
         for c, layers in enumerate(stage_chunks(ranges, p.pp, g.pp_rank))
     ]
-    seq = mc.seq_len // p.tp if p.sequence_parallel else mc.seq_len
+    seq = mc.seq_len // p.cp  # context parallelism: this rank's load-balanced slice of each sample
+    seq = seq // p.tp if p.sequence_parallel else seq
     engine = StepEngine(
         chunks,
         build_schedule(p.pp_schedule, p.pp, layout.grad_accum, p.vpp)[g.pp_rank],
         loss_fn=chunks[-1].loss,  # used on the last virtual stage only, which holds the head
-        dp_group=g.dp,
+        dp_group=g.dpcp,  # gradients (and the loss) averaged over dp × cp: the mean over all tokens
         pp_group=g.pp,
         tp_group=g.tp,
         embedding_group=g.embedding,
@@ -66,6 +72,7 @@ def build_gpt_engine(
         compute_dtype=dtype,
         sequence_parallel=p.sequence_parallel,
         stage=p.zero,
+        offload=p.offload,
         optimizer_factory=optimizer_factory(rc, device),
         units=[b for ch in chunks for b in ch.blocks.values()],
         precision=t.precision,

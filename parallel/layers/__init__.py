@@ -16,6 +16,16 @@ from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, d
 from .mlp import ParallelMLP
 from .moe import MoEConfig, MoEConfigError, MoELayer
 from .norm import LayerNorm, RMSNorm, reduce_sequence_parallel_grads
+from .ring_attention import (
+    check_cp_seq_len,
+    check_ulysses_heads,
+    context_parallel_attention,
+    cp_chunks,
+    cp_positions,
+    cp_slice,
+    ring_attention,
+    ulysses_attention,
+)
 from .tokens import check_token_ids
 
 __all__ = [
@@ -31,7 +41,13 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "apply_rotary",
+    "check_cp_seq_len",
     "check_heads",
+    "check_ulysses_heads",
+    "context_parallel_attention",
+    "cp_chunks",
+    "cp_positions",
+    "cp_slice",
     "check_token_ids",
     "divide",
     "gather_full_tensor",
@@ -40,6 +56,8 @@ __all__ = [
     "mark_vocab_rows",
     "padded_vocab_size",
     "reduce_sequence_parallel_grads",
+    "ring_attention",
     "rotary_cos_sin",
+    "ulysses_attention",
     "vocab_parallel_cross_entropy",
 ]

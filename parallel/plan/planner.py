@@ -20,12 +20,14 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from ..pipeline.schedules import ScheduleError, build_schedule
+from ..pipeline.schedules import ScheduleError, build_schedule, zb_h1_makespan
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
 from . import memory as M
+from . import offload as O
 from .advice import advise
+from .cp import cp_traffic, extra_activation_bytes, local_shape
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training, check
 from .shape import ModelShape, forward_flops, layer_partition, model_flops_per_token, recompute_flops
@@ -102,15 +104,20 @@ def pipeline_time(
     rounded to 0.1 %, so layouts share simulations). Otherwise 1F1B's closed form
     ``(m + pp − 1)(f + b)`` plus p2p latencies, with stage ``s`` holding
     ``min(pp − s, m)`` micro-batches (GPipe: ``m``): the search's quick estimate.
+    ZB-H1 (m ≥ pp): :func:`~parallel.pipeline.schedules.zb_h1_makespan` with the backward
+    split evenly into B and W, every stage holding ``min(pp, m)``.
     """
     if fwd <= 0:
         raise PlanError(f"forward time must be positive, got {fwd}")
-    if exact or schedule == "interleaved":
+    if exact or schedule == "interleaved" or (schedule == "zb-h1" and m < pp):
         try:
             span, bubble, peaks = _simulate(schedule, pp, m, vpp, round(bwd / fwd, 3), round(p2p / fwd, 3))
         except ScheduleError as e:
             raise PlanError(str(e)) from None
         return span * fwd, bubble, peaks
+    if schedule == "zb-h1":
+        span = zb_h1_makespan(pp, m, fwd, bwd / 2, bwd / 2) + (2 * (pp - 1) + m - 1) * p2p
+        return span, 1 - m * (fwd + bwd) / span, (min(pp, m),) * pp
     span = (m + pp - 1) * (fwd + bwd) + (2 * (pp - 1) + m - 1) * p2p
     peaks = tuple(m if schedule == "gpipe" else min(pp - s, m) for s in range(pp))
     return span, 1 - m * (fwd + bwd) / span, peaks
@@ -133,7 +140,8 @@ def plan_layout(
     """The per-rank-class memory, traffic and time of ``layout`` (module docstring)."""
     shape = ModelShape.of(shape)
     m = check(shape, layout, training, world_size)
-    L, t, dp, pp, vpp = layout, layout.tp, layout.dp, layout.pp, layout.vpp
+    L, t, dp, pp, vpp = layout, layout.tp, layout.dp * layout.cp, layout.pp, layout.vpp  # ZeRO spans dp × cp
+    local = local_shape(shape, L.cp)  # what one cp rank holds of each sample (parallel/plan/cp.py)
     e = M.PRECISION_BYTES[training.precision]
     c = M.comm_bytes(training.precision, training.comm_dtype)
     sp, ckpt, mb = L.sequence_parallel, training.checkpointing, training.micro_batch
@@ -146,20 +154,22 @@ def plan_layout(
         key = tuple((len(r),) + _stage_flags(v, pp * vpp) for v, r in chunks)
         if key not in alike:
             alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops)
-        params, tp_axis, fwd, bwd, acts, flops_s = alike[key]
+        params, tp_axis, cp_axis, fwd, bwd, acts, flops_s = alike[key]
         tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
-        stage_info.append((chunks, params, tp_axis, fwd, bwd, acts, flops_s))
+        stage_info.append((chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s))
     # the slowest stage paces the pipeline; p2p of one activation between stages
     p2p_axis_proto = AxisTraffic(pp, group_crosses_node(t * dp, pp, gpn))
-    act_msg = e * mb * shape.seq_len * shape.d_model / (t if sp else 1)
+    act_msg = e * mb * local.seq_len * shape.d_model / (t if sp else 1)
     p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + hw.latency_us * 1e-6) if pp > 1 else 0.0
     slow_f = max(i[3] for i in stage_info) / vpp
     slow_b = max(i[4] for i in stage_info) / vpp
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one, exact=exact)
-    ranks, dp_exposed = [], 0.0
-    for s, (chunks, params, tp_axis, fwd, bwd, acts, flops_s) in enumerate(stage_info):
+    ranks, dp_exposed, offload_exposed = [], 0.0, 0.0
+    for s, (chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
-        states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer)
+        states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer, L.offload)
+        shard = psi // dp if policy(L.zero).shards_optimizer else psi
+        offload_s = O.offload_seconds(shard, e, L.offload, hw, m, fwd, bwd)
         if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
             sp_shard = M.padded(params.replicated, dp) // (dp if policy(L.zero).shards_optimizer else 1)
             tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
@@ -195,9 +205,9 @@ def plan_layout(
         emb_axis.add("all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)")
         in_flight = peaks[s]
         activations = in_flight * max(acts) + M.recompute_peak_bytes(
-            shape, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision
+            local, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision
         )
-        buffers = _buffer_bytes(L, training, params, count_params, act_msg, e, c)
+        buffers = _buffer_bytes(dataclasses.replace(L, dp=dp), training, params, count_params, act_msg, e, c)
         mem = {
             **{k: float(v) for k, v in states.items() if k != "total"},
             "model_states": float(states["total"]),
@@ -205,10 +215,12 @@ def plan_layout(
             "buffers": buffers,
         }
         mem["total"] = mem["model_states"] + activations + buffers
+        host_ok = O.host_fits(mem.get("host", 0.0), min(gpn, layout.world_size), hw)
         traffic = {
             name: a.as_dict()
             for name, a in (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis))
         }
+        traffic["cp"] = cp_axis.as_dict()
         ranks.append(
             RankClass(
                 stage=s,
@@ -221,11 +233,12 @@ def plan_layout(
                 backward_s=bwd,
                 compute_s=m * flops_s,
                 traffic=traffic,
-                fits=mem["total"] <= hw.memory_bytes,
+                fits=mem["total"] <= hw.memory_bytes and host_ok,
             )
         )
+        offload_exposed = max(offload_exposed, offload_s["exposed_s"])
     emb_time = max(r.traffic["embedding"]["time_s"] for r in ranks)
-    step_time = makespan + dp_exposed + emb_time
+    step_time = makespan + dp_exposed + emb_time + offload_exposed  # offload: host Adam and PCIe copies
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
@@ -235,6 +248,7 @@ def plan_layout(
         "pipeline_s": makespan,
         "bubble_fraction": bubble,
         "dp_exposed_s": dp_exposed,
+        "offload_s": offload_exposed,
         "tokens_per_s": tokens_step / step_time,
         "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),
         "compute_s": compute,
@@ -260,9 +274,11 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
     chunk and the step's compute seconds of a rank holding ``chunks``."""
     t, sp, ckpt, mb = L.tp, L.sequence_parallel, training.checkpointing, training.micro_batch
     e = M.PRECISION_BYTES[training.precision]
-    tokens = mb * shape.seq_len
+    local = local_shape(shape, L.cp)  # activations and TP messages: s/cp tokens; FLOPs: those tokens over all s
+    tokens = mb * local.seq_len
     params = M.StageParams(0)
     tp_axis = AxisTraffic(t, group_crosses_node(1, t, hw.gpus_per_node))
+    cp_axis = AxisTraffic(L.cp, group_crosses_node(t, L.cp, hw.gpus_per_node))
     fwd = bwd = flops_s = 0.0
     acts = []
     for v, r in chunks:
@@ -271,14 +287,17 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
         f = forward_flops(shape, tokens, len(r), last, t)
         rc = recompute_flops(shape, tokens, len(r), ckpt, t)
         tf, tb = tp_traffic(
-            shape, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
+            local, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
         )
-        fwd += f / peak_flops + tf
-        bwd += (2 * f + rc) / peak_flops + tb
+        cf, cb = cp_traffic(
+            shape, cp_axis, hw, n_layers=len(r), mb=mb, m=m, e=e, tp=t, ckpt=ckpt, impl=L.cp_impl, peak_flops=peak_flops
+        )
+        fwd += f / peak_flops + tf + cf
+        bwd += (2 * f + rc) / peak_flops + tb + cb
         flops_s += (3 * f + rc) / peak_flops
         acts.append(
             M.stage_activation_bytes(
-                shape,
+                local,
                 mb,
                 len(r),
                 has_embedding=first,
@@ -288,8 +307,9 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
                 checkpointing=ckpt,
                 precision=training.precision,
             )
+            + len(r) * extra_activation_bytes(shape, mb, cp=L.cp, tp=t, impl=L.cp_impl, checkpointing=ckpt, e=e)
         )
-    return params, tp_axis, fwd, bwd, acts, flops_s
+    return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s
 
 
 def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) -> float:

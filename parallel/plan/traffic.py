@@ -20,7 +20,13 @@ from ..zero.compression import INDEX_BYTES, topk_count
 from ..zero.policy import policy
 from .hardware import Hardware
 
-RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}  # × (N-1) latency steps
+RING_STEPS = {
+    "all_reduce": 2,
+    "reduce_scatter": 1,
+    "all_gather": 1,
+    "broadcast": 1,
+    "all_to_all": 1,
+}  # × (N-1) latency steps
 # bytes sent: parallel.comm.SENT_FRACTION (the counter's, one home)
 
 

@@ -43,6 +43,7 @@ import torch
 from .. import comm
 from .compression import TopKCompressor
 from .layout import BucketLayout
+from .offload import host_copy, host_empty, to_device
 from .policy import policy
 
 
@@ -58,6 +59,7 @@ class FlatBucket:
         param_dtype: torch.dtype,
         comm_dtype: torch.dtype,
         compressor: TopKCompressor | None,
+        offload: str = "none",
     ):
         self.layout, self.params, self.stage, self.group = layout, list(params), stage, group
         self.policy = pol = policy(stage)  # what this stage shards, reduces and gathers
@@ -69,10 +71,17 @@ class FlatBucket:
             self.flat_param[slot.offset : slot.end].copy_(p.detach().reshape(-1))
             p.data = self.flat_param[slot.offset : slot.end].view(slot.shape)
         owned = self.flat_param[self.lo : self.hi]
-        self.param_shard = owned.clone() if pol.shards_params else None
+        self.offload = offload  # parallel/zero/offload.py: what lives in host memory
+        self.params_on_host = offload == "optimizer+params"
+        self.param_shard = (host_copy(owned) if self.params_on_host else owned.clone()) if pol.shards_params else None
         home = self.param_shard if pol.shards_params else owned
-        self.master = home if param_dtype == torch.float32 else home.float()
+        if offload == "none" or (self.params_on_host and param_dtype == torch.float32):
+            self.master = home if param_dtype == torch.float32 else home.float()
+        else:  # the optimizer's fp32 master shard in host memory
+            self.master = host_copy(home, torch.float32)
         self.master_is_separate = self.master is not home  # (not data_ptr: 0 for every meta tensor)
+        # the host target of the reduced gradient shard's device -> host copy
+        self.host_grad = host_empty(self.hi - self.lo, torch.float32, owned) if offload != "none" else None
         self.flat_grad = None
         self.grad_shard = None
         self.grad_views = not pol.shards_grads and param_dtype == torch.float32  # .grad are views of flat_grad
@@ -186,8 +195,8 @@ class FlatBucket:
     def publish_master(self) -> None:
         """After the optimizer step: make the compute parameters equal the updated master."""
         home = self.param_shard if self.policy.shards_params else self.flat_param[self.lo : self.hi]
-        if self.master_is_separate:
-            home.copy_(self.master)
+        if self.master_is_separate:  # offload: host -> device, asynchronous from pinned memory
+            home.copy_(self.master, non_blocking=self.master.is_pinned())
         if self.policy.gathers_after_step:
             comm.all_gather(self.flat_param, home.clone(), group=self.group)
         elif self.policy.gathers_per_unit:
@@ -210,7 +219,8 @@ class FlatBucket:
             return
         storage = self.flat_param.untyped_storage()
         storage.resize_(self.flat_param.numel() * self.flat_param.element_size())
-        self._gather = comm.all_gather(self.flat_param, self.param_shard, group=self.group, async_op=True)
+        shard = to_device(self.param_shard, self.flat_param.device) if self.params_on_host else self.param_shard
+        self._gather = comm.all_gather(self.flat_param, shard, group=self.group, async_op=True)
 
     def wait_gather(self) -> None:
         if self.gathered:

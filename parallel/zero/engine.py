@@ -79,6 +79,7 @@ from .bucket import FlatBucket
 from .compression import COMPRESSIONS, TopKCompressor, topk_count
 from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
+from .offload import HostCopier, check_offload, host_step
 from .policy import ZERO_STAGES, policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
@@ -148,7 +149,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     over the flat fp32 shards (group 0 with weight decay, group 1 with
     ``weight_decay=0``). ``units``: stage 3's gather granularity. ``bucket_mb``:
     the most bytes per flat bucket (one collective each). ``loss_scaler``: fp16's
-    :class:`DynamicLossScaler` (default settings if None).
+    :class:`DynamicLossScaler` (default settings if None). ``offload``: ``"optimizer"``
+    or ``"optimizer+params"`` keep model state in host memory (:mod:`parallel.zero.offload`).
     """
 
     def __init__(
@@ -170,11 +172,13 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         compression: str | None = None,
         topk_ratio: float = 0.01,
         loss_scaler: DynamicLossScaler | None = None,
+        offload: str = "none",
         expert_group: dist.ProcessGroup | None = None,
         ep_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio)
+        self.offload = check_offload(offload, stage)
         self.param_dtype = _dtype(precision, "precision")
         self.comm_dtype = _dtype(grad_comm_dtype(comm_dtype), "comm_dtype")
         self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
@@ -199,6 +203,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             {"params": [b.master for b in self.buckets if not b.layout.weight_decay], "weight_decay": 0.0},
         ]
         self.optimizer = optimizer_factory([g for g in groups if g["params"]])
+        self._host_copier = HostCopier(self.buckets[0].flat_param.device) if self.offload != "none" else None
         self._sync = True
         self._callback_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_bucket]
@@ -259,6 +264,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 param_dtype=self.param_dtype,
                 comm_dtype=self.comm_dtype,
                 compressor=compressor,
+                offload=self.offload,
             )
             bucket.expert = layout.index in expert_index
             bucket.norm_ranges = counted_ranges(layout, bucket.lo, bucket.hi, params, count_replicated=tp_rank == 0)
@@ -363,6 +369,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             g.div_(divisor)
             if b.layout.extra_reduce:  # tied embedding: + the other stage's; sequence parallel: + other TP ranks'
                 comm.all_reduce(g, group=self.extra_groups[b.layout.extra_reduce])
+            if self._host_copier is not None:  # offload: device -> host now, while later buckets finish
+                self._host_copier.copy(b.host_grad, g)
         return grads
 
     def step(self) -> dict:
@@ -390,6 +398,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         norm = global_norm(local, self.norm_groups)
         found_inf = ~torch.isfinite(norm)
         coef = clip_coefficient(norm, self.grad_clip)
+        if self._host_copier is not None:
+            return host_step(self, norm, found_inf, coef)
         for b, g in zip(self.buckets, grads):
             b.master.grad = g.mul_(coef) if coef is not None else g
         device_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))

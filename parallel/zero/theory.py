@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from ..comm.counter import SENT_FRACTION
 from ..precision import DTYPE_BYTES
+from .offload import host_state_bytes
 from .policy import policy
 
 GRAD_BYTES = 4  # the fp32 main gradient, at every precision
@@ -53,16 +54,32 @@ def optimizer_bytes_per_param(param_bytes: int, state_tensors: int = 2) -> int:
 
 
 def model_state_bytes(
-    psi: int, stage: int, dp: int, param_bytes: int = 4, state_tensors: int = 2, grad_bytes: int = GRAD_BYTES
+    psi: int,
+    stage: int,
+    dp: int,
+    param_bytes: int = 4,
+    state_tensors: int = 2,
+    grad_bytes: int = GRAD_BYTES,
+    offload: str = "none",
 ) -> dict:
     """Bytes of parameters, gradients and optimizer state one rank holds between steps
-    (``grad_bytes``: the engine's fp32 main gradient; pass ``param_bytes`` for the ZeRO paper's count)."""
+    (``grad_bytes``: the engine's fp32 main gradient; pass ``param_bytes`` for the ZeRO paper's count).
+
+    ``total`` is on the device; ``host`` (a key only under offload) what ``offload`` keeps in host memory instead
+    (:func:`parallel.zero.offload.host_state_bytes`): the optimizer's share leaves the
+    device, and with ``"optimizer+params"`` stage 3's persistent parameter shard too."""
     k = optimizer_bytes_per_param(param_bytes, state_tensors)
     pol = policy(stage)
     params = param_bytes * psi / (dp if pol.shards_params else 1)
     grads = grad_bytes * psi / (dp if pol.shards_grads else 1)
     optim = k * psi / (dp if pol.shards_optimizer else 1)
-    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+    host = host_state_bytes(psi, param_bytes, offload, 4 * state_tensors) / (dp if pol.shards_optimizer else 1)
+    if offload != "none":
+        optim = 0
+    if offload == "optimizer+params":
+        params = 0
+    out = {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+    return {**out, "host": host} if offload != "none" else out
 
 
 def step_sent_bytes(
