@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from parallel.layers.embedding import padded_vocab_size
+from parallel.layers.moe import MoEConfig, MoEConfigError
 from parallel.memory import CHECKPOINTING
 
 ARCHS = ("gpt", "llama")
@@ -23,6 +24,10 @@ class ModelConfig:
     ``n_kv_heads`` defaults to ``n_heads`` and ``d_ff`` to ``4·d_model`` (GPT) or
     Llama's ``multiple_of``-rounded ``8/3·d_model``. The vocabulary is padded to a
     multiple of ``vocab_multiple · tp`` (:meth:`padded_vocab`).
+
+    Mixture of experts (docs/moe.md): ``moe_experts > 0`` replaces the MLP of every
+    ``moe_every``-th block (blocks ``i`` with ``(i + 1) % moe_every == 0``) by a
+    :class:`~parallel.layers.moe.MoELayer` of experts of width ``moe_d_ff`` (default ``d_ff``).
     """
 
     arch: str = "gpt"
@@ -39,6 +44,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     init_std: float = 0.02
     vocab_multiple: int = 128
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1
+    moe_d_ff: int | None = None
+    moe_shared_experts: int = 0
+    moe_capacity_factor: float | None = None
+    moe_aux_loss_weight: float = 0.01
+    moe_z_loss_weight: float = 0.0
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -51,6 +64,25 @@ class ModelConfig:
             hidden = int(2 * 4 * self.d_model / 3)
             return 256 * -(-hidden // 256)
         return 4 * self.d_model
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` has experts instead of an MLP."""
+        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+
+    def moe_config(self) -> MoEConfig:
+        """The :class:`MoEConfig` of this model's MoE blocks (SwiGLU without biases for llama, GELU with)."""
+        llama = self.arch == "llama"
+        return MoEConfig(
+            num_experts=self.moe_experts,
+            d_ff=self.moe_d_ff or self.d_ff,
+            top_k=self.moe_top_k,
+            activation="swiglu" if llama else "gelu",
+            bias=not llama,
+            num_shared_experts=self.moe_shared_experts,
+            capacity_factor=self.moe_capacity_factor,
+            aux_loss_weight=self.moe_aux_loss_weight,
+            z_loss_weight=self.moe_z_loss_weight,
+        )
 
     @property
     def head_dim(self) -> int:
@@ -103,6 +135,12 @@ class ModelConfig:
             f"use a tp that divides {self.n_kv_heads}",
         )
         need(self.d_ff % tp == 0, f"d_ff {self.d_ff} is not divisible by tp {tp}")
+        if self.moe_experts:
+            need(self.moe_every >= 1, f"moe_every must be ≥ 1, got {self.moe_every}")
+            try:
+                self.moe_config().check()
+            except MoEConfigError as e:
+                raise ModelConfigError(str(e)) from None
         return self
 
 
@@ -134,6 +172,37 @@ PRESETS: dict[str, ModelConfig] = {
         seq_len=4096,
         tie_embeddings=False,
         norm_eps=1e-6,
+    ),
+    # tests: Mixtral's shape in miniature (odd sizes on purpose)
+    "mixtral_tiny": ModelConfig(
+        arch="llama",
+        n_layers=2,
+        d_model=48,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=40,
+        vocab_size=256,
+        seq_len=32,
+        tie_embeddings=False,
+        moe_experts=4,
+        moe_top_k=2,
+        moe_aux_loss_weight=0.02,
+    ),
+    # Mixtral-8x7B (46.7B parameters, 12.9B active per token); the planner's MoE reference
+    "mixtral_8x7b": ModelConfig(
+        arch="llama",
+        n_layers=32,
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        vocab_size=32000,
+        seq_len=4096,
+        tie_embeddings=False,
+        rope_theta=1e6,
+        moe_experts=8,
+        moe_top_k=2,
+        moe_aux_loss_weight=0.02,
     ),
 }
 

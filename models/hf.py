@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` weights for GPT-2 and Llama, into and out of any tp / pp layout.
+"""Hugging Face ``transformers`` weights for GPT-2, Llama and Mixtral, into and out of any tp / pp layout.
 
 ``load_hf_weights(stage, source, tp_group)`` fills a stage from a ``transformers``
 state dict or a folder of ``*.safetensors`` as ``save_pretrained`` writes it: each
@@ -10,7 +10,10 @@ model shape from a ``transformers`` config (or its ``config.json`` dict).
 
 ``transformers`` itself is never imported here: only its tensor names and layouts.
 GPT-2's ``Conv1D`` stores ``[in, out]`` and fuses q, k, v in ``c_attn``; Llama's
-weights are already ``nn.Linear``-shaped and use the rotate-half rotary layout.
+weights are already ``nn.Linear``-shaped and use the rotate-half rotary layout. Mixtral's
+experts are ``transformers`` ≥ 5's stacked tensors (``experts.gate_up_proj`` ``[E, 2f, d]``,
+``experts.down_proj`` ``[E, d, f]``, router ``mlp.gate.weight``); ours are ``[E, d, f]`` /
+``[E, f, d]``, each ep rank loading its slice of the experts (export needs ep = 1).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 from parallel import comm
-from parallel.params import tp_shard_dim, vocab_rows
+from parallel.params import expert_shard, tp_shard_dim, vocab_rows
 
 from .config import ModelConfig, ModelConfigError
 from .transformer import gather_full_state_dict
@@ -91,8 +94,25 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
             Rule((f"{b}mlp_norm.weight",), f"{h}post_attention_layernorm.weight"),
         ]
         rules += [Rule((f"{b}attn.{x}_proj.weight",), f"{h}self_attn.{x}_proj.weight") for x in "qkvo"]
-        rules += [Rule((f"{b}mlp.{x}_proj.weight",), f"{h}mlp.{x}_proj.weight") for x in ("gate", "up", "down")]
+        if cfg.is_moe_layer(i):
+            rules += _mixtral_expert_rules(cfg.moe_config().d_ff, b, h)
+        else:
+            rules += [Rule((f"{b}mlp.{x}_proj.weight",), f"{h}mlp.{x}_proj.weight") for x in ("gate", "up", "down")]
     return rules
+
+
+def _mixtral_expert_rules(f: int, b: str, h: str) -> list[Rule]:
+    swap = lambda t: t.transpose(1, 2).contiguous()  # noqa: E731
+    return [
+        Rule((f"{b}mlp.router.weight",), f"{h}mlp.gate.weight"),
+        Rule(
+            (f"{b}mlp.experts.gate_proj", f"{b}mlp.experts.up_proj"),
+            f"{h}mlp.experts.gate_up_proj",
+            to_ours=lambda t: (swap(t[:, :f]), swap(t[:, f:])),
+            to_hf=lambda gate, up: torch.cat([swap(gate), swap(up)], dim=1),
+        ),
+        Rule((f"{b}mlp.experts.down_proj",), f"{h}mlp.experts.down_proj", to_ours=lambda t: (swap(t),), to_hf=swap),
+    ]
 
 
 def hf_rules(cfg: ModelConfig, hf_keys=()) -> list[Rule]:
@@ -124,7 +144,7 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
             norm_eps=c.get("layer_norm_epsilon", 1e-5),
             tie_embeddings=c.get("tie_word_embeddings", True),
         )
-    elif kind == "llama":
+    elif kind in ("llama", "mixtral"):
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         if rope.get("rope_type", "default") != "default" or c.get("attention_bias") or c.get("mlp_bias"):
             raise ModelConfigError("Llama with rope scaling or attention/MLP biases is not supported")
@@ -143,6 +163,14 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
             rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
             tie_embeddings=c.get("tie_word_embeddings", False),
         )
+        if kind == "mixtral":
+            if c.get("sliding_window"):
+                raise ModelConfigError(f"Mixtral sliding_window={c['sliding_window']} is not supported (set None)")
+            cfg = cfg.replace(
+                moe_experts=c["num_local_experts"],
+                moe_top_k=c["num_experts_per_tok"],
+                moe_aux_loss_weight=c.get("router_aux_loss_coef", 0.001),
+            )
     else:
         raise ModelConfigError(f"model_type {kind!r} not supported; gridtrain imports 'gpt2' and 'llama'")
     return cfg.replace(**overrides)
@@ -164,6 +192,20 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
             "activation_function": "gelu_new",
             "tie_word_embeddings": cfg.tie_embeddings,
         }
+    if cfg.moe_experts:
+        if cfg.moe_every != 1 or cfg.moe_shared_experts or cfg.moe_d_ff not in (None, cfg.d_ff):
+            raise ModelConfigError("only Mixtral-shaped MoE (every layer, no shared experts, d_ff) exports to HF")
+        moe = {
+            "num_local_experts": cfg.moe_experts,
+            "num_experts_per_tok": cfg.moe_top_k,
+            "router_aux_loss_coef": cfg.moe_aux_loss_weight,
+            "sliding_window": None,
+        }
+        return _llama_config(cfg) | {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]} | moe
+    return _llama_config(cfg)
+
+
+def _llama_config(cfg: ModelConfig) -> dict:
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -228,6 +270,12 @@ def load_hf_weights(stage: nn.Module, source, tp_group=None) -> nn.Module:
             shape = list(p.shape)
             if dim is not None:
                 shape[dim] *= tp
+            if expert_shard(p) is not None:  # this ep rank's experts: rows [r·L, (r+1)·L) of the global [E, ...]
+                ep_rank, ep = expert_shard(p)
+                shape[0] *= ep
+                if list(full.shape) == shape:
+                    full = full[ep_rank * p.shape[0] : (ep_rank + 1) * p.shape[0]]
+                shape[0] = p.shape[0]
             if vocab_rows(p) is not None and full.shape[0] == p.vocab_size:
                 full = torch.cat([full, full.new_zeros(shape[0] - full.shape[0], *full.shape[1:])])
             if list(full.shape) != shape:
@@ -247,6 +295,8 @@ def load_hf_weights(stage: nn.Module, source, tp_group=None) -> nn.Module:
 def export_hf_state_dict(stage: nn.Module, tp_group=None) -> dict[str, torch.Tensor]:
     """This stage's weights under ``transformers`` names and layouts (gathered over TP on
     every rank: one all-gather per sharded parameter). A tied head is omitted, as HF does."""
+    if any((expert_shard(p) or (0, 1))[1] > 1 for p in stage.parameters()):
+        raise ModelConfigError("HF export of MoE experts split over ep > 1 is not supported; export at ep = 1")
     ours = gather_full_state_dict(stage, tp_group)
     out = {}
     for rule in hf_rules(stage.cfg):

@@ -19,6 +19,7 @@ from parallel import comm
 from parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,
+    MoELayer,
     ParallelMLP,
     ParallelSelfAttention,
     RMSNorm,
@@ -53,6 +54,8 @@ class TransformerBlock(nn.Module):
         cp_impl="ring",
         device=None,
         dtype=None,
+        layer=0,
+        ep_group=None,
     ):
         super().__init__()
         llama = cfg.arch == "llama"
@@ -73,6 +76,12 @@ class TransformerBlock(nn.Module):
             **kw,
         )
         self.mlp_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
+        if cfg.is_moe_layer(layer):  # experts instead of the MLP (parallel/layers/moe.py)
+            self.mlp = MoELayer(
+                cfg.d_model, cfg.moe_config(), ep_group=ep_group, tp_group=tp_group,
+                sequence_parallel=sequence_parallel, **kw,
+            )  # fmt: skip
+            return
         self.mlp = ParallelMLP(
             cfg.d_model,
             cfg.d_ff,
@@ -122,6 +131,7 @@ class TransformerStage(nn.Module):
         cp_impl="ring",
         device="cpu",
         dtype=torch.float32,
+        ep_group=None,
     ):
         super().__init__()
         tp = comm.tp_world_size(tp_group)
@@ -150,7 +160,14 @@ class TransformerStage(nn.Module):
         self.blocks = nn.ModuleDict(
             {
                 str(i): TransformerBlock(
-                    cfg, tp_group=tp_group, sequence_parallel=sp, cp_group=cp_group, cp_impl=cp_impl, **kw
+                    cfg,
+                    tp_group=tp_group,
+                    sequence_parallel=sp,
+                    cp_group=cp_group,
+                    cp_impl=cp_impl,
+                    layer=i,
+                    ep_group=ep_group,
+                    **kw,
                 )
                 for i in layers
             }
@@ -263,7 +280,7 @@ def init_rule(cfg: ModelConfig):
             return ("zeros",)
         if p.dim() == 1:
             return ("ones",)
-        if name.endswith(("o_proj.weight", "fc_out.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "fc_out.weight", "down_proj.weight", "experts.down_proj", "experts.fc_out")):
             return ("normal", residual_std)
         return ("normal", cfg.init_std)
 
@@ -283,6 +300,7 @@ def build_model(
     device="cpu",
     dtype=torch.float32,
     seed: int = 0,
+    ep_group=None,
 ) -> TransformerStage:
     """Build (and, unless on ``meta``, initialise) one stage of the model; see :class:`TransformerStage`.
 
@@ -302,6 +320,7 @@ def build_model(
         cp_impl=cp_impl,
         device="meta",
         dtype=dtype,
+        ep_group=ep_group,
     )
     if torch.device(device).type != "meta":
         stage.to_empty(device=device)

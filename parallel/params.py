@@ -22,6 +22,9 @@ they survive ``.to()`` and ``named_parameters()``.
 * ``init_key``: the name whose initial values this parameter takes, when it is a second copy of
   another one (the head of a tied embedding on a stage without the embedding); initialisation and
   checkpoints key it by that name (:func:`init_key`).
+* ``expert_shard``: a mixture-of-experts expert's parameter (:mod:`parallel.layers.moe`), stacked
+  over experts along dim 0, each ep rank holding its slice of the global experts, so it is data-parallel over the ``edp`` group, not ``dp``, and a global
+  gradient norm sums it over ``ep`` too.
 
 Every reader goes through the accessors below, never ``getattr`` with the attribute's name.
 See docs/architecture.md for where each mark is consumed.
@@ -93,3 +96,20 @@ def mark_init_key(param: torch.nn.Parameter, key: str) -> torch.nn.Parameter:
 def init_key(param: torch.Tensor, default: str | None = None) -> str | None:
     """The name ``param`` is initialised and checkpointed under: its mark, else ``default``."""
     return getattr(param, "init_key", None) or default
+
+
+def mark_expert(param: torch.nn.Parameter, ep_rank: int = 0, ep_size: int = 1) -> torch.nn.Parameter:
+    """Mark an MoE expert parameter whose dim 0 is this ep rank's slice (rank ``ep_rank`` of ``ep_size``)
+    of the global experts."""
+    param.expert_shard = (ep_rank, ep_size)
+    return param
+
+
+def expert_shard(param: torch.Tensor) -> tuple[int, int] | None:
+    """``(ep_rank, ep_size)`` of an MoE expert parameter (split over ep along dim 0), else None."""
+    return getattr(param, "expert_shard", None)
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """True for an MoE expert's parameter (sharded over ep, data-parallel over edp)."""
+    return expert_shard(param) is not None

@@ -40,6 +40,7 @@ class ParallelConfig:
     dp: Any = "auto"  # int, or "auto": world_size / (pp·tp)
     pp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallel (MoE models): splits dp, experts sharded over it (docs/moe.md)
     mp: Optional[int] = None  # alias of tp (Megatron's "model parallel" size)
     sequence_parallel: bool = False
     cp: int = 1  # context parallel: ranks that split each sequence (docs/cp.md)
@@ -137,6 +138,14 @@ class ModelSection:
     rope_theta: Optional[float] = None
     init_std: Optional[float] = None
     vocab_multiple: Optional[int] = None
+    moe_experts: Optional[int] = None  # mixture of experts (docs/moe.md); 0: dense
+    moe_top_k: Optional[int] = None
+    moe_every: Optional[int] = None
+    moe_d_ff: Optional[int] = None
+    moe_shared_experts: Optional[int] = None
+    moe_capacity_factor: Optional[float] = None
+    moe_aux_loss_weight: Optional[float] = None
+    moe_z_loss_weight: Optional[float] = None
 
 
 def model_config(section: Any) -> ModelConfig:

@@ -315,7 +315,9 @@ def run_dryrun(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     rc.data.source, rc.data.path = "embedded", None  # the ranks read synthetic batches (SyntheticTokens)
     layout = validate(rc, world_size=None)
     world = layout.world_size
-    topo = Topology(layout.dp, rc.parallel.pp, rc.parallel.tp, rc.parallel.cp, order=rc.parallel.order)
+    topo = Topology(
+        layout.dp, rc.parallel.pp, rc.parallel.tp, rc.parallel.cp, ep=rc.parallel.ep, order=rc.parallel.order
+    )
     ranks = list(rc.dryrun.ranks) if rc.dryrun.ranks else default_ranks(world, topo.pp, topo.dp, topo.tp)
     for r in ranks:
         if not 0 <= r < world:

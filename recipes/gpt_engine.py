@@ -8,6 +8,7 @@ import torch
 from models.transformer import build_model
 from parallel.engine import StepEngine
 from parallel.groups import ParallelGroups
+from parallel.layers.moe import MoELayer
 from parallel.pipeline.partition import stage_chunks
 from parallel.pipeline.schedules import build_schedule
 from parallel.plan.shape import ModelShape, layer_partition
@@ -56,6 +57,7 @@ def build_gpt_engine(
             device=device,
             dtype=torch.float32,
             seed=t.seed,
+            ep_group=g.ep,
         )
         for c, layers in enumerate(stage_chunks(ranges, p.pp, g.pp_rank))
     ]
@@ -85,5 +87,9 @@ def build_gpt_engine(
         compression=cm.compression,
         topk_ratio=cm.topk_ratio,
         accumulate=p.zero3_accumulate,
+        expert_group=g.edp,
+        ep_group=g.ep,
     )
+    for m in (m for ch in chunks for m in ch.modules() if isinstance(m, MoELayer)):
+        m.aux_loss_scale = 1 / layout.grad_accum  # like the main loss: the mean over the step's micro-batches
     return ranges, engine

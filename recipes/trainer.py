@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
 from parallel.layers import check_token_ids
+from parallel.layers.moe import moe_metrics
 from parallel.plan.shape import model_tflops_per_device
 from parallel.precision import TORCH_DTYPES
 from parallel.topology import Topology
@@ -56,7 +57,7 @@ class Trainer:
         torch.set_num_threads(threads)
         self.owns_process_group = not torch.distributed.is_initialized()  # then train() destroys it at the end
         init_distributed(backend=p.backend, timeout_s=p.timeout_s)
-        self.topology = Topology(self.layout.dp, p.pp, p.tp, p.cp, world_size=world, order=p.order)
+        self.topology = Topology(self.layout.dp, p.pp, p.tp, p.cp, ep=p.ep, world_size=world, order=p.order)
         self.groups: ParallelGroups = build_groups(self.topology, timeout_s=p.timeout_s)
         self.rank = self.groups.rank
         self.device = default_device(self.groups.backend)
@@ -193,6 +194,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                 rec["tokens_per_s"] = tokens_per_step * window_steps / (time.perf_counter() - window_start)
                 if peak:
                     rec["mfu"] = model_tflops_per_device(rec["tokens_per_s"], trainer.model_cfg, world) / peak
+            if read:  # MoE models: router loss, tokens per expert, dropped (one host read, logged steps only)
+                rec.update(moe_metrics(trainer.engine.model))
             if eval_due:
                 rec["val_loss"] = trainer.evaluate()
             last = rec

@@ -169,6 +169,28 @@ def check_values(cfg: Any) -> None:
         ) from None
 
 
+def _check_ep(ep: Any, dp: int, mc: Any, precision: str) -> None:
+    """Expert parallelism: ep divides dp and the experts; MoE does not run under fp16 (docs/moe.md)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ConfigError(f"parallel.ep must be a positive integer, got {ep!r}")
+    if dp % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} must divide dp {dp} (ep splits the data-parallel ranks); use ep=1 or a divisor of {dp}"
+        )
+    if ep > 1 and not mc.moe_experts:
+        raise ConfigError(
+            f"parallel.ep={ep} needs an MoE model (model.moe_experts > 0, e.g. model.preset=mixtral_tiny); use ep=1"
+        )
+    if mc.moe_experts % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} must divide the {mc.moe_experts} experts (model.moe_experts); use ep=1 or a divisor"
+        )
+    if mc.moe_experts and precision == "fp16":
+        raise ConfigError(
+            "train.precision=fp16 with an MoE model: the router losses are not loss-scaled; use bf16 or fp32"
+        )
+
+
 def validate(cfg: Any, world_size: int | None = None) -> Layout:
     """Check every relation between keys; return the resolved :class:`Layout`.
 
@@ -211,6 +233,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         if p.tp > 1 and re.search(r"\btp\b", str(e)):
             keys.append(f"parallel.tp={p.tp}")
         raise ConfigError(f"{', '.join(keys) or f'model.preset={cfg.model.preset}'}: {e}") from None
+    _check_ep(p.ep, dp, mc, t.precision)
     per_replica = t.micro_batch * dp
     if t.global_batch % per_replica:
         lo = max(1, t.global_batch // per_replica) * per_replica

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..params import tp_shard_dim, vocab_rows
+from ..params import expert_shard, tp_shard_dim, vocab_rows
 from .chunks import CheckpointError, flat_range_boxes, to_global, tp_placement
 from .planner import Chunked
 
@@ -64,7 +64,9 @@ def zero_state_pieces(
         sources = {"model": b.master.detach(), **{k: v for k, v in state.items() if _per_element(v, b.master)}}
         for slot, param in zip(b.slots, b.params):
             name = global_name(slot.name)
-            place = tp_placement(slot.shape, tp_shard_dim(param), tp_rank, tp_size, rows=vocab_rows(param))
+            ep = expert_shard(param)  # MoE experts: this ep rank's rows of the global [E, ...], like a TP dim-0 split
+            dim, rank, size = (0, *ep) if ep else (tp_shard_dim(param), tp_rank, tp_size)
+            place = tp_placement(slot.shape, dim, rank, size, rows=vocab_rows(param))
             for key, value in state.items():
                 if not _per_element(value, b.master):
                     out[f"optim/{name}/{key}"] = value

@@ -187,8 +187,20 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     )
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Chunk i of ``input`` (dim 0) goes to rank i; ``output`` holds what each sent here."""
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group=None,
+    async_op: bool = False,
+    *,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+):
+    """Chunk i of ``input`` (dim 0) goes to rank i; ``output`` holds what each sent here.
+
+    Equal chunks by default; ``input_split_sizes`` / ``output_split_sizes`` (rows per rank, host
+    integers) give uneven ones (the receiver must know its sizes beforehand: exchange counts first).
+    Counted as a payload of ``input``'s bytes (sent: (N-1)/N of it, exact for equal chunks)."""
     n = group_size(group)
     if n == 1:
         output.copy_(input)
@@ -196,7 +208,16 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     record(group_label(group), "all_to_all", _nbytes(input), n)
     note(group_label(group), group, "all_to_all", input, also=(output,))
     return _call(
-        group_label(group), "all_to_all", async_op, (output, input), dist.all_to_all_single, output, input, group=group
+        group_label(group),
+        "all_to_all",
+        async_op,
+        (output, input),
+        dist.all_to_all_single,
+        output,
+        input,
+        output_split_sizes,
+        input_split_sizes,
+        group=group,
     )
 
 

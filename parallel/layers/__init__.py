@@ -14,6 +14,7 @@ from .embedding import VocabParallelEmbedding, mark_vocab_rows, padded_vocab_siz
 from .init import gather_full_tensor, init_parameters_, init_tensor_shard_
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
 from .mlp import ParallelMLP
+from .moe import MoEConfig, MoEConfigError, MoELayer
 from .norm import LayerNorm, RMSNorm, reduce_sequence_parallel_grads
 from .ring_attention import (
     check_cp_seq_len,
@@ -31,6 +32,9 @@ __all__ = [
     "ColumnParallelLinear",
     "LayerConfigError",
     "LayerNorm",
+    "MoEConfig",
+    "MoEConfigError",
+    "MoELayer",
     "ParallelMLP",
     "ParallelSelfAttention",
     "RMSNorm",

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..params import init_key, tp_shard_dim, vocab_rows
+from ..params import expert_shard, init_key, tp_shard_dim, vocab_rows
 
 TILE_ROWS = 256
 TILE_COLS = 4096
@@ -111,6 +111,16 @@ def init_tensor_shard_(
     return shard
 
 
+def _shard(param: torch.Tensor, tp_group) -> tuple[int | None, int, int]:
+    """(split dim, rank, ranks) of ``param``'s global tensor: its TP split, or an MoE expert
+    parameter's split over ep along dim 0 (experts are not split over TP), or (None, 0, 1)."""
+    ep = expert_shard(param)
+    if ep is not None:
+        return 0, ep[0], ep[1]
+    dim = tp_shard_dim(param)
+    return (dim, comm.tp_rank(tp_group), comm.tp_world_size(tp_group)) if dim is not None else (None, 0, 1)
+
+
 def reset_default_(
     param: nn.Parameter, tp_group=None, *, std: float | None = None, bound: float | None = None
 ) -> nn.Parameter:
@@ -124,8 +134,7 @@ def reset_default_(
     if param.is_meta:
         return param
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-    dim = tp_shard_dim(param)
-    tp, rank = (comm.tp_world_size(tp_group), comm.tp_rank(tp_group)) if dim is not None else (1, 0)
+    dim, rank, tp = _shard(param, tp_group)
     init_tensor_shard_(
         param.data,
         key="default",
@@ -149,7 +158,6 @@ def init_parameters_(
     attribute, which a tied copy sets to the original's name). Meta tensors are
     skipped. Communicates nothing.
     """
-    tp, rank = comm.tp_world_size(tp_group), comm.tp_rank(tp_group)
     for name, p in module.named_parameters():
         if p.is_meta:
             continue
@@ -160,15 +168,15 @@ def init_parameters_(
             elif how[0] == "ones":
                 p.fill_(1.0)
             else:
-                dim = tp_shard_dim(p)
+                dim, rank, tp = _shard(p, tp_group)
                 init_tensor_shard_(
                     p.data,
                     key=init_key(p, name),
                     seed=seed,
                     std=how[1],
                     shard_dim=dim,
-                    tp_rank=rank if dim is not None else 0,
-                    tp_size=tp if dim is not None else 1,
+                    tp_rank=rank,
+                    tp_size=tp,
                     vocab_size=vocab_rows(p),
                 )
     return module

@@ -47,7 +47,11 @@ Other groups: ``tp_group`` (parameters replicated across TP enter the norm once;
 gradients of sequence-parallel parameters are summed over it),
 ``embedding_group`` (a word embedding tied across the first and last pipeline
 stage: its gradient is summed over both, and enters the norm once),
-``clip_groups`` (further groups the squared norm is summed over, e.g. PP).
+``clip_groups`` (further groups the squared norm is summed over, e.g. PP),
+``expert_group`` / ``ep_group`` (MoE: parameters marked :func:`parallel.params.mark_expert`
+get buckets of their own reduced and sharded over ``expert_group`` — ``groups.edp`` — instead
+of ``dp_group``, still divided by the dp size since each already sums every ep rank's tokens;
+in the norm they are summed over ``dp_group`` from stage 1 on, over ``ep_group`` at stage 0).
 Those parameters get buckets of their own, so the extra ``all_reduce`` acts on
 their shard alone, after the DP reduction, at every stage.
 
@@ -66,6 +70,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -73,7 +78,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..params import is_sequence_parallel, is_shared_embedding, wants_weight_decay
+from ..params import is_expert, is_sequence_parallel, is_shared_embedding, wants_weight_decay
 from ..precision import TORCH_DTYPES
 from .bucket import FlatBucket
 from .compression import COMPRESSIONS, TopKCompressor, topk_count
@@ -181,6 +186,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         loss_scaler: DynamicLossScaler | None = None,
         offload: str = "none",
         accumulate: str = "sharded",
+        expert_group: dist.ProcessGroup | None = None,
+        ep_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio, accumulate)
@@ -202,6 +209,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self.dp_size = comm.group_size(dp_group)
         self.dp_rank = torch.distributed.get_rank(dp_group) if self.dp_size > 1 else 0
         self.grad_clip, self.tp_group = grad_clip, tp_group
+        self.expert_group = expert_group if expert_group is not None else dp_group
+        self.expert_norm_group = None if self.policy.shards_optimizer else ep_group  # stage 0: experts differ over ep
         self.norm_groups = (
             ([dp_group] if self.policy.shards_optimizer else []) + ([tp_group] if tp_group else []) + list(clip_groups)
         )
@@ -252,7 +261,13 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         if not specs:
             raise ZeroConfigError("the module has no trainable parameters")
         elem = torch.finfo(self.param_dtype).bits // 8
-        self.layouts = plan_buckets(specs, dp=self.dp_size, bucket_bytes=int(bucket_mb * 2**20), element_size=elem)
+        sizes = dict(bucket_bytes=int(bucket_mb * 2**20), element_size=elem)
+        self.layouts = plan_buckets([s for s in specs if not is_expert(named[s[0]])], dp=self.dp_size, **sizes)
+        edp = comm.group_size(self.expert_group)
+        experts = plan_buckets([s for s in specs if is_expert(named[s[0]])], dp=edp, **sizes)
+        self.layouts += [replace(lay, index=len(self.layouts) + i) for i, lay in enumerate(experts)]
+        expert_index = {lay.index for lay in self.layouts[len(self.layouts) - len(experts) :]}
+        edp_rank = torch.distributed.get_rank(self.expert_group) if edp > 1 else 0
         self.buckets: list[FlatBucket] = []
         self._param_bucket: dict[nn.Parameter, FlatBucket] = {}
         self._slot_index: dict[nn.Parameter, int] = {}
@@ -270,14 +285,15 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 layout,
                 params,
                 stage=self.stage,
-                dp_rank=self.dp_rank,
-                group=self.dp_group,
+                dp_rank=edp_rank if layout.index in expert_index else self.dp_rank,
+                group=self.expert_group if layout.index in expert_index else self.dp_group,
                 param_dtype=self.param_dtype,
                 comm_dtype=self.comm_dtype,
                 compressor=compressor,
                 offload=self.offload,
                 keep_full=self.keep_full,
             )
+            bucket.expert = layout.index in expert_index
             bucket.norm_ranges = counted_ranges(layout, bucket.lo, bucket.hi, params, count_replicated=tp_rank == 0)
             if layout.extra_reduce == "embedding" and not first_stage:
                 bucket.norm_ranges = []  # a tied embedding enters the norm once, on the first stage
@@ -459,7 +475,11 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 b.master.grad = None
             self.zero_grad()
             return {"grad_norm": None, "skipped": None, "loss_scale": 1.0}
-        norm = global_norm(local_sq_norm(grads, [b.norm_ranges for b in self.buckets]), self.norm_groups)
+        local = local_sq_norm(grads, [b.norm_ranges for b in self.buckets])
+        if self.expert_norm_group is not None and any(b.expert for b in self.buckets):  # stage 0 MoE:
+            expert = local_sq_norm(grads, [b.norm_ranges if b.expert else [] for b in self.buckets])
+            local = local - expert + global_norm(expert, [self.expert_norm_group]).square()  # + other ep ranks'
+        norm = global_norm(local, self.norm_groups)
         found_inf = ~torch.isfinite(norm)
         coef = clip_coefficient(norm, self.grad_clip)
         if self._host_copier is not None:

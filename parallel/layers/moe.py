@@ -1,0 +1,373 @@
+"""Mixture of experts with expert parallelism (Switch / GShard / Mixtral style).
+
+:class:`MoELayer` replaces a transformer MLP: a router picks ``top_k`` of ``num_experts``
+SwiGLU or GELU experts per token (softmax gating, optionally renormalised over the chosen k, as
+Mixtral does), optional always-on shared experts are added, and a Switch/GShard load-balancing
+loss plus a router z-loss are attached to the output's backward (no extra loss plumbing: a
+pipeline stage's backward carries them, as in Megatron-Core's aux-loss scaler).
+
+**Expert parallelism.** The ``ep`` group (``ParallelGroups.ep``) splits the experts: rank ``r``
+holds global experts ``[r·L, (r+1)·L)``, ``L = num_experts / ep``. Every rank routes its own
+tokens, then per layer call:
+
+1. an all-to-all of the per-expert token counts (``num_experts`` int64 each way);
+2. **one host read** of those counts (send and receive sizes of the uneven exchange): inherent
+   to dropless all-to-all — NCCL's ``all_to_all_single`` takes its split sizes on the host, and
+   the receive buffer's size depends on other ranks' routing. The read waits for this layer's
+   router on the device (the only per-call synchronisation; with ``ep == 1`` the same read
+   gives the local experts' segment sizes);
+3. all-to-all (uneven) of the routed token rows ``[n, d]`` out, experts, all-to-all back; the
+   backward does the same two in reverse. Bytes: ``k·T·d`` elements each way per rank when
+   nothing is dropped (``T`` local tokens), of which ``(ep-1)/ep`` leave the rank under
+   balanced routing — the counter records the payload (``input`` rows) and that fraction.
+
+**Grouped computation.** Tokens are sorted by expert (a stable argsort, so the token order within
+an expert is deterministic) and each local expert runs one matmul per weight over its contiguous
+segment: a loop over the ``L`` local experts, never over tokens. ``torch._grouped_mm`` exists only
+for recent CUDA GPUs, not on the CPU path this project tests, so the segment loop is used
+everywhere.
+
+**Capacity.** ``capacity_factor=None`` (default) is dropless. Otherwise each expert accepts at
+most ``ceil(capacity_factor · T · k / num_experts)`` of *this rank's* assignments (``T`` local
+tokens), in priority order: all first choices (token order) before all second choices (GShard);
+dropped assignments contribute nothing (weights are not renormalised).
+
+**Gradients.** Expert parameters (marked :func:`parallel.params.mark_expert`) receive the
+gradient of every ep rank's tokens routed to them; dense parameters (router, shared experts) only
+of this rank's. Averaging expert grads over ``edp`` and dense ones over ``dp`` then gives both
+the mean over the dp ranks provided expert grads are divided by ``dp`` (= ``edp · ep``), not
+``edp``.
+
+**Tensor parallelism.** Experts are not split over TP: with tp > 1 each TP rank computes the
+same experts on the same (replicated, non-sequence-parallel) tokens. Sequence parallelism is
+refused (the router's gradient would need a TP reduction that is not wired).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import comm
+from ..params import mark_expert, mark_no_weight_decay
+from .init import reset_default_
+from .linear import LayerConfigError
+from .mlp import ACTIVATIONS, ParallelMLP
+
+
+class MoEConfigError(LayerConfigError):
+    """An MoE configuration that cannot run (sizes, top-k, expert split)."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer's shape and routing.
+
+    ``num_shared_experts`` always-on experts of width ``shared_d_ff`` each (default ``d_ff``) are
+    fused into one MLP of width ``num_shared_experts · shared_d_ff``. ``aux_loss_weight`` scales
+    the Switch load-balancing loss ``E · Σ_e f_e · P_e`` (``f_e``: fraction of the ``T·k``
+    assignments to expert ``e`` before dropping, ``P_e``: mean router probability);
+    ``z_loss_weight`` the router z-loss ``mean(logsumexp(logits)²)``.
+    """
+
+    num_experts: int
+    d_ff: int
+    top_k: int = 2
+    activation: str = "swiglu"
+    bias: bool = False
+    num_shared_experts: int = 0
+    shared_d_ff: int | None = None
+    capacity_factor: float | None = None
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.0
+    normalize_top_k: bool = True
+
+    def check(self, ep_size: int = 1) -> None:
+        """Raise :class:`MoEConfigError` naming the numbers and the fix when this cannot run."""
+        E, k = self.num_experts, self.top_k
+        if E < 1 or self.d_ff < 1:
+            raise MoEConfigError(f"MoE: num_experts={E} and d_ff={self.d_ff} must be ≥ 1")
+        if not 1 <= k <= E:
+            raise MoEConfigError(f"MoE: top_k={k} must be between 1 and num_experts={E}; lower top_k")
+        if E % ep_size:
+            raise MoEConfigError(
+                f"MoE: num_experts={E} is not divisible by ep={ep_size}; choose ep among "
+                f"{[d for d in range(1, E + 1) if E % d == 0]}"
+            )
+        if self.activation not in ACTIVATIONS:
+            raise MoEConfigError(f"MoE: activation {self.activation!r} not in {ACTIVATIONS}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise MoEConfigError(f"MoE: capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
+        if self.num_shared_experts < 0:
+            raise MoEConfigError(f"MoE: num_shared_experts={self.num_shared_experts} must be ≥ 0")
+
+    def capacity(self, tokens: int) -> int | None:
+        """Assignments each expert accepts from ``tokens`` local tokens (None: dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+
+@dataclass
+class Routing:
+    """The router's decision for ``T`` tokens: ``experts``/``weights`` ``[T, k]``, ``probs`` ``[T, E]``."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    probs: torch.Tensor
+    logits: torch.Tensor
+
+
+def route(logits: torch.Tensor, cfg: MoEConfig) -> Routing:
+    """Top-k softmax gating in fp32 (ties broken by ``torch.topk``)."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    weights, experts = probs.topk(cfg.top_k, dim=-1)
+    if cfg.normalize_top_k:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights, probs, logits)
+
+
+def aux_losses(r: Routing, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(load-balancing loss, z-loss) of one routing, unweighted."""
+    E = cfg.num_experts
+    counts = torch.zeros(E, device=r.probs.device).index_add_(
+        0, r.experts.reshape(-1), torch.ones(r.experts.numel(), device=r.probs.device)
+    )
+    frac = counts / max(r.experts.numel(), 1)
+    balance = E * (frac * r.probs.mean(dim=0)).sum()
+    z = torch.logsumexp(r.logits, dim=-1).square().mean()
+    return balance, z
+
+
+def kept_assignments(experts: torch.Tensor, cfg: MoEConfig) -> torch.Tensor | None:
+    """Bool ``[T, k]``: which assignments fit their expert's capacity (None: dropless, all)."""
+    cap = cfg.capacity(experts.shape[0])
+    if cap is None:
+        return None
+    slot_major = experts.t().reshape(-1)  # first choices of every token, then second choices …
+    onehot = F.one_hot(slot_major, cfg.num_experts)
+    position = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1  # arrival order within its expert
+    return (position < cap).view(cfg.top_k, -1).t()
+
+
+def _count(index: torch.Tensor, n: int) -> torch.Tensor:
+    """``torch.bincount(index, minlength=n)`` (int64) that also runs on ``meta``."""
+    return torch.zeros(n, dtype=torch.int64, device=index.device).index_add_(0, index, torch.ones_like(index))
+
+
+def _read_counts(counts: torch.Tensor, assignments: int, halves: int = 1) -> list[int]:
+    """The one host read of a layer call (module docstring). On ``meta`` (the dry run: no values)
+    every rank is taken to spread its ``assignments`` evenly over the experts (remainder first);
+    ``halves`` = 2 when ``counts`` is the sent counts followed by the received ones."""
+    if counts.device.type != "meta":
+        return counts.tolist()
+    experts = counts.numel() // halves
+    per, extra = divmod(assignments, experts)
+    return [per + (i < extra) for i in range(experts)] * halves
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on ``out``; backward also sends ``scale`` as the gradient of ``aux`` (a scalar loss)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale: float):
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven all-to-all of rows; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), group, output_split_sizes=out_splits, input_split_sizes=in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        gx = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        comm.all_to_all(gx, grad.contiguous(), ctx.group, output_split_sizes=in_splits, input_split_sizes=out_splits)
+        return gx, None, None, None
+
+
+class GroupedExperts(nn.Module):
+    """``num_local`` experts as stacked weights, run over sorted segments (one matmul per weight each).
+
+    SwiGLU: ``gate_proj``, ``up_proj`` ``[L, d, f]`` and ``down_proj`` ``[L, f, d]``; GELU: ``fc_in``
+    ``[L, d, f]`` and ``fc_out`` ``[L, f, d]`` (+ ``fc_in_bias`` ``[L, f]``, ``fc_out_bias`` ``[L, d]``).
+    Each is rank ``ep_rank``'s slice along dim 0 of the global ``[E, …]`` tensor (marked
+    :func:`~parallel.params.mark_expert`), initialised like ``nn.Linear`` (``U(-1/√in, 1/√in)``) with the
+    layout-independent tiles of :mod:`parallel.layers.init`, so the experts are the same for every ep.
+    """
+
+    def __init__(self, num_local: int, d_model: int, d_ff: int, *, activation: str, bias: bool,
+                 ep_rank: int = 0, ep_size: int = 1, device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        self.activation = activation
+        kw = dict(device=device, dtype=dtype)
+        up, down = ("fc_in",), "fc_out"
+        if activation != "gelu":
+            up, down = ("gate_proj", "up_proj"), "down_proj"
+        shapes = {n: (num_local, d_model, d_ff) for n in up} | {down: (num_local, d_ff, d_model)}
+        if bias:
+            shapes |= {"fc_in_bias": (num_local, d_ff), "fc_out_bias": (num_local, d_model)}
+        self.fan_in = {n: d_ff if n in (down, "fc_out_bias") else d_model for n in shapes}
+        for name, shape in shapes.items():
+            param = mark_expert(nn.Parameter(torch.empty(shape, **kw)), ep_rank, ep_size)
+            self.register_parameter(name, mark_no_weight_decay(param) if name.endswith("bias") else param)
+        self.bias = bias
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for name, p in self.named_parameters(recurse=False):
+            reset_default_(p, bound=1 / math.sqrt(self.fan_in[name]))
+
+    def expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``i`` on rows ``x`` ``[n, d]``."""
+        if self.activation == "gelu":
+            h = x @ self.fc_in[i]
+            y = F.gelu(h + self.fc_in_bias[i] if self.bias else h, approximate="tanh") @ self.fc_out[i]
+            return y + self.fc_out_bias[i] if self.bias else y
+        return (F.silu(x @ self.gate_proj[i]) * (x @ self.up_proj[i])) @ self.down_proj[i]
+
+    def forward(self, x: torch.Tensor, segments: list[int]) -> torch.Tensor:
+        """Rows ``x`` sorted by local expert, ``segments[i]`` rows each (host ints)."""
+        parts = torch.split(x, segments)
+        return torch.cat([self.expert(i, part) for i, part in enumerate(parts)], dim=0)
+
+
+class MoELayer(nn.Module):
+    """Router + experts (+ shared experts), input/output ``[..., d_model]``; see the module docstring.
+
+    After each forward, ``last_stats`` holds device tensors (no host read): ``aux_loss`` (weighted
+    total), ``balance_loss``, ``z_loss``, ``tokens_per_expert`` ``[E]`` (this rank's assignments per
+    global expert, before dropping) and ``dropped`` (this rank's dropped assignments); training
+    forwards also add them up on the device for :func:`moe_metrics` (recomputed forwards of
+    activation checkpointing count again).
+    ``aux_loss_scale`` multiplies the aux-loss gradient (set it to the main loss's normalisation,
+    e.g. 1 / micro-batches).
+    """
+
+    def __init__(self, d_model: int, cfg: MoEConfig, *, ep_group=None, tp_group=None,
+                 sequence_parallel: bool = False, device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        ep = comm.tp_world_size(ep_group)  # None: no expert parallelism (1), not the world
+        cfg.check(ep)
+        if sequence_parallel:
+            raise MoEConfigError(
+                "MoE: sequence parallelism is not supported in MoE layers; set sequence_parallel=False"
+            )
+        self.cfg, self.ep_group, self.ep = cfg, ep_group, ep
+        self.num_local = cfg.num_experts // ep
+        ep_rank = comm.tp_rank(ep_group)
+        self.router = nn.Linear(d_model, cfg.num_experts, bias=False, device=device, dtype=dtype)
+        self.experts = GroupedExperts(
+            self.num_local, d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.bias,
+            ep_rank=ep_rank, ep_size=ep, device=device, dtype=dtype,
+        )  # fmt: skip
+        self.shared = None
+        if cfg.num_shared_experts:
+            width = cfg.num_shared_experts * (cfg.shared_d_ff or cfg.d_ff)
+            self.shared = ParallelMLP(
+                d_model, width, activation=cfg.activation, bias=cfg.bias, tp_group=tp_group, device=device, dtype=dtype
+            )
+        self.aux_loss_scale = 1.0
+        self.last_stats: dict[str, torch.Tensor] = {}
+        self.stats_sum: dict[str, torch.Tensor] = {}
+        self.stats_calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.top_k
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        r = route(self.router(h), cfg)
+        balance, z = aux_losses(r, cfg)
+        aux = cfg.aux_loss_weight * balance + cfg.z_loss_weight * z
+
+        flat_e = r.experts.reshape(-1)  # token-major: assignment a = t·k + j
+        keep = kept_assignments(r.experts, cfg)
+        if keep is not None:
+            flat_e = torch.where(keep.reshape(-1), flat_e, E)  # dropped → sentinel expert E, sorted last
+        counts = _count(flat_e, E + 1)
+        order = torch.argsort(flat_e, stable=True)
+        send_counts = counts[:E]
+
+        if self.ep > 1:
+            recv_counts = torch.empty_like(send_counts)
+            comm.all_to_all(recv_counts, send_counts, self.ep_group)
+            host = _read_counts(torch.cat([send_counts, recv_counts]), k * h.shape[0], halves=2)
+            send, recv = host[:E], host[E:]
+        else:
+            send = recv = _read_counts(send_counts, k * h.shape[0])
+        P, L = self.ep, self.num_local
+        n_send = sum(send)
+        order = order[:n_send]
+        tokens = order // k
+        rows = h.index_select(0, tokens)
+
+        if P > 1:
+            in_splits = [sum(send[p * L : (p + 1) * L]) for p in range(P)]
+            out_splits = [sum(recv[p * L : (p + 1) * L]) for p in range(P)]
+            got = _AllToAll.apply(rows, out_splits, in_splits, self.ep_group)
+            # received blocks are [source rank][local expert]; regroup to [local expert][source rank]
+            block = torch.arange(P * L, device=h.device).view(P, L).t().reshape(-1).argsort()
+            key = torch.repeat_interleave(block, recv_counts, output_size=sum(out_splits))
+            regroup = torch.argsort(key, stable=True)
+            segments = [sum(recv[p * L + i] for p in range(P)) for i in range(L)]
+            y = self.experts(got.index_select(0, regroup), segments)
+            y = y.index_select(0, torch.argsort(regroup))
+            y = _AllToAll.apply(y, in_splits, out_splits, self.ep_group)
+        else:
+            y = self.experts(rows, send)
+
+        w = r.weights.reshape(-1).index_select(0, order).to(y.dtype)
+        out = torch.zeros_like(h).index_add_(0, tokens, y * w.unsqueeze(-1))
+        if self.shared is not None:
+            out = out + self.shared(h)
+        self.last_stats = {
+            "aux_loss": aux.detach(),
+            "balance_loss": balance.detach(),
+            "z_loss": z.detach(),
+            "tokens_per_expert": _count(r.experts.reshape(-1), E),
+            "dropped": counts[E],
+        }
+        if torch.is_grad_enabled():  # training: add up over the micro-batches until moe_metrics() reads them
+            for key, v in self.last_stats.items():
+                self.stats_sum[key] = self.stats_sum[key] + v if key in self.stats_sum else v.clone()
+            self.stats_calls += 1
+        out = _AttachAux.apply(out, aux, self.aux_loss_scale) if torch.is_grad_enabled() else out
+        return out.view(shape)
+
+
+def moe_metrics(model: nn.Module) -> dict[str, float | list[int]]:
+    """This rank's MoE figures since the last call, over all its MoE layers and micro-batches (one
+    host read; call it on logged steps only): ``moe_aux_loss`` (mean weighted router loss per layer
+    call), ``moe_tokens_per_expert`` (assignments per global expert, summed over layers),
+    ``moe_dropped`` (dropped assignments). Resets the sums. Empty without MoE layers or calls."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.stats_calls]
+    if not layers:
+        return {}
+    aux = torch.stack([m.stats_sum["aux_loss"] for m in layers]).sum()
+    calls = sum(m.stats_calls for m in layers)
+    per_expert = torch.stack([m.stats_sum["tokens_per_expert"] for m in layers]).sum(0)
+    dropped = torch.stack([m.stats_sum["dropped"] for m in layers]).sum()
+    host = torch.cat([aux.reshape(1).double(), dropped.reshape(1).double(), per_expert.double()]).tolist()
+    for m in layers:
+        m.stats_sum, m.stats_calls = {}, 0
+    return {
+        "moe_aux_loss": host[0] / calls,
+        "moe_dropped": int(host[1]),
+        "moe_tokens_per_expert": [int(v) for v in host[2:]],
+    }

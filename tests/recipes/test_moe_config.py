@@ -1,0 +1,42 @@
+"""MoE recipe keys: bad expert-parallel settings are refused by validate(), naming the numbers."""
+
+import pytest
+
+from recipes.config import ConfigError, RecipeConfig
+from recipes.validation import validate
+
+
+def _rc(preset="mixtral_tiny", dp=4, ep=2, **model):
+    rc = RecipeConfig()
+    rc.model.preset = preset
+    rc.parallel.dp, rc.parallel.ep = dp, ep
+    rc.train.global_batch, rc.train.micro_batch = 8, 2
+    for k, v in model.items():
+        setattr(rc.model, k, v)
+    return rc
+
+
+def test_valid_moe_layout():
+    layout = validate(_rc(), world_size=4)
+    assert layout.model.moe_experts == 4 and layout.dp == 4
+
+
+@pytest.mark.parametrize(
+    "rc,match",
+    [
+        (_rc(dp=4, ep=3), r"parallel.ep=3 must divide dp 4"),
+        (_rc(preset="llama_tiny", dp=2, ep=2), r"parallel.ep=2 needs an MoE model"),
+        (_rc(dp=4, ep=4, moe_experts=6), r"parallel.ep=4 must divide the 6 experts"),
+        (_rc(moe_top_k=5), r"top_k=5 must be between 1 and num_experts=4"),
+    ],
+)
+def test_bad_moe_settings_are_refused(rc, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(rc, world_size=rc.parallel.dp)
+
+
+def test_fp16_with_moe_is_refused():
+    rc = _rc()
+    rc.train.precision = "fp16"
+    with pytest.raises(ConfigError, match="fp16 with an MoE model"):
+        validate(rc, world_size=4)
