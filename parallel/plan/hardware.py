@@ -15,6 +15,7 @@ that large matmuls reach in practice (it scales compute time only).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 GiB = 2**30
@@ -22,6 +23,29 @@ GiB = 2**30
 
 class PlanError(ValueError):
     """Input the planner cannot use; the message names the numbers and the fix."""
+
+
+#: what each numeric field accepts beyond "a finite number": (lower bound, bound included, upper bound)
+_RANGES = {"efficiency": (0.0, False, 1.0), "latency_us": (0.0, True, math.inf)}
+
+
+def _check_field(profile: str, name: str, value) -> None:
+    """Refuse a field that is not a finite number in its range (nan, ±inf, negative, a string),
+    naming the profile, the field, the value and the fix."""
+    where = f"hardware {profile!r}: {name}={value!r}"
+    stock = globals().get("PROFILES", {}).get("a100_80gb")
+    example = f" (the stock a100_80gb has {getattr(stock, name)!r})" if stock else ""
+    fix = f"fix plan.profiles.{profile}.{name} or the plan.* key that overrides it{example}"
+    if name == "gpus_per_node":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{where} must be a positive integer; {fix}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PlanError(f"{where} must be a finite number; {fix}")
+    lo, closed, hi = _RANGES.get(name, (0.0, False, math.inf))
+    if value < lo or (value == lo and not closed) or value > hi:
+        want = f"in ({lo:g}, {hi:g}]" if hi != math.inf else ("≥ 0" if closed else "> 0")
+        raise PlanError(f"{where} must be {want}; {fix}")
 
 
 @dataclass(frozen=True)
@@ -37,15 +61,9 @@ class Hardware:
     latency_us: float = 5.0  # per ring step of a collective or per p2p message
 
     def __post_init__(self):
-        for name in ("peak_tflops_16", "peak_tflops_32", "memory_bytes", "intra_node_gbps", "inter_node_gbps"):
-            if not getattr(self, name) > 0:
-                raise PlanError(f"hardware {self.name!r}: {name} must be positive, got {getattr(self, name)}")
-        if not 0 < self.efficiency <= 1:
-            raise PlanError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise PlanError(
-                f"hardware {self.name!r}: gpus_per_node must be a positive integer, got {self.gpus_per_node!r}"
-            )
+        for f in dataclasses.fields(self):
+            if f.name != "name":
+                _check_field(self.name, f.name, getattr(self, f.name))
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for ``precision`` (``fp32`` or 16-bit ``bf16``/``fp16``)."""

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from ..pipeline.schedules import ScheduleError, build_schedule
+from ..pipeline.schedules import ScheduleError, build_schedule, schedule_problem
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
@@ -87,33 +87,64 @@ def _finite(x):
     return None if isinstance(x, float) and x in (float("inf"), float("-inf")) else x
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=256)
 def _simulate(schedule: str, pp: int, m: int, vpp: int, bwd: float, p2p: float):
     r = simulate(build_schedule(schedule, pp, m, vpp), forward=1.0, backward=bwd, p2p_latency=p2p)
     return r.makespan, r.bubble_fraction, tuple(r.peak_activations)
 
 
+def closed_form(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float):
+    """The simulator's (makespan, peak in-flight per stage) of a standard schedule, in closed form,
+    or None for a schedule without one. ``fwd``/``bwd`` are one chunk's costs, ``p2p`` one
+    rendezvous transfer (it delays both ends); the simulator's timing is linear in them:
+
+    * GPipe: ``(m + pp − 1)(f + b) + 2(m + pp − 2)·p``; every stage holds ``m``;
+    * 1F1B: ``(m + pp − 1)(f + b)`` plus ``p`` times ``m + 1`` (pp = 2) or
+      ``2(pp − 1) + max(0, 2m − 3)`` (pp ≥ 3); stage ``s`` holds ``min(pp − s, m)``;
+    * interleaved 1F1B: ``(m·vpp + pp − 1)(f + b) + ((vpp + 1)·pp + vpp·m − 3)·p``; stage ``s``
+      holds its warm-up ``min(2(pp − s − 1) + (vpp − 1)pp, m·vpp)`` plus one, at most ``m·vpp``.
+
+    ``tests/parallel/plan/test_pipeline_closed_form.py`` holds each against the simulator.
+    """
+    if pp == 1:
+        return m * vpp * (fwd + bwd), (m * vpp if schedule == "gpipe" else 1,)
+    if schedule == "gpipe":
+        return (m + pp - 1) * (fwd + bwd) + 2 * (m + pp - 2) * p2p, (m,) * pp
+    if schedule == "1f1b":
+        hops = m + 1 if pp == 2 else 2 * (pp - 1) + max(0, 2 * m - 3)
+        return (m + pp - 1) * (fwd + bwd) + hops * p2p, tuple(min(pp - s, m) for s in range(pp))
+    if schedule == "interleaved":
+        total = m * vpp
+        span = (total + pp - 1) * (fwd + bwd) + ((vpp + 1) * pp + vpp * m - 3) * p2p
+        peaks = tuple(min(min(2 * (pp - s - 1) + (vpp - 1) * pp, total) + 1, total) for s in range(pp))
+        return span, peaks
+    return None
+
+
 def pipeline_time(
-    schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float, *, exact: bool = True
+    schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float
 ) -> tuple[float, float, tuple[int, ...]]:
     """(makespan seconds, bubble fraction, peak in-flight activations per stage) of a step.
 
-    ``exact``: run the schedule in the simulator (costs normalised to the forward's,
-    rounded to 0.1 %, so layouts share simulations). Otherwise 1F1B's closed form
-    ``(m + pp − 1)(f + b)`` plus p2p latencies, with stage ``s`` holding
-    ``min(pp − s, m)`` micro-batches (GPipe: ``m``): the search's quick estimate.
+    ``fwd``/``bwd``: one micro-batch through one chunk. The standard schedules use
+    :func:`closed_form` (equal to the simulator, any size in microseconds); any other
+    schedule is run in the simulator (costs normalised to the forward's, rounded to
+    0.1 %, so layouts share simulations).
     """
-    if fwd <= 0:
-        raise PlanError(f"forward time must be positive, got {fwd}")
-    if exact or schedule == "interleaved":
-        try:
-            span, bubble, peaks = _simulate(schedule, pp, m, vpp, round(bwd / fwd, 3), round(p2p / fwd, 3))
-        except ScheduleError as e:
-            raise PlanError(str(e)) from None
-        return span * fwd, bubble, peaks
-    span = (m + pp - 1) * (fwd + bwd) + (2 * (pp - 1) + m - 1) * p2p
-    peaks = tuple(m if schedule == "gpipe" else min(pp - s, m) for s in range(pp))
-    return span, 1 - m * (fwd + bwd) / span, peaks
+    if not fwd > 0 or not bwd >= 0 or not p2p >= 0:
+        raise PlanError(f"pipeline costs must be finite and positive, got forward {fwd}, backward {bwd}, p2p {p2p}")
+    problem = schedule_problem(schedule, pp, vpp)
+    if problem:
+        raise PlanError(problem)
+    form = closed_form(schedule, pp, m, vpp, fwd, bwd, p2p)
+    if form is not None:
+        span, peaks = form
+        return span, 1 - m * vpp * (fwd + bwd) / span, peaks
+    try:
+        span, bubble, peaks = _simulate(schedule, pp, m, vpp, round(bwd / fwd, 3), round(p2p / fwd, 3))
+    except ScheduleError as e:
+        raise PlanError(str(e)) from None
+    return span * fwd, bubble, peaks
 
 
 def _stage_flags(v: int, n_virtual: int) -> tuple[bool, bool]:
@@ -128,7 +159,6 @@ def plan_layout(
     count_params: ParamCounter,
     *,
     world_size: int | None = None,
-    exact: bool = True,
 ) -> Plan:
     """The per-rank-class memory, traffic and time of ``layout`` (module docstring)."""
     shape = ModelShape.of(shape)
@@ -155,7 +185,7 @@ def plan_layout(
     p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + hw.latency_us * 1e-6) if pp > 1 else 0.0
     slow_f = max(i[3] for i in stage_info) / vpp
     slow_b = max(i[4] for i in stage_info) / vpp
-    makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one, exact=exact)
+    makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one)
     ranks, dp_exposed = [], 0.0
     for s, (chunks, params, tp_axis, fwd, bwd, acts, flops_s) in enumerate(stage_info):
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)

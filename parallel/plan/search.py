@@ -3,8 +3,8 @@
 Searched: tp among the divisors of the heads that fit inside a node (docs/architecture.md:
 TP stays inside a node), pp among the divisors of the rest up to the layer
 count, dp the remainder, ZeRO 0–3, micro-batches, checkpointing; sequence
-parallelism whenever tp > 1. Each candidate is first timed with the 1F1B
-closed form; the best are planned again with the simulator and re-ranked.
+parallelism whenever tp > 1. Every candidate is planned in full (the schedules'
+closed forms make a plan cost microseconds in the pipeline, whatever its size).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def recommend(
     shape = ModelShape.of(shape)
     if world_size < 1:
         raise PlanError(f"world size must be positive, got {world_size}")
-    rough: list[tuple[float, Layout, Training]] = []
+    fitting: list[Plan] = []
     for layout in candidate_layouts(shape, world_size, hw, zeros):
         for mb in micro_batches:
             if training.global_batch % (mb * layout.dp):
@@ -69,18 +69,15 @@ def recommend(
                     compression=training.compression if layout.zero == 0 else "none",
                 )
                 try:
-                    p = plan_layout(shape, layout, tr, hw, count_params, exact=False)
+                    p = plan_layout(shape, layout, tr, hw, count_params)
                 except PlanError:
                     continue
                 if p.fits:
-                    rough.append((p.step["tokens_per_s"], layout, tr))
-    if not rough:
+                    fitting.append(p)
+    if not fitting:
         raise PlanError(
             f"no layout of {world_size} × {hw.name} fits this model at global batch "
             f"{training.global_batch}; add devices or choose a larger device profile"
         )
-    rough.sort(key=lambda x: -x[0])
-    exact = [plan_layout(shape, lay, tr, hw, count_params) for _, lay, tr in rough[: 3 * top]]
-    exact = [p for p in exact if p.fits]
-    exact.sort(key=lambda p: (-round(p.step["tokens_per_s"], 6), p.peak_memory))  # ties: less memory first
-    return exact[:top]
+    fitting.sort(key=lambda p: (-round(p.step["tokens_per_s"], 6), p.peak_memory))  # ties: less memory first
+    return fitting[:top]
