@@ -224,9 +224,13 @@ def plan_layout(
         )  # as for SP: its fp32 shard
         emb_axis.add("all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)")
         in_flight = peaks[s]
-        activations = in_flight * max(acts) + M.recompute_peak_bytes(
+        # transients (they do not coincide: the loss's end before the recomputed layers' backward)
+        recompute = M.recompute_peak_bytes(
             shape, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision
         )
+        has_head = any(v == pp * vpp - 1 for v, _ in chunks)
+        loss = M.loss_temporary_bytes(shape, mb, tp=t, precision=training.precision) if has_head else 0.0
+        activations = in_flight * max(acts) + max(recompute, loss)
         buffers = _buffer_bytes(L, training, params, count_params, act_msg, e, c)
         mem = {
             **{k: float(v) for k, v in states.items() if k != "total"},
