@@ -9,7 +9,9 @@ bytes (GiB for the "80GB" parts, as ``nvidia-smi`` reports 81,920 MiB);
 bandwidths are GB/s (10⁹ B/s) *per device and per direction*, the rate one rank
 sends at in a ring: NVLink inside a node, the device's share of the network
 (InfiniBand or Ethernet) between nodes. ``efficiency`` is the fraction of peak
-that large matmuls reach in practice (it scales compute time only).
+that large matmuls reach in practice, ``attention_efficiency`` flash attention's,
+``hbm_gbps`` the memory bandwidth that elementwise work and small GEMMs' operands
+stream at (:mod:`.compute` uses them).
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ class PlanError(ValueError):
 
 
 #: what each numeric field accepts beyond "a finite number": (lower bound, bound included, upper bound)
-_RANGES = {"efficiency": (0.0, False, 1.0), "latency_us": (0.0, True, math.inf)}
+_RANGES = {
+    "efficiency": (0.0, False, 1.0),
+    "attention_efficiency": (0.0, False, 1.0),
+    "latency_us": (0.0, True, math.inf),
+}
 
 
 def _check_field(profile: str, name: str, value) -> None:
@@ -57,8 +63,10 @@ class Hardware:
     intra_node_gbps: float  # GB/s per device per direction (NVLink / shared memory)
     inter_node_gbps: float  # GB/s per device per direction (InfiniBand / Ethernet)
     gpus_per_node: int = 8
-    efficiency: float = 0.5  # achieved / peak for the model's matmuls
+    efficiency: float = 0.5  # achieved / peak for large matmuls (plan.compute: small ones pay HBM time too)
     latency_us: float = 5.0  # per ring step of a collective or per p2p message
+    hbm_gbps: float = 2000.0  # device memory bandwidth, GB/s: elementwise work, small GEMMs' operands
+    attention_efficiency: float = 0.5  # achieved / peak of flash attention (SDPA), forward
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -73,26 +81,43 @@ class Hardware:
         """Bytes per second one rank sends at in a ring inside a node or across nodes."""
         return 1e9 * (self.inter_node_gbps if crosses_node else self.intra_node_gbps)
 
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return 1e9 * self.hbm_gbps
+
     def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
 
 
+# Compute constants (parallel/plan/compute.py): ``efficiency`` is the fraction of peak large GEMMs reach.
+# A100: 0.78 (243 TFLOP/s), the one value that puts all ten rows of Narayanan et al. 2021 Table 1 within
+# ±10 % (docs/planner.md; recipes/plan_published.py), in line with cuBLAS' large fp16 GEMMs on A100.
+# H100/H200: 0.7, an estimate from cuBLAS' published large-GEMM throughput (not fitted to a run).
+# ``attention_efficiency``: FlashAttention-2's forward, ≈ 60 % of peak on A100 (Dao 2023), ≈ 40 % on
+# H100. ``hbm_gbps``: the datasheets' memory bandwidth (A100 80GB 2,039; H100 SXM 3,350; H100 PCIe
+# 2,000; H200 4,800 GB/s). For the CPU profile, or any machine, ``mode=calibrate`` measures them.
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
     # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU
-    "a100_80gb": Hardware("a100_80gb", 312.0, 19.5, 80 * GiB, 300.0, 25.0, 8, 0.5),
+    "a100_80gb": Hardware(
+        "a100_80gb", 312.0, 19.5, 80 * GiB, 300.0, 25.0, 8, 0.78, hbm_gbps=2039.0, attention_efficiency=0.6
+    ),
     # H100 SXM5 80GB. NVIDIA H100 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense, FP32 67;
     # NVLink4 900 GB/s both ways; one NDR 400 Gb/s NIC per GPU (DGX H100)
-    "h100_80gb": Hardware("h100_80gb", 989.0, 67.0, 80 * GiB, 450.0, 50.0, 8, 0.45),
+    "h100_80gb": Hardware(
+        "h100_80gb", 989.0, 67.0, 80 * GiB, 450.0, 50.0, 8, 0.7, hbm_gbps=3350.0, attention_efficiency=0.4
+    ),
     # H100 PCIe 80GB (350 W, fewer SMs and lower clocks). NVIDIA H100 datasheet / product brief PB-11133-001:
     # BF16 tensor 1,513 TFLOP/s with sparsity = 756 dense, FP32 51; GPUs talk over PCIe Gen5 x16, 128 GB/s
     # both ways (an NVLink bridge joins pairs only, so a ring over 8 runs at PCIe speed); NDR 400 Gb/s per GPU
-    "h100_pcie": Hardware("h100_pcie", 756.0, 51.0, 80 * GiB, 64.0, 50.0, 8, 0.45),
+    "h100_pcie": Hardware(
+        "h100_pcie", 756.0, 51.0, 80 * GiB, 64.0, 50.0, 8, 0.7, hbm_gbps=2000.0, attention_efficiency=0.4
+    ),
     # H200 SXM 141GB. NVIDIA H200 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense (the H100 SXM
     # compute, more and faster HBM3e: 141 GB, 4.8 TB/s); NVLink4 900 GB/s both ways; NDR 400 Gb/s per GPU
-    "h200": Hardware("h200", 989.0, 67.0, 141e9, 450.0, 50.0, 8, 0.45),
+    "h200": Hardware("h200", 989.0, 67.0, 141e9, 450.0, 50.0, 8, 0.7, hbm_gbps=4800.0, attention_efficiency=0.4),
     # one process per core group of a server CPU, gloo over shared memory / 10 GbE
-    "cpu": Hardware("cpu", 1.0, 1.0, 64 * GiB, 5.0, 1.25, 1, 0.5, latency_us=50.0),
+    "cpu": Hardware("cpu", 1.0, 1.0, 64 * GiB, 5.0, 1.25, 1, 0.5, latency_us=50.0, hbm_gbps=20.0),
 }
 ALIASES = {
     "a100": "a100_80gb",

@@ -24,11 +24,12 @@ from ..pipeline.schedules import ScheduleError, build_schedule, schedule_problem
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
+from . import compute as C
 from . import memory as M
 from .advice import advise
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training, check
-from .shape import ModelShape, forward_flops, layer_partition, model_flops_per_token, recompute_flops
+from .shape import ModelShape, layer_partition, model_flops_per_token
 from .traffic import AxisTraffic, dp_traffic, group_crosses_node, topk_kept, tp_traffic
 
 #: ``count(layers, has_embedding, has_head, tp)`` → the parameters of that chunk on one TP rank
@@ -47,7 +48,7 @@ class RankClass:
     activation_per_microbatch: float
     forward_s: float  # one micro-batch through all its chunks, TP collectives included
     backward_s: float
-    compute_s: float  # FLOPs of the whole step / (peak · efficiency), recomputation included
+    compute_s: float  # the step's matmuls, attention and elementwise work (plan.compute), recomputation included
     traffic: dict[str, dict]  # per axis: group_size, crosses_node, bytes, time_s, items
     fits: bool = True
 
@@ -168,14 +169,13 @@ def plan_layout(
     c = M.comm_bytes(training.precision, training.comm_dtype)
     sp, ckpt, mb = L.sequence_parallel, training.checkpointing, training.micro_batch
     ranges = layer_partition(shape, pp, vpp, L.pp_layers)
-    peak_flops = hw.peak_flops(training.precision) * hw.efficiency
     gpn = hw.gpus_per_node
     stage_info, alike = [], {}  # stages with the same chunk shapes share their numbers
     for s in range(pp):
         chunks = [(v, ranges[v]) for v in range(s, pp * vpp, pp)]
         key = tuple((len(r),) + _stage_flags(v, pp * vpp) for v, r in chunks)
         if key not in alike:
-            alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops)
+            alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m)
         params, tp_axis, fwd, bwd, acts, flops_s = alike[key]
         tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
         stage_info.append((chunks, params, tp_axis, fwd, bwd, acts, flops_s))
@@ -186,7 +186,7 @@ def plan_layout(
     slow_f = max(i[3] for i in stage_info) / vpp
     slow_b = max(i[4] for i in stage_info) / vpp
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one)
-    ranks, dp_exposed = [], 0.0
+    ranks, dp_exposed, optimizer_s = [], 0.0, 0.0
     for s, (chunks, params, tp_axis, fwd, bwd, acts, flops_s) in enumerate(stage_info):
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
         states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer)
@@ -213,6 +213,7 @@ def plan_layout(
         n_scalars = 1 + policy(L.zero).shards_optimizer
         scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
         dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap) + scalars_s)
+        optimizer_s = max(optimizer_s, C.optimizer_seconds(psi / (dp if policy(L.zero).shards_optimizer else 1), hw))
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
         pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
@@ -259,7 +260,7 @@ def plan_layout(
             )
         )
     emb_time = max(r.traffic["embedding"]["time_s"] for r in ranks)
-    step_time = makespan + dp_exposed + emb_time
+    step_time = makespan + dp_exposed + emb_time + optimizer_s
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
@@ -269,6 +270,7 @@ def plan_layout(
         "pipeline_s": makespan,
         "bubble_fraction": bubble,
         "dp_exposed_s": dp_exposed,
+        "optimizer_s": optimizer_s,
         "tokens_per_s": tokens_step / step_time,
         "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),
         "compute_s": compute,
@@ -289,27 +291,30 @@ def plan_layout(
     return plan
 
 
-def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
+def _stage_numbers(shape, chunks, count_params, hw, training, L, m):
     """Parameters, TP traffic, per-micro-batch forward/backward seconds, activations per
     chunk and the step's compute seconds of a rank holding ``chunks``."""
     t, sp, ckpt, mb = L.tp, L.sequence_parallel, training.checkpointing, training.micro_batch
     e = M.PRECISION_BYTES[training.precision]
-    tokens = mb * shape.seq_len
     params = M.StageParams(0)
     tp_axis = AxisTraffic(t, group_crosses_node(1, t, hw.gpus_per_node))
     fwd = bwd = flops_s = 0.0
     acts = []
+    layer = C.layer_time(shape, mb, t, sp, hw, training.precision, training.attention)
     for v, r in chunks:
         first, last = _stage_flags(v, L.pp * L.vpp)
         params = params + count_params(r, first, last, t)
-        f = forward_flops(shape, tokens, len(r), last, t)
-        rc = recompute_flops(shape, tokens, len(r), ckpt, t)
+        n = len(r)
+        head = C.head_time(shape, mb, t, hw, training.precision) if last else C.LayerTime(0.0, 0.0, 0.0)
+        recompute = {"full": n * layer.forward, "selective": n * layer.attention}.get(ckpt, 0.0)
         tf, tb = tp_traffic(
-            shape, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
+            shape, tp_axis, hw, n_layers=n, has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
         )
-        fwd += f / peak_flops + tf
-        bwd += (2 * f + rc) / peak_flops + tb
-        flops_s += (3 * f + rc) / peak_flops
+        f_s = n * layer.forward + head.forward
+        b_s = n * layer.backward + head.backward + recompute
+        fwd += f_s + tf
+        bwd += b_s + tb
+        flops_s += f_s + b_s
         acts.append(
             M.stage_activation_bytes(
                 shape,
