@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from functools import cache
 from pathlib import Path
 
 from parallel.plan import plan_layout
@@ -55,7 +56,8 @@ def paper_flops(batch: int, layers: int, hidden: int) -> float:
     return 96 * batch * SEQ * layers * hidden**2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
 
 
-def rows() -> list[dict]:
+@cache
+def rows() -> tuple[dict, ...]:
     """Every row: published and predicted TFLOP/s per GPU and the plan behind it."""
     out = []
     for size, heads, hidden, layers, tp, pp, gpus, batch, published in NARAYANAN_TABLE_1:
@@ -79,7 +81,7 @@ def rows() -> list[dict]:
         plan = plan_layout(mc, _layout(rc), training, _hardware(rc), meta_param_counter(mc))
         ours = paper_flops(batch, layers, hidden) / plan.step["step_time_s"] / gpus / 1e12
         out.append(dict(size=size, tp=tp, pp=pp, gpus=gpus, batch=batch, published=published, ours=ours, plan=plan))
-    return out
+    return tuple(out)
 
 
 def render() -> str:

@@ -17,7 +17,9 @@ stream at (:mod:`.compute` uses them).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass
 
 GiB = 2**30
@@ -153,9 +155,21 @@ def profile_for_device(device_name: str) -> Hardware | None:
 def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrides) -> Hardware:
     """The profile called ``name`` (case-insensitive; ``custom`` profiles first), with ``overrides``.
 
+    A ``name`` ending in ``.json`` is a file of :class:`Hardware` fields (``mode=calibrate`` writes one).
+
     ``custom`` maps names to the fields of :class:`Hardware` (all but ``name``),
     e.g. from a config file. Raises :class:`PlanError` for an unknown name or field.
     """
+    if name.endswith(".json"):  # a profile file (mode=calibrate writes one): its fields, named by its stem
+        try:
+            with open(name) as f:
+                fields_in_file = json.load(f)
+        except (OSError, ValueError) as e:
+            raise PlanError(f"hardware profile file {name!r}: {e}; run mode=calibrate to write one") from None
+        if not isinstance(fields_in_file, dict):
+            raise PlanError(f"hardware profile file {name!r} must hold an object of Hardware fields")
+        stem = os.path.splitext(os.path.basename(name))[0]
+        return hardware_profile(stem, {stem: fields_in_file}, **overrides)
     key = name.lower()
     custom = {k.lower(): v for k, v in (custom or {}).items()}
     fields = {f.name for f in dataclasses.fields(Hardware)} - {"name"}
