@@ -98,6 +98,24 @@ def attention_fraction(rc: RecipeConfig, dtype: torch.dtype, rate: float, device
     return min(1.0, max(1e-6, 2.0 * b * h * s * s * hd / sec / rate))
 
 
+def block_overhead_us(rc: RecipeConfig, fields: dict, device: torch.device) -> float:
+    """Microseconds one block's forward + backward takes beyond what the planner's work model gives
+    it with ``fields`` (launches, Python, autograd): measured on the configured model's block."""
+    from models.transformer import build_model
+    from parallel.plan import ModelShape
+    from parallel.plan.compute import layer_time
+    from parallel.plan.hardware import Hardware
+
+    mc = model_config(rc.model)
+    dtype = DTYPES.get(rc.train.precision, torch.float32)
+    block = build_model(mc, layers=range(0, 1), has_embedding=False, has_head=False, device=device, dtype=dtype)
+    x = torch.randn(rc.train.micro_batch, mc.seq_len, mc.d_model, device=device, dtype=dtype, requires_grad=True)
+    sec = _time(lambda: block(x).float().sum().backward(), device=device)
+    hw = Hardware("calibrating", **{**fields, "block_overhead_us": 0.0})
+    work = layer_time(ModelShape.of(mc), rc.train.micro_batch, 1, False, hw, rc.train.precision)
+    return max(0.0, sec - work.forward - work.backward) * 1e6
+
+
 def _collectives_worker(sizes: tuple[int, ...], threads: int) -> list[dict]:
     """One spawned rank: all-reduces of ``SMALL`` and ``LARGE`` bytes in groups of the first n ranks."""
     import torch.distributed as dist
@@ -159,6 +177,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "hbm_gbps": hbm / 1e9,
         "attention_efficiency": attention,
     }
+    fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
     hardware_profile("calibrated", {"calibrated": fields})  # refuse what the planner would refuse
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)

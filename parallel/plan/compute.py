@@ -15,7 +15,8 @@ Three kinds of work, each timed by what limits it on the given :class:`~.hardwar
   the attention dropout over the ``b·a/t·s²`` scores at HBM bandwidth (forward reads and writes
   them twice and writes a 1-byte mask; backward reads and writes them ≈ 2.5× as often);
 * **elementwise** (norms, activation, residual adds, dropout-free bias): memory-bound, the bytes
-  they read and write at HBM bandwidth (:func:`elementwise_bytes`).
+  they read and write at HBM bandwidth (:func:`elementwise_bytes`), plus the profile's fixed
+  ``block_overhead_us`` per block (kernel launches, Python, autograd: what a CPU pays per op).
 
 Costs ``forward`` and ``backward`` per layer and for the head feed the pipeline model; the
 optimizer step (memory-bound, :func:`optimizer_seconds`) follows backward.
@@ -92,6 +93,7 @@ def layer_time(
         scores = heads * s * s * (4 * e + 1) / hw.hbm_bytes_per_s
         attn, attn_bwd = bmm + scores, 2 * bmm + 2.5 * scores
     elementwise = elementwise_bytes(shape, T, t, sequence_parallel, e) / hw.hbm_bytes_per_s
+    elementwise += hw.block_overhead_us * 1e-6 / 3  # fixed cost per block: a third forward, two backward
     return LayerTime(gemm, attn, elementwise, attn_bwd)
 
 

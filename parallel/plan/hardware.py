@@ -34,6 +34,7 @@ _RANGES = {
     "efficiency": (0.0, False, 1.0),
     "attention_efficiency": (0.0, False, 1.0),
     "latency_us": (0.0, True, math.inf),
+    "block_overhead_us": (0.0, True, math.inf),
 }
 
 
@@ -69,6 +70,7 @@ class Hardware:
     latency_us: float = 5.0  # per ring step of a collective or per p2p message
     hbm_gbps: float = 2000.0  # device memory bandwidth, GB/s: elementwise work, small GEMMs' operands
     attention_efficiency: float = 0.5  # achieved / peak of flash attention (SDPA), forward
+    block_overhead_us: float = 0.0  # per block forward + backward beyond its work: launches, Python, autograd
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -97,7 +99,9 @@ class Hardware:
 # H100/H200: 0.7, an estimate from cuBLAS' published large-GEMM throughput (not fitted to a run).
 # ``attention_efficiency``: FlashAttention-2's forward, ≈ 60 % of peak on A100 (Dao 2023), ≈ 40 % on
 # H100. ``hbm_gbps``: the datasheets' memory bandwidth (A100 80GB 2,039; H100 SXM 3,350; H100 PCIe
-# 2,000; H200 4,800 GB/s). For the CPU profile, or any machine, ``mode=calibrate`` measures them.
+# 2,000; H200 4,800 GB/s). ``block_overhead_us``: 0 on the GPU profiles (at these sizes kernels queue
+# ahead of the device); on a CPU eager ops cost tens of µs each. For the CPU profile, or any machine,
+# ``mode=calibrate`` measures them all.
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
     # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU

@@ -43,3 +43,14 @@ def test_link_fit_inverts_the_ring_model():
         rows.append({"n": n, "small_s": small, "large_s": 2 * (n - 1) / n * LARGE / bw + small})
     gbps, latency_us = fit_links(rows)
     assert gbps == pytest.approx(bw / 1e9) and latency_us == pytest.approx(lat * 1e6)
+
+
+def test_time_report_compares_and_names_the_largest_part():
+    from recipes.reports import format_time_comparison
+
+    plan = plan_from_config(scenario_config(TINY + ["plan.hardware=cpu"]))
+    predicted = plan.step["step_time_s"]
+    close = format_time_comparison(plan, predicted * 1.1)
+    assert f"predicted {predicted:.3f} s" in close and "+10%" in close and "the gap" not in close
+    far = format_time_comparison(plan, predicted * 2)
+    assert "the gap is" in far and "compute (the largest part) would have to be" in far
