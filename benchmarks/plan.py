@@ -4,7 +4,8 @@ Calibrates this machine once (``mode=calibrate``, written to ``<out>/calibrated/
 then trains a small GPT in each of :data:`LAYOUTS` (dp, tp, pp, ZeRO stages, accumulation) with the
 recipe's own launcher and ``plan.hardware=<that file>``; the trainer's first-step report prints the
 planner's step time beside the measured one (a steady step, :func:`recipes.reports.time_report`),
-which this collects into ``plan.md`` / ``plan.json``. All ranks are CPU processes on one machine
+which this collects; the measured time in ``plan.md`` / ``plan.json`` is the median of steps 3–8
+(from the trainer's tokens/s, every step read). All ranks are CPU processes on one machine
 (one thread each): on a machine shared with other work the measured times are noisy.
 """
 
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 MODEL = ["model.d_model=128", "model.seq_len=64", "train.precision=fp32", "train.threads=1"]
 TRAIN = [
-    "train.max_steps=4",
+    "train.max_steps=8",
     "train.eval_every=0",
     "train.log_every=1",
     "logger.progress=false",
@@ -37,6 +39,8 @@ LAYOUTS = [
     ("pp=2 1F1B, 4 micro-batches", ["parallel.pp=2", "train.global_batch=8", "train.micro_batch=2"]),
 ]
 LINE = re.compile(r"step time: predicted ([0-9.]+) s, measured ([0-9.]+) s")
+STEP = re.compile(r"step (\d+): .*?tokens_per_s=([0-9.e+]+)")
+TOKENS = 8 * 64  # global batch × sequence of every layout
 
 
 def _recipe(args: list[str], out: Path, timeout: int = 600) -> str:
@@ -58,8 +62,14 @@ def run(out: Path) -> list[dict]:
         m = LINE.search(text)
         if m is None:
             raise RuntimeError(f"{name}: no step-time report in the output:\n{text[-2000:]}")
-        predicted, measured = float(m.group(1)), float(m.group(2))
-        rows.append(dict(layout=name, predicted_s=predicted, measured_s=measured, ratio=predicted / measured))
+        predicted, first = float(m.group(1)), float(m.group(2))
+        steady = [TOKENS / float(tps) for step, tps in STEP.findall(text) if int(step) > 2]  # past warm-up
+        measured = statistics.median(steady) if steady else first
+        rows.append(
+            dict(
+                layout=name, predicted_s=predicted, measured_s=measured, report_step_s=first, ratio=predicted / measured
+            )
+        )
     return rows
 
 
