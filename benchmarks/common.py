@@ -18,7 +18,11 @@ from parallel import comm
 
 
 def time_alternating(
-    steps_by_name: dict[str, Callable[[], object]], steps: int, warmup: int = 2, barrier: bool = True
+    steps_by_name: dict[str, Callable[[], object]],
+    steps: int,
+    warmup: int = 2,
+    barrier: bool = True,
+    cpu: dict[str, list[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds of each contender's step, ``steps`` rounds after ``warmup`` rounds.
 
@@ -27,17 +31,23 @@ def time_alternating(
     reverse order, so that no contender always goes first (after the barrier, with
     caches left by another model) or always follows the same one. With
     ``barrier`` all ranks start each step together (a benchmark-only barrier
-    that moves no payload)."""
+    that moves no payload). ``cpu``: if given, filled with each step's CPU seconds of this
+    process (``time.process_time``: all its threads, gloo's included), which other
+    processes on shared cores do not inflate as they inflate wall time."""
     times: dict[str, list[float]] = {name: [] for name in steps_by_name}
+    if cpu is not None:
+        cpu.update({name: [] for name in steps_by_name})
     order = list(steps_by_name.items())
     for i in range(steps + warmup):
         for name, step in order if i % 2 == 0 else order[::-1]:
             if barrier:
                 dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step()
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
+                if cpu is not None:
+                    cpu[name].append(time.process_time() - c0)
     return times
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.pipeline.simulator import Span
 from recipes.config import RecipeConfig
+from recipes.gpt_engine import FUSED_ADAMW_DEVICES
 
 from .common import counting_torch, ddp_comm_hook, torch_state_bytes
 from .gpt import plain_like_ours, plain_loss, suite_model
@@ -37,7 +38,8 @@ class Ours:
         self.sent_bytes = 0.0
 
     def step(self) -> None:
-        self.sent_bytes = self.trainer.train_step(next(self._steps))["comm_bytes"]
+        # an unlogged step (read=False), as PyTorch's side: no loss read, no grad norm (no clipping)
+        self.sent_bytes = self.trainer.train_step(next(self._steps), read=False)["comm_bytes"]
 
     def state_bytes(self) -> int:
         return self.trainer.engine.zero.held_bytes()["total"]
@@ -57,14 +59,23 @@ def _batches(trainer, step: int, dp: int, dp_rank: int) -> list[tuple[torch.Tens
     )
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 class Theirs:
     """PyTorch's own equivalent of a row, on the same recipe and initial weights.
 
     ``kind``: ``plain`` (one process, no wrapper), ``ddp``, ``zero_redundancy``
     (DDP + ZeroRedundancyOptimizer), ``fsdp2_zero2`` / ``fsdp2_zero3``
     (``fully_shard`` per block and root, without / with resharding after
-    forward), ``dtensor_tp`` (``torch.distributed.tensor.parallel`` on the
-    blocks: q/k/v/fc_in column-wise, o/fc_out row-wise), ``torch_1f1b`` /
+    forward; both accumulate unsharded gradients and reduce-scatter once per step,
+    ``set_requires_gradient_sync``, and ``fsdp2_zero2`` also keeps the parameters
+    gathered between micro-batches, ``set_reshard_after_backward``), ``dtensor_tp``
+    (``torch.distributed.tensor.parallel`` on the blocks: q/k/v/fc_in column-wise, o/fc_out row-wise: the plan torch's TP tutorial gives, on
+    separate q/k/v projections as ours has), ``torch_1f1b`` /
     ``torch_interleaved`` (``torch.distributed.pipelining``). DP kinds use the
     whole world as the data-parallel group."""
 
@@ -82,14 +93,20 @@ class Theirs:
             self.model = self._wrapped(kind, plain_like_ours(cfg, rc.train.seed))
         params = [p for p in self.model.parameters()]
         o = rc.optim
-        hyper = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        # the optimizer implementation ours uses (fused where torch has the kernel): one home, the recipe's
+        fused = True if tr.device.type in FUSED_ADAMW_DEVICES else None
+        hyper = dict(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=fused)
         if kind == "zero_redundancy":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             self.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **hyper)
             self._held_optimizer = self.optimizer.optim
         else:
-            self.optimizer = self._held_optimizer = torch.optim.AdamW(params, **hyper)
+            # DTensor TP holds DTensors beside plain tensors (norms, embeddings): a fused kernel takes one
+            # kind per call, and torch calls it once per parameter group
+            kinds = [[p for p in params if is_dtensor(p) == d] for d in (True, False)]
+            groups = [{"params": ps} for ps in kinds if ps]
+            self.optimizer = self._held_optimizer = torch.optim.AdamW(groups, **hyper)
 
     @staticmethod
     def _wrapped(kind: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -153,7 +170,9 @@ class Theirs:
         for i, (x, y) in enumerate(batches):
             last = i == m - 1
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
-                self.model.set_requires_gradient_sync(last)
+                self.model.set_requires_gradient_sync(last)  # accumulate unsharded, one reduce-scatter
+                if self.kind == "fsdp2_zero2":  # as ours keeps ZeRO-2's parameters: no re-gather per micro-batch
+                    self.model.set_reshard_after_backward(last)
             sync = self.model.no_sync() if hasattr(self.model, "no_sync") and not last else contextlib.nullcontext()
             with sync:
                 (plain_loss(self.model(x), y) / m).backward()

@@ -19,22 +19,39 @@ from recipes.config import RecipeConfig, model_config
 
 from .tp import NAMES, PlainBlock
 
+#: the suite's model sizes: name -> (layers, d_model, heads, seq_len, global batch); vocab 256, untied head
+SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "small": (4, 128, 4, 64, 16),  # 0.87 M parameters
+    "medium": (4, 256, 4, 64, 16),  # 3.3 M
+    "large": (8, 512, 8, 256, 8),  # 25.6 M (a smaller global batch keeps a CPU step near a second)
+}
+
 
 def suite_recipe(
-    dp: int | str = "auto", pp: int = 1, tp: int = 1, zero: int = 0, *, quick: bool = False, **parallel
+    dp: int | str = "auto",
+    pp: int = 1,
+    tp: int = 1,
+    zero: int = 0,
+    *,
+    quick: bool = False,
+    size: str = "small",
+    **parallel,
 ) -> RecipeConfig:
-    """The recipe every row trains: a 4-layer GPT (d_model 128, seq 64, vocab 256,
-    untied head: torch.distributed.pipelining cannot tie across stages), global
-    batch 16 in micro-batches of 2, AdamW without clipping (PyTorch's wrappers
-    get none either), fp32, one thread per rank."""
+    """The recipe every row trains: a GPT of :data:`SIZES` ``size`` (small: 4 layers, d_model 128,
+    seq 64; vocab 256, untied head: torch.distributed.pipelining cannot tie across stages),
+    micro-batches of 2, AdamW without clipping (PyTorch's wrappers get none either), fp32, one
+    thread per rank. ``quick`` halves the sequence."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {list(SIZES)}")
+    layers, d, heads, seq, batch = SIZES[size]
     rc = RecipeConfig()
     rc.model.preset = "gpt_tiny"
-    rc.model.n_layers, rc.model.d_model, rc.model.n_heads = 4, 128, 4
-    rc.model.seq_len, rc.model.tie_embeddings = (32 if quick else 64), False
+    rc.model.n_layers, rc.model.d_model, rc.model.n_heads = layers, d, heads
+    rc.model.seq_len, rc.model.tie_embeddings = (seq // 2 if quick else seq), False
     rc.parallel.dp, rc.parallel.pp, rc.parallel.tp, rc.parallel.zero = dp, pp, tp, zero
     for key, value in parallel.items():
         setattr(rc.parallel, key, value)
-    rc.train.global_batch, rc.train.micro_batch, rc.train.max_steps = 16, 2, 1000
+    rc.train.global_batch, rc.train.micro_batch, rc.train.max_steps = batch, 2, 1000
     rc.train.grad_clip, rc.train.eval_every, rc.train.threads = 0.0, 0, 1
     rc.optim.weight_decay = 0.0  # one AdamW param group on both sides
     rc.logger.progress = False

@@ -2,6 +2,7 @@
 
     python -m benchmarks.pipeline --pp 2 --m 8
     python -m benchmarks.pipeline --pp 4 --m 8 --png 1f1b.png
+    python -m benchmarks.pipeline --zb --pp 2 --m 8     # zero-bubble ZB-H1 vs our 1F1B, 25.6 M GPT
 
 Both run the same model (input projection, ``--layers`` blocks of Linear + GELU
 + Linear, head, MSE loss), the same micro-batches, in the same gloo processes
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -118,6 +120,105 @@ def main(
     return out
 
 
+# ------------------------------------------------------------- zero bubble vs 1F1B
+def zb_recipe(pp: int, m: int, *, d: int = 512, n_layers: int = 8, seq: int = 256, micro_batch: int = 1):
+    """The GPT the zero-bubble row trains: d 512, 8 layers, seq 256, vocab 256, untied
+    head (25.6 M parameters at the defaults), ``m`` micro-batches per step, fp32, AdamW."""
+    from .gpt import suite_recipe
+
+    rc = suite_recipe(dp=1, pp=pp)
+    rc.model.d_model, rc.model.n_layers, rc.model.n_heads, rc.model.seq_len = d, n_layers, max(1, d // 64), seq
+    rc.train.micro_batch, rc.train.global_batch = micro_batch, micro_batch * m
+    return rc
+
+
+def _zb_rank(pp: int, m: int, steps: int, kwargs: dict):
+    from parallel.groups import build_groups
+    from parallel.memory import PeakSavedMeter
+    from parallel.topology import Topology
+    from recipes.gpt_engine import build_gpt_engine
+    from recipes.validation import validate
+
+    torch.set_num_threads(1)
+    g = build_groups(Topology(1, pp, 1))
+    engines, data = {}, None
+    for schedule in ("1f1b", "zb-h1"):
+        rc = zb_recipe(pp, m, **kwargs)
+        rc.parallel.pp_schedule = schedule
+        layout = validate(rc, world_size=pp)
+        _, engine = build_gpt_engine(rc, layout, g, torch.device("cpu"), torch.float32)
+        engine.executor.record_timeline = True
+        engines[schedule] = engine
+        if data is None:
+            gen = torch.Generator().manual_seed(0)
+            shape = (layout.micro_batch, layout.model.seq_len)
+            data = [torch.randint(0, layout.model.vocab_size, shape, generator=gen) for _ in range(2 * m)]
+    xs, ys = data[:m], data[m:]
+    first, last = g.pp_rank == 0, g.pp_rank == pp - 1
+    wall: dict[str, list[float]] = {k: [] for k in engines}
+    cpu: dict[str, list[float]] = {k: [] for k in engines}
+    timelines: dict[str, list[Span]] = {}
+    peaks: dict[str, tuple[int, int]] = {}
+    order = list(engines)
+    for i in range(steps + 2):  # two warm-up rounds; alternate who goes first
+        for name in order if i % 2 == 0 else order[::-1]:
+            engine = engines[name]
+            meter = PeakSavedMeter(engine.model.parameters())
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            with meter:
+                engine.step(xs if first else None, ys if last else None)
+            if i >= 2:
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+            ex = engine.executor
+            timelines[name] = [
+                Span(s.action, s.start + ex.timeline_origin, s.end + ex.timeline_origin) for s in ex.timeline
+            ]
+            peaks[name] = (meter.peak, ex.peak_activations)
+    return wall, cpu, timelines, peaks
+
+
+def zero_bubble(pp: int = 2, m: int = 8, steps: int = 5, png: str | None = None, **kwargs) -> dict:
+    """ZB-H1 against our 1F1B on the same GPT in the same processes, alternating step by step:
+    step wall time (slowest rank) and per-rank CPU time, the bubble measured from the recorded
+    timelines and simulated, and the measured peak of saved activations per stage."""
+    from parallel.pipeline.schedules import build_schedule
+    from parallel.pipeline.simulator import simulate
+
+    from .common import compare
+
+    results = run_ranks(_zb_rank, pp, pp, m, steps, kwargs, timeout=1800)
+    out: dict = dict(pp=pp, m=m, **kwargs)
+    for name in ("1f1b", "zb-h1"):
+        walls = [max(r[0][name][i] for r in results) for i in range(steps)]
+        cpus = [sum(r[1][name][i] for r in results) for i in range(steps)]
+        t0 = min(r[2][name][0].start for r in results)
+        timeline = [[Span(s.action, s.start - t0, s.end - t0) for s in r[2][name]] for r in results]
+        out[name] = dict(
+            wall_s=statistics.median(walls),
+            cpu_s=statistics.median(cpus),
+            bubble_measured=bubble_fraction(timeline),
+            bubble_simulated=simulate(build_schedule(name, pp, m)).bubble_fraction,
+            peak_saved_bytes=[r[3][name][0] for r in results],
+            peak_microbatches=[r[3][name][1] for r in results],
+        )
+        if png:
+            draw_timeline(timeline, f"{png}-{name}.png", title=f"gridtrain {name}, pp={pp}, m={m} (measured)")
+    zb_wall = [max(r[0]["zb-h1"][i] for r in results) for i in range(steps)]
+    one_wall = [max(r[0]["1f1b"][i] for r in results) for i in range(steps)]
+    out["zb_vs_1f1b_wall"] = compare(zb_wall, one_wall)
+    a, b = out["zb-h1"], out["1f1b"]
+    print(
+        f"pp={pp} m={m}: step wall 1F1B {b['wall_s'] * 1e3:.0f} ms, ZB-H1 {a['wall_s'] * 1e3:.0f} ms "
+        f"(CPU {b['cpu_s']:.2f} vs {a['cpu_s']:.2f} s, all ranks); bubble measured {b['bubble_measured']:.1%} → "
+        f"{a['bubble_measured']:.1%} (simulated {b['bubble_simulated']:.1%} → {a['bubble_simulated']:.1%}); "
+        f"peak saved MB per stage {[round(x / 2**20, 1) for x in b['peak_saved_bytes']]} → "
+        f"{[round(x / 2**20, 1) for x in a['peak_saved_bytes']]}"
+    )
+    return out
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=2)
@@ -128,5 +229,9 @@ if __name__ == "__main__":
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--png")
+    ap.add_argument("--zb", action="store_true", help="ZB-H1 vs our 1F1B on the 25.6 M GPT (d 512, 8 layers, seq 256)")
     a = ap.parse_args()
-    main(a.pp, a.m, a.layers, a.d, a.micro_batch, a.seq, a.steps, a.png)
+    if a.zb:
+        zero_bubble(a.pp, a.m, a.steps, a.png)
+    else:
+        main(a.pp, a.m, a.layers, a.d, a.micro_batch, a.seq, a.steps, a.png)

@@ -1,12 +1,13 @@
 """The whole suite: each of our layouts next to PyTorch's own equivalent, on one small GPT.
 
-    python -m benchmarks [--quick] [--out DIR] [--steps N] [--only dp,tp]
+    python -m benchmarks [--quick] [--out DIR] [--steps N] [--only dp,tp] [--sizes small,medium,large]
 
 Rows (all ranks are forked gloo CPU processes, one thread each):
 
 * ``single``: our trainer step at dp=pp=tp=1 vs a plain PyTorch GPT step (same weights);
 * ``dp ZeRO-k`` (2 ranks): ZeRO stages 0/1/2/3 vs DDP / ZeroRedundancyOptimizer /
-  FSDP2 without / with resharding after forward;
+  FSDP2 without / with resharding after forward, and ZeRO-3 accumulating unsharded gradients
+  (one reduce-scatter per step, as FSDP2 does) vs FSDP2 with resharding;
 * ``tp`` (2 ranks): our Megatron TP vs ``torch.distributed.tensor.parallel``;
 * ``pp 1f1b`` / ``pp interleaved`` (2 ranks): our executor vs ``torch.distributed.pipelining``
   ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``;
@@ -15,17 +16,23 @@ Rows (all ranks are forked gloo CPU processes, one thread each):
 In each row both contenders live in the same processes and alternate step by step
 (a row's contenders all take one turn per round), so machine drift hits both; the
 ratio ours/theirs is taken per round (slowest rank of each) and reported as median
-with its interquartile range. Also per row: model-state MB per rank (max over ranks),
+with its interquartile range, and the same for each rank's CPU time (``time.process_time``,
+which other processes on shared cores inflate far less than wall time). Each row at each of
+``--sizes`` (:data:`benchmarks.gpt.SIZES`: 0.87 M, 3.3 M, 25.6 M parameters; default small).
+Also per row: model-state MB per rank (max over ranks),
 MB sent per rank per step (mean over ranks, :class:`parallel.comm.CommCounter`) vs
 theory (:mod:`benchmarks.theory`), and for our pipelines the bubble measured on the
-executor's timeline vs ``(p-1)/(v·m+p-1)``. Writes ``results.md``, ``results.json``
-and ``ratios.png`` into ``--out`` (default ``benchmarks/results/``).
+executor's timeline vs ``(p-1)/(v·m+p-1)``. Writes ``results.md`` and ``ratios.png`` into
+``--out`` (default ``benchmarks/results/``) and appends the run (rows, git sha, date) to the
+history in its ``results.json``, so a regression shows against earlier runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -37,7 +44,7 @@ from parallel.testing import run_ranks
 from . import theory
 from .common import compare, slowest_rank, time_alternating
 from .contenders import Ours, Theirs
-from .gpt import suite_recipe
+from .gpt import SIZES, suite_recipe
 
 # section -> (world size, [(row name, our recipe's parallel settings, PyTorch's contender)])
 SECTIONS: dict[str, tuple[int, list[tuple[str, dict, str]]]] = {
@@ -49,6 +56,7 @@ SECTIONS: dict[str, tuple[int, list[tuple[str, dict, str]]]] = {
             ("dp ZeRO-1", dict(zero=1), "zero_redundancy"),
             ("dp ZeRO-2", dict(zero=2), "fsdp2_zero2"),
             ("dp ZeRO-3", dict(zero=3), "fsdp2_zero3"),
+            ("dp ZeRO-3 unsharded acc.", dict(zero=3, zero3_accumulate="unsharded"), "fsdp2_zero3"),
         ],
     ),
     "tp": (2, [("tp=2", dict(tp=2), "dtensor_tp")]),
@@ -82,7 +90,7 @@ def expected_bytes(ours: Ours) -> float:
     if lay.dp > 1:
         psi = sum(q.numel() for q in tr.engine.model.parameters())
         in_units = sum(q.numel() for ch in tr.engine.model.chunks for q in ch.blocks.parameters())
-        sent += theory.dp_bytes(psi, p.zero, lay.dp, m, regathered_psi=in_units)
+        sent += theory.dp_bytes(psi, p.zero, lay.dp, m, regathered_psi=in_units, accumulate=p.zero3_accumulate)
     if lay.tp > 1:
         for chunk in tr.engine.model.chunks:
             sent += theory.tp_bytes(
@@ -93,13 +101,16 @@ def expected_bytes(ours: Ours) -> float:
     return sent
 
 
-def _section_rank(pairs: list[tuple[str, dict, str]], quick: bool, steps: int, warmup: int) -> list[dict]:
-    """This rank's measurements of every pair of a section (run under run_ranks)."""
+def _section_rank(
+    pairs: list[tuple[str, dict, str]], quick: bool, steps: int, warmup: int, size: str = "small"
+) -> list[dict]:
+    """This rank's measurements of every pair of a section at model ``size`` (run under run_ranks)."""
     contenders = {}
     for name, parallel, kind in pairs:
-        ours = Ours(suite_recipe(quick=quick, **parallel), record_timeline=parallel.get("pp", 1) > 1)
+        ours = Ours(suite_recipe(quick=quick, size=size, **parallel), record_timeline=parallel.get("pp", 1) > 1)
         contenders[f"{name}|ours"], contenders[f"{name}|theirs"] = ours, Theirs(kind, ours)
-    times = time_alternating({k: c.step for k, c in contenders.items()}, steps, warmup)
+    cpu: dict[str, list[float]] = {}
+    times = time_alternating({k: c.step for k, c in contenders.items()}, steps, warmup, cpu=cpu)
     out = []
     for name, parallel, kind in pairs:
         ours, theirs = contenders[f"{name}|ours"], contenders[f"{name}|theirs"]
@@ -108,6 +119,8 @@ def _section_rank(pairs: list[tuple[str, dict, str]], quick: bool, steps: int, w
             {
                 "ours_s": times[f"{name}|ours"],
                 "theirs_s": times[f"{name}|theirs"],
+                "ours_cpu_s": cpu[f"{name}|ours"],
+                "theirs_cpu_s": cpu[f"{name}|theirs"],
                 "ours_state": ours.state_bytes(),
                 "theirs_state": theirs.state_bytes(),
                 "ours_sent": ours.sent_bytes,
@@ -124,15 +137,18 @@ def _mean(xs):
     return None if any(x is None for x in xs) else sum(xs) / len(xs)
 
 
-def summarize(name: str, parallel: dict, kind: str, world: int, ranks: list[dict]) -> dict:
+def summarize(name: str, parallel: dict, kind: str, world: int, ranks: list[dict], size: str = "small") -> dict:
     """One table row from every rank's measurements of one pair."""
     row = {
         "row": name,
+        "size": size,
         "world": world,
         "ours": "gridtrain " + ",".join(f"{k}={v}" for k, v in parallel.items()),
         "theirs": LABELS[kind],
     }
     row.update(compare(slowest_rank([r["ours_s"] for r in ranks]), slowest_rank([r["theirs_s"] for r in ranks])))
+    cpu = compare(slowest_rank([r["ours_cpu_s"] for r in ranks]), slowest_rank([r["theirs_cpu_s"] for r in ranks]))
+    row.update({f"cpu_{k}": v for k, v in cpu.items() if k != "rounds"})
     mb = 2**20
     row["ours_state_MB"] = max(r["ours_state"] for r in ranks) / mb
     row["theirs_state_MB"] = max(r["theirs_state"] for r in ranks) / mb
@@ -148,15 +164,18 @@ def summarize(name: str, parallel: dict, kind: str, world: int, ranks: list[dict
     return row
 
 
-def run_suite(sections: list[str], quick: bool, steps: int, warmup: int) -> list[dict]:
+def run_suite(
+    sections: list[str], quick: bool, steps: int, warmup: int, sizes: tuple[str, ...] = ("small",)
+) -> list[dict]:
     rows = []
-    for section in sections:
-        world, pairs = SECTIONS[section]
-        t0 = time.perf_counter()
-        per_rank = run_ranks(_section_rank, world, pairs, quick, steps, warmup, timeout=600)
-        for i, (name, parallel, kind) in enumerate(pairs):
-            rows.append(summarize(name, parallel, kind, world, [r[i] for r in per_rank]))
-        print(f"[{section}: {time.perf_counter() - t0:.0f} s]", flush=True)
+    for size in sizes:
+        for section in sections:
+            world, pairs = SECTIONS[section]
+            t0 = time.perf_counter()
+            per_rank = run_ranks(_section_rank, world, pairs, quick, steps, warmup, size, timeout=1800)
+            for i, (name, parallel, kind) in enumerate(pairs):
+                rows.append(summarize(name, parallel, kind, world, [r[i] for r in per_rank], size))
+            print(f"[{size} {section}: {time.perf_counter() - t0:.0f} s]", flush=True)
     return rows
 
 
@@ -166,15 +185,16 @@ def _fmt(x, spec, none="—"):
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| row | ranks | PyTorch | ours ms | PyTorch ms | ours/PyTorch [IQR] | state MB/rank ours / PyTorch "
-        "| sent MB/rank ours / PyTorch / theory (Δ) | bubble ours / theory |"
+        "| row | size | ranks | PyTorch | ours ms | PyTorch ms | ours/PyTorch [IQR] | CPU ours/PyTorch [IQR] "
+        "| state MB/rank ours / PyTorch | sent MB/rank ours / PyTorch / theory (Δ) | bubble ours / theory |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         delta = "" if r["sent_vs_theory"] is None else f" ({r['sent_vs_theory']:+.1%})"
         lines.append(
-            f"| {r['row']} | {r['world']} | {r['theirs']} | {r['ours_ms']:.1f} | {r['theirs_ms']:.1f} "
+            f"| {r['row']} | {r['size']} | {r['world']} | {r['theirs']} | {r['ours_ms']:.1f} | {r['theirs_ms']:.1f} "
             f"| {r['ratio']:.2f} [{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}] "
+            f"| {r['cpu_ratio']:.2f} [{r['cpu_ratio_lo']:.2f}–{r['cpu_ratio_hi']:.2f}] "
             f"| {r['ours_state_MB']:.2f} / {r['theirs_state_MB']:.2f} "
             f"| {_fmt(r['ours_sent_MB'], '.3f')} / {_fmt(r['theirs_sent_MB'], '.3f')} / "
             f"{_fmt(r['theory_sent_MB'], '.3f')}{delta} "
@@ -189,7 +209,7 @@ def chart(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["row"] for r in rows][::-1]
+    names = [f"{r['row']} ({r['size']})" for r in rows][::-1]
     ratios = [r["ratio"] for r in rows][::-1]
     err = [[r["ratio"] - r["ratio_lo"] for r in rows][::-1], [r["ratio_hi"] - r["ratio"] for r in rows][::-1]]
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(rows) + 1.2))
@@ -201,12 +221,41 @@ def chart(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def git_sha() -> str | None:
+    """The commit the suite ran at (``+dirty`` with uncommitted changes), or None outside git."""
+    root = Path(__file__).parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if sha.returncode:
+        return None
+    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def append_history(path: Path, run: dict) -> list[dict]:
+    """Append ``run`` to the runs kept in ``path`` (``{"runs": [...]}``, oldest first; a file in the
+    old one-run ``{"meta", "rows"}`` form becomes the first run); return all runs."""
+    runs: list[dict] = []
+    if path.exists():
+        try:
+            saved = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            saved = {}
+        runs = saved.get("runs", [saved] if "rows" in saved else [])
+    runs.append(run)
+    path.write_text(json.dumps({"runs": runs}, indent=1))
+    return runs
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds, sequence 32 (under 2 minutes)")
     ap.add_argument("--steps", type=int, help="timed rounds (default 20, quick 4)")
     ap.add_argument("--warmup", type=int, help="untimed rounds first (default 2, quick 1)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}, or plan")
+    ap.add_argument("--sizes", default="small", help=f"comma-separated model sizes of {list(SIZES)}")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     a = ap.parse_args(argv)
     sections = [s for s in a.only.split(",") if s]
@@ -220,12 +269,15 @@ def main(argv=None) -> list[dict]:
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         ap.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    sizes = tuple(s for s in a.sizes.split(",") if s)
+    if not sizes or any(s not in SIZES for s in sizes):
+        ap.error(f"--sizes must name some of {list(SIZES)}, got {a.sizes!r}")
     steps = a.steps or (4 if a.quick else 20)
     warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     if steps < 1 or warmup < 0:
         ap.error(f"--steps must be ≥ 1 and --warmup ≥ 0, got {steps} and {warmup}")
     t0 = time.perf_counter()
-    rows = run_suite(sections, a.quick, steps, warmup)
+    rows = run_suite(sections, a.quick, steps, warmup, sizes)
     table = markdown(rows)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,9 +286,12 @@ def main(argv=None) -> list[dict]:
         "quick": a.quick,
         "steps": steps,
         "warmup": warmup,
+        "sizes": list(sizes),
         "wall_s": time.perf_counter() - t0,
+        "git_sha": git_sha(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    append_history(out / "results.json", {"meta": meta, "rows": rows})
     (out / "results.md").write_text(table + "\n")
     chart(rows, out / "ratios.png")
     print(table)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from parallel.comm import SENT_FRACTION
 from parallel.layers.cross_entropy import CE_ALL_REDUCE_BYTES_PER_TOKEN
 from parallel.zero.policy import policy
-from parallel.zero.theory import step_sent_bytes
+from parallel.zero.theory import grad_reductions_per_step, step_sent_bytes
 
 
 def bubble_fraction(pp: int, m: int, vpp: int = 1) -> float:
@@ -26,13 +26,23 @@ def bubble_fraction(pp: int, m: int, vpp: int = 1) -> float:
     return (pp - 1) / (vpp * m + pp - 1)
 
 
-def dp_bytes(psi: int, stage: int, dp: int, m: int, regathered_psi: int | None = None, param_bytes: int = 4) -> float:
+def dp_bytes(
+    psi: int,
+    stage: int,
+    dp: int,
+    m: int,
+    regathered_psi: int | None = None,
+    param_bytes: int = 4,
+    accumulate: str = "sharded",
+) -> float:
     """ZeRO traffic on the DP group for one step of ``m`` accumulated micro-batches
     (fp32, ``psi`` parameters on this rank). Stages 0–1 communicate once per step;
     stage 2 reduce-scatters every micro-batch into its gradient shard and
     all-gathers the updated parameters once; stage 3 does its whole exchange
     (reduce-scatter, forward and backward all-gathers) every micro-batch, except
-    that the parameters outside the blocks are gathered once per step."""
+    that the parameters outside the blocks are gathered once per step; with
+    ``accumulate="unsharded"`` its gradients are reduce-scattered once per step
+    (:func:`parallel.zero.theory.grad_reductions_per_step`)."""
     pol = policy(stage)
     if not pol.reduce_every_microbatch:
         return step_sent_bytes(psi, stage, dp, param_bytes)
@@ -42,8 +52,11 @@ def dp_bytes(psi: int, stage: int, dp: int, m: int, regathered_psi: int | None =
     # blocks: reduce-scatter + forward and backward gathers every micro-batch; the rest (embedding,
     # head) is gathered once per step and stays until the optimizer step
     rest = 0 if regathered_psi is None else psi - regathered_psi
+    skipped_reductions = m - grad_reductions_per_step(3, m, accumulate)
     return (
-        m * step_sent_bytes(psi, 3, dp, param_bytes, regathered_psi=regathered_psi) - (m - 1) * rho * rest * param_bytes
+        m * step_sent_bytes(psi, 3, dp, param_bytes, regathered_psi=regathered_psi)
+        - (m - 1) * rho * rest * param_bytes
+        - skipped_reductions * rho * psi * param_bytes
     )
 
 

@@ -23,6 +23,8 @@ from parallel.layers import (
     ParallelSelfAttention,
     RMSNorm,
     VocabParallelEmbedding,
+    check_cp_seq_len,
+    cp_positions,
     gather_full_tensor,
     init_parameters_,
     mark_vocab_rows,
@@ -41,7 +43,17 @@ class TransformerBlock(nn.Module):
     two all-gathers + two reduce-scatters each way).
     """
 
-    def __init__(self, cfg: ModelConfig, *, tp_group=None, sequence_parallel=False, device=None, dtype=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp_group=None,
+        sequence_parallel=False,
+        cp_group=None,
+        cp_impl="ring",
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         llama = cfg.arch == "llama"
         kw = dict(device=device, dtype=dtype)
@@ -56,6 +68,8 @@ class TransformerBlock(nn.Module):
             bias=not llama,
             rope=llama,
             rope_theta=cfg.rope_theta,
+            cp_group=cp_group,
+            cp_impl=cp_impl,
             **kw,
         )
         self.mlp_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
@@ -104,11 +118,15 @@ class TransformerStage(nn.Module):
         layers: range | None = None,
         has_embedding=True,
         has_head=True,
+        cp_group=None,
+        cp_impl="ring",
         device="cpu",
         dtype=torch.float32,
     ):
         super().__init__()
         tp = comm.tp_world_size(tp_group)
+        self.cp_group, self.cp_size = cp_group, comm.tp_world_size(cp_group)  # context parallel: s/cp tokens
+        check_cp_seq_len(cfg.seq_len, self.cp_size)
         cfg.validate(tp=tp)
         layers = range(cfg.n_layers) if layers is None else layers
         if len(layers) and (layers.step != 1 or layers.start < 0 or layers.stop > cfg.n_layers):
@@ -130,7 +148,12 @@ class TransformerStage(nn.Module):
                 if sp:
                     mark_sequence_parallel(self.pos_embed.weight)
         self.blocks = nn.ModuleDict(
-            {str(i): TransformerBlock(cfg, tp_group=tp_group, sequence_parallel=sp, **kw) for i in layers}
+            {
+                str(i): TransformerBlock(
+                    cfg, tp_group=tp_group, sequence_parallel=sp, cp_group=cp_group, cp_impl=cp_impl, **kw
+                )
+                for i in layers
+            }
         )
         if has_head:
             norm = RMSNorm if cfg.arch == "llama" else LayerNorm
@@ -179,8 +202,10 @@ class TransformerStage(nn.Module):
         if ids.dim() != 2:
             raise ModelConfigError(f"first stage expects token ids [batch, seq], got shape {tuple(ids.shape)}")
         s = ids.shape[1]
-        if s > self.cfg.seq_len:
-            raise ModelConfigError(f"sequence length {s} exceeds the model's seq_len {self.cfg.seq_len}")
+        if s * self.cp_size > self.cfg.seq_len:
+            raise ModelConfigError(
+                f"sequence length {s} × cp {self.cp_size} exceeds the model's seq_len {self.cfg.seq_len}"
+            )
         if self.sequence_parallel and s % self.tp_size:
             raise ModelConfigError(
                 f"sequence parallelism splits the sequence over tp {self.tp_size}: length {s} is not divisible"
@@ -189,7 +214,10 @@ class TransformerStage(nn.Module):
         if self.cfg.arch == "gpt":
             local = h.shape[1]
             start = comm.tp_rank(self.tp_group) * local if self.sequence_parallel else 0
-            h = h + self.pos_embed(torch.arange(start, start + local, device=ids.device))
+            pos = torch.arange(start, start + local, device=ids.device)
+            if self.cp_size > 1:  # global positions of this cp rank's load-balanced tokens
+                pos = cp_positions(s * self.cp_size, self.cp_size, comm.tp_rank(self.cp_group), ids.device)[pos]
+            h = h + self.pos_embed(pos)
         return h
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
@@ -250,6 +278,8 @@ def build_model(
     layers: range | None = None,
     has_embedding: bool = True,
     has_head: bool = True,
+    cp_group=None,
+    cp_impl: str = "ring",
     device="cpu",
     dtype=torch.float32,
     seed: int = 0,
@@ -268,6 +298,8 @@ def build_model(
         layers=layers,
         has_embedding=has_embedding,
         has_head=has_head,
+        cp_group=cp_group,
+        cp_impl=cp_impl,
         device="meta",
         dtype=dtype,
     )

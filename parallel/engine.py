@@ -223,7 +223,8 @@ class StepEngine:
         ``loss``, ``grad_norm``, ``skipped`` on the host (one device synchronisation,
         inside the timed region, so ``step_time_s`` is device time); otherwise they stay
         device tensors (:func:`read_stats` reads them) and ``step_time_s`` is host
-        (enqueueing) time. ``measure_memory``: also record :attr:`activation_bytes`
+        (enqueueing) time, and ``grad_norm``/``skipped`` are None unless the step clips
+        or scales the loss (nothing needs the norm: it is not computed). ``measure_memory``: also record :attr:`activation_bytes`
         (autograd's saved activations at the schedule's peak) and :attr:`model_state_bytes`.
         """
         scale = self.loss_scale
@@ -237,7 +238,7 @@ class StepEngine:
             pairs = len(inputs or targets) * len(self.model.chunks)
             self.activation_bytes = meter.bytes / pairs * self.executor.peak_activations
         with counter:
-            stats = self.zero.step()
+            stats = self.zero.step(norm=read)  # an unread step needs no norm unless it clips or scales
         if measure_memory:  # after the step: the optimizer state exists from its first step
             self.model_state_bytes = self.zero.held_bytes()
         loss = loss.detach().float() / scale

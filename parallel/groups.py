@@ -19,7 +19,9 @@ import torch.distributed as dist
 
 from .topology import Coords, Topology, TopologyError, world_size_mismatch
 
-GROUP_AXES = ("tp", "dp", "pp", "mp", "embedding")
+# creation order (every member creates its groups in this order); "dpcp", "ep" and
+# "edp" are created only when they differ from a group already made (see ParallelGroups)
+GROUP_AXES = ("tp", "cp", "dp", "dpcp", "ep", "edp", "pp", "mp", "embedding")
 
 
 def default_backend() -> str:
@@ -118,10 +120,15 @@ def _per_attempt_store(timeout_s: float):
 class ParallelGroups:
     """This rank's view of the grid: its coordinates and its process groups.
 
-    ``tp``, ``pp``, ``dp``: the groups along each axis that contain this rank.
-    ``mp``: the pp × tp ranks of this model replica. ``embedding``: the first
-    and last pipeline stages of this rank's pipeline (for tied embeddings);
-    None on a middle stage, which belongs to no embedding group.
+    ``tp``, ``pp``, ``dp``, ``cp``: the groups along each axis that contain this
+    rank (a single-rank group where the axis is 1). ``dpcp``: dp × cp, the ranks
+    holding the same dense parameters (their gradients are averaged over it) —
+    the ``dp`` object itself when cp == 1. ``ep``: the ranks exchanging tokens
+    between experts; ``edp``: the ranks holding the same experts — the ``dpcp``
+    object itself when ep == 1. ``mp``: the pp × tp ranks of this model
+    replica's sequence slice. ``embedding``: the first and last pipeline stages
+    of this rank's pipeline (for tied embeddings); None on a middle stage, which
+    belongs to no embedding group.
     """
 
     topology: Topology
@@ -134,6 +141,22 @@ class ParallelGroups:
     embedding: dist.ProcessGroup | None
     backend: str
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    cp: dist.ProcessGroup | None = None
+    dpcp: dist.ProcessGroup | None = None
+    ep: dist.ProcessGroup | None = None
+    edp: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        # Built by hand (tests, other launchers) without the new axes: they are 1, so the
+        # derived groups are the ones that exist already.
+        if self.dpcp is None:
+            if self.topology.cp > 1:
+                raise ValueError("ParallelGroups with cp > 1 needs its cp and dpcp groups (use build_groups)")
+            object.__setattr__(self, "dpcp", self.dp)
+        if self.edp is None:
+            if self.topology.ep > 1:
+                raise ValueError("ParallelGroups with ep > 1 needs its ep and edp groups (use build_groups)")
+            object.__setattr__(self, "edp", self.dpcp)
 
     # sizes and indices along each axis
     @property
@@ -149,8 +172,40 @@ class ParallelGroups:
         return self.topology.dp
 
     @property
+    def cp_size(self) -> int:
+        return self.topology.cp
+
+    @property
+    def ep_size(self) -> int:
+        return self.topology.ep
+
+    @property
+    def edp_size(self) -> int:
+        return self.topology.size("edp")
+
+    @property
+    def dpcp_size(self) -> int:
+        return self.topology.size("dpcp")
+
+    @property
     def tp_rank(self) -> int:
         return self.coords.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.topology.ep_index(self.rank)
+
+    @property
+    def edp_rank(self) -> int:
+        return self.topology.edp_index(self.rank)
+
+    @property
+    def dpcp_rank(self) -> int:
+        return self.topology.dpcp_index(self.rank)
 
     @property
     def pp_rank(self) -> int:
@@ -177,15 +232,26 @@ class ParallelGroups:
         return self.topology.prev_rank(self.rank)
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        """The group named ``axis`` ("tp", "pp", "dp", "mp", "embedding")."""
+        """The group named ``axis`` (one of :data:`GROUP_AXES`)."""
         if axis not in GROUP_AXES:
             raise ValueError(f"unknown group {axis!r}; expected one of {GROUP_AXES}")
         return getattr(self, axis)
 
 
+# a derived group that equals another (cp == 1, ep == 1) is that group's object, not a new one
+_ALIASES = {"dpcp": ("dp", lambda t: t.cp == 1), "edp": ("dpcp", lambda t: t.ep == 1)}
+
+
 def my_group_ranks(topology: Topology, rank: int) -> dict[str, list[int]]:
-    """The ranks of each group ``rank`` belongs to, by axis, in creation order (pure)."""
-    out = {axis: topology.group_of(axis, rank) for axis in GROUP_AXES}
+    """The ranks of each group ``rank`` creates, by axis, in creation order (pure).
+
+    Leaves out the groups that are another's object (``dpcp`` when cp == 1,
+    ``edp`` when ep == 1) and the embedding group of a middle pipeline stage."""
+    out = {
+        axis: topology.group_of(axis, rank)
+        for axis in GROUP_AXES
+        if not (axis in _ALIASES and _ALIASES[axis][1](topology))
+    }
     if rank not in out["embedding"]:  # a middle pipeline stage: no embedding group
         del out["embedding"]
     return out
@@ -205,18 +271,18 @@ def build_groups(
     to its axis name, which is the label the byte counter files its traffic under.
 
     Cost per rank: one ``new_group`` per group *this rank belongs to* (at most
-    five), whatever the world size, instead of one per group in the world (3,608
-    at DP64×PP35×TP8). ``use_local_synchronization=True`` makes each creation a
+    nine, seven when cp == ep == 1), whatever the world size, instead of one per
+    group in the world (3,608 at DP64×PP35×TP8). ``use_local_synchronization=True`` makes each creation a
     rendezvous of the group's members only (torch names such a group by a hash of
     its ranks, so members agree on it without the world); NCCL, gloo and the fake
     backend all accept it. Members create their groups in the same axis order
-    (tp, dp, pp, mp, embedding), so the member-only rendezvous cannot wait in a cycle.
+    (:data:`GROUP_AXES`), so the member-only rendezvous cannot wait in a cycle.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_groups needs torch.distributed initialised: call init_distributed() first")
     world = dist.get_world_size()
     if world != topology.world_size:
-        raise TopologyError(world_size_mismatch(world, topology.dp, topology.pp, topology.tp))
+        raise TopologyError(world_size_mismatch(world, topology.dp, topology.pp, topology.tp, topology.cp))
     rank = dist.get_rank()
     backend = backend or dist.get_backend()
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
@@ -225,6 +291,9 @@ def build_groups(
         mine[axis] = dist.new_group(
             ranks, timeout=timeout, backend=backend, group_desc=axis, use_local_synchronization=True
         )
+    for axis, (same, applies) in _ALIASES.items():
+        if applies(topology):
+            mine[axis] = mine[same]
     return ParallelGroups(
         topology=topology,
         rank=rank,

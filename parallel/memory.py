@@ -59,6 +59,58 @@ class SavedActivationMeter:
         return self._bytes
 
 
+class PeakSavedMeter:
+    """The most bytes autograd held for backward at any one time while active: each saved
+    tensor is counted (once per storage) from its save until autograd releases it — at the
+    end of its backward, or, for a zero-bubble B, when B drops what W does not read.
+
+    Use around a whole pipeline step; :attr:`peak` is the measured peak, :attr:`live`
+    what is still held (0 after a complete step). Parameters are not counted.
+    """
+
+    def __init__(self, params):
+        self._params = {p.untyped_storage().data_ptr() for p in params if not p.is_meta}
+        self._refs: dict[int, int] = {}
+        self.live = self.peak = 0
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if isinstance(t, nn.Parameter) or t.is_meta or key in self._params:
+            return t
+        if not self._refs.get(key):
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        return _Counted(t.detach(), self, key, storage.nbytes())  # detached: no cycle through its graph
+
+    @staticmethod
+    def _unpack(held):
+        return held.tensor if isinstance(held, _Counted) else held
+
+    def __enter__(self) -> PeakSavedMeter:
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+
+class _Counted:
+    __slots__ = ("tensor", "meter", "key", "nbytes")
+
+    def __init__(self, tensor, meter: PeakSavedMeter, key: int, nbytes: int):
+        self.tensor, self.meter, self.key, self.nbytes = tensor, meter, key, nbytes
+
+    def __del__(self):
+        refs = self.meter._refs
+        refs[self.key] -= 1
+        if not refs[self.key]:
+            self.meter.live -= self.nbytes
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """This process's peak memory: allocated CUDA memory on a GPU, resident set size on the CPU."""
     if device.type == "cuda":

@@ -14,6 +14,12 @@ A checkpoint (``<run dir>/checkpoints/step_<n>/``, written by
 
 Resuming the same layout is bit-exact in fp32; another layout continues within
 float rounding (the reductions add in another order).
+
+With ``train.ckpt_async`` (the default) a save copies the pieces to host memory and
+returns; a writer thread writes and publishes them
+(:class:`parallel.checkpoint.BackgroundSaver`): the next save, and the end of
+training, wait for it, and the loop's per-step :meth:`Saver.poll` raises a failed
+write at once (see ``docs/checkpoint.md``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from omegaconf import OmegaConf
 
 from parallel import comm
 from parallel.checkpoint import (
+    BackgroundSaver,
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
@@ -50,6 +57,7 @@ def layout_of(trainer) -> dict:
         "dp": trainer.layout.dp,
         "pp": p.pp,
         "tp": p.tp,
+        "cp": p.cp,
         "vpp": p.vpp,
         "zero": p.zero,
         "sequence_parallel": p.sequence_parallel,
@@ -68,22 +76,69 @@ def state_pieces(trainer, *, with_rng: bool = True) -> dict:
     return state
 
 
-def save(trainer, *, on_written=None) -> Path:
-    """Save the trainer's state at ``trainer.step`` (collective over the world)."""
-    meta = {
+def _meta(trainer, config: dict | None = None) -> dict:
+    """The manifest's facts; ``config``: the config as plain data, if already converted."""
+    return {
         "step": trainer.step,
         "layout": layout_of(trainer),
         "scaler": trainer.engine.scaler_state(),
-        "config": OmegaConf.to_container(OmegaConf.structured(trainer.rc)),
+        "config": config if config is not None else OmegaConf.to_container(OmegaConf.structured(trainer.rc)),
     }
+
+
+def save(trainer, *, on_written=None) -> Path:
+    """Save the trainer's state at ``trainer.step`` (collective over the world), synchronously."""
     return save_checkpoint(
         state_pieces(trainer),
         checkpoint_root(trainer.run_dir),
         trainer.step,
-        meta=meta,
+        meta=_meta(trainer),
         keep=trainer.rc.train.ckpt_keep,
         on_written=on_written,
     )
+
+
+class Saver:
+    """The loop's checkpoint writer: :func:`save` itself, or (``train.ckpt_async``) the same
+    checkpoint staged to host memory and written by a :class:`BackgroundSaver`.
+
+    Every rank constructs it (the background writer's group is created then), calls
+    :meth:`save` at the same steps, :meth:`poll` every step (it raises a failed background
+    write, with the writer's traceback chained) and :meth:`close` at the end of training
+    (it waits for the last save)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        t = trainer.rc.train
+        self.background = BackgroundSaver(timeout_s=trainer.rc.parallel.timeout_s) if t.ckpt_async else None
+        self._config = OmegaConf.to_container(OmegaConf.structured(trainer.rc))  # fixed for the run: once
+
+    def save(self, *, on_written=None) -> Path:
+        """Save at ``trainer.step``; returns the directory (published once :meth:`poll` returns it)."""
+        if self.background is None:
+            return save(self.trainer, on_written=on_written)
+        tr = self.trainer
+        return self.background.save(
+            state_pieces(tr),
+            checkpoint_root(tr.run_dir),
+            tr.step,
+            meta=_meta(tr, self._config),
+            keep=tr.rc.train.ckpt_keep,
+            on_written=on_written,
+        )
+
+    @property
+    def stall_s(self) -> float | None:
+        """The training thread's time in the last background save (None: synchronous saves)."""
+        return self.background.stall_s if self.background else None
+
+    def poll(self) -> Path | None:
+        """A background save published since the last call (once), else None; raises its failure."""
+        return self.background.poll() if self.background else None
+
+    def close(self) -> Path | None:
+        """Wait for the save under way; return its directory if it was published just now."""
+        return self.background.wait() if self.background else None
 
 
 def load(trainer, ckpt: str | Path) -> int:
@@ -219,22 +274,25 @@ class Preemption:
 def fault_drill(fault: str | None, rank: int, step: int, where: str = "step") -> None:
     """``train.fault``: ``raise@r:s`` / ``kill@r:s`` / ``term@r:s`` make rank ``r`` raise / die by
     SIGKILL / receive SIGTERM as it starts step ``s``; ``kill_in_save@r:s`` kills it after it wrote
-    its shards of step ``s``'s checkpoint, before publication. Only on a job's first attempt
-    (``TORCHELASTIC_RESTART_COUNT`` 0: a restarted job runs clean)."""
+    its shards of step ``s``'s checkpoint, before publication; ``raise_in_save@r:s`` makes that
+    save fail there instead (a background writer's failure, raised by the loop's next poll).
+    Only on a job's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0: a restarted job runs clean)."""
     if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     kind, at = fault.split("@")
     r, s = (int(x) for x in at.split(":"))
-    if r != rank or s != step or (kind == "kill_in_save") != (where == "save"):
+    if r != rank or s != step or kind.endswith("_in_save") != (where == "save"):
         return
-    if kind == "raise":
-        raise RuntimeError(f"fault drill: rank {rank} raises at step {step} (train.fault={fault})")
+    if kind in ("raise", "raise_in_save"):
+        where = "while saving step" if kind == "raise_in_save" else "at step"
+        raise RuntimeError(f"fault drill: rank {rank} raises {where} {step} (train.fault={fault})")
     os.kill(os.getpid(), signal.SIGTERM if kind == "term" else signal.SIGKILL)
 
 
 __all__ = [
     "CheckpointError",
     "Preemption",
+    "Saver",
     "checkpoint_root",
     "fault_drill",
     "find_resume_point",

@@ -42,8 +42,12 @@ class ParallelConfig:
     tp: int = 1
     mp: Optional[int] = None  # alias of tp (Megatron's "model parallel" size)
     sequence_parallel: bool = False
+    cp: int = 1  # context parallel: ranks that split each sequence (docs/cp.md)
+    cp_impl: str = "ring"  # ring | alltoall (Ulysses: heads divisible by cp·tp)
     zero: int = 0  # 0-3
-    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved
+    offload: str = "none"  # none | optimizer (zero ≥ 1) | optimizer+params (zero=3): docs/offload.md
+    zero3_accumulate: str = "sharded"  # sharded | unsharded: ZeRO-3 keeps full fp32 grads, 1 reduce-scatter/step
+    pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved | zb-h1 (zero bubble)
     vpp: int = 1  # virtual stages per rank (interleaved)
     pp_layers: Optional[List[int]] = None  # explicit layers per stage
     order: str = "tp-dp-pp"  # rank order, fastest axis first
@@ -69,7 +73,8 @@ class TrainConfig:
     resume: Optional[str] = None  # auto (the run's checkpoints/latest, if any) | a checkpoint path
     sigterm_grace_s: float = 60.0  # after SIGTERM, a rank not at a step's end by then exits (143)
     ckpt_keep: int = 3  # published checkpoints kept (0: all)
-    fault: Optional[str] = None  # fault drill: "<raise|kill|term|kill_in_save>@<rank>:<step>" (checkpointing.py)
+    ckpt_async: bool = True  # stage to host memory, write in a background thread (docs/checkpoint.md)
+    fault: Optional[str] = None  # fault drill: "<kind>@<rank>:<step>" (kinds: recipes/checkpointing.py)
     threads: int = 0  # intra-op threads per rank on CPU; 0: cores / local ranks
 
 
@@ -195,10 +200,11 @@ class Layout:
     micro_batch: int
     grad_accum: int  # micro-batches per DP rank per step
     model: ModelConfig
+    cp: int = 1  # context parallel ranks per sequence
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
 
 
 # The checks live in recipes.validation (which imports this module's dataclasses); every name stays

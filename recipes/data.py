@@ -11,7 +11,10 @@ and cached under ``$GRIDTRAIN_CACHE`` (default ``~/.cache/gridtrain``).
 **The global batch does not depend on the layout** (docs/architecture.md invariant 2):
 :meth:`TokenDataset.global_batch` draws the ``global_batch`` sequence offsets of
 step ``s`` from a generator seeded by ``(seed, s)``; a DP rank takes its
-contiguous slice of them and each micro-batch a contiguous slice of that.
+contiguous slice of them and each micro-batch a contiguous slice of that. Under
+context parallelism each cp rank of a DP rank takes the same samples and keeps its
+load-balanced part of every sequence (:func:`parallel.layers.cp_slice`: chunks
+``i`` and ``2·cp−1−i`` of ``2·cp``), inputs and targets alike.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from parallel.layers import cp_slice
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -206,13 +211,24 @@ class TokenDataset:
         return self.windows(self.offsets(step, global_batch, seed))
 
     def rank_microbatches(
-        self, step: int, *, global_batch: int, dp: int, dp_rank: int, micro_batch: int, seed: int
+        self,
+        step: int,
+        *,
+        global_batch: int,
+        dp: int,
+        dp_rank: int,
+        micro_batch: int,
+        seed: int,
+        cp: int = 1,
+        cp_rank: int = 0,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This DP rank's micro-batches of ``step``: disjoint, contiguous slices of the global batch."""
+        """This DP rank's micro-batches of ``step``: disjoint, contiguous slices of the global batch;
+        with ``cp > 1``, cp rank ``cp_rank``'s part of each sequence (``seq_len/cp`` tokens)."""
         starts = self.offsets(step, global_batch, seed)
         per_rank = global_batch // dp
         mine = starts[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        return [self.windows(mine[i : i + micro_batch]) for i in range(0, per_rank, micro_batch)]
+        mbs = [self.windows(mine[i : i + micro_batch]) for i in range(0, per_rank, micro_batch)]
+        return [(cp_slice(x, cp, cp_rank), cp_slice(y, cp, cp_rank)) for x, y in mbs]
 
 
 def open_data(

@@ -20,6 +20,8 @@ scheduler.params.warmup_num_steps           optim.warmup_steps
 zero_optimization.stage                     parallel.zero
 zero_optimization.overlap_comm              comm.overlap
 zero_optimization.reduce_bucket_size        comm.bucket_mb (elements × 4 B)
+zero_optimization.offload_optimizer.device  parallel.offload: cpu → optimizer
+zero_optimization.offload_param.device      cpu (with offload_optimizer cpu) → optimizer+params
 communication_data_type                     comm.dtype
 fp16.enabled / bf16.enabled                 train.precision
 =========================================  ==================================
@@ -54,7 +56,35 @@ _HARMLESS = {
     "scheduler.params.total_num_steps",
     "optimizer.params.torch_adam",
     "optimizer.params.adam_w_mode",
+    # offload tuning: gridtrain pins host buffers whenever the device is a GPU and sizes its own copies
+    "zero_optimization.offload_optimizer.pin_memory",
+    "zero_optimization.offload_optimizer.buffer_count",
+    "zero_optimization.offload_optimizer.fast_init",
+    "zero_optimization.offload_param.pin_memory",
+    "zero_optimization.offload_param.buffer_count",
+    "zero_optimization.offload_param.buffer_size",
+    "zero_optimization.offload_param.max_in_cpu",
 }
+_OFFLOAD_DEVICE = "zero_optimization.offload_{}.device"
+
+
+def _offload_mode(flat: dict, unknown: list[str]) -> str | None:
+    """parallel.offload from DeepSpeed's ``offload_optimizer``/``offload_param`` devices (None: not set)."""
+    devices = {}
+    for what in ("optimizer", "param"):
+        key = _OFFLOAD_DEVICE.format(what)
+        v = str(flat.get(key, "none")).lower()
+        if v not in ("none", "cpu"):
+            unknown.append(f"{key}={flat[key]!r} (supported: cpu, none; NVMe offload is not implemented)")
+        devices[what] = v == "cpu"
+    if devices["param"] and not devices["optimizer"]:
+        unknown.append(
+            f"{_OFFLOAD_DEVICE.format('param')}='cpu' without {_OFFLOAD_DEVICE.format('optimizer')}='cpu' "
+            "(gridtrain offloads parameters only together with the optimizer: set both)"
+        )
+    if not any(_OFFLOAD_DEVICE.format(w) in flat for w in ("optimizer", "param")):
+        return None
+    return "optimizer+params" if devices["param"] else "optimizer" if devices["optimizer"] else "none"
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -111,6 +141,8 @@ def deepspeed_overrides(ds: dict, dp: int) -> dict[str, Any]:
             out["comm.overlap"] = bool(v)
         elif key == "zero_optimization.reduce_bucket_size":
             out["comm.bucket_mb"] = float(v) * 4 / 2**20
+        elif key in (_OFFLOAD_DEVICE.format("optimizer"), _OFFLOAD_DEVICE.format("param")):
+            pass  # mapped below, together
         elif key == "communication_data_type":
             if str(v).lower() not in _DTYPES:
                 unknown.append(f"{key}={v!r} (supported: fp32, fp16, bf16)")
@@ -121,6 +153,9 @@ def deepspeed_overrides(ds: dict, dp: int) -> dict[str, Any]:
                 out["train.precision"] = key.split(".")[0]
         elif key not in _HARMLESS:
             unknown.append(f"{key}={v!r}")
+    offload = _offload_mode(flat, unknown)
+    if offload is not None:
+        out["parallel.offload"] = offload
     if flat.get("fp16.enabled") and flat.get("bf16.enabled"):
         raise ConfigError("DeepSpeed config enables both fp16 and bf16; choose one")
     if unknown:

@@ -55,10 +55,19 @@ class SyntheticTokens:
         self.vocab_size, self.seq_len = vocab_size, seq_len
 
     def rank_microbatches(
-        self, step: int, *, global_batch: int, dp: int, dp_rank: int, micro_batch: int, seed: int
+        self,
+        step: int,
+        *,
+        global_batch: int,
+        dp: int,
+        dp_rank: int,
+        micro_batch: int,
+        seed: int,
+        cp: int = 1,
+        cp_rank=0,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n = global_batch // dp // micro_batch
-        return [(torch.zeros(micro_batch, self.seq_len, dtype=torch.long),) * 2 for _ in range(n)]
+        return [(torch.zeros(micro_batch, self.seq_len // cp, dtype=torch.long),) * 2 for _ in range(n)]
 
 
 class DryRunTrainer(Trainer):
@@ -128,14 +137,24 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
             trainer.evaluate(read=False)
         pieces = trainer.state_dict()
     model_states = held["params"] + held["grads"] + held["optimizer"]
+    # ZeRO-Offload's host tensors are meta tensors too here. The optimizer state (and the host step's
+    # temporaries) appear outside LiveMemory's view (parallel/zero/offload.py); the master and gradient
+    # copy target it saw exist through the whole measured step: they come off the baseline and the peak
+    host = held.get("host", 0)
+    zero = trainer.engine.zero
+    unseen = sum(
+        v.nbytes for st in zero.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0
+    )
+    seen_host = host - unseen if host else 0
     memory = {
         "params": held["params"],
         "grads": held["grads"],
         "optimizer": held["optimizer"],
-        "buffers": at_peak["baseline"] - model_states,
+        "buffers": at_peak["baseline"] - seen_host - model_states,
         "activations": at_peak["activations"],
         "temporaries": at_peak["temporaries"],
-        "total": peak,
+        "total": peak - seen_host,
+        "host": host,
     }
     ckpt_bytes = sum(_piece_bytes(v) for v in pieces.values())
     done = time.perf_counter()
@@ -238,6 +257,8 @@ def compare_with_plan(result: dict, plan) -> dict[str, Any]:
     }
     sent = {g: sum(s["sent_bytes"] for s in ops.values()) for g, ops in result["comm"].items()}
     planned_sent = {axis: t["bytes"] for axis, t in stage.traffic.items()}
+    if "dpcp" in sent and "dp" not in sent:  # context parallel: the planner's DP traffic is on dp × cp
+        planned_sent["dpcp"] = planned_sent.pop("dp")
     return {
         "memory": {"dryrun": result["memory"], "plan": planned_mem},
         "bytes": {"dryrun": sent, "plan": planned_sent},
@@ -294,7 +315,7 @@ def run_dryrun(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     rc.data.source, rc.data.path = "embedded", None  # the ranks read synthetic batches (SyntheticTokens)
     layout = validate(rc, world_size=None)
     world = layout.world_size
-    topo = Topology(layout.dp, rc.parallel.pp, rc.parallel.tp, order=rc.parallel.order)
+    topo = Topology(layout.dp, rc.parallel.pp, rc.parallel.tp, rc.parallel.cp, order=rc.parallel.order)
     ranks = list(rc.dryrun.ranks) if rc.dryrun.ranks else default_ranks(world, topo.pp, topo.dp, topo.tp)
     for r in ranks:
         if not 0 <= r < world:

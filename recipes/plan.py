@@ -93,6 +93,7 @@ def _training(rc: RecipeConfig, mc: ModelConfig) -> Training:
         compression=c.compression,
         topk_ratio=c.topk_ratio,
         bucket_mb=c.bucket_mb,
+        zero3_accumulate=rc.parallel.zero3_accumulate,
     )
 
 
@@ -123,9 +124,14 @@ def _layout(rc: RecipeConfig) -> Layout:
     p = rc.parallel
     if p.dp in (None, "auto"):
         world = _world(rc)
-        dp = world // (p.pp * p.tp) if world else 1
-        if world and world % (p.pp * p.tp):
-            raise PlanError(f"plan.world_size {world} is not a multiple of pp {p.pp} × tp {p.tp} = {p.pp * p.tp}")
+        per_replica = p.pp * p.tp * p.cp
+        dp = world // per_replica if world else 1
+        if world and world % per_replica:
+            raise PlanError(
+                f"plan.world_size {world} is not a multiple of pp {p.pp} × tp {p.tp}"
+                + (f" × cp {p.cp}" if p.cp > 1 else "")
+                + f" = {per_replica}"
+            )
     else:
         dp = p.dp
     return Layout(
@@ -137,6 +143,9 @@ def _layout(rc: RecipeConfig) -> Layout:
         zero=p.zero,
         schedule=p.pp_schedule,
         pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
+        cp=p.cp,
+        cp_impl=p.cp_impl,
+        offload=p.offload,
     )
 
 
@@ -144,7 +153,9 @@ def summary(plan: Plan) -> dict[str, Any]:
     """The flat numbers a sweep compares."""
     L, s = plan.layout, plan.step
     return {
-        "layout": f"dp{L['dp']}·pp{L['pp']}·tp{L['tp']} zero{L['zero']}",
+        "layout": f"dp{L['dp']}·pp{L['pp']}·tp{L['tp']}"
+        + (f"·cp{L['cp']}" if L.get("cp", 1) > 1 else "")
+        + f" zero{L['zero']}",
         "fits": plan.fits,
         "peak_gb": round(plan.peak_memory / GB, 2),
         "step_s": round(s["step_time_s"], 4),
@@ -218,15 +229,20 @@ def plan_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
                 tp,
                 f"{t['pp']['bytes'] / GB:.2f}",
             ]
+            + ([f"{t['cp']['bytes'] / GB:.2f}/{t['cp']['time_s']:.3f}"] if plan.layout.get("cp", 1) > 1 else [])
         )
+    if plan.layout.get("cp", 1) > 1:  # context parallel: the ring's (or Ulysses') traffic (docs/cp.md)
+        header.append("CP GB/s-step")
     return header, rows
 
 
 def plan_footer(plan: Plan) -> list[str]:
     s, L, hw = plan.step, plan.layout, plan.hardware
     lines = [
-        f"{L['dp'] * L['pp'] * L['tp']} × {hw['name']} ({hw['memory_bytes'] / GB:.1f} GB): dp={L['dp']} pp={L['pp']} "
-        f"tp={L['tp']} zero={L['zero']} sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
+        f"{L['dp'] * L['pp'] * L['tp'] * L.get('cp', 1)} × {hw['name']} ({hw['memory_bytes'] / GB:.1f} GB): "
+        f"dp={L['dp']} pp={L['pp']} tp={L['tp']}"
+        + (f" cp={L['cp']} ({L['cp_impl']})" if L.get("cp", 1) > 1 else "")
+        + f" zero={L['zero']} sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
         f"{plan.grad_accum} per step, checkpointing {plan.training['checkpointing']}, {plan.training['precision']}",
         f"fits: {'yes' if plan.fits else 'NO'} (peak {plan.peak_memory / GB:.2f} GB)  step {s['step_time_s']:.3f} s "
         f"(pipeline {s['pipeline_s']:.3f}, bubble {s['bubble_fraction']:.1%}, exposed DP {s['dp_exposed_s']:.3f})  "

@@ -56,7 +56,7 @@ class Trainer:
         torch.set_num_threads(threads)
         self.owns_process_group = not torch.distributed.is_initialized()  # then train() destroys it at the end
         init_distributed(backend=p.backend, timeout_s=p.timeout_s)
-        self.topology = Topology(self.layout.dp, p.pp, p.tp, world_size=world, order=p.order)
+        self.topology = Topology(self.layout.dp, p.pp, p.tp, p.cp, world_size=world, order=p.order)
         self.groups: ParallelGroups = build_groups(self.topology, timeout_s=p.timeout_s)
         self.rank = self.groups.rank
         self.device = default_device(self.groups.backend)
@@ -88,6 +88,8 @@ class Trainer:
             dp_rank=self.groups.dp_rank,
             micro_batch=t.micro_batch,
             seed=t.seed if seed is None else seed,
+            cp=self.rc.parallel.cp,
+            cp_rank=self.groups.cp_rank,
         )
         for x, y in mbs:  # on the host batch, before it moves: no device read per micro-batch
             check_token_ids(x, self.model_cfg.vocab_size)
@@ -162,6 +164,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
         log.info(f"resuming from {resume_from} (step {trainer.load_state_dict(resume_from)})")
         log.advance(trainer.step)
     preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
+    saver = checkpointing.Saver(trainer)  # train.ckpt_async: saves written in the background
     preempted = False
     # --- end checkpoint ---
     profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
@@ -206,12 +209,15 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             # --- checkpoint: periodic / final save, SIGTERM → save and stop ---
             trainer.step = step + 1
             preempted = preemption.poll()  # every step, no host wait: agreed by all ranks one step late
+            if (done := saver.poll()) is not None:  # raises a failed background save here, at once
+                log.info(f"checkpoint {done} published")
             if save_due or preempted:
-                path = checkpointing.save(
-                    trainer,
-                    on_written=lambda: checkpointing.fault_drill(t.fault, trainer.rank, trainer.step, where="save"),
+                path = saver.save(  # the drill's step is bound now: a background writer calls it later
+                    on_written=lambda at=trainer.step: checkpointing.fault_drill(
+                        t.fault, trainer.rank, at, where="save"
+                    ),
                 )
-                log.info(f"checkpoint {path}")
+                log.info(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
             if preempted:
                 if not read:
                     log.log(read_stats(rec))
@@ -220,6 +226,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             # --- end checkpoint ---
             if read:  # evaluation, logging and saving are not training time
                 window_start, window_steps = time.perf_counter(), 0
+        if (done := saver.close()) is not None:  # the end of training waits for the last save
+            log.info(f"checkpoint {done} published")
     finally:
         profiler.close()
         preemption.close()

@@ -18,10 +18,14 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from parallel.layers.ring_attention import CP_IMPLS
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem
 from parallel.precision import PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
+from parallel.zero.offload import MIN_STAGE as OFFLOAD_MIN_STAGE
+from parallel.zero.offload import OFFLOAD_MODES
 from parallel.zero.policy import ZERO_STAGES
+from parallel.zero.theory import ZERO3_ACCUMULATE
 
 from .config import ConfigError, Layout, ParallelConfig, RecipeConfig, _show, bad, model_config
 from .runlog import LR_SCHEDULES
@@ -41,7 +45,10 @@ CHOICES = {
     "data.source": ("embedded", "memmap"),
     "logger.wandb": ("disabled", "offline", "online"),
     "parallel.zero": ZERO_STAGES,
+    "parallel.offload": OFFLOAD_MODES,
+    "parallel.zero3_accumulate": ZERO3_ACCUMULATE,
     "parallel.backend": (None, "nccl", "gloo"),
+    "parallel.cp_impl": CP_IMPLS,
 }
 
 
@@ -53,14 +60,14 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 def resolve_dp(parallel: ParallelConfig, world_size: int | None) -> int:
-    """dp as an int: the configured value, or world_size / (pp·tp) for ``auto``."""
+    """dp as an int: the configured value, or world_size / (pp·tp·cp) for ``auto``."""
     from parallel.topology import Topology, TopologyError
 
     dp = None if parallel.dp in (None, "auto") else parallel.dp
     if dp is None and world_size is None:
         return 1  # self-spawned single replica: dp=auto means 1
     try:
-        return Topology(dp, parallel.pp, parallel.tp, world_size=world_size).dp
+        return Topology(dp, parallel.pp, parallel.tp, parallel.cp, world_size=world_size).dp
     except TopologyError as e:
         raise ConfigError(f"{e}. (Try `mode=plan` to size a layout before launching.)") from None
 
@@ -178,6 +185,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     for key in (
         "parallel.pp",
         "parallel.tp",
+        "parallel.cp",
         "parallel.vpp",
         "train.global_batch",
         "train.micro_batch",
@@ -247,6 +255,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
             f"use model.n_layers a multiple of pp·vpp = {p.pp * p.vpp}, or parallel.pp_layers "
             f"with multiples of {p.vpp}",
         ) from None
+    check_cp(p, mc)
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
     if p.sequence_parallel and mc.seq_len % p.tp:
@@ -257,6 +266,26 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         raise ConfigError(f"comm.topk_ratio must be in (0, 1], got {cfg.comm.topk_ratio}")
     if cfg.comm.compression != "none" and p.zero != 0:
         raise ConfigError("comm.compression=topk is implemented for parallel.zero=0 only")
+    if p.zero < OFFLOAD_MIN_STAGE[p.offload]:
+        need = OFFLOAD_MIN_STAGE[p.offload]
+        raise ConfigError(
+            f"parallel.offload={p.offload} needs parallel.zero ≥ {need} (what it offloads is each rank's "
+            f"shard), got parallel.zero={p.zero}; set parallel.zero={need}"
+            + ("" if need == 3 else " (or 2, 3)")
+            + " or parallel.offload=none"
+        )
+    if p.zero3_accumulate == "unsharded" and p.zero != 3:
+        raise ConfigError(
+            f"parallel.zero3_accumulate=unsharded keeps ZeRO-3's full gradients across micro-batches; "
+            f"parallel.zero is {p.zero} (stages 0-1 keep them anyway): set parallel.zero=3 or "
+            f"parallel.zero3_accumulate=sharded"
+        )
+    if p.zero3_accumulate == "unsharded" and p.offload != "none":
+        raise ConfigError(
+            f"parallel.zero3_accumulate=unsharded keeps the full fp32 gradients on the device across "
+            f"micro-batches, which undoes parallel.offload={p.offload} (it exists to free device memory): "
+            f"set parallel.zero3_accumulate=sharded or parallel.offload=none"
+        )
     if cfg.data.source == "memmap" and not cfg.data.path:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
     from .profiling import profile_steps  # logger.profile
@@ -266,11 +295,32 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         raise ConfigError(f"parallel.timeout_s must be positive, got {p.timeout_s}")
     if t.ckpt_every < 0 or t.ckpt_keep < 0:
         raise ConfigError(f"train.ckpt_every ({t.ckpt_every}) and train.ckpt_keep ({t.ckpt_keep}) must be ≥ 0")
-    if t.fault is not None and not re.fullmatch(r"(raise|kill|term|kill_in_save)@\d+:\d+", t.fault):
+    if t.fault is not None and not re.fullmatch(r"(raise|kill|term|kill_in_save|raise_in_save)@\d+:\d+", t.fault):
         raise ConfigError(
-            f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind raise, kill, term or kill_in_save"
+            f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind raise, kill, term, kill_in_save or raise_in_save"
         )
-    return Layout(dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc)
+    return Layout(dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc, cp=p.cp)
+
+
+def check_cp(p: ParallelConfig, mc: Any) -> None:
+    """Context parallelism's relations: 2·cp chunks per sample (times tp with sequence
+    parallelism), and Ulysses heads divisible by cp·tp. Pure; raises :class:`ConfigError`."""
+    from parallel.layers import LayerConfigError, check_cp_seq_len, check_ulysses_heads
+
+    if p.cp == 1:
+        return
+    try:
+        check_cp_seq_len(mc.seq_len, p.cp)
+        if p.cp_impl == "alltoall":
+            check_ulysses_heads(mc.n_heads, mc.n_kv_heads, p.cp, p.tp)
+    except LayerConfigError as e:
+        raise ConfigError(f"parallel.cp={p.cp}: {e}") from None
+    if p.sequence_parallel and (mc.seq_len // p.cp) % p.tp:
+        raise ConfigError(
+            f"parallel.cp={p.cp}, sequence_parallel: each cp rank's {mc.seq_len // p.cp} tokens "
+            f"(model.seq_len {mc.seq_len} / cp {p.cp}) must split over tp {p.tp}; use a seq_len divisible by "
+            f"cp·tp = {p.cp * p.tp} and 2·cp = {2 * p.cp}"
+        )
 
 
 # --- unknown keys: refused in every form (plain, `+`, `++`, `~`) ---------------------------------------

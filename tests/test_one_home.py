@@ -139,3 +139,13 @@ def test_cross_entropy_all_reduce_bytes_have_one_home():
 
     assert traffic.CE_ALL_REDUCE_BYTES_PER_TOKEN is cross_entropy.CE_ALL_REDUCE_BYTES_PER_TOKEN
     assert bench.CE_ALL_REDUCE_BYTES_PER_TOKEN is cross_entropy.CE_ALL_REDUCE_BYTES_PER_TOKEN
+
+
+def test_zero3_accumulation_formulas_have_one_home():
+    import parallel.plan.planner as planner
+    import recipes.validation as validation
+
+    assert plan_traffic.grad_reductions_per_step is zero_theory.grad_reductions_per_step
+    assert bench.grad_reductions_per_step is zero_theory.grad_reductions_per_step
+    assert planner.accumulation_grad_bytes is zero_theory.accumulation_grad_bytes
+    assert validation.ZERO3_ACCUMULATE is zero_theory.ZERO3_ACCUMULATE is zero_engine.ZERO3_ACCUMULATE

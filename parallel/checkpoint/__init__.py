@@ -1,14 +1,17 @@
 """Sharded checkpoints that reshard: every rank writes its own pieces of the global tensors
 through ``torch.distributed.checkpoint``; any layout reads any other's (see ``docs/checkpoint.md``)."""
 
+from .background import BackgroundSaver
 from .chunks import CheckpointError, Placement, flat_range_boxes, to_global, tp_placement
 from .planner import Chunked, LoadPlanner, SafeFileSystemReader, SavePlanner, read_dcp_metadata
 from .store import (
     barrier,
+    begin_save,
     find_damage,
     latest_checkpoint,
     load_checkpoint,
     prune,
+    publish_save,
     published,
     read_manifest,
     resolve_checkpoint,
@@ -16,10 +19,12 @@ from .store import (
     saved_tensors,
     step_dir_name,
     verify_checkpoint,
+    write_shards,
 )
 from .zero_state import prepare_optimizer_state, publish, zero_state_pieces
 
 __all__ = [
+    "BackgroundSaver",
     "CheckpointError",
     "Chunked",
     "LoadPlanner",
@@ -27,6 +32,7 @@ __all__ = [
     "SafeFileSystemReader",
     "SavePlanner",
     "barrier",
+    "begin_save",
     "find_damage",
     "flat_range_boxes",
     "latest_checkpoint",
@@ -34,6 +40,7 @@ __all__ = [
     "prepare_optimizer_state",
     "prune",
     "publish",
+    "publish_save",
     "published",
     "read_dcp_metadata",
     "read_manifest",
@@ -44,5 +51,6 @@ __all__ = [
     "to_global",
     "tp_placement",
     "verify_checkpoint",
+    "write_shards",
     "zero_state_pieces",
 ]

@@ -103,16 +103,28 @@ def save_checkpoint(
     stored in the manifest (config, layout). ``keep``: how many published
     checkpoints to keep (0: all). ``on_written()``: called once this rank's shards
     are on disk, before the publishing barrier (fault drills). Returns the
-    published directory.
+    published directory. :class:`~parallel.checkpoint.background.BackgroundSaver`
+    runs the same steps on a host copy of ``state``, in a thread.
     """
+    tmp = begin_save(root, step, group)
+    write_shards(state, tmp, group, on_written)
+    return publish_save(tmp, step, meta=meta, keep=keep, group=group)
+
+
+def begin_save(root: str | os.PathLike, step: int, group=None) -> Path:
+    """Collective: the empty temporary directory of step ``step``'s save, on every rank."""
     root = Path(root)
-    rank, world = _rank_world(group)
-    name = step_dir_name(step)
-    tmp, final = root / f".tmp-{name}", root / name
-    if rank == 0:
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    if _rank_world(group)[0] == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died earlier
     barrier(group)
+    return tmp
+
+
+def write_shards(state: dict, tmp: Path, group=None, on_written=None) -> None:
+    """Collective: every rank writes its shards (DCP) and their sizes + CRC32s into ``tmp``."""
+    rank = _rank_world(group)[0]
     dcp.save(
         state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), planner=SavePlanner(), process_group=group
     )
@@ -120,6 +132,14 @@ def save_checkpoint(
     _write_durably(tmp / f"sums.{rank}.json", json.dumps(mine))
     if on_written is not None:
         on_written()
+
+
+def publish_save(tmp: Path, step: int, *, meta: dict | None = None, keep: int = 0, group=None) -> Path:
+    """Collective: once every rank's shards are on disk (a barrier), rank 0 writes the manifest,
+    renames ``tmp`` to its final name, moves ``latest`` and prunes; nobody returns before."""
+    rank, world = _rank_world(group)
+    root, name = tmp.parent, step_dir_name(step)
+    final = root / name
     barrier(group)  # every rank's shards are on disk
     if rank == 0:
         files = {".metadata": _digest(tmp / ".metadata")}

@@ -15,6 +15,16 @@ from .init import gather_full_tensor, init_parameters_, init_tensor_shard_
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
 from .mlp import ParallelMLP
 from .norm import LayerNorm, RMSNorm, reduce_sequence_parallel_grads
+from .ring_attention import (
+    check_cp_seq_len,
+    check_ulysses_heads,
+    context_parallel_attention,
+    cp_chunks,
+    cp_positions,
+    cp_slice,
+    ring_attention,
+    ulysses_attention,
+)
 from .tokens import check_token_ids
 
 __all__ = [
@@ -27,7 +37,13 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "apply_rotary",
+    "check_cp_seq_len",
     "check_heads",
+    "check_ulysses_heads",
+    "context_parallel_attention",
+    "cp_chunks",
+    "cp_positions",
+    "cp_slice",
     "check_token_ids",
     "divide",
     "gather_full_tensor",
@@ -36,6 +52,8 @@ __all__ = [
     "mark_vocab_rows",
     "padded_vocab_size",
     "reduce_sequence_parallel_grads",
+    "ring_attention",
     "rotary_cos_sin",
+    "ulysses_attention",
     "vocab_parallel_cross_entropy",
 ]

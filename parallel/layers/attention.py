@@ -9,6 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import comm
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
+from .ring_attention import check_cp_impl, check_ulysses_heads, context_parallel_attention, cp_positions
 
 
 def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,16 +72,23 @@ class ParallelSelfAttention(nn.Module):
         rope: bool = False,
         rope_theta: float = 10000.0,
         recompute_core: bool = False,
+        cp_group=None,
+        cp_impl: str = "ring",
         device=None,
         dtype=None,
     ):
         super().__init__()
         tp = comm.tp_world_size(tp_group)
+        cp = comm.tp_world_size(cp_group)  # None or one rank: no context parallelism
+        check_cp_impl(cp_impl)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if d_model % n_heads:
             raise LayerConfigError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
         head_dim = d_model // n_heads
         check_heads(n_heads, n_kv_heads, tp)
+        if cp > 1 and cp_impl == "alltoall":
+            check_ulysses_heads(n_heads, n_kv_heads, cp, tp)
+        self.cp_group, self.cp, self.cp_impl = cp_group, cp, cp_impl
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.local_heads, self.local_kv_heads = n_heads // tp, n_kv_heads // tp
         self.rope, self.rope_theta, self.recompute_core = rope, rope_theta, recompute_core
@@ -98,11 +106,17 @@ class ParallelSelfAttention(nn.Module):
         """Rotary (if any) + causal SDPA on local heads; ``[b, s, local_heads·hd]``."""
         b, _, s, _ = q.shape
         if self.rope:
-            cos, sin = rotary_cos_sin(s, self.head_dim, self.rope_theta, q.device)
+            cos, sin = rotary_cos_sin(s * self.cp, self.head_dim, self.rope_theta, q.device)
+            if self.cp > 1:  # this rank's tokens sit at their global positions
+                pos = cp_positions(s * self.cp, self.cp, comm.tp_rank(self.cp_group), q.device)
+                cos, sin = cos[pos], sin[pos]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.local_heads != self.local_kv_heads
-        )
+        if self.cp > 1:
+            out = context_parallel_attention(q, k, v, self.cp_group, impl=self.cp_impl, causal=True)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.local_heads != self.local_kv_heads
+            )
         return out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

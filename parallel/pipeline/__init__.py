@@ -1,10 +1,11 @@
 """Pipeline parallelism: partitioning, schedules as data, a simulator, an executor.
 
 * :mod:`.partition` (pure): which layers each (virtual) stage holds, balanced by cost.
-* :mod:`.schedules` (pure): GPipe, 1F1B, interleaved 1F1B as per-stage action lists.
+* :mod:`.schedules` (pure): GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 as per-stage action lists.
 * :mod:`.simulator` (pure): proves a schedule deadlock-free and complete; times it.
 * :mod:`.timeline`: draws a simulated or recorded timeline as a PNG Gantt chart.
 * :mod:`.executor`: runs one stage's list over the pipeline process group.
+* :mod:`.split_backward`: a backward in two halves (zero bubble's B and W).
 """
 
 from .executor import PipelineExecutor
@@ -12,6 +13,8 @@ from .partition import PartitionError, partition_layers, stage_chunks, stage_cos
 from .schedules import (
     SCHEDULES,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Forward,
     RecvActivation,
     RecvGrad,
@@ -23,6 +26,8 @@ from .schedules import (
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    zb_h1,
+    zb_h1_makespan,
 )
 from .simulator import SimResult, Span, simulate
 from .timeline import bubble_fraction, draw_timeline
@@ -30,6 +35,8 @@ from .timeline import bubble_fraction, draw_timeline
 __all__ = [
     "SCHEDULES",
     "Backward",
+    "BackwardInput",
+    "BackwardWeight",
     "Forward",
     "PartitionError",
     "PipelineExecutor",
@@ -51,4 +58,6 @@ __all__ = [
     "simulate",
     "stage_chunks",
     "stage_costs",
+    "zb_h1",
+    "zb_h1_makespan",
 ]

@@ -28,9 +28,16 @@ Communication (all through :mod:`parallel.comm`):
   first stage, output head on the last), and a ``broadcast`` on ``pp_group``
   of the step's loss (one float) from the last stage.
 
+Zero-bubble lists split a backward into ``BackwardInput`` (B: the gradient
+w.r.t. the stage input, sent upstream at once) and ``BackwardWeight`` (W: the
+weight gradients, accumulated later; the micro-batch stays stored until then),
+run by :mod:`.split_backward`. The first virtual stage has no input gradient to
+send: its B runs the whole backward and its W has nothing left to do.
+
 ``final_backward(chunk)`` (optional) returns a context manager the executor
 enters around the *last* backward of each chunk in the step (its last
-``Backward`` action in the list), e.g. ``ZeroDataParallel.sync_gradients`` so
+``Backward`` action in the list, or the last one that accumulates weight
+gradients: W, or B on the first virtual stage), e.g. ``ZeroDataParallel.sync_gradients`` so
 that the data-parallel reduction of a chunk's gradients launches during that
 backward, bucket by bucket, while the other micro-batches' and chunks' work goes
 on (Megatron's ``overlap_grad_reduce``), instead of after the whole step.
@@ -61,6 +68,8 @@ from .schedules import (
     P2P,
     Action,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Compute,
     Forward,
     RecvActivation,
@@ -74,6 +83,7 @@ from .schedules import (
     virtual_stage,
 )
 from .simulator import Span
+from .split_backward import SavedTensorStash, WeightGradWork, backward_input, backward_weight
 
 
 def _range_name(item: Compute | list[P2P]) -> str:
@@ -138,7 +148,8 @@ class PipelineExecutor:
         self.items = batches(actions)
         # evaluation runs the same order with every backward and gradient transfer left out:
         # removing waits from a deadlock-free list cannot create a deadlock
-        self.forward_items = batches(a for a in actions if not isinstance(a, (Backward, SendGrad, RecvGrad)))
+        backward_kinds = (Backward, BackwardInput, BackwardWeight, SendGrad, RecvGrad)
+        self.forward_items = batches(a for a in actions if not isinstance(a, backward_kinds))
         self.vpp = len(self.chunks)
         self.activation_shape = tuple(activation_shape)
         self.dtype = dtype
@@ -152,7 +163,15 @@ class PipelineExecutor:
         self.timeline: list[Span] = []
         self.peak_activations = 0
         self.num_microbatches = self._check(actions)
-        self._last_backward = {a.chunk: a for a in actions if isinstance(a, Backward)}  # the last one wins
+        self._split_chunks = {a.chunk for a in actions if isinstance(a, BackwardInput) and not self._is_first(a.chunk)}
+        # the action that accumulates a chunk's weight gradients last (the last one wins): a split
+        # backward's W, except on the first virtual stage, whose B runs the whole backward
+        self._last_backward = {
+            a.chunk: a
+            for a in actions
+            if isinstance(a, Backward)
+            or isinstance(a, BackwardWeight if not self._is_first(a.chunk) else BackwardInput)
+        }
 
     # ------------------------------------------------------------ validation
     def _check(self, actions: Sequence[Action]) -> int:
@@ -224,6 +243,8 @@ class PipelineExecutor:
         self._targets = microbatch_targets
         self._received: dict[tuple[str, int, int], torch.Tensor] = {}
         self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._deferred: dict[tuple[int, int], WeightGradWork | None] = {}  # B done, W to come
+        self._stashes: dict[tuple[int, int], SavedTensorStash | None] = {}
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         self._pending_sends: list = []
         self._send_buffers: list[torch.Tensor] = []
@@ -243,6 +264,10 @@ class PipelineExecutor:
                         self._forward(item)
                     elif isinstance(item, Backward):
                         self._backward(item)
+                    elif isinstance(item, BackwardInput):
+                        self._backward_input(item)
+                    elif isinstance(item, BackwardWeight):
+                        self._backward_weight(item)
                     else:
                         self._transfer(item)
                 if clock:
@@ -250,7 +275,7 @@ class PipelineExecutor:
         for handle in self._pending_sends:
             handle.wait()
         self._pending_sends, self._send_buffers = [], []
-        if self._stored or self._outbox:
+        if self._stored or self._outbox or self._deferred:
             raise ScheduleError(
                 f"stage {self.stage}: step ended with unfinished micro-batches "
                 f"{sorted(self._stored)} / unsent {sorted(self._outbox)}"
@@ -269,12 +294,17 @@ class PipelineExecutor:
         else:
             x = self._received.pop(("act", a.mb, a.chunk))
             kept = None if self._forward_only else x.requires_grad_()
-        out = self.chunks[a.chunk](x)
-        if self._is_last(a.chunk):
-            loss = self.loss_fn(out, self._targets[a.mb].to(self.device))
-            self._loss_sum += loss.detach().float()
-            out = loss / self.num_microbatches
-        else:
+        split = kept is not None and a.chunk in self._split_chunks
+        stash = SavedTensorStash() if split else None
+        if stash:
+            self._stashes[(a.mb, a.chunk)] = stash
+        with stash.hooks() if stash else contextlib.nullcontext():  # lets B release what W does not read
+            out = self.chunks[a.chunk](x)
+            if self._is_last(a.chunk):
+                loss = self.loss_fn(out, self._targets[a.mb].to(self.device))
+                self._loss_sum += loss.detach().float()
+                out = loss / self.num_microbatches
+        if not self._is_last(a.chunk):
             self._outbox[("act", a.mb, a.chunk)] = out.detach()
         if self._forward_only:
             return
@@ -284,11 +314,37 @@ class PipelineExecutor:
     def _backward(self, a: Backward) -> None:
         x, out = self._stored.pop((a.mb, a.chunk))
         grad = None if self._is_last(a.chunk) else self._received.pop(("grad", a.mb, a.chunk))
-        final = self.final_backward is not None and self._last_backward[a.chunk] == a
-        with self.final_backward(a.chunk) if final else contextlib.nullcontext():
+        with self._final_context(a):
             out.backward(grad)
         if x is not None:
             self._outbox[("grad", a.mb, a.chunk)] = x.grad
+
+    def _final_context(self, a: Compute) -> contextlib.AbstractContextManager:
+        final = self.final_backward is not None and self._last_backward[a.chunk] == a
+        return self.final_backward(a.chunk) if final else contextlib.nullcontext()
+
+    def _backward_input(self, a: BackwardInput) -> None:
+        """B: the input gradient only (sent upstream next); the weight gradients wait for W.
+        The first virtual stage has no input gradient to send: its B is the whole backward."""
+        x, out = self._stored[(a.mb, a.chunk)]
+        grad = None if self._is_last(a.chunk) else self._received.pop(("grad", a.mb, a.chunk))
+        if x is None:
+            with self._final_context(a):
+                out.backward(grad)
+            self._deferred[(a.mb, a.chunk)] = None
+            return
+        stash = self._stashes.pop((a.mb, a.chunk), None)
+        dx, work = backward_input(out, grad, x, self.chunks[a.chunk].parameters(), stash)
+        self._deferred[(a.mb, a.chunk)] = work
+        self._outbox[("grad", a.mb, a.chunk)] = dx if dx is not None else torch.zeros_like(x)
+
+    def _backward_weight(self, a: BackwardWeight) -> None:
+        """W: accumulate the weight gradients B deferred; the micro-batch's tensors are dropped."""
+        work = self._deferred.pop((a.mb, a.chunk))
+        self._stored.pop((a.mb, a.chunk))
+        if work is not None:
+            with self._final_context(a):
+                backward_weight(work)
 
     # -------------------------------------------------------------- transfers
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
@@ -325,6 +381,8 @@ class PipelineExecutor:
             self._pending_sends = handles[: len(sends)]
             self._send_buffers = [t for t, _ in sends]
             handles = handles[len(sends) :]
+        elif not recvs:  # a batch of sends alone: awaited with the next batch, as the simulator assumes
+            self._pending_sends, self._send_buffers, handles = handles, [t for t, _ in sends], []
         for handle in handles:  # NCCL coalesces a batch into one handle: await it whole
             handle.wait()
         for key, buf in landing:

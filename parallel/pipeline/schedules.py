@@ -54,6 +54,22 @@ class Backward(Compute):
 
 
 @dataclass(frozen=True)
+class BackwardInput(Compute):
+    """Zero-bubble "B": the gradient w.r.t. the input of ``chunk`` for ``mb`` only (what the
+    previous stage waits for); the activations stay stored for the weight gradient."""
+
+
+@dataclass(frozen=True)
+class BackwardWeight(Compute):
+    """Zero-bubble "W": the weight gradients of ``chunk`` for ``mb`` (after its
+    :class:`BackwardInput`), accumulated into ``.grad``; frees its activations."""
+
+
+GRAD_PRODUCERS = (Backward, BackwardInput)  # computations that produce the gradient sent upstream
+FREES_ACTIVATIONS = (Backward, BackwardWeight)  # computations after which a micro-batch is no longer stored
+
+
+@dataclass(frozen=True)
 class P2P:
     mb: int
     chunk: int
@@ -149,11 +165,11 @@ def _with_p2p(order: list[Compute], stage: int, pp: int, vpp: int, segments: lis
             prev, nxt = peer_of(v, pp, vpp, to_next=False), peer_of(v, pp, vpp, to_next=True)
             if isinstance(a, Forward) and prev is not None:
                 recvs.append(RecvActivation(a.mb, a.chunk, prev))
-            if isinstance(a, Backward) and nxt is not None:
+            if isinstance(a, GRAD_PRODUCERS) and nxt is not None:
                 recvs.append(RecvGrad(a.mb, a.chunk, nxt))
             if isinstance(a, Forward) and nxt is not None:
                 sends.append(SendActivation(a.mb, a.chunk, nxt))
-            if isinstance(a, Backward) and prev is not None:
+            if isinstance(a, GRAD_PRODUCERS) and prev is not None:
                 sends.append(SendGrad(a.mb, a.chunk, prev))
         out += pending_sends + recvs + run
         pending_sends = sends
@@ -214,14 +230,61 @@ def interleaved_1f1b(pp: int, m: int, vpp: int) -> list[list[Action]]:
     return schedule
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # the one home of the schedule names (config: parallel.pp_schedule)
+def zb_h1_order(pp: int, m: int, stage: int) -> list[Compute]:
+    """ZB-H1 computation order of one stage (Qi et al. 2023, "Zero Bubble Pipeline
+    Parallelism", §2.1): 1F1B's warm-up of ``w = min(pp − stage − 1, m)`` forwards and
+    its forward/backward alternation, with each backward split into B (input gradient,
+    sent upstream at once) and W (weight gradient). Stage ``s`` postpones its W passes
+    by ``pp − 1 − w`` (= s) micro-batches, so every stage holds at most ``min(pp, m)``
+    micro-batches — 1F1B's peak, the one of its first stage — and the postponed W passes
+    fill the cool-down, where 1F1B idles."""
+    warmup = min(pp - stage - 1, m)
+    delay = pp - 1 - warmup
+    order: list[Compute] = [Forward(i) for i in range(warmup)]
+    pending: list[int] = []
+
+    def backward(i: int) -> None:
+        order.append(BackwardInput(i))
+        pending.append(i)
+        if len(pending) > delay:
+            order.append(BackwardWeight(pending.pop(0)))
+
+    for i in range(m - warmup):
+        order.append(Forward(warmup + i))
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
+    order += [BackwardWeight(i) for i in pending]
+    return order
+
+
+def zb_h1(pp: int, m: int) -> list[list[Action]]:
+    """ZB-H1 (:func:`zb_h1_order`): with B and W each half a backward, its bubble is a third
+    of 1F1B's at the same peak activation memory (:func:`zb_h1_makespan`)."""
+    check_schedule_args(pp, m, name="zb-h1")
+    return [_with_p2p(zb_h1_order(pp, m, s), s, pp, 1) for s in range(pp)]
+
+
+def zb_h1_makespan(pp: int, m: int, forward: float, backward_input: float, backward_weight: float) -> float:
+    """The step time of ZB-H1 with no p2p latency (the paper's closed form, m ≥ pp):
+    ``m·(F + B + W) + (pp − 1)·(F + B − W)`` — 1F1B's bubble is ``(pp − 1)·(F + B + W)``."""
+    f, b, w = forward, backward_input, backward_weight
+    return m * (f + b + w) + (pp - 1) * max(f + b - w, 0.0)
+
+
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "zb-h1",
+)  # the one home of the schedule names (config: parallel.pp_schedule)
 
 
 def schedule_problem(name: str, pp: int, vpp: int, *, prefix: str = "") -> str | None:
     """Why schedule ``name`` cannot run ``pp`` ranks × ``vpp`` chunks, or ``None`` if it can.
 
     The one rule the library and the config share: ``interleaved`` needs ``vpp ≥ 2`` and
-    ``pp ≥ 2``; ``vpp > 1`` needs ``interleaved``. ``prefix`` qualifies the key names in the
+    ``pp ≥ 2``; ``vpp > 1`` needs ``interleaved`` (``zb-h1`` is not interleaved). ``prefix`` qualifies the key names in the
     message (the config passes ``"parallel."``).
     """
     if name not in SCHEDULES:
@@ -230,6 +293,11 @@ def schedule_problem(name: str, pp: int, vpp: int, *, prefix: str = "") -> str |
         return f"{prefix}pp_schedule=interleaved needs {prefix}vpp ≥ 2 virtual stages per rank"
     if name == "interleaved" and pp < 2:
         return f"{prefix}pp_schedule=interleaved needs {prefix}pp ≥ 2 (with pp=1 use 1f1b)"
+    if vpp > 1 and name == "zb-h1":
+        return (
+            f"{prefix}pp_schedule=zb-h1 runs one model chunk per rank, not {prefix}vpp={vpp}: use "
+            f"{prefix}vpp=1, or {prefix}pp_schedule=interleaved for virtual stages"
+        )
     if vpp > 1 and name != "interleaved":
         return f"{prefix}vpp={vpp} needs {prefix}pp_schedule=interleaved"
     return None
@@ -246,6 +314,8 @@ def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action
         raise ScheduleError(problem)
     if name == "interleaved":
         return interleaved_1f1b(pp, m, vpp)
+    if name == "zb-h1":
+        return zb_h1(pp, m)
     return gpipe(pp, m) if name == "gpipe" else one_f_one_b(pp, m)
 
 

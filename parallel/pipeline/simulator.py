@@ -5,7 +5,11 @@ their cost; a batch of transfers is *posted* when its stage reaches it and
 completes once every one of its sends and receives has met its counterpart
 (rendezvous: a send waits for the matching receive to be posted, the
 conservative model under which NCCL and gloo cannot hang), ``p2p_latency``
-after the later of the two posts. Between two stages, messages in one
+after the later of the two posts. A batch of sends alone (no receive) does not
+hold its stage up: its sends must have met their receives by the time the
+stage's *next* batch (or the end of its list) completes, as the executor awaits
+them only then (a zero-bubble schedule sends B's input gradient upstream and
+computes a W while the upstream stage is busy). Between two stages, messages in one
 direction match in posting order (as in NCCL/gloo, which carry no per-message
 tags here), so the simulator also proves the k-th send is the receive the peer
 expects.
@@ -28,9 +32,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .schedules import (
+    FREES_ACTIVATIONS,
+    GRAD_PRODUCERS,
     P2P,
     Action,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Compute,
     Forward,
     RecvActivation,
@@ -73,7 +81,8 @@ def _shape(schedule: list[list[Action]]) -> tuple[int, int, int]:
 
 
 def check_complete(schedule: list[list[Action]]) -> None:
-    """Each stage runs forward and backward exactly once for every (micro-batch, chunk), the forward first."""
+    """Each stage runs, for every (micro-batch, chunk), one Forward and then either one
+    Backward or one BackwardInput followed by one BackwardWeight."""
     pp, m, vpp = _shape(schedule)
     want = {(mb, c) for mb in range(m) for c in range(vpp)}
     for s, actions in enumerate(schedule):
@@ -85,10 +94,11 @@ def check_complete(schedule: list[list[Action]]) -> None:
                     f"m={m}, vpp={vpp}; got {counts[(Forward, mb, c)]}"
                 )
         for mb, c in sorted(want):
-            if counts[(Backward, mb, c)] != 1:
+            full, b, w = (counts[(kind, mb, c)] for kind in (Backward, BackwardInput, BackwardWeight))
+            if (full, b, w) not in ((1, 0, 0), (0, 1, 1)):
                 raise ScheduleError(
-                    f"stage {s}: (micro-batch {mb}, chunk {c}) needs exactly one Backward, "
-                    f"got {counts[(Backward, mb, c)]}"
+                    f"stage {s}: (micro-batch {mb}, chunk {c}) needs exactly one Backward or one "
+                    f"BackwardInput and one BackwardWeight, got {full} / {b} / {w}"
                 )
 
 
@@ -99,6 +109,7 @@ class _Stage:
         self.pc = 0
         self.clock = 0.0
         self.posted: list[tuple[str, tuple, int]] | None = None  # (channel side, key, slot)
+        self.deferred: list = []  # the sends of the last send-only batch, not yet awaited
         self.done: set = set()
         self.stored = 0
         self.peak = 0
@@ -112,15 +123,22 @@ def simulate(
     forward: float = 1.0,
     backward: float = 2.0,
     p2p_latency: float = 0.0,
+    weight: float | None = None,
 ) -> SimResult:
     """Check ``schedule`` and time it with the given per-action costs.
+
+    ``backward`` is a whole backward; split ones cost ``weight`` (W, default half of it)
+    and ``backward − weight`` (B), so schedules with and without the split do equal work.
 
     Raises :class:`ScheduleError` as the module says.
     """
     check_complete(schedule)
     pp, _, vpp = _shape(schedule)
     last = pp * vpp - 1
-    cost = {Forward: forward, Backward: backward}
+    w_cost = backward / 2 if weight is None else weight
+    if not 0 <= w_cost <= backward:
+        raise ScheduleError(f"the weight-gradient cost {w_cost} must lie in [0, backward = {backward}]")
+    cost = {Forward: forward, Backward: backward, BackwardInput: backward - w_cost, BackwardWeight: w_cost}
     stages = [_Stage(s, actions) for s, actions in enumerate(schedule)]
     # channel (src, dst) -> posted sends / receives: (key, post time), in posting order
     sends: dict[tuple[int, int], list] = {}
@@ -158,9 +176,13 @@ def simulate(
             side.setdefault(chan, []).append((key_of(st, a), st.clock))
             st.posted.append(("send" if sending else "recv", chan, len(side[chan]) - 1, a))
 
-    def try_complete(st: _Stage, batch: list[P2P]) -> bool:
+    def try_complete(st: _Stage, batch: list[P2P] | None) -> bool:
+        """Complete the posted batch (``None``: only await the deferred sends, at the end)."""
+        own = st.posted or []
+        receives = any(side == "recv" for side, *_ in own)
+        waits = st.deferred + (own if receives else [])
         end = st.clock
-        for side, chan, slot, _action in st.posted:
+        for side, chan, slot, _action in waits:
             other = (recvs if side == "send" else sends).get(chan, [])
             if slot >= len(other):
                 return False
@@ -172,28 +194,35 @@ def simulate(
                     f"but the receiver expects {rcv[0]}"
                 )
             end = max(end, other[slot][1])
-        end += p2p_latency
-        for side, _, _, a in st.posted:
+        if waits:
+            end += p2p_latency
+        for side, _, _, a in own:
             if side == "recv":
                 st.done.add(("act" if isinstance(a, RecvActivation) else "grad", a.mb, a.chunk))
-        st.spans.append(Span(tuple(batch), st.clock, end))
-        st.clock, st.posted, st.pc = end, None, st.pc + 1
+        st.deferred = [] if receives else own
+        if batch is not None:
+            st.spans.append(Span(tuple(batch), st.clock, end))
+            st.pc += 1
+        st.clock, st.posted = end, None
         return True
 
     def compute(st: _Stage, a: Compute) -> None:
         v = a.chunk * pp + st.index
         if isinstance(a, Forward) and v > 0 and ("act", a.mb, a.chunk) not in st.done:
             raise ScheduleError(f"stage {st.index}: {a} before its RecvActivation")
-        if isinstance(a, Backward) and v < last and ("grad", a.mb, a.chunk) not in st.done:
+        if isinstance(a, GRAD_PRODUCERS) and v < last and ("grad", a.mb, a.chunk) not in st.done:
             raise ScheduleError(f"stage {st.index}: {a} before its RecvGrad")
         if not isinstance(a, Forward) and ("fwd", a.mb, a.chunk) not in st.done:
             raise ScheduleError(f"stage {st.index}: {a} before its Forward")
+        if isinstance(a, BackwardWeight) and ("bwd", a.mb, a.chunk) not in st.done:
+            raise ScheduleError(f"stage {st.index}: {a} before its BackwardInput")
         if isinstance(a, Forward):
             st.done.add(("fwd", a.mb, a.chunk))
             st.stored += 1
             st.peak = max(st.peak, st.stored)
-        if isinstance(a, Backward):
+        if isinstance(a, GRAD_PRODUCERS):
             st.done.add(("bwd", a.mb, a.chunk))
+        if isinstance(a, FREES_ACTIVATIONS):  # a split backward keeps them until W
             st.stored -= 1
         c = cost[type(a)]
         st.spans.append(Span(a, st.clock, st.clock + c))
@@ -215,10 +244,13 @@ def simulate(
                     if not try_complete(st, item):
                         break
                 progress = True
-    stuck = [st for st in stages if st.pc < len(st.items)]
+            if st.pc == len(st.items) and st.deferred and try_complete(st, None):
+                progress = True
+    stuck = [st for st in stages if st.pc < len(st.items) or st.deferred]
     if stuck:
         lines = [
-            f"stage {st.index} at step {st.pc} waits on " + ", ".join(str(a) for *_, a in (st.posted or []))
+            f"stage {st.index} at step {st.pc} waits on "
+            + ", ".join(str(a) for *_, a in st.deferred + (st.posted or []))
             for st in stuck
         ]
         raise ScheduleError("schedule deadlocks:\n  " + "\n  ".join(lines))

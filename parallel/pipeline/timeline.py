@@ -4,7 +4,7 @@ A timeline is ``list[list[Span]]`` (one list per stage), as returned by
 :func:`.simulator.simulate` (``SimResult.timeline``) or recorded by
 :class:`.executor.PipelineExecutor` (``record_timeline=True``; gather each
 stage's ``executor.timeline``). Forwards are blue, backwards green (darker
-for later chunks), transfer batches thin grey bars; white space is the
+for later chunks; a zero-bubble W is orange), transfer batches thin grey bars; white space is the
 bubble. Each box is labelled with its micro-batch::
 
     result = simulate(one_f_one_b(4, 8))
@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .schedules import Backward, Compute, Forward
+from .schedules import BackwardWeight, Compute, Forward
 from .simulator import Span
 
 FORWARD_COLORS = ("#4C72B0", "#2A4A7F", "#8FAADC", "#1B2F52")
 BACKWARD_COLORS = ("#55A868", "#2F6B3D", "#9CD3A8", "#1D4426")
+WEIGHT_COLORS = ("#DD8452", "#A0522D", "#F2B38B", "#6B3315")  # zero-bubble W (weight gradients)
 TRANSFER_COLOR = "#B0B0B0"
 
 
@@ -42,7 +43,13 @@ def bars(timeline: Sequence[Sequence[Span]]) -> list[Bar]:
         for sp in spans:
             a = sp.action
             if isinstance(a, Compute):
-                palette = FORWARD_COLORS if isinstance(a, Forward) else BACKWARD_COLORS
+                palette = (
+                    FORWARD_COLORS
+                    if isinstance(a, Forward)
+                    else WEIGHT_COLORS
+                    if isinstance(a, BackwardWeight)
+                    else BACKWARD_COLORS
+                )
                 out.append(Bar(stage, sp.start, sp.end - sp.start, palette[a.chunk % len(palette)], str(a.mb), True))
             else:
                 out.append(Bar(stage, sp.start, sp.end - sp.start, TRANSFER_COLOR, "", False))
@@ -55,7 +62,7 @@ def bubble_fraction(timeline: Sequence[Sequence[Span]]) -> float:
     if not spans:
         return 0.0
     makespan = max(sp.end for sp in spans) - min(sp.start for sp in spans)
-    busy = sum(sp.end - sp.start for sp in spans if isinstance(sp.action, (Forward, Backward)))
+    busy = sum(sp.end - sp.start for sp in spans if isinstance(sp.action, Compute))
     return 1.0 - busy / (len(timeline) * makespan) if makespan > 0 else 0.0
 
 
@@ -90,12 +97,13 @@ def draw_timeline(
         handles=[
             Patch(color=FORWARD_COLORS[0], label="forward"),
             Patch(color=BACKWARD_COLORS[0], label="backward"),
+            Patch(color=WEIGHT_COLORS[0], label="weight grad (zero bubble)"),
             Patch(color=TRANSFER_COLOR, label="transfer"),
         ],
         loc="lower right",
         bbox_to_anchor=(1.0, 1.0),
         fontsize=7,
-        ncols=3,
+        ncols=4,
         frameon=False,
     )
     fig.tight_layout()

@@ -71,6 +71,8 @@ class Hardware:
     hbm_gbps: float = 2000.0  # device memory bandwidth, GB/s: elementwise work, small GEMMs' operands
     attention_efficiency: float = 0.5  # achieved / peak of flash attention (SDPA), forward
     block_overhead_us: float = 0.0  # per block forward + backward beyond its work: launches, Python, autograd
+    host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
+    host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -109,21 +111,61 @@ PROFILES: dict[str, Hardware] = {
         "a100_80gb", 312.0, 19.5, 80 * GiB, 300.0, 25.0, 8, 0.78, hbm_gbps=2039.0, attention_efficiency=0.6
     ),
     # H100 SXM5 80GB. NVIDIA H100 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense, FP32 67;
-    # NVLink4 900 GB/s both ways; one NDR 400 Gb/s NIC per GPU (DGX H100)
+    # NVLink4 900 GB/s both ways; one NDR 400 Gb/s NIC per GPU (DGX H100). Host: DGX H100 datasheet, 2 TB;
+    # PCIe Gen5 x16, 64 GB/s per direction raw, ~50 GB/s pinned cudaMemcpy
     "h100_80gb": Hardware(
-        "h100_80gb", 989.0, 67.0, 80 * GiB, 450.0, 50.0, 8, 0.7, hbm_gbps=3350.0, attention_efficiency=0.4
+        "h100_80gb",
+        989.0,
+        67.0,
+        80 * GiB,
+        450.0,
+        50.0,
+        8,
+        0.7,
+        hbm_gbps=3350.0,
+        attention_efficiency=0.4,
+        host_ram_gb=2048,
+        host_link_gbps=50,
     ),
     # H100 PCIe 80GB (350 W, fewer SMs and lower clocks). NVIDIA H100 datasheet / product brief PB-11133-001:
     # BF16 tensor 1,513 TFLOP/s with sparsity = 756 dense, FP32 51; GPUs talk over PCIe Gen5 x16, 128 GB/s
     # both ways (an NVLink bridge joins pairs only, so a ring over 8 runs at PCIe speed); NDR 400 Gb/s per GPU
+    # Host: no reference system; 1 TB assumed (the default), PCIe Gen5 x16 ~50 GB/s pinned
     "h100_pcie": Hardware(
-        "h100_pcie", 756.0, 51.0, 80 * GiB, 64.0, 50.0, 8, 0.7, hbm_gbps=2000.0, attention_efficiency=0.4
+        "h100_pcie",
+        756.0,
+        51.0,
+        80 * GiB,
+        64.0,
+        50.0,
+        8,
+        0.7,
+        hbm_gbps=2000.0,
+        attention_efficiency=0.4,
+        host_link_gbps=50,
     ),
     # H200 SXM 141GB. NVIDIA H200 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense (the H100 SXM
     # compute, more and faster HBM3e: 141 GB, 4.8 TB/s); NVLink4 900 GB/s both ways; NDR 400 Gb/s per GPU
-    "h200": Hardware("h200", 989.0, 67.0, 141e9, 450.0, 50.0, 8, 0.7, hbm_gbps=4800.0, attention_efficiency=0.4),
+    # Host: DGX H200 datasheet, 2 TB; PCIe Gen5 x16 ~50 GB/s pinned
+    "h200": Hardware(
+        "h200",
+        989.0,
+        67.0,
+        141e9,
+        450.0,
+        50.0,
+        8,
+        0.7,
+        hbm_gbps=4800.0,
+        attention_efficiency=0.4,
+        host_ram_gb=2048,
+        host_link_gbps=50,
+    ),
     # one process per core group of a server CPU, gloo over shared memory / 10 GbE
-    "cpu": Hardware("cpu", 1.0, 1.0, 64 * GiB, 5.0, 1.25, 1, 0.5, latency_us=50.0, hbm_gbps=20.0),
+    # ("host" and "device" are the same memory: host_ram_gb as memory_bytes, copies at memcpy speed)
+    "cpu": Hardware(
+        "cpu", 1.0, 1.0, 64 * GiB, 5.0, 1.25, 1, 0.5, latency_us=50.0, hbm_gbps=20.0, host_ram_gb=64, host_link_gbps=10
+    ),
 }
 ALIASES = {
     "a100": "a100_80gb",

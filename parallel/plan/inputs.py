@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from ..memory import CHECKPOINTING
 from ..pipeline.schedules import schedule_problem
 from ..topology import world_size_mismatch
+from ..zero.layout import ZeroConfigError
+from ..zero.offload import check_offload
 from . import memory as M
 from .compute import ATTENTION
+from .cp import check_cp
 from .hardware import PlanError
 from .shape import ModelShape
 
@@ -23,10 +26,13 @@ class Layout:
     zero: int = 0
     schedule: str = "1f1b"
     pp_layers: tuple[int, ...] | None = None
+    cp: int = 1  # context parallel ranks per sequence (parallel/plan/cp.py)
+    cp_impl: str = "ring"
+    offload: str = "none"  # none | optimizer | optimizer+params (parallel/zero/offload.py)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Training:
     topk_ratio: float = 0.01
     bucket_mb: float = 25.0
     attention: str = "flash"  # flash (the engine's SDPA) | unfused (scores materialised; plan.compute)
+    zero3_accumulate: str = "sharded"  # parallel.zero.theory.ZERO3_ACCUMULATE
 
 
 def _positive(name: str, v) -> int:
@@ -57,8 +64,9 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
     _positive("global_batch", training.global_batch)
     _positive("micro_batch", training.micro_batch)
     if world_size is not None and world_size != layout.world_size:
-        raise PlanError(world_size_mismatch(world_size, layout.dp, layout.pp, layout.tp))
+        raise PlanError(world_size_mismatch(world_size, layout.dp, layout.pp, layout.tp, layout.cp))
     shape.check_tp(layout.tp)
+    check_cp(shape, layout.cp, layout.tp, layout.cp_impl)
     if layout.pp * layout.vpp > shape.n_layers:
         raise PlanError(
             f"pp {layout.pp} × vpp {layout.vpp} = {layout.pp * layout.vpp} stages but the model has "
@@ -66,6 +74,10 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
         )
     if layout.zero not in M.ZERO_STAGES:
         raise PlanError(f"zero={layout.zero!r} not in {M.ZERO_STAGES}")
+    try:
+        check_offload(layout.offload, layout.zero)  # the library's rule
+    except ZeroConfigError as e:
+        raise PlanError(str(e)) from None
     problem = schedule_problem(layout.schedule, layout.pp, layout.vpp)  # the library's rule
     if problem:
         raise PlanError(problem)
@@ -75,7 +87,7 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
         raise PlanError(f"activation checkpointing {training.checkpointing!r} not in {CHECKPOINTING}")
     if training.precision not in M.PRECISION_BYTES:
         raise PlanError(f"precision {training.precision!r} not in {sorted(M.PRECISION_BYTES)}")
-    if layout.sequence_parallel and (layout.tp == 1 or shape.seq_len % layout.tp):
+    if layout.sequence_parallel and (layout.tp == 1 or shape.seq_len // layout.cp % layout.tp):
         raise PlanError(f"sequence parallelism needs tp > 1 dividing seq_len {shape.seq_len}; got tp={layout.tp}")
     if training.attention not in ATTENTION:
         raise PlanError(f"attention {training.attention!r} not in {ATTENTION}")

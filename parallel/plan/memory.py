@@ -153,8 +153,11 @@ def comm_bytes(precision: str, comm_dtype: str | None) -> int:
     return PRECISION_BYTES[zero_theory.grad_comm_dtype(comm_dtype)]
 
 
-def model_state_bytes(psi: int, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw") -> dict:
-    """Parameters, gradients, optimizer state one rank holds between steps (module table).
+def model_state_bytes(
+    psi: int, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw", offload: str = "none"
+) -> dict:
+    """Parameters, gradients, optimizer state one rank holds between steps (module table);
+    ``total`` on the device, ``host`` what ``offload`` keeps in host memory (parallel/zero/offload.py).
 
     ``psi`` is this rank's parameter count; it is padded to a multiple of ``dp`` first
     (pass :func:`zero_padded_numel` for ZeRO's per-bucket padding).
@@ -165,7 +168,7 @@ def model_state_bytes(psi: int, zero: int, dp: int, precision: str = "bf16", opt
         raise PlanError(f"precision {precision!r} not in {sorted(PRECISION_BYTES)}")
     optimizer_bytes_per_param(precision, optimizer)  # refuses an unknown optimizer
     theory = zero_theory.model_state_bytes(
-        padded(psi, dp), zero, dp, PRECISION_BYTES[precision], OPTIMIZER_STATES[optimizer]
+        padded(psi, dp), zero, dp, PRECISION_BYTES[precision], OPTIMIZER_STATES[optimizer], offload=offload
     )
     return {k: int(v) for k, v in theory.items()}  # exact: the padded count divides by dp
 

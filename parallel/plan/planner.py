@@ -24,9 +24,12 @@ from ..pipeline.schedules import ScheduleError, build_schedule, schedule_problem
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
+from ..zero.theory import accumulation_grad_bytes
 from . import compute as C
 from . import memory as M
+from . import offload as O
 from .advice import advise
+from .cp import cp_traffic, extra_activation_bytes, local_shape
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training, check
 from .shape import ModelShape, layer_partition, model_flops_per_token
@@ -164,32 +167,36 @@ def plan_layout(
     """The per-rank-class memory, traffic and time of ``layout`` (module docstring)."""
     shape = ModelShape.of(shape)
     m = check(shape, layout, training, world_size)
-    L, t, dp, pp, vpp = layout, layout.tp, layout.dp, layout.pp, layout.vpp
+    L, t, dp, pp, vpp = layout, layout.tp, layout.dp * layout.cp, layout.pp, layout.vpp  # ZeRO spans dp × cp
+    local = local_shape(shape, L.cp)  # what one cp rank holds of each sample (parallel/plan/cp.py)
     e = M.PRECISION_BYTES[training.precision]
     c = M.comm_bytes(training.precision, training.comm_dtype)
     sp, ckpt, mb = L.sequence_parallel, training.checkpointing, training.micro_batch
     ranges = layer_partition(shape, pp, vpp, L.pp_layers)
     gpn = hw.gpus_per_node
+    peak_flops = hw.peak_flops(training.precision) * hw.efficiency  # large GEMMs: cp's ring overlap (plan.cp)
     stage_info, alike = [], {}  # stages with the same chunk shapes share their numbers
     for s in range(pp):
         chunks = [(v, ranges[v]) for v in range(s, pp * vpp, pp)]
         key = tuple((len(r),) + _stage_flags(v, pp * vpp) for v, r in chunks)
         if key not in alike:
-            alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m)
-        params, tp_axis, fwd, bwd, acts, flops_s = alike[key]
+            alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops)
+        params, tp_axis, cp_axis, fwd, bwd, acts, flops_s = alike[key]
         tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
-        stage_info.append((chunks, params, tp_axis, fwd, bwd, acts, flops_s))
+        stage_info.append((chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s))
     # the slowest stage paces the pipeline; p2p of one activation between stages
     p2p_axis_proto = AxisTraffic(pp, group_crosses_node(t * dp, pp, gpn))
-    act_msg = e * mb * shape.seq_len * shape.d_model / (t if sp else 1)
+    act_msg = e * mb * local.seq_len * shape.d_model / (t if sp else 1)
     p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + hw.latency_us * 1e-6) if pp > 1 else 0.0
     slow_f = max(i[3] for i in stage_info) / vpp
     slow_b = max(i[4] for i in stage_info) / vpp
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one)
-    ranks, dp_exposed, optimizer_s = [], 0.0, 0.0
-    for s, (chunks, params, tp_axis, fwd, bwd, acts, flops_s) in enumerate(stage_info):
+    ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
+    for s, (chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
-        states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer)
+        states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer, L.offload)
+        shard = psi // dp if policy(L.zero).shards_optimizer else psi
+        offload_s = O.offload_seconds(shard, e, L.offload, hw, m, fwd, bwd)
         if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
             sp_shard = M.padded(params.replicated, dp) // (dp if policy(L.zero).shards_optimizer else 1)
             tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
@@ -207,6 +214,7 @@ def plan_layout(
             compression=training.compression,
             topk_ratio=training.topk_ratio,
             regathered_psi=psi - root_psi,
+            accumulate=training.zero3_accumulate,
         )
         # the step's scalars: the loss averaged over DP; the gradient norm summed over DP when sharded.
         # They follow backward, so nothing hides them.
@@ -227,12 +235,12 @@ def plan_layout(
         in_flight = peaks[s]
         # transients (they do not coincide: the loss's end before the recomputed layers' backward)
         recompute = M.recompute_peak_bytes(
-            shape, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision
+            local, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision
         )
         has_head = any(v == pp * vpp - 1 for v, _ in chunks)
-        loss = M.loss_temporary_bytes(shape, mb, tp=t, precision=training.precision) if has_head else 0.0
+        loss = M.loss_temporary_bytes(local, mb, tp=t, precision=training.precision) if has_head else 0.0
         activations = in_flight * max(acts) + max(recompute, loss)
-        buffers = _buffer_bytes(L, training, params, count_params, act_msg, e, c)
+        buffers = _buffer_bytes(dataclasses.replace(L, dp=dp), training, params, count_params, act_msg, e, c)
         mem = {
             **{k: float(v) for k, v in states.items() if k != "total"},
             "model_states": float(states["total"]),
@@ -240,10 +248,12 @@ def plan_layout(
             "buffers": buffers,
         }
         mem["total"] = mem["model_states"] + activations + buffers
+        host_ok = O.host_fits(mem.get("host", 0.0), min(gpn, layout.world_size), hw)
         traffic = {
             name: a.as_dict()
             for name, a in (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis))
         }
+        traffic["cp"] = cp_axis.as_dict()
         ranks.append(
             RankClass(
                 stage=s,
@@ -256,11 +266,12 @@ def plan_layout(
                 backward_s=bwd,
                 compute_s=m * flops_s,
                 traffic=traffic,
-                fits=mem["total"] <= hw.memory_bytes,
+                fits=mem["total"] <= hw.memory_bytes and host_ok,
             )
         )
+        offload_exposed = max(offload_exposed, offload_s["exposed_s"])
     emb_time = max(r.traffic["embedding"]["time_s"] for r in ranks)
-    step_time = makespan + dp_exposed + emb_time + optimizer_s
+    step_time = makespan + dp_exposed + emb_time + offload_exposed + optimizer_s  # offload: host Adam, PCIe
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
@@ -271,6 +282,7 @@ def plan_layout(
         "bubble_fraction": bubble,
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer_s,
+        "offload_s": offload_exposed,
         "tokens_per_s": tokens_step / step_time,
         "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),
         "compute_s": compute,
@@ -291,33 +303,42 @@ def plan_layout(
     return plan
 
 
-def _stage_numbers(shape, chunks, count_params, hw, training, L, m):
+def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
     """Parameters, TP traffic, per-micro-batch forward/backward seconds, activations per
     chunk and the step's compute seconds of a rank holding ``chunks``."""
     t, sp, ckpt, mb = L.tp, L.sequence_parallel, training.checkpointing, training.micro_batch
     e = M.PRECISION_BYTES[training.precision]
+    local = local_shape(shape, L.cp)  # activations and TP messages: s/cp tokens; FLOPs: those tokens over all s
     params = M.StageParams(0)
     tp_axis = AxisTraffic(t, group_crosses_node(1, t, hw.gpus_per_node))
+    cp_axis = AxisTraffic(L.cp, group_crosses_node(t, L.cp, hw.gpus_per_node))
     fwd = bwd = flops_s = 0.0
     acts = []
-    layer = C.layer_time(shape, mb, t, sp, hw, training.precision, training.attention)
+    layer = C.layer_time(local, mb, t, sp, hw, training.precision, training.attention)
+    if L.cp > 1:  # each cp rank's s/cp queries attend over all s keys: cp × the local square
+        layer = dataclasses.replace(
+            layer, attention=layer.attention * L.cp, attention_backward=layer.attention_backward * L.cp
+        )
     for v, r in chunks:
         first, last = _stage_flags(v, L.pp * L.vpp)
         params = params + count_params(r, first, last, t)
         n = len(r)
-        head = C.head_time(shape, mb, t, hw, training.precision) if last else C.LayerTime(0.0, 0.0, 0.0)
+        head = C.head_time(local, mb, t, hw, training.precision) if last else C.LayerTime(0.0, 0.0, 0.0)
         recompute = {"full": n * layer.forward, "selective": n * layer.attention}.get(ckpt, 0.0)
         tf, tb = tp_traffic(
-            shape, tp_axis, hw, n_layers=n, has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
+            local, tp_axis, hw, n_layers=n, has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
+        )
+        cf, cb = cp_traffic(
+            shape, cp_axis, hw, n_layers=n, mb=mb, m=m, e=e, tp=t, ckpt=ckpt, impl=L.cp_impl, peak_flops=peak_flops
         )
         f_s = n * layer.forward + head.forward
         b_s = n * layer.backward + head.backward + recompute
-        fwd += f_s + tf
-        bwd += b_s + tb
+        fwd += f_s + tf + cf
+        bwd += b_s + tb + cb
         flops_s += f_s + b_s
         acts.append(
             M.stage_activation_bytes(
-                shape,
+                local,
                 mb,
                 len(r),
                 has_embedding=first,
@@ -327,8 +348,9 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m):
                 checkpointing=ckpt,
                 precision=training.precision,
             )
+            + len(r) * extra_activation_bytes(shape, mb, cp=L.cp, tp=t, impl=L.cp_impl, checkpointing=ckpt, e=e)
         )
-    return params, tp_axis, fwd, bwd, acts, flops_s
+    return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s
 
 
 def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) -> float:
@@ -355,4 +377,5 @@ def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg
         total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
     if L.pp > 1:
         total += 4 * act_msg
+    total += accumulation_grad_bytes(params.numel, L.zero, tr.zero3_accumulate)  # ZeRO-3's full fp32 gradient
     return total

@@ -3,14 +3,18 @@
 Searched: tp among the divisors of the heads that fit inside a node (docs/architecture.md:
 TP stays inside a node), pp among the divisors of the rest up to the layer
 count, dp the remainder, ZeRO 0–3, micro-batches, checkpointing; sequence
-parallelism whenever tp > 1. Every candidate is planned in full (the schedules'
-closed forms make a plan cost microseconds in the pipeline, whatever its size).
+parallelism whenever tp > 1; context parallelism (cp, inside the node beside tp) where each
+rank keeps at least 1,024 tokens (:func:`parallel.plan.cp.cp_choices`). Every candidate is planned in
+full (the schedules' closed forms make a plan cost microseconds in the pipeline, whatever its size).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from ..zero.offload import MIN_STAGE as OFFLOAD_MIN_STAGE
+from ..zero.offload import OFFLOAD_MODES
+from .cp import cp_choices
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training
 from .planner import ParamCounter, Plan, plan_layout
@@ -21,21 +25,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(shape: ModelShape, world_size: int, hw: Hardware, zeros=(0, 1, 2, 3)) -> list[Layout]:
-    """Every (dp, pp, tp, zero) the search considers for ``world_size`` devices."""
+def candidate_layouts(
+    shape: ModelShape, world_size: int, hw: Hardware, zeros=(0, 1, 2, 3), offload: str = "none"
+) -> list[Layout]:
+    """Every (dp, pp, tp, zero) the search considers for ``world_size`` devices (with ``offload``:
+    the stages that can carry it, dp = 1 included: the offloaded shard is then the whole)."""
     out = []
     for tp in _divisors(min(hw.gpus_per_node, world_size)):
         if hw.gpus_per_node % tp or world_size % tp or shape.n_heads % tp or shape.n_kv_heads % tp or shape.d_ff % tp:
             continue
-        sp = tp > 1 and shape.seq_len % tp == 0
-        for pp in _divisors(world_size // tp):
-            if pp > shape.n_layers:
-                break
-            dp = world_size // (tp * pp)
-            for zero in zeros:
-                if dp == 1 and zero:
-                    continue
-                out.append(Layout(dp=dp, pp=pp, tp=tp, sequence_parallel=sp, zero=zero))
+        for cp in cp_choices(shape, world_size, tp, hw.gpus_per_node):  # long sequences: context parallel too
+            sp = tp > 1 and shape.seq_len // cp % tp == 0
+            for pp in _divisors(world_size // (tp * cp)):
+                if pp > shape.n_layers:
+                    break
+                dp = world_size // (tp * cp * pp)
+                for zero in zeros:
+                    if (dp * cp == 1 and zero and offload == "none") or zero < OFFLOAD_MIN_STAGE[offload]:
+                        continue
+                    out.append(Layout(dp=dp, pp=pp, tp=tp, sequence_parallel=sp, zero=zero, cp=cp, offload=offload))
     return out
 
 
@@ -56,8 +64,28 @@ def recommend(
     shape = ModelShape.of(shape)
     if world_size < 1:
         raise PlanError(f"world size must be positive, got {world_size}")
-    fitting: list[Plan] = []
-    for layout in candidate_layouts(shape, world_size, hw, zeros):
+    rough: list[tuple[float, Layout, Training]] = []
+    for offload in OFFLOAD_MODES:  # offload only when nothing fits on the devices alone
+        if not rough:
+            rough = _fitting(
+                shape, world_size, training, hw, count_params, micro_batches, checkpointing, zeros, offload
+            )
+    if not rough:
+        raise PlanError(
+            f"no layout of {world_size} × {hw.name} fits this model at global batch "
+            f"{training.global_batch}, even with ZeRO-Offload; add devices or choose a larger device profile"
+        )
+    rough.sort(key=lambda x: -x[0])
+    exact = [plan_layout(shape, lay, tr, hw, count_params) for _, lay, tr in rough[: 3 * top]]
+    exact = [p for p in exact if p.fits]
+    exact.sort(key=lambda p: (-round(p.step["tokens_per_s"], 6), p.peak_memory))  # ties: less memory first
+    return exact[:top]
+
+
+def _fitting(shape, world_size, training, hw, count_params, micro_batches, checkpointing, zeros, offload):
+    """(rough tokens/s, layout, training) of every candidate with ``offload`` that fits."""
+    rough: list[tuple[float, Layout, Training]] = []
+    for layout in candidate_layouts(shape, world_size, hw, zeros, offload):
         for mb in micro_batches:
             if training.global_batch % (mb * layout.dp):
                 continue
@@ -73,11 +101,5 @@ def recommend(
                 except PlanError:
                     continue
                 if p.fits:
-                    fitting.append(p)
-    if not fitting:
-        raise PlanError(
-            f"no layout of {world_size} × {hw.name} fits this model at global batch "
-            f"{training.global_batch}; add devices or choose a larger device profile"
-        )
-    fitting.sort(key=lambda p: (-round(p.step["tokens_per_s"], 6), p.peak_memory))  # ties: less memory first
-    return fitting[:top]
+                    rough.append((p.step["tokens_per_s"], layout, tr))
+    return rough

@@ -18,9 +18,16 @@ from ..comm.counter import SENT_FRACTION
 from ..layers.cross_entropy import CE_ALL_REDUCE_BYTES_PER_TOKEN
 from ..zero.compression import INDEX_BYTES, topk_count
 from ..zero.policy import policy
+from ..zero.theory import grad_reductions_per_step
 from .hardware import Hardware
 
-RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1}  # × (N-1) latency steps
+RING_STEPS = {
+    "all_reduce": 2,
+    "reduce_scatter": 1,
+    "all_gather": 1,
+    "broadcast": 1,
+    "all_to_all": 1,
+}  # × (N-1) latency steps
 # bytes sent: parallel.comm.SENT_FRACTION (the counter's, one home)
 
 
@@ -79,6 +86,7 @@ def dp_traffic(
     compression: str = "none",
     topk_ratio: float = 1.0,
     regathered_psi: int | None = None,
+    accumulate: str = "sharded",
 ) -> dict[str, float]:
     """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
 
@@ -103,7 +111,7 @@ def dp_traffic(
             "all_gather", n * k * (comm_bytes + INDEX_BYTES), 1, hw, "Top-K gradients (values + int32 indices)"
         )
         out["grad_per_step"] = one
-    elif not pol.reduce_every_microbatch:
+    elif grad_reductions_per_step(zero, m, accumulate) == 1:  # stages 0-1; ZeRO-3 accumulating unsharded
         out["grad_per_step"] = axis.add(pol.reduce, psi * comm_bytes, 1, hw, "gradients")
     else:
         out["grad_per_mb"] = axis.add(pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch")

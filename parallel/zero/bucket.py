@@ -43,6 +43,7 @@ import torch
 from .. import comm
 from .compression import TopKCompressor
 from .layout import BucketLayout
+from .offload import host_copy, host_empty, to_device
 from .policy import policy
 
 
@@ -58,6 +59,8 @@ class FlatBucket:
         param_dtype: torch.dtype,
         comm_dtype: torch.dtype,
         compressor: TopKCompressor | None,
+        offload: str = "none",
+        keep_full: bool = False,
     ):
         self.layout, self.params, self.stage, self.group = layout, list(params), stage, group
         self.policy = pol = policy(stage)  # what this stage shards, reduces and gathers
@@ -69,10 +72,17 @@ class FlatBucket:
             self.flat_param[slot.offset : slot.end].copy_(p.detach().reshape(-1))
             p.data = self.flat_param[slot.offset : slot.end].view(slot.shape)
         owned = self.flat_param[self.lo : self.hi]
-        self.param_shard = owned.clone() if pol.shards_params else None
+        self.offload = offload  # parallel/zero/offload.py: what lives in host memory
+        self.params_on_host = offload == "optimizer+params"
+        self.param_shard = (host_copy(owned) if self.params_on_host else owned.clone()) if pol.shards_params else None
         home = self.param_shard if pol.shards_params else owned
-        self.master = home if param_dtype == torch.float32 else home.float()
+        if offload == "none" or (self.params_on_host and param_dtype == torch.float32):
+            self.master = home if param_dtype == torch.float32 else home.float()
+        else:  # the optimizer's fp32 master shard in host memory
+            self.master = host_copy(home, torch.float32)
         self.master_is_separate = self.master is not home  # (not data_ptr: 0 for every meta tensor)
+        # the host target of the reduced gradient shard's device -> host copy
+        self.host_grad = host_empty(self.hi - self.lo, torch.float32, owned) if offload != "none" else None
         self.flat_grad = None
         self.grad_shard = None
         self.grad_views = not pol.shards_grads and param_dtype == torch.float32  # .grad are views of flat_grad
@@ -83,6 +93,8 @@ class FlatBucket:
         else:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
         self._stage1_shard = None
+        self.keep_full = keep_full  # ZeRO-3, accumulate="unsharded": the full fp32 gradient until the step
+        self.acc: torch.Tensor | None = None  # that full gradient, allocated at the first backward
         self.ready = 0  # parameters whose gradient has been accumulated in this backward
         self.reduced = False  # stages 0-1: this step's reduction was launched
         self._pending = None  # (handle, finish) of an in-flight collective
@@ -108,7 +120,24 @@ class FlatBucket:
             self._pending = (handle, lambda: self._keep_shard(out))
         self.reduced = True
 
+    def accumulate_full(self, param, slot_index: int) -> None:
+        """ZeRO-3 with unsharded accumulation: add ``param.grad`` into the fp32 full gradient
+        ``acc`` (n · 4 bytes, held until the step's reduce-scatter) and drop it."""
+        grad = param.grad
+        if grad is None:
+            return
+        if self.acc is None:
+            self.acc = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=grad.device)
+        slot = self.layout.slots[slot_index]
+        self.acc[slot.offset : slot.end].add_(grad.reshape(-1))
+        param.grad = None
+
     def _full_grad_for_comm(self) -> torch.Tensor:
+        if self.acc is not None:  # unsharded accumulation: send the sum of all micro-batches, once
+            for i, p in enumerate(self.params):
+                self.accumulate_full(p, i)
+            acc, self.acc = self.acc, None
+            return acc if acc.dtype == self.comm_dtype else acc.to(self.comm_dtype)
         if self.flat_grad is not None:  # gradients not sharded (stage 1)
             g = self.flat_grad
             return g if g.dtype == self.comm_dtype else g.to(self.comm_dtype)
@@ -160,7 +189,7 @@ class FlatBucket:
     def has_unreduced_grads(self) -> bool:
         if not self.policy.shards_grads:  # one reduction per step, of the accumulated flat_grad
             return not self.reduced
-        return any(p.grad is not None for p in self.params)
+        return self.acc is not None or any(p.grad is not None for p in self.params)
 
     def main_grad(self) -> torch.Tensor:
         """This rank's reduced gradient (sum over DP) of the range it steps, in fp32."""
@@ -186,8 +215,8 @@ class FlatBucket:
     def publish_master(self) -> None:
         """After the optimizer step: make the compute parameters equal the updated master."""
         home = self.param_shard if self.policy.shards_params else self.flat_param[self.lo : self.hi]
-        if self.master_is_separate:
-            home.copy_(self.master)
+        if self.master_is_separate:  # offload: host -> device, asynchronous from pinned memory
+            home.copy_(self.master, non_blocking=self.master.is_pinned())
         if self.policy.gathers_after_step:
             comm.all_gather(self.flat_param, home.clone(), group=self.group)
         elif self.policy.gathers_per_unit:
@@ -210,7 +239,8 @@ class FlatBucket:
             return
         storage = self.flat_param.untyped_storage()
         storage.resize_(self.flat_param.numel() * self.flat_param.element_size())
-        self._gather = comm.all_gather(self.flat_param, self.param_shard, group=self.group, async_op=True)
+        shard = to_device(self.param_shard, self.flat_param.device) if self.params_on_host else self.param_shard
+        self._gather = comm.all_gather(self.flat_param, shard, group=self.group, async_op=True)
 
     def wait_gather(self) -> None:
         if self.gathered:

@@ -33,7 +33,11 @@ communicate once, on the last micro-batch (or at :meth:`step`); inside
 each bucket's reduction as its gradients become final. Stages 2–3
 reduce-scatter every micro-batch into the accumulated gradient shard: keeping
 the full gradient across micro-batches would give up the memory these stages
-exist to save (DeepSpeed and FSDP do the same).
+exist to save (DeepSpeed does the same). ``accumulate="unsharded"`` (stage 3
+only) makes FSDP2's choice instead: under :meth:`no_sync` each micro-batch's
+gradient is added into a full fp32 buffer per bucket (``g·Ψ`` bytes while
+accumulating, :func:`parallel.zero.theory.accumulation_grad_bytes`) and the
+step's last backward reduce-scatters it once — m× fewer gradient bytes.
 
 Overlap: with ``overlap=True`` a bucket's collective is launched, asynchronous,
 from the hook of its last gradient, while backward goes on; all are waited for
@@ -74,10 +78,11 @@ from .bucket import FlatBucket
 from .compression import COMPRESSIONS, TopKCompressor, topk_count
 from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
+from .offload import HostCopier, check_offload, host_step
 from .policy import ZERO_STAGES, policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
-from .theory import grad_comm_dtype
+from .theory import ZERO3_ACCUMULATE, grad_comm_dtype
 from .units import UnitGatherer
 
 DTYPES = TORCH_DTYPES  # one home: parallel.precision
@@ -114,11 +119,18 @@ def host_flag(flag: torch.Tensor) -> bool:
     return bool(flag)
 
 
-def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float):
+def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float, accumulate="sharded"):
     """Refuse impossible settings (the same on every rank, before any collective); return the compression."""
     if stage not in ZERO_STAGES:
         stages = ", ".join(map(str, ZERO_STAGES[:-1])) + f" or {ZERO_STAGES[-1]}"
         raise ZeroConfigError(f"ZeRO stage must be {stages}, got {stage}")
+    if accumulate not in ZERO3_ACCUMULATE:
+        raise ZeroConfigError(f"accumulate must be one of {ZERO3_ACCUMULATE}, got {accumulate!r}")
+    if accumulate == "unsharded" and stage != 3:
+        raise ZeroConfigError(
+            f"accumulate='unsharded' is ZeRO-3's choice (stages 0-1 keep full gradients anyway; stage 2 "
+            f"with them is stage 1), got stage {stage}; use stage=3, or stage=1 for unsharded gradients"
+        )
     if compression not in (None, *COMPRESSIONS):
         raise ZeroConfigError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
     compression = None if compression == "none" else compression
@@ -143,7 +155,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     over the flat fp32 shards (group 0 with weight decay, group 1 with
     ``weight_decay=0``). ``units``: stage 3's gather granularity. ``bucket_mb``:
     the most bytes per flat bucket (one collective each). ``loss_scaler``: fp16's
-    :class:`DynamicLossScaler` (default settings if None).
+    :class:`DynamicLossScaler` (default settings if None). ``offload``: ``"optimizer"``
+    or ``"optimizer+params"`` keep model state in host memory (:mod:`parallel.zero.offload`).
     """
 
     def __init__(
@@ -165,9 +178,18 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         compression: str | None = None,
         topk_ratio: float = 0.01,
         loss_scaler: DynamicLossScaler | None = None,
+        offload: str = "none",
+        accumulate: str = "sharded",
     ):
         super().__init__()
-        compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio)
+        compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio, accumulate)
+        self.offload = check_offload(offload, stage)
+        self.keep_full = accumulate == "unsharded"  # ZeRO-3: one reduce-scatter per step (theory.ZERO3_ACCUMULATE)
+        if self.keep_full and self.offload != "none":
+            raise ZeroConfigError(
+                f"accumulate='unsharded' keeps the full fp32 gradients on the device across micro-batches, "
+                f"which undoes offload={self.offload!r} (it exists to free device memory); use one of them"
+            )
         self.param_dtype = _dtype(precision, "precision")
         self.comm_dtype = _dtype(grad_comm_dtype(comm_dtype), "comm_dtype")
         self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
@@ -190,9 +212,16 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             {"params": [b.master for b in self.buckets if not b.layout.weight_decay], "weight_decay": 0.0},
         ]
         self.optimizer = optimizer_factory([g for g in groups if g["params"]])
+        self._host_copier = HostCopier(self.buckets[0].flat_param.device) if self.offload != "none" else None
         self._sync = True
         self._callback_queued = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_bucket]
+        # fp32 at stages 0-1 accumulates straight into flat_grad (the .grad are views): a hook has
+        # work only in a backward whose reductions can launch (dp > 1, not under no_sync)
+        self._hooks_on_demand = (
+            self.param_dtype == torch.float32 and not self.policy.shards_grads and not self.policy.shards_params
+        )
+        self._hooks: list = []
+        self._update_hooks()
         if self.policy.gathers_per_unit:
             self._unit_gatherer = UnitGatherer(self.module, self.units, self._unit_buckets)
 
@@ -244,6 +273,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 param_dtype=self.param_dtype,
                 comm_dtype=self.comm_dtype,
                 compressor=compressor,
+                offload=self.offload,
+                keep_full=self.keep_full,
             )
             bucket.norm_ranges = counted_ranges(layout, bucket.lo, bucket.hi, params, count_replicated=tp_rank == 0)
             if layout.extra_reduce == "embedding" and not first_stage:
@@ -269,10 +300,12 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without communicating (stages 0–1; see the module docstring)."""
         previous, self._sync = self._sync, False
+        self._update_hooks()
         try:
             yield
         finally:
             self._sync = previous
+            self._update_hooks()
 
     @contextlib.contextmanager
     def sync_gradients(self) -> Iterator[None]:
@@ -284,13 +317,31 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         last backward (``PipelineExecutor(final_backward=...)``); a bucket that spans chunks
         launches once the gradients of all of them are final."""
         previous, self._sync = self._sync, True
+        self._update_hooks()
         try:
             yield
         finally:
             self._sync = previous
+            self._update_hooks()
 
     def _communicates_now(self) -> bool:
-        return self._sync or self.policy.reduce_every_microbatch
+        return self._sync or (self.policy.reduce_every_microbatch and not self.keep_full)
+
+    def _update_hooks(self) -> None:
+        """Have a post-accumulate-grad hook on every parameter only while one can do work.
+
+        Always at stages 2-3 and in 16-bit precision (each micro-batch's gradient is taken
+        into the fp32 buffer or sent). fp32 at stages 0-1 only while this backward communicates
+        over more than one DP rank (the hooks launch each bucket's reduction as it fills):
+        at dp=1 and under ``no_sync`` no Python runs per parameter, and :meth:`step` takes in
+        any gradient that is not a view of ``flat_grad`` (``model.zero_grad()`` set it to None)."""
+        want = not self._hooks_on_demand or (self.dp_size > 1 and self._communicates_now())
+        if want and not self._hooks:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_bucket]
+        elif not want and self._hooks:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._callback_queued:
@@ -299,7 +350,13 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         bucket = self._param_bucket[param]
         if bucket.flat_grad is not None:
             bucket.take_grad(param, self._slot_index[param])
+        elif self.keep_full:
+            bucket.accumulate_full(param, self._slot_index[param])
         if not self._communicates_now():
+            if self.keep_full:  # all of a unit's gradients are in: its backward is over, free its parameters
+                bucket.ready += 1
+                if bucket.ready == len(bucket.params) and self._frees_after_backward(bucket):
+                    bucket.free_params()
             return
         bucket.ready += 1
         if self.overlap and bucket.ready == len(bucket.params):
@@ -315,6 +372,10 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         if not self._communicates_now():
+            for b in self.buckets if self.keep_full else ():
+                b.ready = 0
+                if self._frees_after_backward(b):
+                    b.free_params()
             return
         for b in self.buckets:
             if not self.overlap and b.ready == len(b.params) and b.has_unreduced_grads():
@@ -339,6 +400,9 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         """Reduce what backward left unreduced (unused parameters, no_sync); return fp32 grads, averaged."""
         for b in self.buckets:
             if b.has_unreduced_grads():
+                if self._hooks_on_demand:  # no hook saw these gradients: adopt any that is not a view
+                    for i, p in enumerate(b.params):
+                        b.take_grad(p, i)
                 self._reduce(b, wait=True)
             b.finish_reduction()
         divisor = self.dp_size * (self.scaler.scale if self.scaler else 1.0)
@@ -347,9 +411,11 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             g.div_(divisor)
             if b.layout.extra_reduce:  # tied embedding: + the other stage's; sequence parallel: + other TP ranks'
                 comm.all_reduce(g, group=self.extra_groups[b.layout.extra_reduce])
+            if self._host_copier is not None:  # offload: device -> host now, while later buckets finish
+                self._host_copier.copy(b.host_grad, g)
         return grads
 
-    def step(self) -> dict:
+    def step(self, norm: bool = True) -> dict:
         """Reduce gradients, clip, step the optimizer on this rank's shard, publish parameters.
 
         Returns ``{"grad_norm": tensor, "skipped": tensor, "loss_scale": float}``:
@@ -365,11 +431,29 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         GPUs): no host read at all. Otherwise, and under fp16 (the loss scaler is host
         bookkeeping), the flag is read once per step — as Megatron-LM and torch's
         GradScaler do.
+
+        ``norm=False`` (a step nobody logs): without clipping and without fp16's scaler nothing
+        needs the norm, so it is not computed (no reduction, no collective) and ``grad_norm``
+        and ``skipped`` are None; the step is taken as is, as DDP and FSDP take it. Offloaded
+        (``offload``), the host step reads the skip flag anyway, so the norm is always computed.
         """
         grads = self._finish_gradients()
+        if not norm and self.grad_clip is None and self.scaler is None and self._host_copier is None:
+            for b, g in zip(self.buckets, grads):
+                b.master.grad = g
+            if getattr(self.optimizer, "_step_supports_amp_scaling", False):
+                self.optimizer.found_inf = None  # no skip decided: the fused kernels step
+            self.optimizer.step()
+            for b in self.buckets:
+                b.publish_master()
+                b.master.grad = None
+            self.zero_grad()
+            return {"grad_norm": None, "skipped": None, "loss_scale": 1.0}
         norm = global_norm(local_sq_norm(grads, [b.norm_ranges for b in self.buckets]), self.norm_groups)
         found_inf = ~torch.isfinite(norm)
         coef = clip_coefficient(norm, self.grad_clip)
+        if self._host_copier is not None:
+            return host_step(self, norm, found_inf, coef)
         for b, g in zip(self.buckets, grads):
             b.master.grad = g.mul_(coef) if coef is not None else g
         device_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))

@@ -27,22 +27,31 @@ from ..params import is_tp_replicated
 
 
 def counted_ranges(bucket_layout, lo: int, hi: int, params, count_replicated: bool) -> list[tuple[int, int]]:
-    """Ranges ``[a, b)`` of the local range ``[lo, hi)`` (0-based in it) that enter the norm."""
-    out = []
+    """Ranges ``[a, b)`` of the local range ``[lo, hi)`` (0-based in it) that enter the norm.
+
+    Adjacent ranges are merged, so a bucket whose slots all count is one range (one norm).
+    """
+    out: list[tuple[int, int]] = []
     for slot, a, b in bucket_layout.overlaps(lo, hi):
         p = params[bucket_layout.slots.index(slot)]
         if count_replicated or not is_tp_replicated(p):
-            out.append((a - lo, b - lo))
+            if out and out[-1][1] == a - lo:
+                out[-1] = (out[-1][0], b - lo)
+            else:
+                out.append((a - lo, b - lo))
     return out
 
 
 def local_sq_norm(grads: Sequence[torch.Tensor], ranges: Iterable[Sequence[tuple[int, int]]]) -> torch.Tensor:
-    """Sum of squares of ``grad[a:b]`` over each grad's counted ranges, in fp32, on the grads' device."""
-    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-    for g, rs in zip(grads, ranges):
-        for a, b in rs:
-            total += g[a:b].float().pow(2).sum()
-    return total
+    """Sum of squares of ``grad[a:b]`` over each grad's counted ranges, in fp32, on the grads' device.
+
+    One fused reduction: ``torch._foreach_norm`` over the ranges (views, no copies; one
+    kernel launch per dtype/device on a GPU), then the squares of those norms summed."""
+    pieces = [g[a:b] for g, rs in zip(grads, ranges) for a, b in rs]
+    if not pieces:
+        return torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in pieces])
+    return torch.stack(norms).square().sum()
 
 
 def global_norm(local_sq: torch.Tensor, groups: Sequence) -> torch.Tensor:

@@ -47,8 +47,9 @@ def _full_flat(bucket, local: torch.Tensor) -> torch.Tensor:
     """The whole padded flat tensor of ``bucket`` from each rank's owned range."""
     if not bucket.policy.shards_optimizer:  # every rank holds the whole range
         return local.float()
-    out = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=local.device)
-    comm.all_gather(out, local.float().contiguous(), group=bucket.group)
+    device = bucket.flat_param.device  # the collective's device, also when the shard is in host memory (offload)
+    out = torch.empty(bucket.layout.padded_numel, dtype=torch.float32, device=device)
+    comm.all_gather(out, local.to(device, torch.float32).contiguous(), group=bucket.group)
     return out
 
 
@@ -152,7 +153,8 @@ class StateDictMixin:
             for key in sorted(set().union(*per_param)):
                 first = per_param[0][key]
                 if torch.is_tensor(first) and first.dim() > 0 and first.shape == b.layout.slots[0].shape:
-                    state[key] = _owned(b, {n: st[key] for n, st in zip(names, per_param)}).clone()
+                    owned = _owned(b, {n: st[key] for n, st in zip(names, per_param)})
+                    state[key] = owned.to(b.master.device, copy=True)  # offload: the state lives on the host
                 else:
                     state[key] = first.clone() if torch.is_tensor(first) else first
             if state:
@@ -167,21 +169,30 @@ class StateDictMixin:
     def held_bytes(self) -> dict:
         """Model-state bytes this rank holds now, counted from its tensors.
 
-        ``params``: compute parameters (stage 3: the shard plus whatever is
+        Device: ``params``: compute parameters (stage 3: the shard plus whatever is
         gathered at the moment); ``grads``: gradient buffers; ``optimizer``: the
         separate fp32 master (16-bit precisions) plus every per-element optimizer
-        state tensor (0-dim scalars such as Adam's ``step`` are left out).
+        state tensor (0-dim scalars such as Adam's ``step`` are left out); ``total``
+        their sum. ``host`` (a key only under ``offload``): what it keeps in host memory instead (master,
+        optimizer state, the gradient copy target, stage 3's parameter shards).
         """
         nbytes = lambda t: t.untyped_storage().nbytes()  # noqa: E731 - 0 once freed (stage 3)
-        params = grads = optim = 0
+        params = grads = optim = host = 0
         for b in self.buckets:
-            params += nbytes(b.flat_param) + (b.param_shard.nbytes if b.param_shard is not None else 0)
+            on_host = b.offload != "none"
+            shard = b.param_shard.nbytes if b.param_shard is not None else 0
+            params += nbytes(b.flat_param) + (0 if b.params_on_host else shard)
             grads += sum(t.nbytes for t in (b.flat_grad, b.grad_shard) if t is not None)
             grads += sum(p.grad.nbytes for p in b.params if b.flat_grad is None and p.grad is not None)
-            optim += b.master.nbytes if b.master_is_separate else 0
-            optim += sum(
+            state = sum(
                 v.nbytes
                 for v in self.optimizer.state.get(b.master, {}).values()
                 if torch.is_tensor(v) and v.dim() > 0 and v.shape == b.master.shape
             )
-        return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+            master = b.master.nbytes if b.master_is_separate else 0
+            if on_host:
+                host += master + state + b.host_grad.nbytes + (shard if b.params_on_host else 0)
+            else:
+                optim += master + state
+        out = {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+        return {**out, "host": host} if self.offload != "none" else out

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from ..comm.counter import SENT_FRACTION
 from ..precision import DTYPE_BYTES
+from .offload import host_state_bytes
 from .policy import policy
 
 GRAD_BYTES = 4  # the fp32 main gradient, at every precision
@@ -53,16 +54,32 @@ def optimizer_bytes_per_param(param_bytes: int, state_tensors: int = 2) -> int:
 
 
 def model_state_bytes(
-    psi: int, stage: int, dp: int, param_bytes: int = 4, state_tensors: int = 2, grad_bytes: int = GRAD_BYTES
+    psi: int,
+    stage: int,
+    dp: int,
+    param_bytes: int = 4,
+    state_tensors: int = 2,
+    grad_bytes: int = GRAD_BYTES,
+    offload: str = "none",
 ) -> dict:
     """Bytes of parameters, gradients and optimizer state one rank holds between steps
-    (``grad_bytes``: the engine's fp32 main gradient; pass ``param_bytes`` for the ZeRO paper's count)."""
+    (``grad_bytes``: the engine's fp32 main gradient; pass ``param_bytes`` for the ZeRO paper's count).
+
+    ``total`` is on the device; ``host`` (a key only under offload) what ``offload`` keeps in host memory instead
+    (:func:`parallel.zero.offload.host_state_bytes`): the optimizer's share leaves the
+    device, and with ``"optimizer+params"`` stage 3's persistent parameter shard too."""
     k = optimizer_bytes_per_param(param_bytes, state_tensors)
     pol = policy(stage)
     params = param_bytes * psi / (dp if pol.shards_params else 1)
     grads = grad_bytes * psi / (dp if pol.shards_grads else 1)
     optim = k * psi / (dp if pol.shards_optimizer else 1)
-    return {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+    host = host_state_bytes(psi, param_bytes, offload, 4 * state_tensors) / (dp if pol.shards_optimizer else 1)
+    if offload != "none":
+        optim = 0
+    if offload == "optimizer+params":
+        params = 0
+    out = {"params": params, "grads": grads, "optimizer": optim, "total": params + grads + optim}
+    return {**out, "host": host} if offload != "none" else out
 
 
 def step_sent_bytes(
@@ -90,3 +107,27 @@ def step_sent_bytes(
         f = SENT_FRACTION["all_gather"](dp)
         sent += f * (psi if regathered_psi is None else regathered_psi) * param_bytes
     return sent
+
+
+#: how ZeRO-3 accumulates gradients over the micro-batches of a step: ``sharded`` reduce-scatters
+#: every micro-batch into the fp32 shard (Ψ·g/N held); ``unsharded`` keeps the full fp32 gradient
+#: until the step's last micro-batch and reduce-scatters once (FSDP2's accumulation: m× fewer
+#: gradient bytes on the wire for g·Ψ·(N-1)/N more bytes held while accumulating)
+ZERO3_ACCUMULATE = ("sharded", "unsharded")
+
+
+def grad_reductions_per_step(stage: int, microbatches: int, accumulate: str = "sharded") -> int:
+    """How many times a step reduces each gradient over DP: once at stages 0–1 and for ZeRO-3
+    with ``accumulate="unsharded"``; every micro-batch at stage 2 and sharded stage 3."""
+    if accumulate not in ZERO3_ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {ZERO3_ACCUMULATE}, got {accumulate!r}")
+    once = not policy(stage).reduce_every_microbatch or (stage == 3 and accumulate == "unsharded")
+    return 1 if once else microbatches
+
+
+def accumulation_grad_bytes(psi: int, stage: int, accumulate: str = "sharded", grad_bytes: int = GRAD_BYTES) -> int:
+    """Bytes of full (unsharded) gradient a rank holds while accumulating, beyond
+    :func:`model_state_bytes`: ``grad_bytes·Ψ`` for ZeRO-3 with ``accumulate="unsharded"``
+    (allocated at the first backward, freed by the step's reduce-scatter), else 0."""
+    grad_reductions_per_step(stage, 1, accumulate)  # refuses an unknown mode
+    return grad_bytes * psi if stage == 3 and accumulate == "unsharded" else 0

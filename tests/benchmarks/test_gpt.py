@@ -38,3 +38,13 @@ def test_plain_stages_compose_to_the_whole_model():
 def test_plain_gpt_refuses_what_it_cannot_mirror():
     with pytest.raises(ValueError, match="tie_embeddings=True"):
         PlainGPT(suite_model(suite_recipe()).replace(tie_embeddings=True))
+
+
+@pytest.mark.parametrize("size,params", [("small", 0.87e6), ("medium", 3.3e6), ("large", 25.6e6)])
+def test_suite_sizes_have_the_parameter_counts_they_claim(size, params):
+    cfg = suite_model(suite_recipe(size=size))
+    with torch.device("meta"):
+        n = sum(p.numel() for p in PlainGPT(cfg).parameters())
+    assert n == pytest.approx(params, rel=0.01)
+    with pytest.raises(ValueError, match="unknown size"):
+        suite_recipe(size="huge")

@@ -31,12 +31,16 @@ def test_pytorch_traffic_is_counted_where_visible(two_rank_rows):
     assert two_rank_rows["dp ZeRO-0"]["theirs_sent_MB"] == pytest.approx(
         two_rank_rows["dp ZeRO-0"]["theory_sent_MB"], rel=0.02
     )
-    # FSDP2 without resharding: an all-gather per micro-batch's forward, one reduce-scatter (gradient
-    # sync only on the last); ours stage 2 the reverse (a reduce-scatter per micro-batch, one all-gather)
+    # FSDP2 without resharding (after forward, nor after a non-final backward): one all-gather and one
+    # reduce-scatter per step (gradient sync only on the last micro-batch); ours stage 2 a
+    # reduce-scatter per micro-batch and one all-gather
     m, rs = 4, two_rank_rows["dp ZeRO-0"]["theory_sent_MB"] / 2  # all-reduce 2ρ·Ψ·4 B; its half ρ·Ψ·4 B
-    assert two_rank_rows["dp ZeRO-2"]["theirs_sent_MB"] == pytest.approx((m + 1) * rs, rel=0.02)
+    assert two_rank_rows["dp ZeRO-2"]["theirs_sent_MB"] == pytest.approx(2 * rs, rel=0.02)
     # FSDP2 resharding: all-gathers in forward and backward of every micro-batch, one reduce-scatter
     assert two_rank_rows["dp ZeRO-3"]["theirs_sent_MB"] == pytest.approx((2 * m + 1) * rs, rel=0.02)
+    # ours accumulating unsharded at stage 3: FSDP2's gradient traffic, one reduce-scatter per step
+    ours3, fsdp3 = two_rank_rows["dp ZeRO-3 unsharded acc."], two_rank_rows["dp ZeRO-3"]
+    assert ours3["ours_sent_MB"] == pytest.approx(fsdp3["ours_sent_MB"] - (m - 1) * rs, rel=0.02)
     assert two_rank_rows["tp=2"]["theirs_sent_MB"] is None  # DTensor's functional collectives: not seen
 
 
@@ -55,18 +59,25 @@ def test_model_state_per_rank_follows_the_zero_stage(two_rank_rows):
     assert [s / state[0] for s in state] == pytest.approx([1, 12 / 16, 10 / 16, 8 / 16], rel=0.02)
 
 
-def test_main_writes_table_json_and_chart(tmp_path):
+def test_main_writes_table_json_history_and_chart(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"meta": {"old": 1}, "rows": []}))  # the one-run form
     rows = run.main(["--only", "single", "--quick", "--steps", "2", "--warmup", "0", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["rows"] == json.loads(json.dumps(rows))
+    assert [r["meta"].get("old") for r in saved["runs"]] == [1, None]  # appended to the history
+    assert saved["runs"][-1]["rows"] == json.loads(json.dumps(rows))
+    assert saved["runs"][-1]["meta"]["sizes"] == ["small"] and saved["runs"][-1]["meta"]["date"]
     (row,) = rows
     assert row["rounds"] == 2 and row["ours_sent_MB"] == 0 and row["theory_sent_MB"] == 0
+    assert row["size"] == "small" and row["cpu_ratio"] > 0 and row["cpu_ours_ms"] > 0
     assert row["ours_state_MB"] == pytest.approx(row["theirs_state_MB"], rel=1e-6)  # same params, grads, AdamW
-    assert "| single process | 1 | plain PyTorch |" in (tmp_path / "results.md").read_text()
+    assert "| single process | small | 1 | plain PyTorch |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "ratios.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_unknown_section_is_refused(capsys):
+def test_unknown_section_or_size_is_refused(capsys):
     with pytest.raises(SystemExit):
         run.main(["--only", "dp,bogus"])
     assert "bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run.main(["--only", "dp", "--sizes", "small,huge"])
+    assert "huge" in capsys.readouterr().err

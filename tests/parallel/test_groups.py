@@ -197,7 +197,7 @@ def test_as_many_local_ranks_as_gpus_pass_the_check():
         check_local_gpus(0, 1, 0)
 
 
-def _count_new_group_calls(dp, pp, tp):
+def _count_new_group_calls(dp, pp, tp, cp=1, ep=1):
     calls = []
     real = dist.new_group
 
@@ -207,30 +207,46 @@ def _count_new_group_calls(dp, pp, tp):
 
     dist.new_group = counting
     try:
-        g = build_groups(Topology(dp, pp, tp))
+        g = build_groups(Topology(dp, pp, tp, cp, ep))
     finally:
         dist.new_group = real
-    t = torch.ones(1)
-    comm.all_reduce(t, group=g.dp)  # the groups work
-    return calls, t.item()
+    sums = {}
+    for axis in ("dp", "cp", "dpcp", "ep", "edp"):  # the groups work, and hold their members
+        t = torch.tensor([1.0, float(dist.get_rank())])
+        comm.all_reduce(t, group=g.group(axis))
+        sums[axis] = t.tolist()
+    same = g.dpcp is g.dp, g.edp is g.dpcp
+    ranks = {a: (g.group(a) and dist.get_process_group_ranks(g.group(a))) for a in ("cp", "dpcp", "ep", "edp")}
+    return calls, sums, same, ranks
 
 
-@pytest.mark.parametrize("layout", [(2, 2, 2), (8, 1, 1), (1, 4, 2)])
+@pytest.mark.parametrize("layout", [(2, 2, 2), (8, 1, 1), (1, 4, 2), (2, 1, 1, 2, 2), (4, 1, 1, 1, 2)])
 def test_each_rank_creates_only_its_own_groups(layout):
-    """Group creation costs a rank one new_group per group it belongs to (≤ 5), not one per
-    group in the world (issue 12 §3.8: 3,608 per rank at DP64×PP35×TP8)."""
+    """Group creation costs a rank one new_group per group it belongs to (≤ 9), not one per
+    group in the world (issue 12 §3.8: 3,608 per rank at DP64×PP35×TP8); the derived
+    groups are the same object where they hold the same ranks (dpcp at cp=1, edp at ep=1)."""
     topo = Topology(*layout)
-    for rank, (calls, dp_sum) in enumerate(run_ranks(_count_new_group_calls, topo.world_size, *layout)):
+    for rank, (calls, sums, same, ranks) in enumerate(run_ranks(_count_new_group_calls, topo.world_size, *layout)):
         c = topo.coords(rank)
         middle = 0 < c.pp < topo.pp - 1
-        assert [d for d, _ in calls] == ["tp", "dp", "pp", "mp"] + ([] if middle else ["embedding"])
-        assert all(rank in ranks for _, ranks in calls)
-        assert dp_sum == topo.dp
+        expected = ["tp", "cp", "dp"] + (["dpcp"] if topo.cp > 1 else []) + ["ep"]
+        expected += (["edp"] if topo.ep > 1 else []) + ["pp", "mp"] + ([] if middle else ["embedding"])
+        assert [d for d, _ in calls] == expected
+        assert all(rank in r for _, r in calls)
+        assert same == (topo.cp == 1, topo.ep == 1)
+        for axis, (count, rank_sum) in sums.items():
+            members = topo.group_of(axis, rank)
+            assert (count, rank_sum) == (topo.size(axis), sum(members)), axis
+        for axis, r in ranks.items():
+            assert sorted(r) == sorted(topo.group_of(axis, rank)), axis
 
 
 def test_group_creation_per_rank_is_independent_of_the_world_size():
     from parallel.groups import my_group_ranks
 
     big = Topology(64, 35, 8)
-    assert [len(r) for r in my_group_ranks(big, 8704).values()] == [8, 64, 35, 280]  # a middle stage
-    assert [len(r) for r in my_group_ranks(big, 17919).values()] == [8, 64, 35, 280, 2]
+    assert [len(r) for r in my_group_ranks(big, 8704).values()] == [8, 1, 64, 1, 35, 280]  # a middle stage
+    assert [len(r) for r in my_group_ranks(big, 17919).values()] == [8, 1, 64, 1, 35, 280, 2]
+    mixed = Topology(16, 4, 8, 2, 4)  # cp=2, ep=4: every derived group of its own
+    sizes = {a: len(r) for a, r in my_group_ranks(mixed, 777).items()}
+    assert sizes == {"tp": 8, "cp": 2, "dp": 16, "dpcp": 32, "ep": 4, "edp": 8, "pp": 4, "mp": 32, "embedding": 2}

@@ -118,6 +118,7 @@ def test_auto_dp():
         (dict(dp=1, pp=1, tp=True), "tp must be a positive integer, got True"),
         (dict(dp="2", pp=1, tp=1), "dp must be a positive integer"),
         (dict(dp=1, pp=1, tp=1, order="tp-dp"), "order must name each of dp, pp, tp"),
+        (dict(dp=1, pp=1, tp=1, order="tp-cp-dp-pp-cp"), "order must name each of dp, pp, tp"),
     ],
 )
 def test_bad_sizes_are_refused_with_numbers(kwargs, needle):
@@ -133,7 +134,7 @@ def test_bad_lookups():
     with pytest.raises(TopologyError, match="tp index 2 out of range"):
         t.rank(tp=2)
     with pytest.raises(TopologyError, match="unknown axis"):
-        t.groups("cp")
+        t.groups("xp")
 
 
 def test_describe_names_nodes_and_flags_tp_crossing_nodes():
@@ -161,3 +162,82 @@ def test_docstring_examples_hold():
 
     result = doctest.testmod(parallel.topology)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("order", ["tp-cp-dp-pp", "cp-tp-pp-dp", "dp-cp-pp-tp", "tp-dp-pp"])
+@pytest.mark.parametrize("dp,pp,tp,cp,ep", [(2, 1, 1, 2, 1), (4, 2, 2, 2, 2), (4, 1, 2, 3, 4), (6, 2, 1, 1, 3)])
+def test_cp_axis_and_derived_groups(dp, pp, tp, cp, ep, order):
+    t = Topology(dp, pp, tp, cp, ep, order=order)
+    assert t.world_size == dp * pp * tp * cp
+    for r in range(t.world_size):
+        c = t.coords(r)
+        assert t.rank(dp=c.dp, pp=c.pp, tp=c.tp, cp=c.cp) == r
+    for axis in AXES + ("dpcp", "ep", "edp"):
+        groups = t.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(t.world_size)), axis
+        assert all(len(g) == t.size(axis) for g in groups), axis
+        for g in groups:
+            assert all(t.group_of(axis, r) == g for r in g), axis
+            cs = [t.coords(r) for r in g]
+            if axis not in ("pp", "tp"):  # data-side groups never cross a model shard
+                assert len({(c.pp, c.tp) for c in cs}) == 1
+            if axis == "dpcp":
+                assert [t.dpcp_index(r) for r in g] == list(range(dp * cp))
+            if axis == "ep":  # ep consecutive dp indices, one cp slice
+                assert len({c.cp for c in cs}) == 1 and [t.ep_index(r) for r in g] == list(range(ep))
+                assert len({c.dp // ep for c in cs}) == 1
+            if axis == "edp":  # the same expert shard, every copy and every cp slice
+                assert len({t.ep_index(r) for r in g}) == 1 and [t.edp_index(r) for r in g] == list(
+                    range(dp // ep * cp)
+                )
+    # the dense group is dp × cp; the expert groups split it: ep × edp covers it exactly once
+    for g in t.groups("dpcp"):
+        for r in g:
+            assert set(t.group_of("ep", r)) <= set(g) and set(t.group_of("edp", r)) <= set(g)
+        assert {(t.ep_index(r), t.edp_index(r)) for r in g} == {(e, k) for e in range(ep) for k in range(dp // ep * cp)}
+    # pipeline neighbours keep the cp slice; tied embeddings pair the same slice
+    for r in range(t.world_size):
+        nxt = t.next_rank(r)
+        if nxt is not None:
+            assert t.coords(nxt).cp == t.coords(r).cp and t.prev_rank(nxt) == r
+        assert len({t.coords(x).cp for x in t.group_of("embedding", r)}) == 1
+
+
+def test_cp_default_order_formula_and_by_hand():
+    t = Topology(dp=3, pp=2, tp=2, cp=2)
+    for p, d, k, c in itertools.product(range(2), range(3), range(2), range(2)):
+        assert t.rank(dp=d, pp=p, tp=k, cp=c) == ((p * 3 + d) * 2 + c) * 2 + k
+    t = Topology(2, 1, 1, 2, 2)  # 4 ranks: tp=1, cp fastest, then dp
+    assert t.groups("cp") == [[0, 1], [2, 3]]
+    assert t.groups("dp") == [[0, 2], [1, 3]]
+    assert t.groups("dpcp") == [[0, 1, 2, 3]]
+    assert t.groups("ep") == [[0, 2], [1, 3]]
+    assert t.groups("edp") == [[0, 1], [2, 3]]
+    assert t.coords(3) == Coords(dp=1, pp=0, tp=0, cp=1)
+    # an order without cp keeps every rank of the three-axis grid
+    assert Topology(2, 2, 2, order="tp-dp-pp") == Topology(2, 2, 2) == Topology(2, 2, 2, order="tp-dp-cp-pp")
+    assert "cp=2, ep=2" in repr(t) and "order='tp-cp-dp-pp'" in repr(t)
+    assert "order='tp-dp-pp'" in repr(Topology(2, 2, 2))
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(dp=2, pp=1, tp=2, cp=2, world_size=6), "world size 6 ≠ dp 2 × pp 1 × tp 2 × cp 2 = 8"),
+        (dict(dp=None, pp=1, tp=2, cp=3, world_size=8), "not divisible by pp 1 × tp 2 × cp 3 = 6"),
+        (dict(dp=6, cp=0), "cp must be a positive integer, got 0"),
+        (dict(dp=6, ep=4), "ep 4 does not divide dp 6"),
+        (dict(dp=6, ep=4), "divisors of dp 6: [1, 2, 3, 6]"),
+        (dict(dp=None, cp=2, ep=3, world_size=8), "ep 3 does not divide dp 4"),
+    ],
+)
+def test_bad_cp_and_ep_are_refused_with_numbers(kwargs, needle):
+    with pytest.raises(TopologyError) as e:
+        Topology(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_describe_shows_cp_and_ep():
+    text = Topology(2, 1, 2, 2, 2).describe(gpus_per_node=4)
+    assert "node 0: 0:(0,0,0,0) 1:(0,0,1,0) 2:(0,0,0,1) 3:(0,0,1,1)" in text
+    assert "rank:(dp,pp,tp,cp)" in text and "ep=2" in text and "2 rank(s) hold each expert shard" in text

@@ -54,6 +54,7 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["comm.bucket_mb=0"], "comm.bucket_mb", {}),
     (["comm.topk_ratio=2"], "comm.topk_ratio", {}),
     (["comm.compression=topk", "parallel.zero=1"], "comm.compression", {}),
+    (["parallel.zero3_accumulate=unsharded", "parallel.zero=1"], "parallel.zero3_accumulate", {}),
     (["comm.dtype=int8"], "comm.dtype", {}),
     # layout
     (["parallel.order=bogus"], "parallel.order", {}),
@@ -63,7 +64,10 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["parallel.vpp=2"], "parallel.vpp", {}),
     (["model.n_layers=6", "parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.vpp=2"], "parallel.vpp", {}),
     (["parallel.pp_schedule=zigzag"], "parallel.pp_schedule", {}),
+    (["parallel.pp=2", "parallel.pp_schedule=zb-h1", "parallel.vpp=2"], "parallel.pp_schedule", {}),
     (["parallel.zero=4"], "parallel.zero", {}),
+    (["parallel.offload=optimizer"], "parallel.offload", {}),
+    (["parallel.offload=optimizer+params", "parallel.zero=2"], "parallel.offload", {}),
     (["parallel.backend=nccl"], "parallel.backend", {}),
     (["parallel.backend=mpi"], "parallel.backend", {}),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", {}),
@@ -72,6 +76,9 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["parallel.pp=2", "parallel.pp_layers=[1,2]"], "parallel.pp_layers", {}),
     (["parallel.timeout_s=0"], "parallel.timeout_s", {}),
     (["parallel.gpus_per_node=0"], "parallel.gpus_per_node", {}),
+    (["parallel.cp=2", "model.seq_len=30"], "parallel.cp", {}),
+    (["parallel.cp=4", "parallel.cp_impl=alltoall", "model.n_heads=2"], "parallel.cp", {}),
+    (["parallel.cp_impl=ulysses"], "parallel.cp_impl", {}),
     # model
     (["model.preset=gpt5"], "model.preset", {}),
     (["model.seq_len=300000"], "model.seq_len", {}),

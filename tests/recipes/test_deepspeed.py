@@ -100,3 +100,38 @@ def test_the_readme_example_file_maps_and_validates():
     apply_deepspeed(rc, Path(__file__).parents[2] / "examples" / "ds_config.json", dp=1)
     assert (rc.train.global_batch, rc.train.micro_batch, rc.parallel.zero, rc.optim.warmup_steps) == (16, 4, 1, 20)
     assert validate(rc, world_size=1).grad_accum == 4
+
+
+@pytest.mark.parametrize(
+    "optimizer,param,mode",
+    [("cpu", None, "optimizer"), ("cpu", "cpu", "optimizer+params"), ("none", "none", "none")],
+)
+def test_offload_devices_map_onto_parallel_offload(optimizer, param, mode):
+    zo = {"stage": 3, "offload_optimizer": {"device": optimizer, "pin_memory": True}}
+    if param is not None:
+        zo["offload_param"] = {"device": param, "pin_memory": True}
+    out = deepspeed_overrides({"zero_optimization": zo}, dp=1)
+    assert out == {"parallel.zero": 3, "parallel.offload": mode}
+    rc = RecipeConfig()
+    rc.parallel.zero, rc.parallel.offload = 3, mode
+    validate(rc)
+
+
+@pytest.mark.parametrize(
+    "zo,named",
+    [
+        ({"offload_optimizer": {"device": "nvme"}}, "NVMe offload is not implemented"),
+        ({"offload_param": {"device": "cpu"}}, "set both"),
+    ],
+)
+def test_offload_settings_gridtrain_cannot_honour_are_refused(zo, named):
+    with pytest.raises(ConfigError, match=named):
+        deepspeed_overrides({"zero_optimization": {"stage": 3, **zo}}, dp=1)
+
+
+@pytest.mark.parametrize("zero,mode,fix", [(0, "optimizer", "parallel.zero=1"), (2, "optimizer+params", "zero=3")])
+def test_offload_needs_a_zero_stage_that_shards_what_it_moves(zero, mode, fix):
+    rc = RecipeConfig()
+    rc.parallel.zero, rc.parallel.offload = zero, mode
+    with pytest.raises(ConfigError, match=fix):
+        validate(rc)

@@ -33,7 +33,7 @@ def _check(results, plan, peak_bound):
         report[r] = mem["total"] / pm["total"]
         assert 1 - peak_bound <= report[r] <= 1 + peak_bound, (r, mem, pm)
         assert res["misplaced"] == []  # every tensor handed to a collective was on the rank's device (meta)
-        assert len(res["new_group_calls"]) <= 5  # its own groups only, whatever the world size
+        assert len(res["new_group_calls"]) <= 7  # its own groups only (cp = ep = 1), whatever the world size
     return report
 
 

@@ -87,7 +87,7 @@ def _fixtures(tmp: Path) -> dict[str, str]:
     for name, text in {
         "ds_bad": "{ nope",
         "ds_list": "[1, 2]",
-        "ds_unknown": '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}',
+        "ds_unknown": '{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme"}}}',
         "ds_auto": '{"train_batch_size": "auto"}',
         "ds_bad_lr": '{"optimizer": {"type": "AdamW", "params": {"lr": -0.1}}}',
     }.items():

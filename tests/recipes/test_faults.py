@@ -113,7 +113,9 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
         "1",
         "-m",
         "recipes.gpt_tiny",
-        *cli_overrides(tmp_path, max_steps=4, ckpt_every=2, resume="auto", fault="kill@1:3"),
+        # a synchronous save: step 2's checkpoint is published before step 3 starts (a background
+        # save may still be writing when the rank dies; the restart then resumes from the one before)
+        *cli_overrides(tmp_path, max_steps=4, ckpt_every=2, resume="auto", fault="kill@1:3", ckpt_async="false"),
     ]
     done, _ = launch(args, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -8,9 +8,11 @@ vocabulary-parallel embedding and cross-entropy and the pipeline all run).
 Before issue 12: 2 reads per micro-batch (token ids, targets) + 1 per
 cross-entropy backward (``nonzero``) + 3 per step (norm, skip, loss).
 Now: none per micro-batch; per step at most the loss/norm read of a *logged*
-step (``read=True``: one) and, with a non-fused optimizer (the CPU path),
-the skip decision (one); with torch's fused AdamW (the trainer's GPU path) the
-skip is decided on the device: zero reads on an unlogged step.
+step (``read=True``: one) and, with a non-fused optimizer, the skip decision
+(one); with torch's fused AdamW (what the trainer builds on CPU and GPU) the
+skip is decided on the device. An unlogged step that does not clip computes no
+norm at all (issue 17), so it reads nothing with either optimizer; one that clips
+reads the skip flag only with a non-fused optimizer.
 """
 
 import pytest
@@ -26,10 +28,11 @@ def _count(rc: RecipeConfig, run_dir: str, fused: bool):
     from recipes.trainer import Trainer
 
     trainer = Trainer(rc, run_dir)
-    if fused:  # what the trainer builds on a GPU, here on the CPU: AdamW with a device-side skip
-        opt = trainer.engine.zero.optimizer
-        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups]
-        trainer.engine.zero.optimizer = torch.optim.AdamW(groups, fused=True)
+    # fused: what the trainer builds (AdamW with a device-side skip); else the foreach loop
+    opt = trainer.engine.zero.optimizer
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups]
+    kind = {"fused": True} if fused else {"foreach": True}
+    trainer.engine.zero.optimizer = torch.optim.AdamW(groups, **kind)
     trainer.train_step(0)  # warm up: the optimizer state exists
     counts = {}
     for read in (False, True):
@@ -39,13 +42,14 @@ def _count(rc: RecipeConfig, run_dir: str, fused: bool):
     return counts, torch.is_tensor(rec["loss"])
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_host_reads_per_step_are_the_minimum(tmp_path, fused):
-    rc = tiny_recipe(dp=1, pp=2, tp=2, zero=1, train__micro_batch=2, train__global_batch=8)
+@pytest.mark.parametrize("fused,clip", [(False, 0.0), (True, 0.0), (False, 1.0)])
+def test_host_reads_per_step_are_the_minimum(tmp_path, fused, clip):
+    rc = tiny_recipe(dp=1, pp=2, tp=2, zero=1, train__micro_batch=2, train__global_batch=8, train__grad_clip=clip)
     for counts, loss_is_tensor in run_ranks(_count, 4, rc, str(tmp_path), fused, timeout=240):
         assert not loss_is_tensor  # read=True: the logged record holds numbers
         skip_read = {} if fused else {"__bool__": 1}  # the skip decision of a non-fused optimizer
-        assert counts[False] == skip_read, counts  # an unlogged step: 4 micro-batches, no read
+        unlogged = skip_read if clip else {}  # no clipping: an unlogged step computes no norm
+        assert counts[False] == unlogged, counts  # an unlogged step: 4 micro-batches
         assert counts[True] == {"tolist": 1, **skip_read}, counts  # a logged step: one read more
 
 

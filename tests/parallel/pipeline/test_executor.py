@@ -72,7 +72,7 @@ def _assert_matches(results, n_layers, m, tied=True):
 
 
 @pytest.mark.parametrize("pp", [2, 4])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
 def test_same_loss_and_gradients_as_one_process_and_simulated_memory(pp, schedule):
     vpp = 2 if schedule == "interleaved" else 1
     ms = [4, 8] if schedule == "interleaved" else [1, 4, 8]
@@ -99,7 +99,7 @@ def test_uneven_and_explicit_splits_untied_head():
 def _tp_sweep(m):
     return [
         _pipeline_step(4, 2, m, schedule, vpp, tp=2, count=True)
-        for schedule, vpp in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2))
+        for schedule, vpp in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb-h1", 1))
     ]
 
 
@@ -109,7 +109,7 @@ def test_tensor_parallel_scatter_gather_sends_one_tp_share():
     m = 4
     per_rank = run_ranks(_tp_sweep, 4, m, timeout=60)
     full_bytes = torch.Size(ACTIVATION_SHAPE).numel() * 4
-    for i, vpp in enumerate((1, 1, 2)):
+    for i, vpp in enumerate((1, 1, 2, 1)):
         results = [rank[i] for rank in per_rank]
         _assert_matches(results, 4, m)
         # stage 0 sends vpp activations (and, interleaved, vpp − 1 gradients) per micro-batch;

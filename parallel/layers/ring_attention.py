@@ -1,0 +1,450 @@
+"""Context-parallel attention: the sequence is split over a ``cp`` group.
+
+Layout (one home, :func:`cp_chunks`): the global sequence is cut into ``2·cp``
+equal chunks and cp rank ``i`` holds chunks ``i`` and ``2·cp−1−i``, in that
+order (Megatron-Core's load balancing). Under a causal mask every rank then has
+the same amount of work: early chunks see few keys, late chunks many, and each
+rank holds one of each. Data loading slices samples with :func:`cp_slice`;
+rotary / learned positions use :func:`cp_positions`.
+
+Two ways to attend over the whole sequence:
+
+* :func:`ring_attention` — K and V (one packed ``[2, b, h_kv, s/cp, d]`` block)
+  travel around the cp ring, ``cp−1`` hops forward; each rank merges the
+  partial results of its queries against every block with the log-sum-exp rule.
+  The next block's transfer (``isend``/``irecv`` through :func:`parallel.comm.exchange`)
+  is posted before the current block's compute and awaited after it. One kernel
+  call per step (:func:`ring_block`): the causal mask's hidden quarters are never
+  computed. Backward sends K/V around again (``cp−1`` hops) and the fp32 dK/dV
+  accumulators with them (``cp−1`` hops: the owner keeps its own share and the rest
+  comes home on the last hop). Per block: torch's CPU flash kernel, which returns the
+  log-sum-exp and whose backward takes the merged output and log-sum-exp (exact fp32);
+  on other devices an exact fp32 math kernel in query-row tiles (a CUDA flash kernel
+  with the same contract is the drop-in, not done here).
+* :func:`ulysses_attention` — DeepSpeed-Ulysses: an all-to-all turns
+  ``[b, h, s/cp, d]`` into ``[b, h/cp, s, d]`` for q, k and v, SDPA runs on whole
+  sequences of ``h/cp`` heads, and an all-to-all turns the output back. Needs
+  the (TP-local) query and kv heads divisible by cp (:func:`check_ulysses_heads`).
+
+Bytes sent per rank per layer (``KV`` = bytes of this rank's packed K and V,
+``2·b·h_kv·(s/cp)·d·elt``; :func:`ring_bytes`, :func:`ulysses_bytes`):
+ring forward ``(cp−1)·KV``, backward ``(cp−1)·(KV + KV_fp32)``; Ulysses
+forward ``(cp−1)/cp·(Q+KV+O)``, backward the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .. import comm
+from .linear import LayerConfigError
+
+CP_IMPLS = ("ring", "alltoall")
+
+
+# ---------------------------------------------------------------- layout (pure)
+
+
+def cp_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two global chunk indices (of ``2·cp``) that cp rank ``rank`` holds, in local order.
+
+    >>> [cp_chunks(4, r) for r in range(4)]
+    [(0, 7), (1, 6), (2, 5), (3, 4)]
+    """
+    if not 0 <= rank < cp:
+        raise ValueError(f"cp rank {rank} outside [0, {cp})")
+    return rank, 2 * cp - 1 - rank
+
+
+def check_cp_seq_len(seq_len: int, cp: int) -> None:
+    """Refuse a sequence the load-balanced layout cannot split: it needs ``2·cp`` equal chunks."""
+    if cp > 1 and seq_len % (2 * cp):
+        lo = seq_len // (2 * cp) * (2 * cp)
+        raise LayerConfigError(
+            f"seq_len {seq_len} is not divisible by 2·cp = {2 * cp}: context parallelism cuts each sample "
+            f"into 2·cp equal chunks (rank i holds chunks i and 2·cp−1−i); use seq_len {lo or 2 * cp} or "
+            f"{lo + 2 * cp}, or another cp"
+        )
+
+
+def cp_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions (``int64``, length ``seq_len/cp``) of the tokens cp rank ``rank`` holds."""
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
+    check_cp_seq_len(seq_len, cp)
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in cp_chunks(cp, rank)])
+
+
+def cp_slice(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This cp rank's part of ``x`` along ``dim`` (the sequence): chunks ``rank`` and ``2·cp−1−rank``."""
+    if cp == 1:
+        return x
+    check_cp_seq_len(x.shape[dim], cp)
+    parts = x.chunk(2 * cp, dim=dim)
+    return torch.cat([parts[i] for i in cp_chunks(cp, rank)], dim=dim)
+
+
+def cp_unslice(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`cp_slice`: the whole sequence from every cp rank's part (in rank order)."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for r, p in enumerate(parts):
+        a, b = p.chunk(2, dim=dim)
+        i, j = cp_chunks(cp, r)
+        chunks[i], chunks[j] = a, b
+    return torch.cat(chunks, dim=dim)
+
+
+def ring_block(cp: int, rank: int, src: int, causal: bool) -> tuple[str, str, bool]:
+    """What rank ``rank`` computes against ``src``'s K/V block: ``(query rows, key rows, causal)``.
+
+    Rows are ``"all"`` or one half (``"first"``, ``"second"``) of the local sequence. Under a
+    causal mask: its own block with the causal mask over the local sequence (chunk ``i``
+    never sees chunk ``2·cp−1−i``, which the local order puts after it, while chunk
+    ``2·cp−1−i`` sees all of chunk ``i``: exactly the global mask); an earlier rank's block
+    (``src < rank``): all queries against its first chunk, unmasked; a later rank's block:
+    this rank's second chunk against both, unmasked. One kernel call per step, and every
+    rank computes ``2·cp + 1`` (query half × key half) pairs in all: the load balance.
+
+    >>> [ring_block(2, 1, src, True) for src in (1, 0)]
+    [('all', 'all', True), ('all', 'first', False)]
+    """
+    if not causal:
+        return "all", "all", False
+    if src == rank:
+        return "all", "all", True
+    return ("all", "first", False) if src < rank else ("second", "all", False)
+
+
+def _rows(t: torch.Tensor, which: str, dim: int = 2) -> torch.Tensor:
+    if which == "all":
+        return t
+    half = t.shape[dim] // 2
+    return t.narrow(dim, 0 if which == "first" else half, half)
+
+
+def ring_bytes(batch: int, kv_heads: int, local_seq: int, head_dim: int, cp: int, elt: int) -> dict[str, float]:
+    """Bytes one rank sends per ring-attention call (one layer): ``forward``, ``backward`` and ``kv`` (one block).
+
+    Forward ``cp−1`` K/V hops; backward ``cp−1`` K/V hops and ``cp−1`` hops of the fp32 dK/dV
+    accumulators (4 bytes an element; K/V travel in the input's ``elt``)."""
+    kv = 2 * batch * kv_heads * local_seq * head_dim
+    if cp == 1:
+        return {"kv": kv * elt, "forward": 0.0, "backward": 0.0}
+    return {"kv": kv * elt, "forward": (cp - 1) * kv * elt, "backward": (cp - 1) * kv * (elt + 4)}
+
+
+def ulysses_bytes(batch: int, heads: int, kv_heads: int, local_seq: int, head_dim: int, cp: int, elt: int) -> dict:
+    """Bytes one rank sends per Ulysses attention call: all-to-alls of q, k, v and the output, each way."""
+    per = batch * local_seq * head_dim * elt * (2 * heads + 2 * kv_heads)  # q + o + k + v
+    sent = (cp - 1) / cp * per if cp > 1 else 0.0
+    return {"forward": sent, "backward": sent}
+
+
+def check_ulysses_heads(n_heads: int, n_kv_heads: int, cp: int, tp: int) -> None:
+    """Refuse Ulysses when the heads cannot be spread over ``cp·tp`` ranks."""
+    for what, n in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if n % (cp * tp):
+            raise LayerConfigError(
+                f"parallel.cp_impl=alltoall (Ulysses) needs {what} {n} divisible by cp·tp = {cp}·{tp} = "
+                f"{cp * tp}: each rank attends over whole sequences of {what}/(cp·tp) heads; "
+                f"use parallel.cp_impl=ring, or a cp·tp that divides {n}"
+            )
+
+
+def check_cp_impl(impl: str) -> None:
+    if impl not in CP_IMPLS:
+        raise LayerConfigError(f"cp_impl {impl!r} is not one of {', '.join(CP_IMPLS)}")
+
+
+# ---------------------------------------------------------------- block kernel
+
+
+def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V ``[b, h_kv, s, d]`` repeated for grouped-query attention (query head i uses kv head i // g)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold_kv(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of :func:`_expand_kv`: summed over each kv head's query group."""
+    b, h, s, d = g.shape
+    return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+
+
+def flash_kernel(t: torch.Tensor) -> bool:
+    """Whether blocks on ``t``'s device use torch's flash kernel (the CPU's, which returns the LSE and
+    takes it back in backward); elsewhere the exact fp32 math kernel below."""
+    return t.device.type == "cpu"
+
+
+MATH_SCORE_ELEMENTS = 1 << 24  # the math kernel's fp32 score tiles hold at most this many elements (64 MiB)
+
+
+def _row_tiles(q: torch.Tensor, sk: int) -> list[int]:
+    """Query-row tile starts so that one ``[b, h, rows, sk]`` fp32 score tile stays under
+    :data:`MATH_SCORE_ELEMENTS` (the math kernel's memory is ``O(rows·sk)``, not ``O(s²)``)."""
+    b, h, sq, _ = q.shape
+    rows = max(1, MATH_SCORE_ELEMENTS // max(1, b * h * sk))
+    return list(range(0, sq, rows)) + [sq]
+
+
+def _tile_probs(q, k, lse, start, stop, causal, scale):
+    """``exp(S − lse)`` and the scores of query rows ``[start, stop)`` (fp32; causal: key j ≤ row i)."""
+    s = torch.matmul(q[:, :, start:stop].float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(start, stop, device=s.device)[:, None]
+        s = s.masked_fill(torch.arange(k.shape[2], device=s.device)[None, :] > rows, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)), lse
+
+
+def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block: ``(out, fp32 log-sum-exp [b, h, sq])``. On the CPU, torch's flash kernel (fp32
+    accumulation); elsewhere exact fp32 math in query-row tiles (a flash kernel that returns the
+    LSE and takes it back is the drop-in there)."""
+    if flash_kernel(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    tiles = _row_tiles(q, k.shape[2])
+    outs, lses = [], []
+    for start, stop in zip(tiles, tiles[1:]):
+        p, lse = _tile_probs(q, k, None, start, stop, causal, scale)
+        outs.append(torch.matmul(p, v.float()).to(q.dtype))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _attend_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+    """A block's ``dq, dk, dv`` given the *merged* output and log-sum-exp of all blocks (so that
+    ``exp(S − lse)`` is this block's share of the softmax and ``rowsum(dO·O)`` the whole row's)."""
+    if flash_kernel(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    kf, vf = k.float(), v.float()
+    dq, dk, dv = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(kf), torch.zeros_like(vf)
+    tiles = _row_tiles(q, k.shape[2])
+    for start, stop in zip(tiles, tiles[1:]):
+        p, _ = _tile_probs(q, k, lse[:, :, start:stop], start, stop, causal, scale)
+        dof = do[:, :, start:stop].float()
+        dv += torch.matmul(p.transpose(-1, -2), dof)
+        delta = (dof * out[:, :, start:stop].float()).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(dof, vf.transpose(-1, -2)) - delta) * scale
+        dq[:, :, start:stop] = torch.matmul(ds, kf)
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, start:stop].float())
+    return dq, dk, dv
+
+
+def _merge(acc, out, lse):
+    """Log-sum-exp merge of a block's ``(out, lse)`` into the running fp32 ``acc`` (``None`` at first)."""
+    if acc is None:
+        return out.float(), lse
+    o0, l0 = acc
+    new = torch.logaddexp(l0, lse)
+    return o0 * torch.exp(l0 - new).unsqueeze(-1) + out.float() * torch.exp(lse - new).unsqueeze(-1), new
+
+
+# ---------------------------------------------------------------- ring
+
+
+def _ring_peers(group) -> tuple[int, int, int, int]:
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    nxt, prv = dist.get_global_rank(group, (r + 1) % cp), dist.get_global_rank(group, (r - 1) % cp)
+    return cp, r, nxt, prv
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale):
+        cp, r, nxt, prv = _ring_peers(group)
+        h, hk = q.shape[1], k.shape[1]
+        kv = torch.stack([k, v])
+        halves: list = [None, None]  # per query half: the fp32 running (output, log-sum-exp)
+        for step in range(cp):
+            src = (r - step) % cp
+            works, nxt_kv = [], None
+            if step < cp - 1:  # post the next block's transfer, then compute on this one
+                nxt_kv = torch.empty_like(kv)
+                works = comm.exchange(sends=[(kv, nxt)], recvs=[(nxt_kv, prv)], group=group)
+            rows, cols, masked = ring_block(cp, r, src, causal)
+            ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
+            block_out, block_lse = _attend(_rows(q, rows), ks, vs, masked, scale)
+            if rows == "all":
+                for i, (oh, lh) in enumerate(zip(block_out.chunk(2, 2), block_lse.chunk(2, 2))):
+                    halves[i] = _merge(halves[i], oh, lh)
+            else:
+                halves[1] = _merge(halves[1], block_out, block_lse)
+            _wait(works)
+            kv = nxt_kv
+        out = torch.cat([halves[0][0], halves[1][0]], dim=2)
+        lse = torch.cat([halves[0][1], halves[1][1]], dim=2)
+        # stored [b, s, h, d] (as SDPA's kernels store it), so that the caller's [b, s, h·d] is a view
+        out = out.transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, lse)  # what SDPA's flash kernels keep: q, k, v, out, fp32 LSE
+        ctx.group, ctx.causal, ctx.scale, ctx.kv_heads = group, causal, scale, hk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale, hk = ctx.group, ctx.causal, ctx.scale, ctx.kv_heads
+        cp, r, nxt, prv = _ring_peers(group)
+        h = q.shape[1]
+        do = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        own = acc = None  # dK/dV of this rank's own block; the accumulator of the block held now
+        for step in range(cp):
+            # step 0: the own block (its gradient stays here); step t ≥ 1: rank r−t's block, whose
+            # partial dK/dV arrive from upstream (t ≥ 2) and travel on: home after cp−1 hops
+            src = (r - step) % cp
+            sends, recvs, nxt_kv, got = [], [], None, None
+            if step < cp - 1:
+                nxt_kv = torch.empty_like(kv)
+                sends.append((kv, nxt))
+                recvs.append((nxt_kv, prv))
+            if step >= 2:
+                got = torch.empty(kv.shape, dtype=torch.float32, device=q.device)
+                sends.append((acc, nxt))
+                recvs.append((got, prv))
+            works = comm.exchange(sends=sends, recvs=recvs, group=group)
+            rows, cols, masked = ring_block(cp, r, src, causal)
+            ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
+            gq, gk, gv = _attend_backward(
+                _rows(do, rows), _rows(q, rows), ks, vs, _rows(out, rows), _rows(lse, rows), masked, scale
+            )
+            _rows(dq, rows).add_(gq)
+            part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            _rows(part[0], cols).add_(_fold_kv(gk, hk))
+            _rows(part[1], cols).add_(_fold_kv(gv, hk))
+            _wait(works)
+            if step == 0:
+                own = part
+            else:
+                acc = part if got is None else part.add_(got)
+            kv = nxt_kv
+        if cp > 1:  # the last hop brings each block's accumulated dK/dV home
+            home = torch.empty_like(own)
+            _wait(comm.exchange(sends=[(acc, nxt)], recvs=[(home, prv)], group=group))
+            own = own.add_(home)
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+
+
+def _check_qkv(q, k, v, what: str) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise LayerConfigError(
+            f"{what}: expected q [b, h, s, d] and k, v [b, h_kv, s, d], got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise LayerConfigError(f"{what}: {q.shape[1]} query heads are not a multiple of {k.shape[1]} kv heads")
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
+    """Attention of this rank's queries over the whole sequence, K/V circulating the cp ring.
+
+    ``q`` ``[b, h, s/cp, d]``, ``k``/``v`` ``[b, h_kv, s/cp, d]`` (``h`` a multiple of
+    ``h_kv``: grouped-query attention), laid out as :func:`cp_slice` gives them.
+    Returns ``[b, h, s/cp, d]`` in ``q``'s dtype, equal to this rank's slice of
+    full-sequence SDPA. Sends per rank: see :func:`ring_bytes`; the transfers go
+    through :func:`parallel.comm.exchange` on ``group`` (counted under its label).
+    """
+    _check_qkv(q, k, v, "ring_attention")
+    cp = comm.group_size(group) if group is not None else 1
+    if causal and cp > 1 and q.shape[2] % 2:
+        raise LayerConfigError(f"ring_attention: local sequence {q.shape[2]} is odd; it must hold two equal chunks")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if cp == 1:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    return _RingAttention.apply(q, k, v, group, causal, scale)
+
+
+# ---------------------------------------------------------------- Ulysses
+
+
+def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """``[b, h, s/cp, d]`` → ``[b, h/cp, s, d]`` (the sequence in rank order, not global order)."""
+    cp = comm.group_size(group)
+    b, h, s, d = x.shape
+    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # chunk j: heads for rank j
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, group=group)  # chunk i: my heads, rank i's tokens
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`_seq_to_heads`: ``[b, h/cp, s, d]`` → ``[b, h, s/cp, d]``."""
+    cp = comm.group_size(group)
+    b, hl, s, d = x.shape
+    send = x.reshape(b, hl, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # chunk i: rank i's tokens
+    recv = torch.empty_like(send)
+    comm.all_to_all(recv, send, group=group)  # chunk j: rank j's heads, my tokens
+    # [b, s/cp, h, d] in memory (as SDPA's kernels store their output): [b, s/cp, h·d] is a view
+    return recv.permute(1, 3, 0, 2, 4).reshape(b, s // cp, cp * hl, d).transpose(1, 2)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad.contiguous(), ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.contiguous(), ctx.group), None
+
+
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool = True, scale: float | None = None
+) -> torch.Tensor:
+    """The same contract as :func:`ring_attention`, by all-to-all (DeepSpeed-Ulysses).
+
+    Four all-to-alls on ``group`` forward (q, k, v in; the output back) and four
+    backward, each moving ``(cp−1)/cp`` of its tensor (:func:`ulysses_bytes`).
+    Heads must divide by cp (:func:`check_ulysses_heads` refuses up front)."""
+    _check_qkv(q, k, v, "ulysses_attention")
+    cp = comm.group_size(group) if group is not None else 1
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    gqa = q.shape[1] != k.shape[1]
+    if cp == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    check_ulysses_heads(q.shape[1], k.shape[1], cp, 1)
+    s_local = q.shape[2]
+    # rank order → global order: token j of the gathered sequence sits at global position order[j]
+    order = torch.cat([cp_positions(s_local * cp, cp, r, device=q.device) for r in range(cp)])
+    inverse = torch.argsort(order)
+    qs, ks, vs = (_SeqToHeads.apply(t.contiguous(), group).index_select(2, inverse) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=gqa)
+    return _HeadsToSeq.apply(out.index_select(2, order).contiguous(), group)
+
+
+def context_parallel_attention(q, k, v, group, *, impl: str = "ring", causal: bool = True, scale=None):
+    """Dispatch to :func:`ring_attention` or :func:`ulysses_attention` (``impl`` in :data:`CP_IMPLS`)."""
+    check_cp_impl(impl)
+    fn = ring_attention if impl == "ring" else ulysses_attention
+    return fn(q, k, v, group, causal=causal, scale=scale)

@@ -1,0 +1,129 @@
+"""Context parallelism in the planner: the local sequence, the ring's (or Ulysses') traffic, its overlap.
+
+With ``cp`` ranks per sequence every rank holds ``s/cp`` tokens of each sample, so
+everything the planner sizes by the sequence (activations, TP collectives, pipeline
+messages, the head's logits) is that of a model with ``seq_len/cp``
+(:func:`local_shape`). FLOPs are not: a rank's queries still attend over the whole
+sequence, so its attention FLOPs are ``1/cp`` of the full sequence's (the planner passes
+``s/cp`` tokens with the full shape to :func:`~parallel.plan.shape.forward_flops`).
+
+Traffic on the cp group per layer and micro-batch comes from the layer's own byte
+formulas (:func:`parallel.layers.ring_attention.ring_bytes`, ``ulysses_bytes``): the
+ring sends ``cp−1`` K/V blocks forward and ``cp−1`` K/V blocks plus ``cp−1`` fp32 dK/dV
+accumulators backward; recomputation (``selective`` or ``full``) runs the forward ring again.
+
+Overlap (:func:`cp_traffic`): each ring hop is posted before one block's compute and
+awaited after it, so a hop costs only what exceeds that block's attention FLOPs
+(``1/cp`` of the layer's attention, twice that in backward); the last dK/dV hop has
+nothing to hide behind. Ulysses' all-to-alls sit on the critical path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..layers.ring_attention import CP_IMPLS, ring_bytes, ulysses_bytes
+from .hardware import Hardware, PlanError
+from .traffic import AxisTraffic
+
+
+def local_shape(shape, cp: int):
+    """The shape one cp rank sees: the same model on ``seq_len/cp`` tokens per sample."""
+    return shape if cp == 1 else dataclasses.replace(shape, seq_len=shape.seq_len // cp)
+
+
+def check_cp(shape, cp: int, tp: int, impl: str) -> None:
+    """Refuse a cp the sequence or the heads cannot take (the layers' rules, as :class:`PlanError`)."""
+    from ..layers import LayerConfigError, check_cp_seq_len, check_ulysses_heads
+
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise PlanError(f"layout.cp must be a positive integer, got {cp!r}")
+    if impl not in CP_IMPLS:
+        raise PlanError(f"cp_impl {impl!r} not in {CP_IMPLS}")
+    try:
+        check_cp_seq_len(shape.seq_len, cp)
+        if cp > 1 and impl == "alltoall":
+            check_ulysses_heads(shape.n_heads, shape.n_kv_heads, cp, tp)
+    except LayerConfigError as e:
+        raise PlanError(str(e)) from None
+
+
+def attention_flops(shape, micro_batch: int, cp: int, tp: int) -> float:
+    """Forward attention FLOPs (``QKᵀ`` and ``PV``) of one layer on one rank: its ``s/cp`` queries
+    against all ``s`` keys (the ``4·s·d`` per token of :func:`~parallel.plan.shape.forward_flops`)."""
+    return micro_batch * (shape.seq_len // cp) * 4 * shape.seq_len * shape.d_model / tp
+
+
+def extra_activation_bytes(
+    shape, micro_batch: int, *, cp: int, tp: int, impl: str, checkpointing: str, e: int
+) -> float:
+    """What a layer saves beyond :func:`~parallel.plan.memory.layer_activation_bytes` of the local shape.
+
+    The ring saves what SDPA's kernels save (q, k, v, the output, the fp32 log-sum-exp),
+    its output laid out so that the output projection's input is a view of it: nothing
+    extra. Ulysses' SDPA output lives on the other side of an all-to-all, so the output
+    projection's input is a second copy (``e·b·(s/cp)·h/t``), plus the two int64 index
+    vectors that reorder the gathered sequence (``16·s``); recomputing the core
+    (``selective``, ``full``) stores neither."""
+    if cp == 1 or impl != "alltoall" or checkpointing != "none":
+        return 0.0
+    return e * micro_batch * (shape.seq_len // cp) * shape.d_model / tp + 16 * shape.seq_len
+
+
+def cp_traffic(
+    shape,
+    axis: AxisTraffic,
+    hw: Hardware,
+    *,
+    n_layers: int,
+    mb: int,
+    m: int,
+    e: int,
+    tp: int,
+    ckpt: str,
+    impl: str,
+    peak_flops: float,
+) -> tuple[float, float]:
+    """The cp group's traffic of a chunk of ``n_layers`` layers: ``axis`` accumulates the bytes
+    of all ``m`` micro-batches; returns the seconds per micro-batch (forward, backward) that
+    compute does not hide (module docstring)."""
+    cp = axis.group_size
+    if cp == 1 or n_layers == 0:
+        return 0.0, 0.0
+    s_local, kv_heads, hd = shape.seq_len // cp, shape.n_kv_heads // tp, shape.head_dim
+    recompute = ckpt in ("selective", "full")
+    count = n_layers * m
+    if impl == "alltoall":
+        u = ulysses_bytes(mb, shape.n_heads // tp, kv_heads, s_local, hd, cp, e)
+        payload = u["forward"] / 4 * cp / (cp - 1)  # one of the four all-to-alls, as its buffer
+        fwd = 4 * axis.add("all_to_all", payload, 4 * count, hw, "Ulysses q, k, v in and output back (forward)")
+        bwd = 4 * axis.add("all_to_all", payload, 4 * count, hw, "Ulysses gradients (backward)")
+        if recompute:
+            bwd += 4 * axis.add("all_to_all", payload, 4 * count, hw, "Ulysses recomputation")
+        return n_layers * fwd, n_layers * bwd
+    rb = ring_bytes(mb, kv_heads, s_local, hd, cp, e)
+    kv, dkv = rb["kv"], rb["kv"] / e * 4
+    block = attention_flops(shape, mb, cp, tp) / cp / peak_flops  # one ring step's compute, forward
+    hop = axis.add("p2p", kv, (cp - 1) * count, hw, "ring K/V blocks (forward)")
+    fwd = (cp - 1) * max(0.0, hop - block)
+    hop_b = axis.add("p2p", kv, (cp - 1) * count, hw, "ring K/V blocks (backward)")
+    hop_g = axis.add("p2p", dkv, (cp - 1) * count, hw, "ring dK/dV accumulators, fp32 (backward)")
+    bwd = hop_g  # the last hop (dK/dV home) has no compute left to hide behind
+    for step in range(cp):  # step t posts the next K/V (t < cp−1) and passes an accumulator on (t ≥ 2)
+        bwd += max(0.0, hop_b * (step < cp - 1) + hop_g * (step >= 2) - 2 * block)
+    if recompute:
+        axis.add("p2p", kv, (cp - 1) * count, hw, "ring K/V blocks (recomputation)")
+        bwd += fwd
+    return n_layers * fwd, n_layers * bwd
+
+
+def cp_choices(shape, world_size: int, tp: int, gpus_per_node: int, *, min_local_seq: int = 1024) -> list[int]:
+    """The cps :func:`~parallel.plan.search.recommend` tries at this tp: powers of two that divide
+    the world after tp, fit the node beside tp, split the sequence into ``2·cp`` chunks and leave
+    each rank at least ``min_local_seq`` tokens (shorter sequences gain nothing from cp)."""
+    out, cp = [1], 2
+    while tp * cp <= gpus_per_node and (world_size // tp) % cp == 0:
+        if shape.seq_len % (2 * cp) == 0 and shape.seq_len // cp >= min_local_seq:
+            out.append(cp)
+        cp *= 2
+    return out

@@ -1,0 +1,117 @@
+"""The step does only the work it must (issue 17 item 2): no per-parameter hooks where no
+reduction can launch, the norm only when something needs it, as one fused reduction."""
+
+import pytest
+import torch
+
+from parallel import comm
+from parallel.testing import run_ranks
+from parallel.zero import ZeroDataParallel
+from parallel.zero.norm import local_sq_norm
+
+from .toy import adamw, batches, make_model
+
+
+def _train(zdp: ZeroDataParallel, micro: int = 4, norm: bool = True, reset_grads: bool = False):
+    for x, y in batches(steps=3):
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            if reset_grads and i == 0:
+                zdp.module.zero_grad(set_to_none=True)  # .grad no longer views of the flat buffer
+            last = i == micro - 1
+            with zdp.no_sync() if not last else torch.enable_grad():
+                zdp.backward(((zdp(xm) - ym) ** 2).mean() / micro)
+        stats = zdp.step(norm=norm)
+    return stats, [p.detach().clone() for p in zdp.module.parameters()]
+
+
+def _hook_calls(zdp: ZeroDataParallel) -> list[int]:
+    calls = [0]
+    inner = zdp._on_grad_ready
+
+    def counting(p):
+        calls[0] += 1
+        inner(p)
+
+    zdp._on_grad_ready = counting
+    for h in zdp._hooks:  # re-register through the counting wrapper
+        h.remove()
+    zdp._hooks = []
+    zdp._update_hooks()
+    return calls
+
+
+def _dp1_hooks(stage):
+    import torch.distributed as dist
+
+    zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw)
+    assert zdp._hooks == []
+    _, ours = _train(zdp, reset_grads=True)  # gradients set to None are adopted at the step
+    same = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw)
+    same._hooks_on_demand = False  # the old path: a hook on every parameter, every micro-batch
+    same._update_hooks()
+    assert len(same._hooks) == len(list(same.module.parameters()))
+    _, theirs = _train(same, reset_grads=True)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_dp1_fp32_has_no_hooks_and_equals_the_hooked_path(stage):
+    run_ranks(_dp1_hooks, 1, stage, timeout=60)
+
+
+def _dp2_hooks(stage):
+    import torch.distributed as dist
+
+    zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw)
+    calls = _hook_calls(zdp)
+    with zdp.no_sync():
+        assert zdp._hooks == [] or stage >= 2
+    _, params = _train(zdp, micro=4)
+    return calls[0], len(list(zdp.module.parameters())), params
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hooks_run_only_in_communicating_backwards(stage):
+    out = run_ranks(_dp2_hooks, 2, stage, timeout=120)
+    for calls, n, _ in out:
+        # 3 steps × 4 micro-batches: stage 1 hooks only the last micro-batch, stage 2 every one
+        assert calls == 3 * n * (1 if stage == 1 else 4)
+    for a, b in zip(out[0][2], out[1][2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _unread_step():
+    import torch.distributed as dist
+
+    def run(norm):
+        zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw)
+        with comm.CommCounter() as counter:
+            stats, params = _train(zdp, norm=norm)
+        return stats, params, counter
+
+    s_on, p_on, c_on = run(True)
+    s_off, p_off, c_off = run(False)
+    # stage 1 over 2 ranks: the norm's one scalar all-reduce per step is all that goes
+    assert c_on.calls(op="all_reduce") == 3 and c_off.calls(op="all_reduce") == 0
+    assert c_on.sent_bytes(op="reduce_scatter") == c_off.sent_bytes(op="reduce_scatter") > 0
+    assert torch.is_tensor(s_on["grad_norm"]) and s_off["grad_norm"] is None and s_off["skipped"] is None
+    for a, b in zip(p_on, p_off):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    clipped = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw, grad_clip=1.0)
+    stats, _ = _train(clipped, norm=False)
+    assert torch.is_tensor(stats["grad_norm"])  # clipping needs the norm: computed anyway
+
+
+def test_unread_step_skips_the_norm_and_changes_nothing_else():
+    run_ranks(_unread_step, 2, timeout=60)
+
+
+def test_fused_norm_equals_the_sum_of_slices():
+    g = [torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ranges = [[(0, 10), (20, 1000)], [], [(5, 6), (7, 900)]]
+    expected = sum(float(t[a:b].double().pow(2).sum()) for t, rs in zip(g, ranges) for a, b in rs)
+    assert float(local_sq_norm(g, ranges)) == pytest.approx(expected, rel=1e-6)
+    assert float(local_sq_norm([g[0].bfloat16()], [[(0, 1000)]])) == pytest.approx(
+        float(g[0].bfloat16().double().pow(2).sum()), rel=1e-5
+    )

@@ -1,0 +1,76 @@
+"""ZeRO-3 with ``accumulate="unsharded"`` (issue 17 item 4): FSDP2's accumulation — the full fp32
+gradient kept across micro-batches, one reduce-scatter per step — equals the default, sends
+what theory says, and holds what theory says while accumulating."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+from parallel.comm import SENT_FRACTION
+from parallel.testing import run_ranks
+from parallel.zero import ZeroDataParallel
+from parallel.zero.layout import ZeroConfigError
+from parallel.zero.theory import accumulation_grad_bytes, grad_reductions_per_step
+
+from .toy import adamw, batches, make_model
+
+M = 4  # micro-batches per step
+
+
+def _run(accumulate: str, precision: str = "fp32"):
+    model = make_model()
+    zdp = ZeroDataParallel(
+        model,
+        dp_group=dist.group.WORLD,
+        stage=3,
+        optimizer_factory=adamw,
+        units=list(model.blocks),
+        precision=precision,
+        accumulate=accumulate,
+    )
+    dp, rank = dist.get_world_size(), dist.get_rank()
+    counter, held = comm.CommCounter(), 0
+    for x, y in batches(steps=3):
+        x, y = x.chunk(dp)[rank], y.chunk(dp)[rank]
+        with counter:
+            for i, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
+                with zdp.no_sync() if i < M - 1 else contextlib.nullcontext():
+                    zdp.backward(((zdp(xm).float() - ym) ** 2).mean() / M)
+                    held = max(held, sum(b.acc.numel() * 4 for b in zdp.buckets if b.acc is not None))
+            zdp.step()
+    assert all(b.acc is None for b in zdp.buckets)  # freed by the step's reduce-scatter
+    psi = sum(b.layout.padded_numel for b in zdp.buckets)
+    rs = counter.sent_bytes(op="reduce_scatter") / 3
+    params = [b.master.detach().clone() for b in zdp.buckets]  # this rank's fp32 shards (stage 3 frees the rest)
+    return params, rs, counter.sent_bytes(op="all_gather") / 3, held, psi
+
+
+def _both(precision):
+    return _run("sharded", precision), _run("unsharded", precision)
+
+
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-6), ("bf16", 1e-3)])
+def test_unsharded_accumulation_equals_sharded_and_theory(precision, tol):
+    dp = 2
+    for sharded, unsharded in run_ranks(_both, dp, precision, timeout=120):
+        for a, b in zip(sharded[0], unsharded[0]):
+            torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+        psi = sharded[4]
+        for (_, rs, _, _, _), mode in ((sharded, "sharded"), (unsharded, "unsharded")):
+            want = grad_reductions_per_step(3, M, mode) * SENT_FRACTION["reduce_scatter"](dp) * psi * 4
+            assert rs == pytest.approx(want, abs=0), mode
+        assert unsharded[1] * M == sharded[1]  # one reduce-scatter per step instead of M
+        assert unsharded[2] == sharded[2]  # parameters gathered as before
+        assert sharded[3] == 0 and unsharded[3] == accumulation_grad_bytes(psi, 3, "unsharded")
+
+
+def test_unsharded_accumulation_is_refused_below_stage_3():
+    with pytest.raises(ZeroConfigError, match="stage=3"):
+        ZeroDataParallel(make_model(), dp_group=None, stage=2, optimizer_factory=adamw, accumulate="unsharded")
+    with pytest.raises(ZeroConfigError, match="accumulate must be"):
+        ZeroDataParallel(make_model(), dp_group=None, stage=3, optimizer_factory=adamw, accumulate="full")
+    with pytest.raises(ValueError):
+        grad_reductions_per_step(3, 4, "full")

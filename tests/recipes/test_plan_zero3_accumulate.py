@@ -1,0 +1,83 @@
+"""``parallel.zero3_accumulate=unsharded``: the planner prices one reduce-scatter per step and the
+full fp32 gradient held while accumulating — equal to what the ZeRO engine sends; the recipe
+refuses it below stage 3."""
+
+import contextlib
+
+import pytest
+import torch
+
+from parallel import comm
+from parallel.groups import build_groups
+from parallel.testing import run_ranks
+from parallel.topology import Topology
+from parallel.zero import ZeroDataParallel
+from parallel.zero.theory import accumulation_grad_bytes
+from recipes.config import ConfigError, model_config
+from recipes.plan import plan_from_config
+from recipes.plan_scenarios import scenario_config
+
+M = 4
+
+
+def _config(accumulate: str, zero: int = 3):
+    return scenario_config(
+        [
+            "model.preset=gpt_tiny",
+            "model.d_model=64",
+            "model.seq_len=16",
+            "model.vocab_size=250",
+            "parallel.dp=3",
+            f"parallel.zero={zero}",
+            f"parallel.zero3_accumulate={accumulate}",
+            "comm.bucket_mb=0.01",
+            "train.micro_batch=2",
+            f"train.global_batch={2 * 3 * M}",
+            "plan.hardware=cpu",
+        ]
+    )
+
+
+def _sent(rc) -> float:
+    from models.transformer import build_model
+
+    groups = build_groups(Topology(3, 1, 1))
+    cfg = model_config(rc.model)
+    model = build_model(cfg, seed=0)
+    z = ZeroDataParallel(
+        model,
+        dp_group=groups.dp,
+        stage=3,
+        optimizer_factory=torch.optim.AdamW,
+        units=list(model.blocks.values()),
+        bucket_mb=rc.comm.bucket_mb,
+        accumulate=rc.parallel.zero3_accumulate,
+    )
+    counter = comm.CommCounter()
+    with counter:
+        for i in range(M):
+            ids = torch.randint(0, cfg.vocab_size, (rc.train.micro_batch, cfg.seq_len))
+            with z.no_sync() if i < M - 1 else contextlib.nullcontext():
+                z.backward(model.loss(z(ids), ids) / M)
+        z.step()
+    return counter.sent_bytes("dp")
+
+
+def test_planner_prices_unsharded_accumulation_as_the_engine_runs_it():
+    plans = {a: plan_from_config(_config(a)) for a in ("sharded", "unsharded")}
+    for a, plan in plans.items():
+        for dp_sent in run_ranks(_sent, 3, _config(a), timeout=60):
+            assert plan.ranks[0].traffic["dp"]["bytes"] == pytest.approx(dp_sent, abs=8), a  # + the norm
+    sharded, unsharded = (plans[a].ranks[0] for a in ("sharded", "unsharded"))
+    assert unsharded.traffic["dp"]["bytes"] < sharded.traffic["dp"]["bytes"]
+    extra = unsharded.memory["buffers"] - sharded.memory["buffers"]
+    assert extra == accumulation_grad_bytes(unsharded.params.numel, 3, "unsharded") > 0
+
+
+def test_unsharded_accumulation_needs_zero_3():
+    from recipes.validation import validate
+
+    with pytest.raises(ConfigError, match="parallel.zero=3"):
+        validate(_config("unsharded", zero=2))
+    with pytest.raises(ConfigError, match="zero3_accumulate"):
+        validate(_config("full"))
