@@ -254,11 +254,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="fewer rounds, sequence 32 (under 2 minutes)")
     ap.add_argument("--steps", type=int, help="timed rounds (default 20, quick 4)")
     ap.add_argument("--warmup", type=int, help="untimed rounds first (default 2, quick 1)")
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}, or plan")
     ap.add_argument("--sizes", default="small", help=f"comma-separated model sizes of {list(SIZES)}")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     a = ap.parse_args(argv)
     sections = [s for s in a.only.split(",") if s]
+    if "plan" in sections:  # predicted vs measured step time per layout (benchmarks/plan.py)
+        from . import plan
+
+        plan.main(a.out)
+        sections.remove("plan")
+        if not sections:
+            return []
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
         ap.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")

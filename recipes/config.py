@@ -161,7 +161,7 @@ def model_config(section: Any) -> ModelConfig:
 class PlanSection:
     """``plan.*`` keys for ``mode=plan`` / ``mode=recommend``; None keeps the profile's value."""
 
-    hardware: str = "a100_80gb"  # a100_80gb | h100_80gb | h200 | cpu | a name under profiles
+    hardware: str = "a100_80gb"  # a100_80gb | h100_80gb | h200 | cpu | a name under profiles | a .json file
     world_size: Optional[int] = None  # devices: resolves dp=auto (plan) / the count to search (recommend)
     top: int = 5  # recommend: layouts shown
     gpus_per_node: Optional[int] = None
@@ -186,7 +186,7 @@ class DryrunSection:
 
 @dataclass
 class RecipeConfig:
-    mode: str = "train"  # train | plan | recommend | dryrun
+    mode: str = "train"  # train | plan | recommend | dryrun | calibrate
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelSection = field(default_factory=ModelSection)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -7,6 +7,7 @@ resolves its config, then either
 * or, launched by plain ``python -m recipes.<name>``, spawns the dp×pp×tp local
   workers itself through PyTorch's elastic launcher (``launch.local``),
 * or, with ``mode=plan`` / ``mode=recommend``, runs the planner (no process),
+* or, with ``mode=calibrate``, measures this machine into a hardware profile (``recipes/calibrate.py``),
 * or, with ``mode=dryrun``, runs one step of chosen ranks on no hardware (``recipes/dryrun.py``).
 
 Run directory: ``outputs/<run id>`` where the id is one every rank shares
@@ -136,6 +137,11 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
 
             check_values(rc)  # single-key ranges hold wherever the run would go
             return run_plan(rc, run_dir, quiet=HydraConfig.get().mode == RunMode.MULTIRUN)  # sweeps: one table
+        if rc.mode == "calibrate":
+            from .calibrate import run_calibrate
+
+            check_values(rc)
+            return run_calibrate(rc, run_dir)
         if rc.mode == "dryrun":
             from .dryrun import run_dryrun
 

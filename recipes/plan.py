@@ -109,10 +109,21 @@ def _hardware(rc: RecipeConfig):
     return hardware_profile(s.hardware, dict(s.profiles or {}), **overrides)
 
 
+def _world(rc: RecipeConfig) -> int | None:
+    """``plan.world_size``, refused unless None or a positive integer (0 must not mean "unset")."""
+    world = rc.plan.world_size
+    if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+        raise PlanError(
+            f"plan.world_size={world!r} must be a positive integer (the devices to plan for), or unset "
+            f"to plan parallel.dp as given"
+        )
+    return world
+
+
 def _layout(rc: RecipeConfig) -> Layout:
     p = rc.parallel
     if p.dp in (None, "auto"):
-        world = rc.plan.world_size
+        world = _world(rc)
         per_replica = p.pp * p.tp * p.cp
         dp = world // per_replica if world else 1
         if world and world % per_replica:
@@ -159,7 +170,7 @@ def plan_from_config(rc: RecipeConfig) -> Plan:
     """The plan of ``rc``'s layout (raises :class:`ConfigError` for input it cannot plan)."""
     try:
         mc = model_config(rc.model)
-        world = rc.plan.world_size
+        world = _world(rc)
         return plan_layout(
             mc,
             _layout(rc),
@@ -176,7 +187,7 @@ def recommend_from_config(rc: RecipeConfig) -> list[Plan]:
     try:
         mc = model_config(rc.model)
         hw = _hardware(rc)
-        world = rc.plan.world_size or rc.parallel.gpus_per_node
+        world = _world(rc) or rc.parallel.gpus_per_node
         return recommend(mc, world, _training(rc, mc), hw, meta_param_counter(mc), top=rc.plan.top)
     except PlanError as e:
         raise ConfigError(f"recommend: {e}") from None

@@ -106,3 +106,49 @@ def timeline_step(trainer, step: int, path: str | Path) -> dict:
             title=f"step {step + 1}: {p.pp_schedule}, pp={p.pp}, m={trainer.layout.grad_accum}, vpp={p.vpp}",
         )
     return rec
+
+
+def time_report(trainer, measured_s: float) -> str | None:
+    """Rank 0: the planner's step time for this layout beside the measured one, and its parts.
+
+    ``measured_s``: this rank's wall time of one steady step (the device synchronised). Not collective.
+    The parts say where a difference can come from: compute (matmuls, attention, elementwise work),
+    the pipeline bubble, tensor-parallel collectives on the critical path, data-parallel traffic
+    backward cannot hide, the optimizer step."""
+    if trainer.rank != 0:
+        return None
+    try:
+        from .plan import plan_from_config
+
+        plan = plan_from_config(trainer.rc)
+    except (ValueError, KeyError) as e:
+        return f"step time: measured {measured_s:.3f} s (no prediction: {e})"
+    return format_time_comparison(plan, measured_s)
+
+
+def format_time_comparison(plan, measured_s: float) -> str:
+    """Predicted vs measured step time, the predicted parts and the part the gap is largest against."""
+    s = plan.step
+    worst = max(plan.ranks, key=lambda r: r.compute_s)
+    parts = {
+        "compute": worst.compute_s,
+        "pipeline bubble": s["pipeline_s"] * s["bubble_fraction"],
+        "tp collectives": worst.traffic["tp"]["time_s"],
+        "dp exposed": s["dp_exposed_s"],
+        "optimizer": s.get("optimizer_s", 0.0),
+    }
+    predicted = s["step_time_s"]
+    gap = measured_s - predicted
+    main = max(parts, key=parts.get)
+    lines = [
+        f"step time: predicted {predicted:.3f} s, measured {measured_s:.3f} s ({measured_s / predicted - 1:+.0%}; "
+        f"hardware profile {plan.hardware['name']})",
+        "  predicted parts: " + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()),
+    ]
+    if abs(gap) > 0.2 * predicted:
+        need = (parts[main] + gap) / parts[main] if parts[main] else float("inf")
+        lines.append(
+            f"  the gap is {gap:+.3f} s: {main} (the largest part) would have to be ×{need:.2f}; "
+            f"mode=calibrate measures this machine (plan.hardware=<file>)"
+        )
+    return "\n".join(lines)

@@ -36,7 +36,7 @@ from .data import open_data
 from .exits import finish_distributed
 from .gpt_engine import build_gpt_engine
 from .profiling import StepProfiler, profile_steps
-from .reports import memory_report, timeline_step
+from .reports import memory_report, time_report, timeline_step
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
 from .validation import validate
 
@@ -179,6 +179,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             # the host reads the device (loss, norm) on logged steps only; a save reads it anyway
             read = (step + 1) % t.log_every == 0 or step == first or step + 1 == t.max_steps or eval_due or save_due
             profiler.before(step + 1)  # logger.profile
+            step_t0 = time.perf_counter()
             if rc.logger.timeline and step == first + 1:  # a steady step (the first warms up, measures memory)
                 rec = timeline_step(trainer, step, Path(run_dir) / "timeline.png")
             else:
@@ -186,6 +187,12 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             profiler.after(step + 1)
             if step == first:
                 report = memory_report(trainer)
+                if report:
+                    log.info(report)
+            if step == first + 1:  # a steady step against the planner's time (reports.time_report)
+                if trainer.device.type == "cuda":
+                    torch.cuda.synchronize(trainer.device)
+                report = time_report(trainer, time.perf_counter() - step_t0)
                 if report:
                     log.info(report)
             rec["step"] = step + 1

@@ -35,7 +35,7 @@ from .runlog import LR_SCHEDULES
 # so the fields stay ``str``/``int`` and this table is the one place they are validated
 # (:func:`check_values`, for every mode).
 CHOICES = {
-    "mode": ("train", "plan", "recommend", "dryrun"),
+    "mode": ("train", "plan", "recommend", "dryrun", "calibrate"),
     "parallel.pp_schedule": SCHEDULES,
     "train.precision": PRECISIONS,
     "optim.name": ("adamw", "sgd"),

@@ -67,27 +67,36 @@ def advise(plan, shape, hw) -> list[str]:
             f"{hw.gpus_per_node} and use pipeline stages across nodes."
         )
     if L["pp"] > 1 and step["bubble_fraction"] > 0.2:
-        out.append(
-            f"the pipeline bubble is {step['bubble_fraction']:.0%}: with {plan.grad_accum} micro-batches "
-            f"per step over pp={L['pp']}, raise the micro-batches per step (≥ 4·pp) or use the "
-            f"interleaved schedule."
-        )
+        fixes = []
+        if plan.grad_accum < 4 * L["pp"]:
+            fixes.append("raise the micro-batches per step (≥ 4·pp)")
+        if L["schedule"] != "interleaved":
+            fixes.append("use the interleaved schedule")
+        elif L["pp"] * L["vpp"] * 2 <= shape.n_layers:
+            fixes.append(f"raise vpp above {L['vpp']}")
+        if fixes:
+            out.append(
+                f"the pipeline bubble is {step['bubble_fraction']:.0%}: with {plan.grad_accum} micro-batches "
+                f"per step over pp={L['pp']}, {' or '.join(fixes)}."
+            )
     if L["pp"] > 1 and shape.n_layers < 50 and worst.fits and L["tp"] == 1 and L["zero"] == 0:
         out.append(
             f"pipeline parallelism pays off for deep models (≳50 layers); with {shape.n_layers} layers "
             f"ZeRO data parallelism may do the same with no bubble."
         )
     ratio = step["compute_comm_ratio"]
+    overlap = "" if T["overlap"] else ", overlap gradients with backward (comm.overlap)"
     if ratio < 1:
         out.append(
             f"communication-bound: compute/communication = {ratio:.2f} < 1, scaling collapses; "
-            f"accumulate more micro-batches per step, overlap gradients with backward, "
-            f"keep heavy collectives inside a node."
+            f"accumulate more micro-batches per step{overlap}, keep heavy collectives inside a node."
         )
     if step["dp_exposed_s"] > 0.2 * step["step_time_s"]:
+        fixes = ["raise gradient accumulation"] + (["turn on comm.overlap"] if not T["overlap"] else [])
+        fixes += ["lower dp"] if L["dp"] > 1 else []
         out.append(
             f"{step['dp_exposed_s']:.2f} s of the {step['step_time_s']:.2f} s step waits for data-parallel "
-            f"gradients: raise gradient accumulation, turn on overlap, or lower dp."
+            f"gradients: {', '.join(fixes[:-1]) + ' or ' + fixes[-1] if len(fixes) > 1 else fixes[0]}."
         )
     if T["compression"] == "topk":
         c = M.comm_bytes(T["precision"], T["comm_dtype"])

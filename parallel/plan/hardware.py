@@ -9,12 +9,17 @@ bytes (GiB for the "80GB" parts, as ``nvidia-smi`` reports 81,920 MiB);
 bandwidths are GB/s (10⁹ B/s) *per device and per direction*, the rate one rank
 sends at in a ring: NVLink inside a node, the device's share of the network
 (InfiniBand or Ethernet) between nodes. ``efficiency`` is the fraction of peak
-that large matmuls reach in practice (it scales compute time only).
+that large matmuls reach in practice, ``attention_efficiency`` flash attention's,
+``hbm_gbps`` the memory bandwidth that elementwise work and small GEMMs' operands
+stream at (:mod:`.compute` uses them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
 from dataclasses import dataclass
 
 GiB = 2**30
@@ -22,6 +27,34 @@ GiB = 2**30
 
 class PlanError(ValueError):
     """Input the planner cannot use; the message names the numbers and the fix."""
+
+
+#: what each numeric field accepts beyond "a finite number": (lower bound, bound included, upper bound)
+_RANGES = {
+    "efficiency": (0.0, False, 1.0),
+    "attention_efficiency": (0.0, False, 1.0),
+    "latency_us": (0.0, True, math.inf),
+    "block_overhead_us": (0.0, True, math.inf),
+}
+
+
+def _check_field(profile: str, name: str, value) -> None:
+    """Refuse a field that is not a finite number in its range (nan, ±inf, negative, a string),
+    naming the profile, the field, the value and the fix."""
+    where = f"hardware {profile!r}: {name}={value!r}"
+    stock = globals().get("PROFILES", {}).get("a100_80gb")
+    example = f" (the stock a100_80gb has {getattr(stock, name)!r})" if stock else ""
+    fix = f"fix plan.profiles.{profile}.{name} or the plan.* key that overrides it{example}"
+    if name == "gpus_per_node":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{where} must be a positive integer; {fix}")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PlanError(f"{where} must be a finite number; {fix}")
+    lo, closed, hi = _RANGES.get(name, (0.0, False, math.inf))
+    if value < lo or (value == lo and not closed) or value > hi:
+        want = f"in ({lo:g}, {hi:g}]" if hi != math.inf else ("≥ 0" if closed else "> 0")
+        raise PlanError(f"{where} must be {want}; {fix}")
 
 
 @dataclass(frozen=True)
@@ -33,22 +66,18 @@ class Hardware:
     intra_node_gbps: float  # GB/s per device per direction (NVLink / shared memory)
     inter_node_gbps: float  # GB/s per device per direction (InfiniBand / Ethernet)
     gpus_per_node: int = 8
-    efficiency: float = 0.5  # achieved / peak for the model's matmuls
+    efficiency: float = 0.5  # achieved / peak for large matmuls (plan.compute: small ones pay HBM time too)
     latency_us: float = 5.0  # per ring step of a collective or per p2p message
+    hbm_gbps: float = 2000.0  # device memory bandwidth, GB/s: elementwise work, small GEMMs' operands
+    attention_efficiency: float = 0.5  # achieved / peak of flash attention (SDPA), forward
+    block_overhead_us: float = 0.0  # per block forward + backward beyond its work: launches, Python, autograd
     host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
 
     def __post_init__(self):
-        positive = ("peak_tflops_16", "peak_tflops_32", "memory_bytes", "intra_node_gbps", "inter_node_gbps")
-        for name in (*positive, "host_ram_gb", "host_link_gbps"):
-            if not getattr(self, name) > 0:
-                raise PlanError(f"hardware {self.name!r}: {name} must be positive, got {getattr(self, name)}")
-        if not 0 < self.efficiency <= 1:
-            raise PlanError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency}")
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise PlanError(
-                f"hardware {self.name!r}: gpus_per_node must be a positive integer, got {self.gpus_per_node!r}"
-            )
+        for f in dataclasses.fields(self):
+            if f.name != "name":
+                _check_field(self.name, f.name, getattr(self, f.name))
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for ``precision`` (``fp32`` or 16-bit ``bf16``/``fp16``)."""
@@ -58,32 +87,85 @@ class Hardware:
         """Bytes per second one rank sends at in a ring inside a node or across nodes."""
         return 1e9 * (self.inter_node_gbps if crosses_node else self.intra_node_gbps)
 
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return 1e9 * self.hbm_gbps
+
     def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
 
 
+# Compute constants (parallel/plan/compute.py): ``efficiency`` is the fraction of peak large GEMMs reach.
+# A100: 0.78 (243 TFLOP/s), the one value that puts all ten rows of Narayanan et al. 2021 Table 1 within
+# ±10 % (docs/planner.md; recipes/plan_published.py), in line with cuBLAS' large fp16 GEMMs on A100.
+# H100/H200: 0.7, an estimate from cuBLAS' published large-GEMM throughput (not fitted to a run).
+# ``attention_efficiency``: FlashAttention-2's forward, ≈ 60 % of peak on A100 (Dao 2023), ≈ 40 % on
+# H100. ``hbm_gbps``: the datasheets' memory bandwidth (A100 80GB 2,039; H100 SXM 3,350; H100 PCIe
+# 2,000; H200 4,800 GB/s). ``block_overhead_us``: 0 on the GPU profiles (at these sizes kernels queue
+# ahead of the device); on a CPU eager ops cost tens of µs each. For the CPU profile, or any machine,
+# ``mode=calibrate`` measures them all.
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
     # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU
-    "a100_80gb": Hardware("a100_80gb", 312.0, 19.5, 80 * GiB, 300.0, 25.0, 8, 0.5),
+    "a100_80gb": Hardware(
+        "a100_80gb", 312.0, 19.5, 80 * GiB, 300.0, 25.0, 8, 0.78, hbm_gbps=2039.0, attention_efficiency=0.6
+    ),
     # H100 SXM5 80GB. NVIDIA H100 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense, FP32 67;
     # NVLink4 900 GB/s both ways; one NDR 400 Gb/s NIC per GPU (DGX H100). Host: DGX H100 datasheet, 2 TB;
     # PCIe Gen5 x16, 64 GB/s per direction raw, ~50 GB/s pinned cudaMemcpy
     "h100_80gb": Hardware(
-        "h100_80gb", 989.0, 67.0, 80 * GiB, 450.0, 50.0, 8, 0.45, host_ram_gb=2048, host_link_gbps=50
+        "h100_80gb",
+        989.0,
+        67.0,
+        80 * GiB,
+        450.0,
+        50.0,
+        8,
+        0.7,
+        hbm_gbps=3350.0,
+        attention_efficiency=0.4,
+        host_ram_gb=2048,
+        host_link_gbps=50,
     ),
     # H100 PCIe 80GB (350 W, fewer SMs and lower clocks). NVIDIA H100 datasheet / product brief PB-11133-001:
     # BF16 tensor 1,513 TFLOP/s with sparsity = 756 dense, FP32 51; GPUs talk over PCIe Gen5 x16, 128 GB/s
     # both ways (an NVLink bridge joins pairs only, so a ring over 8 runs at PCIe speed); NDR 400 Gb/s per GPU
     # Host: no reference system; 1 TB assumed (the default), PCIe Gen5 x16 ~50 GB/s pinned
-    "h100_pcie": Hardware("h100_pcie", 756.0, 51.0, 80 * GiB, 64.0, 50.0, 8, 0.45, host_link_gbps=50),
+    "h100_pcie": Hardware(
+        "h100_pcie",
+        756.0,
+        51.0,
+        80 * GiB,
+        64.0,
+        50.0,
+        8,
+        0.7,
+        hbm_gbps=2000.0,
+        attention_efficiency=0.4,
+        host_link_gbps=50,
+    ),
     # H200 SXM 141GB. NVIDIA H200 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense (the H100 SXM
     # compute, more and faster HBM3e: 141 GB, 4.8 TB/s); NVLink4 900 GB/s both ways; NDR 400 Gb/s per GPU
     # Host: DGX H200 datasheet, 2 TB; PCIe Gen5 x16 ~50 GB/s pinned
-    "h200": Hardware("h200", 989.0, 67.0, 141e9, 450.0, 50.0, 8, 0.45, host_ram_gb=2048, host_link_gbps=50),
+    "h200": Hardware(
+        "h200",
+        989.0,
+        67.0,
+        141e9,
+        450.0,
+        50.0,
+        8,
+        0.7,
+        hbm_gbps=4800.0,
+        attention_efficiency=0.4,
+        host_ram_gb=2048,
+        host_link_gbps=50,
+    ),
     # one process per core group of a server CPU, gloo over shared memory / 10 GbE
     # ("host" and "device" are the same memory: host_ram_gb as memory_bytes, copies at memcpy speed)
-    "cpu": Hardware("cpu", 1.0, 1.0, 64 * GiB, 5.0, 1.25, 1, 0.5, latency_us=50.0, host_ram_gb=64, host_link_gbps=10),
+    "cpu": Hardware(
+        "cpu", 1.0, 1.0, 64 * GiB, 5.0, 1.25, 1, 0.5, latency_us=50.0, hbm_gbps=20.0, host_ram_gb=64, host_link_gbps=10
+    ),
 }
 ALIASES = {
     "a100": "a100_80gb",
@@ -119,9 +201,21 @@ def profile_for_device(device_name: str) -> Hardware | None:
 def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrides) -> Hardware:
     """The profile called ``name`` (case-insensitive; ``custom`` profiles first), with ``overrides``.
 
+    A ``name`` ending in ``.json`` is a file of :class:`Hardware` fields (``mode=calibrate`` writes one).
+
     ``custom`` maps names to the fields of :class:`Hardware` (all but ``name``),
     e.g. from a config file. Raises :class:`PlanError` for an unknown name or field.
     """
+    if name.endswith(".json"):  # a profile file (mode=calibrate writes one): its fields, named by its stem
+        try:
+            with open(name) as f:
+                fields_in_file = json.load(f)
+        except (OSError, ValueError) as e:
+            raise PlanError(f"hardware profile file {name!r}: {e}; run mode=calibrate to write one") from None
+        if not isinstance(fields_in_file, dict):
+            raise PlanError(f"hardware profile file {name!r} must hold an object of Hardware fields")
+        stem = os.path.splitext(os.path.basename(name))[0]
+        return hardware_profile(stem, {stem: fields_in_file}, **overrides)
     key = name.lower()
     custom = {k.lower(): v for k, v in (custom or {}).items()}
     fields = {f.name for f in dataclasses.fields(Hardware)} - {"name"}

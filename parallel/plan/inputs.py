@@ -10,6 +10,7 @@ from ..topology import world_size_mismatch
 from ..zero.layout import ZeroConfigError
 from ..zero.offload import check_offload
 from . import memory as M
+from .compute import ATTENTION
 from .cp import check_cp
 from .hardware import PlanError
 from .shape import ModelShape
@@ -46,6 +47,7 @@ class Training:
     compression: str = "none"  # none | topk
     topk_ratio: float = 0.01
     bucket_mb: float = 25.0
+    attention: str = "flash"  # flash (the engine's SDPA) | unfused (scores materialised; plan.compute)
     zero3_accumulate: str = "sharded"  # parallel.zero.theory.ZERO3_ACCUMULATE
 
 
@@ -87,6 +89,8 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
         raise PlanError(f"precision {training.precision!r} not in {sorted(M.PRECISION_BYTES)}")
     if layout.sequence_parallel and (layout.tp == 1 or shape.seq_len // layout.cp % layout.tp):
         raise PlanError(f"sequence parallelism needs tp > 1 dividing seq_len {shape.seq_len}; got tp={layout.tp}")
+    if training.attention not in ATTENTION:
+        raise PlanError(f"attention {training.attention!r} not in {ATTENTION}")
     if training.compression not in ("none", "topk"):
         raise PlanError(f"compression {training.compression!r} not in ('none', 'topk')")
     if training.compression == "topk" and (layout.zero != 0 or not 0 < training.topk_ratio <= 1):

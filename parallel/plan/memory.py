@@ -233,6 +233,26 @@ def head_activation_bytes(
     return (_norm_bytes(shape.arch, s * b * h, s * b, e) + e * s * b * h) / sp + 4 * s * b * vocab / tp
 
 
+def loss_temporary_bytes(shape, micro_batch: int, *, tp: int = 1, precision: str = "bf16") -> float:
+    """The last stage's transient peak in the loss, above what it stores (:func:`head_activation_bytes`).
+
+    Over the ``N = b·s·V/t`` logits of one micro-batch (``V`` the padded vocabulary):
+
+    * ``tp > 1`` (``vocab_parallel_cross_entropy``'s own autograd function): forward holds the
+      logits (``e`` bytes each) and the fp32 shifted logits beside the fp32 exponentials it keeps,
+      ``(e + 4)·N``; backward, the fp32 product and its cast, no more;
+    * ``tp = 1`` (PyTorch's fused cross-entropy): backward holds the fp32 gradients of the NLL and of
+      the log-softmax, ``8·N``; forward less (the logits and, in 16-bit runs, their fp32 copy; the
+      padding columns are sliced off as a view).
+
+    ``tests/parallel/plan/test_loss_temporaries.py`` measures these on the real function.
+    """
+    e = PRECISION_BYTES[precision]
+    vocab = shape.padded_vocab(tp)
+    n = micro_batch * shape.seq_len * vocab / tp
+    return (e + 4 if tp > 1 else max(e + 4 * (e != 4), 8)) * n
+
+
 def embedding_activation_bytes(shape, micro_batch: int) -> float:
     """The first stage's extra: the int64 token ids the embedding's backward reads."""
     return 8 * shape.seq_len * micro_batch

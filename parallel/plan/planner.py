@@ -20,18 +20,19 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from ..pipeline.schedules import ScheduleError, build_schedule, zb_h1_makespan
+from ..pipeline.schedules import ScheduleError, build_schedule, schedule_problem
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
 from ..zero.theory import REDUCTIONS_IN_FLIGHT, accumulation_grad_bytes
+from . import compute as C
 from . import memory as M
 from . import offload as O
 from .advice import advise
 from .cp import cp_traffic, extra_activation_bytes, local_shape
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training, check
-from .shape import ModelShape, forward_flops, layer_partition, model_flops_per_token, recompute_flops
+from .shape import ModelShape, layer_partition, model_flops_per_token
 from .traffic import AxisTraffic, dp_traffic, group_crosses_node, topk_kept, tp_traffic
 
 #: ``count(layers, has_embedding, has_head, tp)`` → the parameters of that chunk on one TP rank
@@ -50,7 +51,7 @@ class RankClass:
     activation_per_microbatch: float
     forward_s: float  # one micro-batch through all its chunks, TP collectives included
     backward_s: float
-    compute_s: float  # FLOPs of the whole step / (peak · efficiency), recomputation included
+    compute_s: float  # the step's matmuls, attention and elementwise work (plan.compute), recomputation included
     traffic: dict[str, dict]  # per axis: group_size, crosses_node, bytes, time_s, items
     fits: bool = True
 
@@ -90,38 +91,64 @@ def _finite(x):
     return None if isinstance(x, float) and x in (float("inf"), float("-inf")) else x
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=256)
 def _simulate(schedule: str, pp: int, m: int, vpp: int, bwd: float, p2p: float):
     r = simulate(build_schedule(schedule, pp, m, vpp), forward=1.0, backward=bwd, p2p_latency=p2p)
     return r.makespan, r.bubble_fraction, tuple(r.peak_activations)
 
 
+def closed_form(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float):
+    """The simulator's (makespan, peak in-flight per stage) of a standard schedule, in closed form,
+    or None for a schedule without one. ``fwd``/``bwd`` are one chunk's costs, ``p2p`` one
+    rendezvous transfer (it delays both ends); the simulator's timing is linear in them:
+
+    * GPipe: ``(m + pp − 1)(f + b) + 2(m + pp − 2)·p``; every stage holds ``m``;
+    * 1F1B: ``(m + pp − 1)(f + b)`` plus ``p`` times ``m + 1`` (pp = 2) or
+      ``2(pp − 1) + max(0, 2m − 3)`` (pp ≥ 3); stage ``s`` holds ``min(pp − s, m)``;
+    * interleaved 1F1B: ``(m·vpp + pp − 1)(f + b) + ((vpp + 1)·pp + vpp·m − 3)·p``; stage ``s``
+      holds its warm-up ``min(2(pp − s − 1) + (vpp − 1)pp, m·vpp)`` plus one, at most ``m·vpp``.
+
+    ``tests/parallel/plan/test_pipeline_closed_form.py`` holds each against the simulator.
+    """
+    if pp == 1:
+        return m * vpp * (fwd + bwd), (m * vpp if schedule == "gpipe" else 1,)
+    if schedule == "gpipe":
+        return (m + pp - 1) * (fwd + bwd) + 2 * (m + pp - 2) * p2p, (m,) * pp
+    if schedule == "1f1b":
+        hops = m + 1 if pp == 2 else 2 * (pp - 1) + max(0, 2 * m - 3)
+        return (m + pp - 1) * (fwd + bwd) + hops * p2p, tuple(min(pp - s, m) for s in range(pp))
+    if schedule == "interleaved":
+        total = m * vpp
+        span = (total + pp - 1) * (fwd + bwd) + ((vpp + 1) * pp + vpp * m - 3) * p2p
+        peaks = tuple(min(min(2 * (pp - s - 1) + (vpp - 1) * pp, total) + 1, total) for s in range(pp))
+        return span, peaks
+    return None
+
+
 def pipeline_time(
-    schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float, *, exact: bool = True
+    schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float
 ) -> tuple[float, float, tuple[int, ...]]:
     """(makespan seconds, bubble fraction, peak in-flight activations per stage) of a step.
 
-    ``exact``: run the schedule in the simulator (costs normalised to the forward's,
-    rounded to 0.1 %, so layouts share simulations). Otherwise 1F1B's closed form
-    ``(m + pp − 1)(f + b)`` plus p2p latencies, with stage ``s`` holding
-    ``min(pp − s, m)`` micro-batches (GPipe: ``m``): the search's quick estimate.
-    ZB-H1 (m ≥ pp): :func:`~parallel.pipeline.schedules.zb_h1_makespan` with the backward
-    split evenly into B and W, every stage holding ``min(pp, m)``.
+    ``fwd``/``bwd``: one micro-batch through one chunk. The standard schedules use
+    :func:`closed_form` (equal to the simulator, any size in microseconds); any other
+    schedule is run in the simulator (costs normalised to the forward's, rounded to
+    0.1 %, so layouts share simulations).
     """
-    if fwd <= 0:
-        raise PlanError(f"forward time must be positive, got {fwd}")
-    if exact or schedule == "interleaved" or (schedule == "zb-h1" and m < pp):
-        try:
-            span, bubble, peaks = _simulate(schedule, pp, m, vpp, round(bwd / fwd, 3), round(p2p / fwd, 3))
-        except ScheduleError as e:
-            raise PlanError(str(e)) from None
-        return span * fwd, bubble, peaks
-    if schedule == "zb-h1":
-        span = zb_h1_makespan(pp, m, fwd, bwd / 2, bwd / 2) + (2 * (pp - 1) + m - 1) * p2p
-        return span, 1 - m * (fwd + bwd) / span, (min(pp, m),) * pp
-    span = (m + pp - 1) * (fwd + bwd) + (2 * (pp - 1) + m - 1) * p2p
-    peaks = tuple(m if schedule == "gpipe" else min(pp - s, m) for s in range(pp))
-    return span, 1 - m * (fwd + bwd) / span, peaks
+    if not fwd > 0 or not bwd >= 0 or not p2p >= 0:
+        raise PlanError(f"pipeline costs must be finite and positive, got forward {fwd}, backward {bwd}, p2p {p2p}")
+    problem = schedule_problem(schedule, pp, vpp)
+    if problem:
+        raise PlanError(problem)
+    form = closed_form(schedule, pp, m, vpp, fwd, bwd, p2p)
+    if form is not None:
+        span, peaks = form
+        return span, 1 - m * vpp * (fwd + bwd) / span, peaks
+    try:
+        span, bubble, peaks = _simulate(schedule, pp, m, vpp, round(bwd / fwd, 3), round(p2p / fwd, 3))
+    except ScheduleError as e:
+        raise PlanError(str(e)) from None
+    return span * fwd, bubble, peaks
 
 
 def _stage_flags(v: int, n_virtual: int) -> tuple[bool, bool]:
@@ -136,7 +163,6 @@ def plan_layout(
     count_params: ParamCounter,
     *,
     world_size: int | None = None,
-    exact: bool = True,
 ) -> Plan:
     """The per-rank-class memory, traffic and time of ``layout`` (module docstring)."""
     shape = ModelShape.of(shape)
@@ -147,8 +173,8 @@ def plan_layout(
     c = M.comm_bytes(training.precision, training.comm_dtype)
     sp, ckpt, mb = L.sequence_parallel, training.checkpointing, training.micro_batch
     ranges = layer_partition(shape, pp, vpp, L.pp_layers)
-    peak_flops = hw.peak_flops(training.precision) * hw.efficiency
     gpn = hw.gpus_per_node
+    peak_flops = hw.peak_flops(training.precision) * hw.efficiency  # large GEMMs: cp's ring overlap (plan.cp)
     stage_info, alike = [], {}  # stages with the same chunk shapes share their numbers
     for s in range(pp):
         chunks = [(v, ranges[v]) for v in range(s, pp * vpp, pp)]
@@ -164,8 +190,8 @@ def plan_layout(
     p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + hw.latency_us * 1e-6) if pp > 1 else 0.0
     slow_f = max(i[3] for i in stage_info) / vpp
     slow_b = max(i[4] for i in stage_info) / vpp
-    makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one, exact=exact)
-    ranks, dp_exposed, offload_exposed = [], 0.0, 0.0
+    makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one)
+    ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
     for s, (chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
         states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer, L.offload)
@@ -195,6 +221,10 @@ def plan_layout(
         n_scalars = 1 + policy(L.zero).shards_optimizer
         scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
         dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap) + scalars_s)
+        if L.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
+            optimizer_s = max(
+                optimizer_s, C.optimizer_seconds(psi / (dp if policy(L.zero).shards_optimizer else 1), hw)
+            )
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
         pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
@@ -206,9 +236,13 @@ def plan_layout(
         )  # as for SP: its fp32 shard
         emb_axis.add("all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)")
         in_flight = peaks[s]
-        activations = in_flight * max(acts) + M.recompute_peak_bytes(
+        # transients (they do not coincide: the loss's end before the recomputed layers' backward)
+        recompute = M.recompute_peak_bytes(
             local, mb, checkpointing=ckpt, tp=t, sequence_parallel=sp, precision=training.precision
         )
+        has_head = any(v == pp * vpp - 1 for v, _ in chunks)
+        loss = M.loss_temporary_bytes(local, mb, tp=t, precision=training.precision) if has_head else 0.0
+        activations = in_flight * max(acts) + max(recompute, loss)
         buffers = _buffer_bytes(dataclasses.replace(L, dp=dp), training, params, count_params, act_msg, e, c)
         mem = {
             **{k: float(v) for k, v in states.items() if k != "total"},
@@ -240,7 +274,7 @@ def plan_layout(
         )
         offload_exposed = max(offload_exposed, offload_s["exposed_s"])
     emb_time = max(r.traffic["embedding"]["time_s"] for r in ranks)
-    step_time = makespan + dp_exposed + emb_time + offload_exposed  # offload: host Adam and PCIe copies
+    step_time = makespan + dp_exposed + emb_time + offload_exposed + optimizer_s  # offload: host Adam, PCIe
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
@@ -250,6 +284,7 @@ def plan_layout(
         "pipeline_s": makespan,
         "bubble_fraction": bubble,
         "dp_exposed_s": dp_exposed,
+        "optimizer_s": optimizer_s,
         "offload_s": offload_exposed,
         "tokens_per_s": tokens_step / step_time,
         "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),
@@ -277,26 +312,33 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
     t, sp, ckpt, mb = L.tp, L.sequence_parallel, training.checkpointing, training.micro_batch
     e = M.PRECISION_BYTES[training.precision]
     local = local_shape(shape, L.cp)  # activations and TP messages: s/cp tokens; FLOPs: those tokens over all s
-    tokens = mb * local.seq_len
     params = M.StageParams(0)
     tp_axis = AxisTraffic(t, group_crosses_node(1, t, hw.gpus_per_node))
     cp_axis = AxisTraffic(L.cp, group_crosses_node(t, L.cp, hw.gpus_per_node))
     fwd = bwd = flops_s = 0.0
     acts = []
+    layer = C.layer_time(local, mb, t, sp, hw, training.precision, training.attention)
+    if L.cp > 1:  # each cp rank's s/cp queries attend over all s keys: cp × the local square
+        layer = dataclasses.replace(
+            layer, attention=layer.attention * L.cp, attention_backward=layer.attention_backward * L.cp
+        )
     for v, r in chunks:
         first, last = _stage_flags(v, L.pp * L.vpp)
         params = params + count_params(r, first, last, t)
-        f = forward_flops(shape, tokens, len(r), last, t)
-        rc = recompute_flops(shape, tokens, len(r), ckpt, t)
+        n = len(r)
+        head = C.head_time(local, mb, t, hw, training.precision) if last else C.LayerTime(0.0, 0.0, 0.0)
+        recompute = {"full": n * layer.forward, "selective": n * layer.attention}.get(ckpt, 0.0)
         tf, tb = tp_traffic(
-            local, tp_axis, hw, n_layers=len(r), has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
+            local, tp_axis, hw, n_layers=n, has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
         )
         cf, cb = cp_traffic(
-            shape, cp_axis, hw, n_layers=len(r), mb=mb, m=m, e=e, tp=t, ckpt=ckpt, impl=L.cp_impl, peak_flops=peak_flops
+            shape, cp_axis, hw, n_layers=n, mb=mb, m=m, e=e, tp=t, ckpt=ckpt, impl=L.cp_impl, peak_flops=peak_flops
         )
-        fwd += f / peak_flops + tf + cf
-        bwd += (2 * f + rc) / peak_flops + tb + cb
-        flops_s += (3 * f + rc) / peak_flops
+        f_s = n * layer.forward + head.forward
+        b_s = n * layer.backward + head.backward + recompute
+        fwd += f_s + tf + cf
+        bwd += b_s + tb + cb
+        flops_s += f_s + b_s
         acts.append(
             M.stage_activation_bytes(
                 local,

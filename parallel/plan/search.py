@@ -4,8 +4,8 @@ Searched: tp among the divisors of the heads that fit inside a node (docs/archit
 TP stays inside a node), pp among the divisors of the rest up to the layer
 count, dp the remainder, ZeRO 0–3, micro-batches, checkpointing; sequence
 parallelism whenever tp > 1; context parallelism (cp, inside the node beside tp) where each
-rank keeps at least 1,024 tokens (:func:`parallel.plan.cp.cp_choices`). Each candidate is first timed with the 1F1B
-closed form; the best are planned again with the simulator and re-ranked.
+rank keeps at least 1,024 tokens (:func:`parallel.plan.cp.cp_choices`). Every candidate is planned in
+full (the schedules' closed forms make a plan cost microseconds in the pipeline, whatever its size).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _fitting(shape, world_size, training, hw, count_params, micro_batches, check
                     compression=training.compression if layout.zero == 0 else "none",
                 )
                 try:
-                    p = plan_layout(shape, layout, tr, hw, count_params, exact=False)
+                    p = plan_layout(shape, layout, tr, hw, count_params)
                 except PlanError:
                     continue
                 if p.fits:

@@ -56,6 +56,10 @@ def test_recommend_through_the_config(tmp_path, capsys):
         (["parallel.dp=3", "train.global_batch=16"], "global_batch 16 is not a multiple"),
         (["plan.hardware=tpu_v9"], "unknown hardware profile 'tpu_v9'"),
         (["parallel.dp=2", "plan.world_size=16"], "world size 16 ≠ dp 2 × pp 1 × tp 1 = 2"),
+        (["plan.world_size=0"], r"plan.world_size=0 must be a positive integer"),
+        (["mode=recommend", "plan.world_size=0"], r"plan.world_size=0 must be a positive integer"),
+        (["plan.efficiency=nan"], r"efficiency=nan must be a finite number"),
+        (["plan.inter_node_gbps=-1"], r"inter_node_gbps=-1.0 must be > 0"),
     ],
 )
 def test_bad_input_is_refused_with_the_numbers(tmp_path, overrides, message):

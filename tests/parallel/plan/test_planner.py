@@ -4,8 +4,6 @@ import dataclasses
 
 import pytest
 
-from parallel.pipeline.schedules import build_schedule
-from parallel.pipeline.simulator import simulate
 from parallel.plan import (
     Layout,
     ModelShape,
@@ -15,7 +13,6 @@ from parallel.plan import (
     check,
     hardware_profile,
     layer_activation_bytes,
-    pipeline_time,
     plan_layout,
     predicted_vs_measured,
     recommend,
@@ -93,16 +90,6 @@ def test_tp_across_nodes_is_priced_and_flagged():
     assert any("spans nodes" in a for a in across.advice)
 
 
-def test_quick_pipeline_estimate_is_close_to_the_simulator():
-    for pp, m, f, b, d in [(4, 8, 1.0, 2.0, 0.1), (8, 16, 1.0, 2.3, 0.05), (3, 2, 0.5, 1.5, 0.0)]:
-        exact = pipeline_time("1f1b", pp, m, 1, f, b, d)
-        quick = pipeline_time("1f1b", pp, m, 1, f, b, d, exact=False)
-        assert quick[0] == pytest.approx(exact[0], rel=0.05)
-        assert quick[2] == exact[2]
-        sim = simulate(build_schedule("1f1b", pp, m), forward=f, backward=b, p2p_latency=d)
-        assert exact[0] == pytest.approx(sim.makespan, rel=1e-3)
-
-
 def test_bad_input_names_the_numbers():
     tr = Training(16, 2)
     with pytest.raises(PlanError, match="tp=3 does not divide n_heads=4"):
@@ -159,3 +146,44 @@ def test_predicted_vs_measured():
     assert not bad["activations"]["ok"] and "outside tolerance" in format_comparison(bad)
     with pytest.raises(ValueError, match="stage 3 out of range"):
         predicted_vs_measured(p, 3, {})
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "peak_tflops_16",
+        "peak_tflops_32",
+        "memory_bytes",
+        "intra_node_gbps",
+        "inter_node_gbps",
+        "efficiency",
+        "latency_us",
+    ],
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, "fast"])
+def test_every_hardware_field_is_validated(field, value):
+    with pytest.raises(PlanError, match=f"hardware 'a100_80gb': {field}=.* must be .*the stock a100_80gb has"):
+        hardware_profile("a100_80gb", **{field: value})
+
+
+def test_custom_profile_fields_are_validated_too():
+    fields = dict(HW.__dict__, latency_us=float("nan"))
+    del fields["name"]
+    with pytest.raises(PlanError, match="hardware 'mine': latency_us=nan must be a finite number"):
+        hardware_profile("mine", {"mine": fields})
+    assert hardware_profile("a100_80gb", latency_us=0.0).latency_us == 0.0  # zero latency is allowed
+
+
+def test_advice_never_suggests_what_is_already_set():
+    deep = dataclasses.replace(SHAPE, n_layers=8)
+    interleaved = plan_layout(deep, Layout(pp=4, vpp=2, schedule="interleaved"), Training(4, 1), HW, count)
+    assert interleaved.step["bubble_fraction"] > 0.2
+    assert not any("use the interleaved schedule" in a for a in interleaved.advice)
+    plain = plan_layout(deep, Layout(pp=4), Training(4, 1), HW, count)
+    assert any("use the interleaved schedule" in a for a in plain.advice)
+    slow_net = dataclasses.replace(HW, intra_node_gbps=1e-3)
+    for overlap in (True, False):
+        p = plan_layout(SHAPE, Layout(dp=8, zero=2), Training(8, 1, overlap=overlap), slow_net, count)
+        assert p.step["dp_exposed_s"] > 0.2 * p.step["step_time_s"]
+        assert any("waits for data-parallel" in a for a in p.advice)
+        assert any("overlap" in a for a in p.advice) is (not overlap), p.advice

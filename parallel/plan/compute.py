@@ -1,0 +1,115 @@
+"""Compute time of one micro-batch on one rank, from the shapes of the work it does.
+
+Three kinds of work, each timed by what limits it on the given :class:`~.hardware.Hardware`:
+
+* **matmuls** (the block's projections and MLP, the head): a GEMM ``[M, K] × [K, N]`` takes
+  ``2MKN / (peak · efficiency) + e(MK + KN + MN) / HBM bandwidth`` — the compute term at the
+  fraction of peak large GEMMs reach (``Hardware.efficiency``), plus the time to stream its
+  operands once. Large GEMMs are compute-bound; small ones (narrow TP shards, short
+  sequences) pay the bandwidth term: achieved throughput falls with size as it does in cuBLAS.
+  Backward runs two GEMMs of the same size per forward GEMM (input and weight gradients);
+* **attention** (``attention="flash"``, SDPA as the engine runs it): ``4·b·s²·d/t`` FLOPs forward
+  (causal: half of them done) at ``peak · attention_efficiency``; backward 2.5× forward
+  (FlashAttention-2's recomputation). ``attention="unfused"`` (Megatron-LM 2021: the scores
+  materialised): two batched GEMMs per head (full ``s × s``) plus the fused scale-mask-softmax and
+  the attention dropout over the ``b·a/t·s²`` scores at HBM bandwidth (forward reads and writes
+  them twice and writes a 1-byte mask; backward reads and writes them ≈ 2.5× as often);
+* **elementwise** (norms, activation, residual adds, dropout-free bias): memory-bound, the bytes
+  they read and write at HBM bandwidth (:func:`elementwise_bytes`), plus the profile's fixed
+  ``block_overhead_us`` per block (kernel launches, Python, autograd: what a CPU pays per op).
+
+Costs ``forward`` and ``backward`` per layer and for the head feed the pipeline model; the
+optimizer step (memory-bound, :func:`optimizer_seconds`) follows backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Hardware
+
+
+def gemm_seconds(m: float, k: float, n: float, hw: Hardware, precision: str, batch: float = 1.0) -> float:
+    """Seconds of ``batch`` GEMMs ``[m, k] × [k, n]`` (module docstring)."""
+    e = 4 if precision == "fp32" else 2
+    flops = 2.0 * batch * m * k * n
+    return flops / (hw.peak_flops(precision) * hw.efficiency) + batch * e * (m * k + k * n + m * n) / hw.hbm_bytes_per_s
+
+
+def elementwise_bytes(shape, tokens: float, tp: int, sequence_parallel: bool, e: int) -> float:
+    """HBM bytes one block's forward elementwise work moves: two norms (read + write the ``[T, d]``
+    activation, split by ``t`` under sequence parallelism), two residual adds (read two, write one),
+    the MLP activation (read + write ``[T, d_ff/t]``; SwiGLU reads two)."""
+    d, f = shape.d_model, shape.d_ff
+    sp = tp if sequence_parallel else 1
+    norms_residuals = (2 * 2 + 2 * 3) * tokens * d / sp
+    activation = (3 if shape.arch == "llama" else 2) * tokens * f / tp
+    return e * (norms_residuals + activation)
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """Seconds of one micro-batch through one block: matmuls, attention core, elementwise."""
+
+    gemm: float
+    attention: float
+    elementwise: float
+    attention_backward: float = 0.0
+
+    @property
+    def forward(self) -> float:
+        return self.gemm + self.attention + self.elementwise
+
+    @property
+    def backward(self) -> float:
+        return 2 * self.gemm + self.attention_backward + 2 * self.elementwise
+
+
+ATTENTION = ("flash", "unfused")
+
+
+def layer_time(
+    shape, micro_batch: int, tp: int, sequence_parallel: bool, hw: Hardware, precision: str, attention: str = "flash"
+) -> LayerTime:
+    """One block's forward pieces on one TP rank (module docstring)."""
+    e = 4 if precision == "fp32" else 2
+    T, d, t = micro_batch * shape.seq_len, shape.d_model, tp
+    kv = shape.n_kv_heads * shape.head_dim
+    mlp_in = (2 if shape.arch == "llama" else 1) * shape.d_ff
+    gemm = (
+        gemm_seconds(T, d, (d + 2 * kv) / t, hw, precision)  # q, k, v
+        + gemm_seconds(T, d / t, d, hw, precision)  # attention output
+        + gemm_seconds(T, d, mlp_in / t, hw, precision)  # MLP in (SwiGLU: gate and up)
+        + gemm_seconds(T, shape.d_ff / t, d, hw, precision)  # MLP out
+    )
+    s, heads = shape.seq_len, micro_batch * shape.n_heads / t
+    if attention == "flash":
+        attn = 4 * micro_batch * s**2 * d / t / 2 / (hw.peak_flops(precision) * hw.attention_efficiency)
+        attn_bwd = 2.5 * attn
+    else:
+        bmm = gemm_seconds(s, shape.head_dim, s, hw, precision, heads) + gemm_seconds(
+            s, s, shape.head_dim, hw, precision, heads
+        )
+        scores = heads * s * s * (4 * e + 1) / hw.hbm_bytes_per_s
+        attn, attn_bwd = bmm + scores, 2 * bmm + 2.5 * scores
+    elementwise = elementwise_bytes(shape, T, t, sequence_parallel, e) / hw.hbm_bytes_per_s
+    elementwise += hw.block_overhead_us * 1e-6 / 3  # fixed cost per block: a third forward, two backward
+    return LayerTime(gemm, attn, elementwise, attn_bwd)
+
+
+def head_time(shape, micro_batch: int, tp: int, hw: Hardware, precision: str) -> LayerTime:
+    """The head's matmul over this rank's ``V/t`` columns and the cross-entropy's fp32 passes
+    (read the logits, write and read the softmax: ≈ 3 × 4 bytes per logit) as elementwise work."""
+    T, V = micro_batch * shape.seq_len, shape.padded_vocab(tp) / tp
+    gemm = gemm_seconds(T, shape.d_model, V, hw, precision)
+    return LayerTime(gemm, 0.0, 12 * T * V / hw.hbm_bytes_per_s, 0.0)
+
+
+#: HBM bytes per parameter of an AdamW step on fp32 masters: read and write the master, m and v (24),
+#: read the fp32 gradient (4), write the 16-bit copy (2)
+ADAMW_BYTES_PER_PARAM = 30
+
+
+def optimizer_seconds(params_per_rank: float, hw: Hardware) -> float:
+    """The optimizer step on this rank's (sharded) parameters: memory-bound."""
+    return ADAMW_BYTES_PER_PARAM * params_per_rank / hw.hbm_bytes_per_s

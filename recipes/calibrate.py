@@ -1,0 +1,204 @@
+"""``mode=calibrate``: measure this machine and write a hardware profile ``plan.hardware=<file>`` reads.
+
+Measured, in well under a minute (the numbers the planner's time model uses, ``parallel.plan.compute``):
+
+* **matmul throughput** over the configured model's GEMMs (q/k/v, attention output, MLP in and
+  out, the head) at its micro-batch, sequence and tp, in the run's precision and in fp32: the
+  rate ``R`` that with the measured memory bandwidth fits ``t = 2MKN/R + bytes/HBM`` by least
+  squares; the profile's peak is ``R`` and its ``efficiency`` 1 (what this machine reaches on these
+  shapes is its "large-GEMM" rate);
+* **flash attention** (SDPA, causal) on the model's heads: ``attention_efficiency`` against ``R``;
+* **memory bandwidth**: a copy of a 64 MiB tensor (read + write);
+* **collectives**: all-reduces of 4 KiB (latency) and 8 MiB (bandwidth) over groups of 2…N ranks
+  spawned with the recipe's launcher (``launch.local``) on the default backend, fitted to the
+  planner's ring model ``2(n−1)/n·B/bw + 2(n−1)·latency``.
+
+The profile (``hardware.json``, the :class:`~parallel.plan.Hardware` fields) and the raw measurements
+(``calibration.json``) go to the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from parallel.plan import hardware_profile
+
+from .config import RecipeConfig, model_config
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SMALL, LARGE = 4 * 2**10, 8 * 2**20  # all-reduce payloads: latency, bandwidth
+
+
+def _time(fn, min_s: float = 0.05, device: torch.device | None = None, reps: int | None = None) -> float:
+    """Median seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps`` (collectives: every
+    rank must call as often), after one warm-up."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times: list[float] = []
+    start = time.perf_counter()
+    while (len(times) < reps) if reps else (time.perf_counter() - start < min_s or len(times) < 3):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def model_gemms(rc: RecipeConfig) -> list[tuple[int, int, int]]:
+    """The ``(M, K, N)`` of the configured model's GEMMs on one TP rank (plan.compute's shapes)."""
+    mc = model_config(rc.model)
+    t, T, d = rc.parallel.tp, rc.train.micro_batch * mc.seq_len, mc.d_model
+    kv = mc.n_kv_heads * mc.head_dim
+    mlp_in = (2 if mc.arch == "llama" else 1) * mc.d_ff
+    return [
+        (T, d, (d + 2 * kv) // t),
+        (T, d // t, d),
+        (T, d, mlp_in // t),
+        (T, mc.d_ff // t, d),
+        (T, d, mc.padded_vocab(t) // t),
+    ]
+
+
+def memory_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a 64 MiB copy (bytes read + written)."""
+    x = torch.empty(16 * 2**20, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 4 / _time(lambda: y.copy_(x), device=device)
+
+
+def gemm_rate(shapes, dtype: torch.dtype, hbm: float, device: torch.device) -> tuple[float, list[dict]]:
+    """Least-squares ``R`` of ``t − bytes/HBM = flops/R`` over ``shapes``; and each measurement."""
+    e = torch.finfo(dtype).bits // 8
+    rows, num, den = [], 0.0, 0.0
+    for m, k, n in shapes:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        s = _time(lambda: a @ b, device=device)  # noqa: B023
+        flops, rest = 2.0 * m * k * n, max(s - e * (m * k + k * n + m * n) / hbm, 1e-9)
+        num, den = num + flops * flops, den + flops * rest
+        rows.append({"m": m, "k": k, "n": n, "seconds": s, "tflops": flops / s / 1e12})
+    return num / den, rows
+
+
+def attention_fraction(rc: RecipeConfig, dtype: torch.dtype, rate: float, device: torch.device) -> float:
+    """Achieved causal SDPA FLOP/s (half of ``4·b·s²·d``) over ``rate``, clipped to (0, 1]."""
+    mc = model_config(rc.model)
+    b, h, s, hd = rc.train.micro_batch, max(1, mc.n_heads // rc.parallel.tp), mc.seq_len, mc.head_dim
+    q, k, v = (torch.randn(b, h, s, hd, dtype=dtype, device=device) for _ in range(3))
+    sec = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device=device)
+    return min(1.0, max(1e-6, 2.0 * b * h * s * s * hd / sec / rate))
+
+
+def block_overhead_us(rc: RecipeConfig, fields: dict, device: torch.device) -> float:
+    """Microseconds one block's forward + backward takes beyond what the planner's work model gives
+    it with ``fields`` (launches, Python, autograd): measured on the configured model's block."""
+    from models.transformer import build_model
+    from parallel.plan import ModelShape
+    from parallel.plan.compute import layer_time
+    from parallel.plan.hardware import Hardware
+
+    mc = model_config(rc.model)
+    dtype = DTYPES.get(rc.train.precision, torch.float32)
+    block = build_model(mc, layers=range(0, 1), has_embedding=False, has_head=False, device=device, dtype=dtype)
+    x = torch.randn(rc.train.micro_batch, mc.seq_len, mc.d_model, device=device, dtype=dtype, requires_grad=True)
+    sec = _time(lambda: block(x).float().sum().backward(), device=device)
+    hw = Hardware("calibrating", **{**fields, "block_overhead_us": 0.0})
+    work = layer_time(ModelShape.of(mc), rc.train.micro_batch, 1, False, hw, rc.train.precision)
+    return max(0.0, sec - work.forward - work.backward) * 1e6
+
+
+def _collectives_worker(sizes: tuple[int, ...], threads: int) -> list[dict]:
+    """One spawned rank: all-reduces of ``SMALL`` and ``LARGE`` bytes in groups of the first n ranks."""
+    import torch.distributed as dist
+
+    from parallel.groups import default_device, init_distributed
+
+    torch.set_num_threads(threads)
+    rank, world = init_distributed(timeout_s=120)
+    device = default_device(dist.get_backend(), int(os.environ.get("LOCAL_RANK", "0")))
+    out = []
+    for n in sizes:
+        group = dist.new_group(list(range(n)))  # every rank creates every group, in the same order
+        row = {"n": n}
+        for name, nbytes, reps in (("small_s", SMALL, 20), ("large_s", LARGE, 5)):
+            x = torch.ones(nbytes // 4, device=device)
+            if rank < n:  # a fixed count: the group's members issue the same collectives
+                row[name] = _time(lambda: dist.all_reduce(x, group=group), device=device, reps=reps)  # noqa: B023
+            dist.barrier()
+        out.append(row)
+    dist.destroy_process_group()
+    return out
+
+
+def fit_links(rows: list[dict]) -> tuple[float, float]:
+    """(GB/s per rank, latency µs) of the ring model from each group size's small and large times."""
+    lat = [r["small_s"] / (2 * (r["n"] - 1)) for r in rows]
+    bw = [
+        2 * (r["n"] - 1) / r["n"] * LARGE / max(r["large_s"] - 2 * (r["n"] - 1) * la, 1e-9) for r, la in zip(rows, lat)
+    ]
+    return statistics.median(bw) / 1e9, statistics.median(lat) * 1e6
+
+
+def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> dict[str, Any]:
+    """Measure, write ``hardware.json`` and ``calibration.json`` into ``run_dir``; return the profile fields."""
+    from launch.local import spawn_local
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    n = ranks or rc.plan.world_size or (torch.cuda.device_count() if cuda else min(4, os.cpu_count() or 2))
+    threads = rc.train.threads or 1
+    torch.set_num_threads(threads)
+    hbm = memory_bandwidth(device)
+    shapes = model_gemms(rc)
+    low = DTYPES[rc.train.precision if rc.train.precision in DTYPES else "fp32"]
+    r32, rows32 = gemm_rate(shapes, torch.float32, hbm, device)
+    r16, rows16 = (r32, rows32) if low == torch.float32 else gemm_rate(shapes, low, hbm, device)
+    attention = attention_fraction(rc, low, r16 if low != torch.float32 else r32, device)
+    links = spawn_local(_collectives_worker, n, tuple(range(2, n + 1)), threads)[0] if n > 1 else []
+    gbps, latency_us = fit_links(links) if links else (hbm / 1e9, 0.0)
+    fields = {
+        "peak_tflops_16": r16 / 1e12,
+        "peak_tflops_32": r32 / 1e12,
+        "memory_bytes": float(torch.cuda.get_device_properties(0).total_memory if cuda else _host_memory()),
+        "intra_node_gbps": gbps,
+        "inter_node_gbps": gbps,  # one machine: no network measured
+        "gpus_per_node": max(1, n),
+        "efficiency": 1.0,
+        "latency_us": latency_us,
+        "hbm_gbps": hbm / 1e9,
+        "attention_efficiency": attention,
+    }
+    fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
+    hardware_profile("calibrated", {"calibrated": fields})  # refuse what the planner would refuse
+    out = Path(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hardware.json").write_text(json.dumps(fields, indent=1))
+    raw = {"threads": threads, "gemm_fp32": rows32, "gemm_low": rows16, "allreduce": links, "ranks": n}
+    (out / "calibration.json").write_text(json.dumps(raw, indent=1))
+    return fields
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def run_calibrate(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
+    """``mode=calibrate``: measure, write, print where the profile went and how to use it."""
+    t0 = time.perf_counter()
+    fields = calibrate(rc, run_dir)
+    path = Path(run_dir) / "hardware.json"
+    print(
+        f"calibrated in {time.perf_counter() - t0:.0f} s: GEMM {fields['peak_tflops_32'] * 1e3:.1f} GFLOP/s fp32, "
+        f"memory {fields['hbm_gbps']:.1f} GB/s, all-reduce {fields['intra_node_gbps']:.2f} GB/s per rank, "
+        f"latency {fields['latency_us']:.0f} µs\nuse it: mode=plan plan.hardware={path}"
+    )
+    return {"hardware": str(path), **fields}

@@ -1,0 +1,56 @@
+"""mode=calibrate: the profile file round-trips through plan.hardware=<file> and is validated."""
+
+import json
+
+import pytest
+
+from parallel.plan import PlanError, hardware_profile
+from recipes.calibrate import LARGE, calibrate, fit_links
+from recipes.plan import plan_from_config
+from recipes.plan_scenarios import scenario_config
+
+TINY = ["model.preset=gpt_tiny", "model.d_model=64", "model.seq_len=32", "train.precision=fp32"]
+
+
+def test_calibrated_profile_round_trips_and_plans(tmp_path):
+    fields = calibrate(scenario_config(TINY), str(tmp_path), ranks=1)  # one rank: no collectives spawned
+    path = tmp_path / "hardware.json"
+    hw = hardware_profile(str(path))
+    assert hw.name == "hardware" and {k: getattr(hw, k) for k in fields} == fields
+    assert fields["peak_tflops_32"] > 0 and fields["hbm_gbps"] > 0 and 0 < fields["attention_efficiency"] <= 1
+    plan = plan_from_config(scenario_config(TINY + [f"plan.hardware={path}"]))
+    assert plan.step["step_time_s"] > 0
+    json.loads((tmp_path / "calibration.json").read_text())["gemm_fp32"]  # the raw measurements are kept
+
+
+def test_a_bad_profile_file_is_refused(tmp_path):
+    good = dict(hardware_profile("cpu").__dict__)
+    del good["name"]
+    for field, value in (("latency_us", -5.0), ("hbm_gbps", 0.0)):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps({**good, field: value}))
+        with pytest.raises(PlanError, match=f"hardware 'bad': {field}="):
+            hardware_profile(str(path))
+    with pytest.raises(PlanError, match="run mode=calibrate"):
+        hardware_profile(str(tmp_path / "missing.json"))
+
+
+def test_link_fit_inverts_the_ring_model():
+    bw, lat = 3e9, 40e-6
+    rows = []
+    for n in (2, 3, 4):
+        small = 2 * (n - 1) * lat  # 4 KiB: latency only (its bytes are negligible by construction here)
+        rows.append({"n": n, "small_s": small, "large_s": 2 * (n - 1) / n * LARGE / bw + small})
+    gbps, latency_us = fit_links(rows)
+    assert gbps == pytest.approx(bw / 1e9) and latency_us == pytest.approx(lat * 1e6)
+
+
+def test_time_report_compares_and_names_the_largest_part():
+    from recipes.reports import format_time_comparison
+
+    plan = plan_from_config(scenario_config(TINY + ["plan.hardware=cpu"]))
+    predicted = plan.step["step_time_s"]
+    close = format_time_comparison(plan, predicted * 1.1)
+    assert f"predicted {predicted:.3f} s" in close and "+10%" in close and "the gap" not in close
+    far = format_time_comparison(plan, predicted * 2)
+    assert "the gap is" in far and "compute (the largest part) would have to be" in far
