@@ -140,6 +140,11 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
         if rc.mode == "calibrate":
             from .calibrate import run_calibrate
 
+            if under_torchrun():  # every rank would measure, spawn its own collective jobs and write the profile
+                raise ConfigError(
+                    "mode=calibrate measures this machine from one process and spawns its own ranks for the "
+                    "collectives: run `python -m recipes.<recipe> mode=calibrate plan.world_size=N` without torchrun"
+                )
             check_values(rc)
             return run_calibrate(rc, run_dir)
         if rc.mode == "dryrun":

@@ -222,8 +222,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                 )
                 log.info(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
             if preempted:
-                if not read:
-                    log.log(read_stats(rec))
+                if not read:  # an unlogged step computed no norm: log what it has, no nulls
+                    log.log({k: v for k, v in read_stats(rec).items() if v is not None})
                 log.info(f"SIGTERM: stopped after step {trainer.step} with a checkpoint")
                 break
             # --- end checkpoint ---

@@ -18,9 +18,11 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from parallel.layers.moe import MoEConfigError
 from parallel.layers.ring_attention import CP_IMPLS
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem
 from parallel.precision import PRECISIONS
+from parallel.topology import ep_mismatch
 from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.offload import MIN_STAGE as OFFLOAD_MIN_STAGE
 from parallel.zero.offload import OFFLOAD_MODES
@@ -169,26 +171,45 @@ def check_values(cfg: Any) -> None:
         ) from None
 
 
-def _check_ep(ep: Any, dp: int, mc: Any, precision: str) -> None:
-    """Expert parallelism: ep divides dp and the experts; MoE does not run under fp16 (docs/moe.md)."""
+def _check_ep(p: Any, dp: int, mc: Any, cfg: Any) -> None:
+    """Expert parallelism: ep divides dp and the experts (the grid's and the layer's own rules, one home each);
+    MoE does not run under fp16, nor with what no test has verified it with (docs/moe.md)."""
+    ep = p.ep
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"parallel.ep must be a positive integer, got {ep!r}")
     if dp % ep:
-        raise ConfigError(
-            f"parallel.ep={ep} must divide dp {dp} (ep splits the data-parallel ranks); use ep=1 or a divisor of {dp}"
-        )
+        raise ConfigError(f"parallel.ep={ep}: {ep_mismatch(dp, ep)}")
     if ep > 1 and not mc.moe_experts:
         raise ConfigError(
             f"parallel.ep={ep} needs an MoE model (model.moe_experts > 0, e.g. model.preset=mixtral_tiny); use ep=1"
         )
-    if mc.moe_experts % ep:
+    if not mc.moe_experts:
+        return
+    try:
+        mc.moe_config().check(ep)
+    except MoEConfigError as e:
         raise ConfigError(
-            f"parallel.ep={ep} must divide the {mc.moe_experts} experts (model.moe_experts); use ep=1 or a divisor"
-        )
-    if mc.moe_experts and precision == "fp16":
+            f"model.moe_experts={mc.moe_experts}, model.moe_top_k={mc.moe_top_k}, parallel.ep={ep}: {e}"
+        ) from None
+    if cfg.train.precision == "fp16":
         raise ConfigError(
             "train.precision=fp16 with an MoE model: the router losses are not loss-scaled; use bf16 or fp32"
         )
+    unverified = {
+        "parallel.sequence_parallel=true": p.sequence_parallel,  # the layer routes whole sequences' tokens
+        f"parallel.offload={p.offload}": p.offload != "none",
+        "parallel.pp_schedule=zb-h1": p.pp_schedule == "zb-h1",
+        # the load-balancing loss's token statistics would be per cp slice, not per sequence (measured:
+        # 2e-4 off one process after 5 steps); Megatron sums them over the cp group first
+        f"parallel.cp={p.cp}": p.cp > 1,
+    }
+    for what, on in unverified.items():
+        if on:
+            raise ConfigError(
+                f"an MoE model (model.moe_experts={mc.moe_experts}) with {what}: this combination is not "
+                "implemented/verified against one process; turn it off (MoE trains with dp, ep, tp without "
+                "sequence parallelism, pp with 1f1b/gpipe/interleaved, ZeRO 0-3)"
+            )
 
 
 def validate(cfg: Any, world_size: int | None = None) -> Layout:
@@ -233,7 +254,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         if p.tp > 1 and re.search(r"\btp\b", str(e)):
             keys.append(f"parallel.tp={p.tp}")
         raise ConfigError(f"{', '.join(keys) or f'model.preset={cfg.model.preset}'}: {e}") from None
-    _check_ep(p.ep, dp, mc, t.precision)
+    _check_ep(p, dp, mc, cfg)
     per_replica = t.micro_batch * dp
     if t.global_batch % per_replica:
         lo = max(1, t.global_batch // per_replica) * per_replica
@@ -246,6 +267,19 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     problem = schedule_problem(p.pp_schedule, p.pp, p.vpp, prefix="parallel.")  # the library's own rule
     if problem:
         raise ConfigError(problem)
+    if p.pp_schedule == "zb-h1" and mc.activation_checkpointing != "none":
+        raise ConfigError(
+            f"parallel.pp_schedule=zb-h1 with model.activation_checkpointing={mc.activation_checkpointing}: "
+            "zero bubble runs each micro-batch's backward in two autograd passes (input gradient, then weight "
+            "gradient), and recomputed blocks would be recomputed again in each (with their collectives); "
+            "set model.activation_checkpointing=none, or parallel.pp_schedule=1f1b to keep recomputation"
+        )
+    if p.pp_schedule == "zb-h1" and p.zero == 3:
+        raise ConfigError(
+            "parallel.pp_schedule=zb-h1 with parallel.zero=3: the weight-gradient pass (W) runs after ZeRO-3 "
+            "has freed the block's gathered parameters, and some of its kernels (norms) read them; use "
+            "parallel.zero ≤ 2 with zb-h1, or parallel.pp_schedule=1f1b with zero=3"
+        )
     if p.pp_schedule == "interleaved" and grad_accum % p.pp:
         raise ConfigError(
             f"the interleaved schedule needs the micro-batches per step (global_batch {t.global_batch} / "

@@ -24,9 +24,9 @@ def test_valid_moe_layout():
 @pytest.mark.parametrize(
     "rc,match",
     [
-        (_rc(dp=4, ep=3), r"parallel.ep=3 must divide dp 4"),
+        (_rc(dp=4, ep=3), r"parallel.ep=3: ep 3 does not divide dp 4.*divisors of dp 4: \[1, 2, 4\]"),
         (_rc(preset="llama_tiny", dp=2, ep=2), r"parallel.ep=2 needs an MoE model"),
-        (_rc(dp=4, ep=4, moe_experts=6), r"parallel.ep=4 must divide the 6 experts"),
+        (_rc(dp=4, ep=4, moe_experts=6), r"num_experts=6 is not divisible by ep=4"),
         (_rc(moe_top_k=5), r"top_k=5 must be between 1 and num_experts=4"),
     ],
 )
@@ -40,3 +40,20 @@ def test_fp16_with_moe_is_refused():
     rc.train.precision = "fp16"
     with pytest.raises(ConfigError, match="fp16 with an MoE model"):
         validate(rc, world_size=4)
+
+
+@pytest.mark.parametrize(
+    "key,value,what",
+    [
+        ("sequence_parallel", True, "sequence_parallel=true"),
+        ("offload", "optimizer", "offload=optimizer"),
+        ("pp_schedule", "zb-h1", "pp_schedule=zb-h1"),
+        ("cp", 2, "cp=2"),
+    ],
+)
+def test_unverified_moe_combinations_are_refused(key, value, what):
+    rc = _rc(dp=2, ep=2)
+    rc.parallel.tp, rc.parallel.pp, rc.parallel.zero = 2, 2, 1
+    setattr(rc.parallel, key, value)
+    with pytest.raises(ConfigError, match=f"MoE model.*{what}.*not implemented/verified"):
+        validate(rc, world_size=8 * rc.parallel.cp)
