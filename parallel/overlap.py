@@ -104,7 +104,7 @@ TP_SP_BACKWARD = Overlap(
     "the column layers' input- and weight-gradient matmuls",
     False,
     "layers/linear.py _SequenceParallelColumns.backward (asynchronous)",
-    "exposed (an upper bound: plan.compute does not split out the column layers' matmuls)",
+    "what exceeds the column layers' matmuls (per block; the head's are priced exposed)",
 )
 RING_ATTENTION = Overlap(
     "ring attention K/V (and dK/dV) hops",

@@ -162,7 +162,15 @@ def test_overlap_facts_have_one_home():
     assert zero_theory.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
     assert zero_engine.REDUCTIONS_IN_FLIGHT is planner.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
     assert units.ZERO3_PREFETCH_UNITS is planner.ZERO3_PREFETCH_UNITS is overlap.ZERO3_PREFETCH_UNITS
-    for name in ("DP_REDUCTION", "ZERO3_GATHER", "PARAM_GATHER_AFTER_STEP", "PIPELINE_P2P", "TP_COLLECTIVES"):
+    rows = (
+        "DP_REDUCTION",
+        "ZERO3_GATHER",
+        "PARAM_GATHER_AFTER_STEP",
+        "PIPELINE_P2P",
+        "TP_COLLECTIVES",
+        "TP_SP_BACKWARD",
+    )
+    for name in rows:
         assert getattr(planner, name) is getattr(overlap, name) and getattr(overlap, name) in overlap.TABLE
     assert plan_cp.RING_ATTENTION is overlap.RING_ATTENTION
     assert plan_offload.OFFLOAD_PARAM_PAGING is overlap.OFFLOAD_PARAM_PAGING

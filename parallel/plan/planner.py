@@ -28,6 +28,7 @@ from ..overlap import (
     REDUCTIONS_IN_FLIGHT,
     STEP_SCALARS,
     TP_COLLECTIVES,
+    TP_SP_BACKWARD,
     ZERO3_GATHER,
     ZERO3_PREFETCH_UNITS,
     exposed_sharing,
@@ -342,7 +343,7 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
         n = len(r)
         head = C.head_time(local, mb, t, hw, training.precision) if last else C.LayerTime(0.0, 0.0, 0.0)
         recompute = {"full": n * layer.forward, "selective": n * layer.attention}.get(ckpt, 0.0)
-        tf, tb = tp_traffic(
+        tf, tb, (regather, scatter) = tp_traffic(
             local, tp_axis, hw, n_layers=n, has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
         )
         cf, cb = cp_traffic(
@@ -351,7 +352,9 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
         f_s = n * layer.forward + head.forward
         b_s = n * layer.backward + head.backward + recompute
         fwd += f_s + TP_COLLECTIVES.exposed(tf, n * layer.gemm) + cf  # exposed: TP collectives block
-        bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + cb
+        column = n * layer.column_gemm  # input-gradient matmuls hide the re-gathers, weight-gradient ones the scatters
+        sp_b = TP_SP_BACKWARD.exposed(regather, column) + TP_SP_BACKWARD.exposed(scatter, column)
+        bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb
         flops_s += f_s + b_s
         acts.append(
             M.stage_activation_bytes(

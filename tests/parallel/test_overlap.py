@@ -91,6 +91,7 @@ def test_exposed_rows_hidden_would_shorten_the_step(monkeypatch, module, row, la
     ("module", "row", "layout", "key"),
     [
         (plan_cp, "RING_ATTENTION", Layout(cp=2), "step_time_s"),
+        (planner, "TP_SP_BACKWARD", Layout(tp=4, sequence_parallel=True), "step_time_s"),
         (plan_offload, "OFFLOAD_PARAM_PAGING", Layout(dp=8, zero=3, offload="optimizer+params"), "offload_s"),
     ],
 )
