@@ -149,3 +149,29 @@ def test_zero3_accumulation_formulas_have_one_home():
     assert bench.grad_reductions_per_step is zero_theory.grad_reductions_per_step
     assert planner.accumulation_grad_bytes is zero_theory.accumulation_grad_bytes
     assert validation.ZERO3_ACCUMULATE is zero_theory.ZERO3_ACCUMULATE is zero_engine.ZERO3_ACCUMULATE
+
+
+def test_overlap_facts_have_one_home():
+    """What overlaps (parallel/overlap.py): the engine's constants and the planner's rows are its objects."""
+    import parallel.overlap as overlap
+    import parallel.plan.cp as plan_cp
+    import parallel.plan.offload as plan_offload
+    import parallel.plan.planner as planner
+    import parallel.zero.units as units
+
+    assert zero_theory.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
+    assert zero_engine.REDUCTIONS_IN_FLIGHT is planner.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
+    assert units.ZERO3_PREFETCH_UNITS is planner.ZERO3_PREFETCH_UNITS is overlap.ZERO3_PREFETCH_UNITS
+    rows = (
+        "DP_REDUCTION",
+        "ZERO3_GATHER",
+        "PARAM_GATHER_AFTER_STEP",
+        "PIPELINE_P2P",
+        "TP_COLLECTIVES",
+        "TP_SP_BACKWARD",
+    )
+    for name in rows:
+        assert getattr(planner, name) is getattr(overlap, name) and getattr(overlap, name) in overlap.TABLE
+    assert plan_cp.RING_ATTENTION is overlap.RING_ATTENTION
+    assert plan_offload.OFFLOAD_PARAM_PAGING is overlap.OFFLOAD_PARAM_PAGING
+    assert plan_offload.OFFLOAD_STEP is overlap.OFFLOAD_STEP

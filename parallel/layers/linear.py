@@ -53,7 +53,8 @@ class _SequenceParallelColumns(torch.autograd.Function):
     input, Megatron's choice) and the weights. Backward all-gathers ``x`` again, launched
     asynchronously and overlapped with the input-gradient matmuls ``Σ_i dy_i · w_i``; then the
     input gradient's reduce-scatter is launched asynchronously and overlapped with the weight
-    gradients ``dy_iᵀ · gather(x)``. Collectives on ``group`` (``X`` = bytes of ``x``): forward
+    gradients ``dy_iᵀ · gather(x)`` (:data:`parallel.overlap.TP_SP_BACKWARD`; every other TP
+    collective blocks: ``TP_COLLECTIVES``). Collectives on ``group`` (``X`` = bytes of ``x``): forward
     one all-gather (N·X), backward one all-gather (N·X) and one reduce-scatter (N·X).
     """
 

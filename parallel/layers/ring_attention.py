@@ -13,7 +13,8 @@ Two ways to attend over the whole sequence:
   travel around the cp ring, ``cp−1`` hops forward; each rank merges the
   partial results of its queries against every block with the log-sum-exp rule.
   The next block's transfer (``isend``/``irecv`` through :func:`parallel.comm.exchange`)
-  is posted before the current block's compute and awaited after it. One kernel
+  is posted before the current block's compute and awaited after it
+  (:data:`parallel.overlap.RING_ATTENTION`, which the planner prices). One kernel
   call per step (:func:`ring_block`): the causal mask's hidden quarters are never
   computed. Backward sends K/V around again (``cp−1`` hops) and the fp32 dK/dV
   accumulators with them (``cp−1`` hops: the owner keeps its own share and the rest

@@ -14,6 +14,7 @@ Communication (all through :mod:`parallel.comm`):
   instead of idling until its peer posts the receive. NCCL's single handle per
   batch is awaited whole: the rendezvous under which the simulator proves
   every schedule deadlock-free (and waiting later never adds a dependency).
+  So a transfer is not hidden behind compute (:data:`parallel.overlap.PIPELINE_P2P`).
   Shapes and dtype are fixed up front (``activation_shape``, ``dtype``): no
   shape messages. Per transfer, ``prod(activation_shape) · itemsize`` bytes,
   or ``1/tp`` of that with a ``tp_group`` (below).

@@ -55,6 +55,7 @@ class LayerTime:
     attention: float
     elementwise: float
     attention_backward: float = 0.0
+    column_gemm: float = 0.0  # the column-parallel layers' share of ``gemm`` (q/k/v, MLP in)
 
     @property
     def forward(self) -> float:
@@ -76,10 +77,12 @@ def layer_time(
     T, d, t = micro_batch * shape.seq_len, shape.d_model, tp
     kv = shape.n_kv_heads * shape.head_dim
     mlp_in = (2 if shape.arch == "llama" else 1) * shape.d_ff
+    column = gemm_seconds(T, d, (d + 2 * kv) / t, hw, precision) + gemm_seconds(  # q, k, v
+        T, d, mlp_in / t, hw, precision
+    )  # MLP in (SwiGLU: gate and up)
     gemm = (
-        gemm_seconds(T, d, (d + 2 * kv) / t, hw, precision)  # q, k, v
+        column
         + gemm_seconds(T, d / t, d, hw, precision)  # attention output
-        + gemm_seconds(T, d, mlp_in / t, hw, precision)  # MLP in (SwiGLU: gate and up)
         + gemm_seconds(T, shape.d_ff / t, d, hw, precision)  # MLP out
     )
     s, heads = shape.seq_len, micro_batch * shape.n_heads / t
@@ -94,7 +97,7 @@ def layer_time(
         attn, attn_bwd = bmm + scores, 2 * bmm + 2.5 * scores
     elementwise = elementwise_bytes(shape, T, t, sequence_parallel, e) / hw.hbm_bytes_per_s
     elementwise += hw.block_overhead_us * 1e-6 / 3  # fixed cost per block: a third forward, two backward
-    return LayerTime(gemm, attn, elementwise, attn_bwd)
+    return LayerTime(gemm, attn, elementwise, attn_bwd, column)
 
 
 def head_time(shape, micro_batch: int, tp: int, hw: Hardware, precision: str) -> LayerTime:

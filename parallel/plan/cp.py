@@ -12,8 +12,8 @@ formulas (:func:`parallel.layers.ring_attention.ring_bytes`, ``ulysses_bytes``):
 ring sends ``cp−1`` K/V blocks forward and ``cp−1`` K/V blocks plus ``cp−1`` fp32 dK/dV
 accumulators backward; recomputation (``selective`` or ``full``) runs the forward ring again.
 
-Overlap (:func:`cp_traffic`): each ring hop is posted before one block's compute and
-awaited after it, so a hop costs only what exceeds that block's attention FLOPs
+Overlap (:func:`cp_traffic`, :data:`parallel.overlap.RING_ATTENTION`): each ring hop is posted
+before one block's compute and awaited after it, so a hop costs only what exceeds that block's attention FLOPs
 (``1/cp`` of the layer's attention, twice that in backward); the last dK/dV hop has
 nothing to hide behind. Ulysses' all-to-alls sit on the critical path.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..layers.ring_attention import CP_IMPLS, ring_bytes, ulysses_bytes
+from ..overlap import RING_ATTENTION
 from .hardware import Hardware, PlanError
 from .traffic import AxisTraffic
 
@@ -105,12 +106,12 @@ def cp_traffic(
     kv, dkv = rb["kv"], rb["kv"] / e * 4
     block = attention_flops(shape, mb, cp, tp) / cp / peak_flops  # one ring step's compute, forward
     hop = axis.add("p2p", kv, (cp - 1) * count, hw, "ring K/V blocks (forward)")
-    fwd = (cp - 1) * max(0.0, hop - block)
+    fwd = (cp - 1) * RING_ATTENTION.exposed(hop, block)
     hop_b = axis.add("p2p", kv, (cp - 1) * count, hw, "ring K/V blocks (backward)")
     hop_g = axis.add("p2p", dkv, (cp - 1) * count, hw, "ring dK/dV accumulators, fp32 (backward)")
     bwd = hop_g  # the last hop (dK/dV home) has no compute left to hide behind
     for step in range(cp):  # step t posts the next K/V (t < cp−1) and passes an accumulator on (t ≥ 2)
-        bwd += max(0.0, hop_b * (step < cp - 1) + hop_g * (step >= 2) - 2 * block)
+        bwd += RING_ATTENTION.exposed(hop_b * (step < cp - 1) + hop_g * (step >= 2), 2 * block)
     if recompute:
         axis.add("p2p", kv, (cp - 1) * count, hw, "ring K/V blocks (recomputation)")
         bwd += fwd

@@ -6,7 +6,8 @@ optimizer's bytes (and stage 3's parameter shard) from the device total to ``hos
 (``Hardware.host_ram_gb``).
 
 Time, per step, added to the pipeline's makespan (nothing of it overlaps compute in
-gridtrain's implementation, except stage 3's parameter pages, which ride the prefetch):
+gridtrain's implementation, except stage 3's parameter pages, which ride the prefetch:
+:data:`parallel.overlap.OFFLOAD_STEP`, :data:`~parallel.overlap.OFFLOAD_PARAM_PAGING`):
 
 * the host AdamW over the rank's shard, at :data:`HOST_ADAM_PARAMS_PER_S` per GPU;
 * the reduced gradient shard device → host (4 B per shard element) and the updated
@@ -26,6 +27,7 @@ per core, so three of the node's 16 cores per GPU reach the bandwidth bound.
 
 from __future__ import annotations
 
+from ..overlap import OFFLOAD_PARAM_PAGING, OFFLOAD_STEP
 from .hardware import GiB, Hardware
 
 HOST_ADAM_BYTES_PER_PARAM = 28  # fp32 p, g, m, v read; p, m, v written
@@ -53,7 +55,7 @@ def offload_seconds(
     return {
         "host_adam_s": adam,
         "pcie_s": step_copies + paging,
-        "exposed_s": adam + step_copies + max(0.0, paging - hidden),
+        "exposed_s": OFFLOAD_STEP.exposed(adam + step_copies, 0.0) + OFFLOAD_PARAM_PAGING.exposed(paging, hidden),
     }
 
 

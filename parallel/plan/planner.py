@@ -10,7 +10,8 @@ efficiency) plus their tensor-parallel collectives (which sit on the critical
 path); the pipeline schedule is run on paper by the simulator with those costs
 (the slowest stage's, pipeline p2p as message latency), which gives the
 makespan, the bubble and the micro-batches each stage holds at its peak. DP
-traffic is then added where backward cannot hide it (:func:`_exposed_dp_time`).
+traffic is then added where backward cannot hide it (:func:`_exposed_dp_time`). What hides
+behind what is :mod:`parallel.overlap`'s table, the one the engine implements.
 """
 
 from __future__ import annotations
@@ -20,11 +21,23 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Callable
 
+from ..overlap import (
+    DP_REDUCTION,
+    PARAM_GATHER_AFTER_STEP,
+    PIPELINE_P2P,
+    REDUCTIONS_IN_FLIGHT,
+    STEP_SCALARS,
+    TP_COLLECTIVES,
+    TP_SP_BACKWARD,
+    ZERO3_GATHER,
+    ZERO3_PREFETCH_UNITS,
+    exposed_sharing,
+)
 from ..pipeline.schedules import ScheduleError, build_schedule, schedule_problem
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
 from ..zero.policy import policy
-from ..zero.theory import REDUCTIONS_IN_FLIGHT, accumulation_grad_bytes
+from ..zero.theory import accumulation_grad_bytes
 from . import compute as C
 from . import memory as M
 from . import offload as O
@@ -187,9 +200,10 @@ def plan_layout(
     # the slowest stage paces the pipeline; p2p of one activation between stages
     p2p_axis_proto = AxisTraffic(pp, group_crosses_node(t * dp, pp, gpn))
     act_msg = e * mb * local.seq_len * shape.d_model / (t if sp else 1)
-    p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + hw.latency_us * 1e-6) if pp > 1 else 0.0
     slow_f = max(i[3] for i in stage_info) / vpp
     slow_b = max(i[4] for i in stage_info) / vpp
+    p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + hw.latency_us * 1e-6) if pp > 1 else 0.0
+    p2p_one = PIPELINE_P2P.exposed(p2p_one, slow_f)  # exposed: the executor awaits receives before computing
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one)
     ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
     for s, (chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
@@ -220,6 +234,7 @@ def plan_layout(
         # They follow backward, so nothing hides them.
         n_scalars = 1 + policy(L.zero).shards_optimizer
         scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
+        scalars_s = STEP_SCALARS.exposed(scalars_s, 0.0)
         dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap) + scalars_s)
         if L.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
             optimizer_s = max(
@@ -273,7 +288,7 @@ def plan_layout(
             )
         )
         offload_exposed = max(offload_exposed, offload_s["exposed_s"])
-    emb_time = max(r.traffic["embedding"]["time_s"] for r in ranks)
+    emb_time = STEP_SCALARS.exposed(max(r.traffic["embedding"]["time_s"] for r in ranks), 0.0)  # after backward
     step_time = makespan + dp_exposed + emb_time + offload_exposed + optimizer_s  # offload: host Adam, PCIe
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
@@ -328,7 +343,7 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
         n = len(r)
         head = C.head_time(local, mb, t, hw, training.precision) if last else C.LayerTime(0.0, 0.0, 0.0)
         recompute = {"full": n * layer.forward, "selective": n * layer.attention}.get(ckpt, 0.0)
-        tf, tb = tp_traffic(
+        tf, tb, (regather, scatter) = tp_traffic(
             local, tp_axis, hw, n_layers=n, has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
         )
         cf, cb = cp_traffic(
@@ -336,8 +351,10 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
         )
         f_s = n * layer.forward + head.forward
         b_s = n * layer.backward + head.backward + recompute
-        fwd += f_s + tf + cf
-        bwd += b_s + tb + cb
+        fwd += f_s + TP_COLLECTIVES.exposed(tf, n * layer.gemm) + cf  # exposed: TP collectives block
+        column = n * layer.column_gemm  # input-gradient matmuls hide the re-gathers, weight-gradient ones the scatters
+        sp_b = TP_SP_BACKWARD.exposed(regather, column) + TP_SP_BACKWARD.exposed(scatter, column)
+        bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb
         flops_s += f_s + b_s
         acts.append(
             M.stage_activation_bytes(
@@ -357,25 +374,28 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
 
 
 def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) -> float:
-    """DP seconds backward cannot hide: stages 0–1 reduce during the last micro-batch's backward,
-    stages 2–3 during every backward (stage 3's gathers are prefetched behind compute); the
-    all-gather of updated parameters (stages 1–2) follows the optimizer step."""
-    if not overlap:
-        per_mb = dp["grad_per_mb"] + dp["param_fwd_per_mb"] + dp["param_bwd_per_mb"]
-        return m * per_mb + dp["grad_per_step"] + dp["param_after_step"]
-    per_mb = max(0.0, dp["grad_per_mb"] + dp["param_bwd_per_mb"] - bwd) + max(0.0, dp["param_fwd_per_mb"] - fwd)
-    return m * per_mb + max(0.0, dp["grad_per_step"] - bwd) + dp["param_after_step"]
+    """DP seconds compute cannot hide, as :mod:`parallel.overlap`'s rows say: gradient reductions
+    (``DP_REDUCTION``, with ``overlap``) under the backward — stages 0–1 the last micro-batch's,
+    stages 2–3 every one's — sharing it with stage 3's backward gathers (``ZERO3_GATHER``,
+    prefetched whatever ``overlap``); stage 3's forward gathers under the forward; the all-gather
+    after the optimizer step (``PARAM_GATHER_AFTER_STEP``) exposed."""
+    per_mb = exposed_sharing(
+        bwd, (DP_REDUCTION, dp["grad_per_mb"]), (ZERO3_GATHER, dp["param_bwd_per_mb"]), overlap=overlap
+    ) + ZERO3_GATHER.exposed(dp["param_fwd_per_mb"], fwd, overlap)
+    once = DP_REDUCTION.exposed(dp["grad_per_step"], bwd, overlap)
+    return m * per_mb + once + PARAM_GATHER_AFTER_STEP.exposed(dp["param_after_step"], 0.0, overlap)
 
 
 def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg, e, c) -> float:
     """Communication buffers: a bucket in flight (REDUCTIONS_IN_FLIGHT with overlap), stage 3's gathered
-    blocks (current + prefetched), Top-K's fp32 residual and gathered values, four p2p messages."""
+    blocks (current + ZERO3_PREFETCH_UNITS prefetched), Top-K's fp32 residual and gathered values, four
+    p2p messages."""
     bucket = tr.bucket_mb * 2**20 * (REDUCTIONS_IN_FLIGHT if tr.overlap else 1)
     total = 0.0
     if L.dp > 1 and (policy(L.zero).shards_grads or c != e):
         total += bucket
     if policy(L.zero).gathers_per_unit and L.dp > 1:
-        total += 2 * e * count(range(0, 1), False, False, L.tp).numel
+        total += (1 + ZERO3_PREFETCH_UNITS) * e * count(range(0, 1), False, False, L.tp).numel
     if tr.compression == "topk":
         total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
     if L.pp > 1:

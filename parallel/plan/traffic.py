@@ -131,8 +131,10 @@ def dp_traffic(
 
 
 def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt):
-    """TP collectives of a chunk: seconds per micro-batch (forward, backward); ``axis``
-    accumulates the bytes of all ``m`` micro-batches. Per block: two all-reduces of the
+    """TP collectives of a chunk: seconds per micro-batch (forward, backward, (re-gathers,
+    reduce-scatters)); the last pair is sequence parallel's column-layer backward, which the
+    engine runs asynchronously (:data:`parallel.overlap.TP_SP_BACKWARD`), not in ``backward``;
+    ``axis`` accumulates the bytes of all ``m`` micro-batches. Per block: two all-reduces of the
     ``[b, s, d]`` activation forward and two backward (sequence parallel: each an
     all-gather + a reduce-scatter, the same bytes, and two more all-gathers in backward:
     ``ColumnParallelLinear`` saves its input's sequence chunk and gathers it again); full recomputation redoes all but
@@ -150,9 +152,14 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
         return op("all_reduce", count, what)
 
     fwd = pair(2 * n_layers, "block forward")
-    bwd = pair(2 * n_layers, "block backward")
-    if sp:  # the column layers saved their input's sequence chunk: gathered again in backward
-        bwd += op("all_gather", 2 * n_layers, "block backward (column inputs, gathered again)")
+    regather = scatter = 0.0
+    if sp:  # the row layers' all-gathers block; the column layers' input-gradient reduce-scatters do not
+        bwd = op("all_gather", 2 * n_layers, "block backward (all-gather)")
+        scatter = op("reduce_scatter", 2 * n_layers, "block backward (reduce-scatter)")
+        # the column layers saved their input's sequence chunk: gathered again in backward
+        regather = op("all_gather", 2 * n_layers, "block backward (column inputs, gathered again)")
+    else:
+        bwd = pair(2 * n_layers, "block backward")
     if ckpt == "full":  # recomputation stops early (torch's non-reentrant checkpoint): the block's last
         # collective, the MLP's output reduction, is not redone
         if sp:
@@ -168,4 +175,4 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
         bwd += op("reduce_scatter" if sp else "all_reduce", 1, "head input gradient")
         bwd += op("all_gather", 1, "head backward (input, gathered again)") if sp else 0.0
         fwd += op("all_reduce", 1, "cross-entropy max and sums", CE_ALL_REDUCE_BYTES_PER_TOKEN * mb * shape.seq_len)
-    return fwd, bwd
+    return fwd, bwd, (regather, scatter)

@@ -42,6 +42,7 @@ step's last backward reduce-scatters it once — m× fewer gradient bytes.
 Overlap: with ``overlap=True`` a bucket's collective is launched, asynchronous,
 from the hook of its last gradient, while backward goes on; all are waited for
 when backward ends. With ``overlap=False`` they are launched after backward.
+What hides behind what, and the in-flight cap, are :mod:`parallel.overlap`'s table (the planner's too).
 
 Other groups: ``tp_group`` (parameters replicated across TP enter the norm once;
 gradients of sequence-parallel parameters are summed over it),
@@ -78,6 +79,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..overlap import REDUCTIONS_IN_FLIGHT
 from ..params import is_expert, is_sequence_parallel, is_shared_embedding, wants_weight_decay
 from ..precision import TORCH_DTYPES
 from .bucket import FlatBucket
@@ -88,7 +90,7 @@ from .offload import HostCopier, check_offload, host_step
 from .policy import ZERO_STAGES, policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
-from .theory import REDUCTIONS_IN_FLIGHT, ZERO3_ACCUMULATE, grad_comm_dtype
+from .theory import ZERO3_ACCUMULATE, grad_comm_dtype
 from .units import UnitGatherer
 
 DTYPES = TORCH_DTYPES  # one home: parallel.precision

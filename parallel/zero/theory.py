@@ -35,15 +35,13 @@ the fp32 buffer).
 from __future__ import annotations
 
 from ..comm.counter import SENT_FRACTION
+from ..overlap import REDUCTIONS_IN_FLIGHT  # noqa: F401 - re-exported
 from ..precision import DTYPE_BYTES
 from .offload import host_state_bytes
 from .policy import policy
 
 GRAD_BYTES = 4  # the fp32 main gradient, at every precision
-# With overlap, stages 2-3 reduce-scatter each bucket from a temporary full gradient while backward
-# goes on; the engine waits for the oldest once more than this many are in flight, so these
-# temporaries never hold more than this many buckets (the planner's communication buffers).
-REDUCTIONS_IN_FLIGHT = 2
+# REDUCTIONS_IN_FLIGHT (re-exported): its home is parallel.overlap, the table of what overlaps
 DEFAULT_COMM_DTYPE = "fp32"  # gradients travel in the dtype they accumulate in unless comm_dtype says otherwise
 
 
