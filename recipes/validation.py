@@ -174,17 +174,20 @@ def _check_ep(ep: Any, dp: int, mc: Any, precision: str) -> None:
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ConfigError(f"parallel.ep must be a positive integer, got {ep!r}")
     if dp % ep:
-        raise ConfigError(
-            f"parallel.ep={ep} must divide dp {dp} (ep splits the data-parallel ranks); use ep=1 or a divisor of {dp}"
-        )
+        from parallel.topology import ep_mismatch
+
+        raise ConfigError(f"parallel.ep={ep}: {ep_mismatch(dp, ep)}")
     if ep > 1 and not mc.moe_experts:
         raise ConfigError(
             f"parallel.ep={ep} needs an MoE model (model.moe_experts > 0, e.g. model.preset=mixtral_tiny); use ep=1"
         )
     if mc.moe_experts % ep:
-        raise ConfigError(
-            f"parallel.ep={ep} must divide the {mc.moe_experts} experts (model.moe_experts); use ep=1 or a divisor"
-        )
+        from parallel.layers.moe import MoEConfigError
+
+        try:
+            mc.moe_config().check(ep)
+        except MoEConfigError as e:  # the layer's own message (one home), naming the keys
+            raise ConfigError(f"parallel.ep={ep}, model.moe_experts={mc.moe_experts}: {e}") from None
     if mc.moe_experts and precision == "fp16":
         raise ConfigError(
             "train.precision=fp16 with an MoE model: the router losses are not loss-scaled; use bf16 or fp32"
@@ -228,7 +231,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         keys = [
             f"model.{k}={_show(v)}"
             for k, v in vars(cfg.model).items()
-            if k != "preset" and v is not None and re.search(rf"\b{k}\b", str(e))
+            if k != "preset" and v is not None and re.search(rf"\b({k}|{k.removeprefix('moe_')})\b", str(e))
         ]
         if p.tp > 1 and re.search(r"\btp\b", str(e)):
             keys.append(f"parallel.tp={p.tp}")

@@ -63,6 +63,10 @@ class MoEConfigError(LayerConfigError):
     """An MoE configuration that cannot run (sizes, top-k, expert split)."""
 
 
+#: the refusal of sequence parallelism in MoE layers (the layer's and the planner's)
+SEQUENCE_PARALLEL_REFUSED = "MoE: sequence parallelism is not supported in MoE layers; set sequence_parallel=False"
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """One MoE layer's shape and routing.
@@ -266,9 +270,7 @@ class MoELayer(nn.Module):
         ep = comm.tp_world_size(ep_group)  # None: no expert parallelism (1), not the world
         cfg.check(ep)
         if sequence_parallel:
-            raise MoEConfigError(
-                "MoE: sequence parallelism is not supported in MoE layers; set sequence_parallel=False"
-            )
+            raise MoEConfigError(SEQUENCE_PARALLEL_REFUSED)
         self.cfg, self.ep_group, self.ep = cfg, ep_group, ep
         self.num_local = cfg.num_experts // ep
         ep_rank = comm.tp_rank(ep_group)

@@ -15,6 +15,12 @@ so ``parallel.plan`` never imports ``models``). The numbers follow :mod:`paralle
   ``(ep-1)/ep`` of it under balanced routing.
 * **FLOPs.** ``6 ×`` active parameters per token (the dense 6·N rule applied to what a token
   touches) + attention's ``12·L·d·s``.
+
+:func:`~parallel.plan.planner.plan_layout` calls the hooks at the end of this module: ``check_ep``
+(refusals), ``ep_split`` (a rank's dense parameters and its ``E/ep`` experts, ZeRO'd over dp·cp
+and edp), ``layer_time`` / ``activation_bytes`` (an MoE block's compute and saved tensors),
+``ep_traffic`` (the all-to-alls on the ``ep`` axis, exposed), ``flops_per_token`` (MFU on
+active FLOPs); :func:`~parallel.plan.search.recommend` tries ``ep_choices``. docs/moe.md.
 """
 
 from __future__ import annotations
@@ -142,10 +148,11 @@ def moe_shape(cfg) -> MoEShape | None:
     return MoEShape.of(cfg) if getattr(cfg, "moe_experts", 0) else None
 
 
-def check_ep(moe: MoEShape | None, dp: int, ep: int) -> None:
+def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = False) -> None:
     """Refuse an ``ep`` the grid or the model cannot take, with the library's own messages
-    (:func:`parallel.topology.ep_mismatch`, :meth:`parallel.layers.moe.MoEConfig.check`)."""
-    from ..layers.moe import MoEConfig, MoEConfigError
+    (:func:`parallel.topology.ep_mismatch`, :meth:`parallel.layers.moe.MoEConfig.check`), and
+    sequence parallelism with MoE layers (which refuse it)."""
+    from ..layers.moe import SEQUENCE_PARALLEL_REFUSED, MoEConfig, MoEConfigError
     from ..topology import ep_mismatch
 
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
@@ -160,6 +167,15 @@ def check_ep(moe: MoEShape | None, dp: int, ep: int) -> None:
         MoEConfig(num_experts=moe.moe_experts, d_ff=moe.expert_d_ff, top_k=moe.moe_top_k).check(ep)
     except MoEConfigError as e:
         raise PlanError(str(e)) from None
+    if sequence_parallel and moe.moe_layers:
+        raise PlanError(SEQUENCE_PARALLEL_REFUSED)
+
+
+def ep_choices(moe: MoEShape | None, dp: int) -> list[int]:
+    """The eps ``recommend`` tries: the divisors of ``dp`` that divide the experts (1 for a dense model)."""
+    if moe is None:
+        return [1]
+    return [e for e in range(1, dp + 1) if dp % e == 0 and moe.moe_experts % e == 0]
 
 
 def moe_layers_in(moe: MoEShape | None, layers: range) -> int:

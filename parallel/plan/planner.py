@@ -169,7 +169,7 @@ def plan_layout(
     moe = MoE.moe_shape(shape)  # MoE models: experts over ep, all-to-all, active FLOPs (parallel/plan/moe.py)
     shape = ModelShape.of(shape)
     m = check(shape, layout, training, world_size)
-    MoE.check_ep(moe, layout.dp, layout.ep)
+    MoE.check_ep(moe, layout.dp, layout.ep, layout.sequence_parallel)
     L, t, dp, pp, vpp = layout, layout.tp, layout.dp * layout.cp, layout.pp, layout.vpp  # ZeRO spans dp × cp
     local = local_shape(shape, L.cp)  # what one cp rank holds of each sample (parallel/plan/cp.py)
     e = M.PRECISION_BYTES[training.precision]
@@ -181,7 +181,7 @@ def plan_layout(
     stage_info, alike = [], {}  # stages with the same chunk shapes share their numbers
     for s in range(pp):
         chunks = [(v, ranges[v]) for v in range(s, pp * vpp, pp)]
-        key = tuple((len(r),) + _stage_flags(v, pp * vpp) for v, r in chunks)
+        key = tuple((len(r), MoE.moe_layers_in(moe, r)) + _stage_flags(v, pp * vpp) for v, r in chunks)
         if key not in alike:
             alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, moe)
         params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis = alike[key]
@@ -201,7 +201,8 @@ def plan_layout(
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
         states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer, L.offload)
         edp = dp // L.ep
-        epsi = M.zero_padded_numel(experts, edp, training.bucket_mb * 2**20, e) if experts.numel else 0
+        per_unit = policy(L.zero).gathers_per_unit
+        epsi = M.zero_padded_numel(experts, edp, training.bucket_mb * 2**20, e, per_unit) if experts.numel else 0
         if epsi:
             e_states = M.model_state_bytes(epsi, L.zero, edp, training.precision, training.optimizer, L.offload)
             states = {k: v + e_states[k] for k, v in states.items()}
@@ -419,7 +420,7 @@ def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg
     if L.dp > 1 and (policy(L.zero).shards_grads or c != e):
         total += bucket
     if policy(L.zero).gathers_per_unit and L.dp > 1:
-        total += 2 * e * count(range(0, 1), False, False, L.tp).numel
+        total += 2 * e * MoE.at_ep(count(range(0, 1), False, False, L.tp), L.ep).numel  # MoE: its E/ep experts
     if tr.compression == "topk":
         total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
     if L.pp > 1:

@@ -24,10 +24,13 @@ def test_valid_moe_layout():
 @pytest.mark.parametrize(
     "rc,match",
     [
-        (_rc(dp=4, ep=3), r"parallel.ep=3 must divide dp 4"),
+        (_rc(dp=4, ep=3), r"parallel.ep=3: ep 3 does not divide dp 4"),
         (_rc(preset="llama_tiny", dp=2, ep=2), r"parallel.ep=2 needs an MoE model"),
-        (_rc(dp=4, ep=4, moe_experts=6), r"parallel.ep=4 must divide the 6 experts"),
-        (_rc(moe_top_k=5), r"top_k=5 must be between 1 and num_experts=4"),
+        (
+            _rc(dp=4, ep=4, moe_experts=6),
+            r"parallel.ep=4, model.moe_experts=6: MoE: num_experts=6 is not divisible by ep=4",
+        ),
+        (_rc(moe_top_k=5), r"model.moe_top_k=5: MoE: top_k=5 must be between 1 and num_experts=4"),
     ],
 )
 def test_bad_moe_settings_are_refused(rc, match):
