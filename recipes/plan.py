@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from models.config import ModelConfig, ModelConfigError
-from parallel.params import init_key, is_shared_embedding, tp_shard_dim, wants_weight_decay
+from parallel.params import init_key, is_expert, is_shared_embedding, tp_shard_dim, wants_weight_decay
 from parallel.plan import Layout, Plan, PlanError, StageParams, Training, hardware_profile, plan_layout, recommend
 
 from .config import ConfigError, RecipeConfig, model_config
@@ -26,8 +26,9 @@ GB = 1e9
 
 
 def _count_module(module, tp: int, *, is_block: bool) -> StageParams:
-    numel = replicated = full = tied = shared = 0
+    numel = replicated = full = tied = shared = expert = 0
     groups: tuple[list[int], list[int]] = ([], [])  # ZeRO's bucket classes: with / without weight decay
+    experts: tuple[list[int], list[int]] = ([], [])  # MoE experts: their own buckets (over edp)
     for p in module.parameters():
         n = p.numel()
         sharded = tp_shard_dim(p) is not None
@@ -37,7 +38,8 @@ def _count_module(module, tp: int, *, is_block: bool) -> StageParams:
         replicated += 0 if sharded else n
         tied += n if init_key(p) is not None else 0  # the head's copy of a tied embedding
         shared += local if is_shared_embedding(p) else 0
-        groups[int(not wants_weight_decay(p))].append(local)
+        expert += local if is_expert(p) else 0
+        (experts if is_expert(p) else groups)[int(not wants_weight_decay(p))].append(local)
     classes = (tuple(groups[0]), tuple(groups[1]))
     return StageParams(
         numel,
@@ -47,6 +49,8 @@ def _count_module(module, tp: int, *, is_block: bool) -> StageParams:
         shared,
         blocks=(classes,) if is_block else (),
         root=((), ()) if is_block else classes,
+        expert=expert,
+        expert_blocks=((tuple(experts[0]), tuple(experts[1])),) if expert else (),
     )
 
 
@@ -54,7 +58,7 @@ def meta_param_counter(cfg: ModelConfig):
     """``count(layers, has_embedding, has_head, tp)`` → :class:`StageParams` of that chunk.
 
     Counts the modules of :func:`models.transformer.build_model` on ``meta``: one
-    block (all blocks are alike) times ``len(layers)``, plus the embedding / head
+    block of each kind (dense, MoE) times the blocks of that kind in ``layers``, plus the embedding / head
     part built alone (ZeRO's units: each block, and the rest). The model is built at tp=1 with the vocabulary padded as
     for ``tp`` (``vocab_multiple · tp``); a parameter marked ``tp_shard_dim``
     holds ``1/tp`` of its elements per rank, others are replicated, exactly as
@@ -63,19 +67,22 @@ def meta_param_counter(cfg: ModelConfig):
     from models.transformer import build_model
 
     @cache
-    def part(n_layers: int, has_embedding: bool, has_head: bool, tp: int) -> StageParams:
+    def part(layers: range, has_embedding: bool, has_head: bool, tp: int) -> StageParams:
         try:
             cfg.validate(tp=tp)
         except ModelConfigError as e:
             raise PlanError(str(e)) from None
         padded = cfg.replace(vocab_multiple=cfg.vocab_multiple * tp)
-        stage = build_model(
-            padded, layers=range(0, n_layers), has_embedding=has_embedding, has_head=has_head, device="meta"
-        )
-        return _count_module(stage, tp, is_block=n_layers == 1)
+        stage = build_model(padded, layers=layers, has_embedding=has_embedding, has_head=has_head, device="meta")
+        return _count_module(stage, tp, is_block=len(layers) == 1)
 
     def count(layers: range, has_embedding: bool, has_head: bool, tp: int) -> StageParams:
-        return part(1, False, False, tp).scaled(len(layers)) + part(0, has_embedding, has_head, tp)
+        moe = [i for i in layers if cfg.is_moe_layer(i)]  # MoE blocks (experts) differ from dense ones
+        total = part(range(0, 0), has_embedding, has_head, tp)
+        for kind in ([i for i in layers if not cfg.is_moe_layer(i)], moe):
+            if kind:
+                total = part(range(kind[0], kind[0] + 1), False, False, tp).scaled(len(kind)) + total
+        return total
 
     return count
 
@@ -146,6 +153,7 @@ def _layout(rc: RecipeConfig) -> Layout:
         cp=p.cp,
         cp_impl=p.cp_impl,
         offload=p.offload,
+        ep=p.ep,
     )
 
 
@@ -155,6 +163,7 @@ def summary(plan: Plan) -> dict[str, Any]:
     return {
         "layout": f"dp{L['dp']}·pp{L['pp']}·tp{L['tp']}"
         + (f"·cp{L['cp']}" if L.get("cp", 1) > 1 else "")
+        + (f"·ep{L['ep']}" if L.get("ep", 1) > 1 else "")
         + f" zero{L['zero']}",
         "fits": plan.fits,
         "peak_gb": round(plan.peak_memory / GB, 2),
@@ -233,6 +242,14 @@ def plan_rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
         )
     if plan.layout.get("cp", 1) > 1:  # context parallel: the ring's (or Ulysses') traffic (docs/cp.md)
         header.append("CP GB/s-step")
+    if "ep" in plan.ranks[0].traffic:  # MoE: all-to-all on ep (exposed), expert gradients on edp (docs/moe.md)
+        header.append("EP GB/s-step")
+        for r, row in zip(plan.ranks, rows):
+            t = r.traffic
+            row.append(
+                f"{t['ep']['bytes'] / GB:.2f}/{t['ep']['time_s']:.3f}"
+                + (f" edp {t['edp']['bytes'] / GB:.2f}" if "edp" in t else "")
+            )
     return header, rows
 
 
@@ -242,12 +259,18 @@ def plan_footer(plan: Plan) -> list[str]:
         f"{L['dp'] * L['pp'] * L['tp'] * L.get('cp', 1)} × {hw['name']} ({hw['memory_bytes'] / GB:.1f} GB): "
         f"dp={L['dp']} pp={L['pp']} tp={L['tp']}"
         + (f" cp={L['cp']} ({L['cp_impl']})" if L.get("cp", 1) > 1 else "")
+        + (f" ep={L['ep']}" if "params_total" in s else "")
         + f" zero={L['zero']} sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
         f"{plan.grad_accum} per step, checkpointing {plan.training['checkpointing']}, {plan.training['precision']}",
         f"fits: {'yes' if plan.fits else 'NO'} (peak {plan.peak_memory / GB:.2f} GB)  step {s['step_time_s']:.3f} s "
         f"(pipeline {s['pipeline_s']:.3f}, bubble {s['bubble_fraction']:.1%}, exposed DP {s['dp_exposed_s']:.3f})  "
         f"{s['tokens_per_s']:,.0f} tokens/s  MFU {s['mfu']:.1%}  compute/comm {s['compute_comm_ratio']:.2f}",
     ]
+    if "params_total" in s:  # MoE: FLOPs, MFU and TFLOP/s per GPU count the active parameters only
+        lines.append(
+            f"MoE: {s['params_total'] / 1e9:.2f}B parameters, {s['params_active'] / 1e9:.2f}B active per token; "
+            f"{s['model_flops_per_token'] / 1e9:.1f} GFLOP per token (active), {s['tflops_per_gpu']:.1f} TFLOP/s per GPU"
+        )
     return lines + [f"advice: {a}" for a in plan.advice]
 
 

@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from parallel.layers.moe import MoEConfigError
+from parallel.layers.moe import CONTEXT_PARALLEL_REFUSED, MoEConfigError
 from parallel.layers.ring_attention import CP_IMPLS
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem
 from parallel.precision import PRECISIONS
@@ -199,10 +199,9 @@ def _check_ep(p: Any, dp: int, mc: Any, cfg: Any) -> None:
         "parallel.sequence_parallel=true": p.sequence_parallel,  # the layer routes whole sequences' tokens
         f"parallel.offload={p.offload}": p.offload != "none",
         "parallel.pp_schedule=zb-h1": p.pp_schedule == "zb-h1",
-        # the load-balancing loss's token statistics would be per cp slice, not per sequence (measured:
-        # 2e-4 off one process after 5 steps); Megatron sums them over the cp group first
-        f"parallel.cp={p.cp}": p.cp > 1,
     }
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp={p.cp}: {CONTEXT_PARALLEL_REFUSED}")
     for what, on in unverified.items():
         if on:
             raise ConfigError(
@@ -249,7 +248,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         keys = [
             f"model.{k}={_show(v)}"
             for k, v in vars(cfg.model).items()
-            if k != "preset" and v is not None and re.search(rf"\b{k}\b", str(e))
+            if k != "preset" and v is not None and re.search(rf"\b({k}|{k.removeprefix('moe_')})\b", str(e))
         ]
         if p.tp > 1 and re.search(r"\btp\b", str(e)):
             keys.append(f"parallel.tp={p.tp}")

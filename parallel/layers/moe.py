@@ -63,6 +63,18 @@ class MoEConfigError(LayerConfigError):
     """An MoE configuration that cannot run (sizes, top-k, expert split)."""
 
 
+#: the refusal of sequence parallelism in MoE layers (the layer's and the planner's)
+SEQUENCE_PARALLEL_REFUSED = "MoE: sequence parallelism is not supported in MoE layers; set sequence_parallel=False"
+# The load-balancing loss's token fractions and mean probabilities are computed over the tokens a rank
+# routes; under context parallelism those are a slice of each sequence, so the loss would differ from one
+# process's (measured 2e-4 after 5 steps). Summing them over the cp group first (as Megatron-Core does)
+# is not built yet.
+CONTEXT_PARALLEL_REFUSED = (
+    "MoE with context parallelism (cp > 1) is not supported: the load-balancing loss would see each cp "
+    "rank's slice of a sequence instead of the whole sequence; use cp=1 with MoE models"
+)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """One MoE layer's shape and routing.
@@ -266,9 +278,7 @@ class MoELayer(nn.Module):
         ep = comm.tp_world_size(ep_group)  # None: no expert parallelism (1), not the world
         cfg.check(ep)
         if sequence_parallel:
-            raise MoEConfigError(
-                "MoE: sequence parallelism is not supported in MoE layers; set sequence_parallel=False"
-            )
+            raise MoEConfigError(SEQUENCE_PARALLEL_REFUSED)
         self.cfg, self.ep_group, self.ep = cfg, ep_group, ep
         self.num_local = cfg.num_experts // ep
         ep_rank = comm.tp_rank(ep_group)

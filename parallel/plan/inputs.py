@@ -29,6 +29,7 @@ class Layout:
     cp: int = 1  # context parallel ranks per sequence (parallel/plan/cp.py)
     cp_impl: str = "ring"
     offload: str = "none"  # none | optimizer | optimizer+params (parallel/zero/offload.py)
+    ep: int = 1  # expert parallel ranks inside dp (MoE models; parallel/plan/moe.py)
 
     @property
     def world_size(self) -> int:

@@ -89,6 +89,10 @@ class StageParams:
     transformer block (a ZeRO unit) and for the rank's other parameters (one more
     unit), the per-rank sizes of the parameters with and without weight decay, in
     ``named_parameters`` order. Empty when unknown: the whole rank is padded instead.
+
+    MoE (:mod:`parallel.plan.moe`): ``expert`` of ``numel`` are expert parameters (at ep = 1;
+    :func:`~parallel.plan.moe.ep_split` divides them by ep), in ZeRO units ``expert_blocks``
+    (not in ``blocks``: ZeRO packs and shards them over their own group, edp).
     """
 
     numel: int
@@ -98,17 +102,21 @@ class StageParams:
     shared_embedding: int = 0
     blocks: tuple[tuple[Group, Group], ...] = ()
     root: tuple[Group, Group] = ((), ())
+    expert: int = 0
+    expert_blocks: tuple[tuple[Group, Group], ...] = ()
 
     def __add__(self, other: StageParams) -> StageParams:
         counts = (a + b for a, b in zip(self.counts(), other.counts()))
         root = (self.root[0] + other.root[0], self.root[1] + other.root[1])
-        return StageParams(*counts, blocks=self.blocks + other.blocks, root=root)
+        experts = dict(expert=self.expert + other.expert, expert_blocks=self.expert_blocks + other.expert_blocks)
+        return StageParams(*counts, blocks=self.blocks + other.blocks, root=root, **experts)
 
     def scaled(self, n: int) -> StageParams:
         """``n`` copies of a stage made of blocks only (its root must be empty)."""
         if any(self.root):
             raise ValueError("scaled() repeats blocks; this StageParams has parameters outside blocks")
-        return StageParams(*(a * n for a in self.counts()), blocks=self.blocks * n)
+        experts = dict(expert=self.expert * n, expert_blocks=self.expert_blocks * n)
+        return StageParams(*(a * n for a in self.counts()), blocks=self.blocks * n, **experts)
 
     def counts(self) -> tuple[int, ...]:
         return (self.numel, self.replicated, self.full, self.tied_copy, self.shared_embedding)

@@ -15,6 +15,12 @@ so ``parallel.plan`` never imports ``models``). The numbers follow :mod:`paralle
   ``(ep-1)/ep`` of it under balanced routing.
 * **FLOPs.** ``6 ×`` active parameters per token (the dense 6·N rule applied to what a token
   touches) + attention's ``12·L·d·s``.
+
+:func:`~parallel.plan.planner.plan_layout` calls the hooks at the end of this module: ``check_ep``
+(refusals), ``ep_split`` (a rank's dense parameters and its ``E/ep`` experts, ZeRO'd over dp·cp
+and edp), ``layer_time`` / ``activation_bytes`` (an MoE block's compute and saved tensors),
+``ep_traffic`` (the all-to-alls on the ``ep`` axis, exposed), ``flops_per_token`` (MFU on
+active FLOPs); :func:`~parallel.plan.search.recommend` tries ``ep_choices``. docs/moe.md.
 """
 
 from __future__ import annotations
@@ -134,3 +140,140 @@ def flops_per_token(shape: MoEShape) -> float:
     s = MoEShape.of(shape)
     active = param_counts(s)["active"] - (0 if s.tie_embeddings else s.vocab_size * s.d_model)
     return 6 * active + 12 * s.n_layers * s.d_model * s.seq_len
+
+
+# ------------------------------------------------------------------ the planner's hooks (plan_layout)
+def moe_shape(cfg) -> MoEShape | None:
+    """The MoE view of a model config, or None for a dense model (``moe_experts`` absent or 0)."""
+    return MoEShape.of(cfg) if getattr(cfg, "moe_experts", 0) else None
+
+
+def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = False, cp: int = 1) -> None:
+    """Refuse an ``ep`` the grid or the model cannot take, with the library's own messages
+    (:func:`parallel.topology.ep_mismatch`, :meth:`parallel.layers.moe.MoEConfig.check`), and
+    sequence parallelism and context parallelism with MoE layers (which refuse them)."""
+    from ..layers.moe import CONTEXT_PARALLEL_REFUSED, SEQUENCE_PARALLEL_REFUSED, MoEConfig, MoEConfigError
+    from ..topology import ep_mismatch
+
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise PlanError(f"layout.ep must be a positive integer, got {ep!r}")
+    if dp % ep:
+        raise PlanError(ep_mismatch(dp, ep))
+    if moe is None:
+        if ep > 1:
+            raise PlanError(f"ep={ep} needs an MoE model (moe_experts > 0, e.g. model.preset=mixtral_tiny); use ep=1")
+        return
+    try:
+        MoEConfig(num_experts=moe.moe_experts, d_ff=moe.expert_d_ff, top_k=moe.moe_top_k).check(ep)
+    except MoEConfigError as e:
+        raise PlanError(str(e)) from None
+    if sequence_parallel and moe.moe_layers:
+        raise PlanError(SEQUENCE_PARALLEL_REFUSED)
+    if cp > 1 and moe.moe_layers:
+        raise PlanError(CONTEXT_PARALLEL_REFUSED)
+
+
+def ep_choices(moe: MoEShape | None, dp: int) -> list[int]:
+    """The eps ``recommend`` tries: the divisors of ``dp`` that divide the experts (1 for a dense model)."""
+    if moe is None:
+        return [1]
+    return [e for e in range(1, dp + 1) if dp % e == 0 and moe.moe_experts % e == 0]
+
+
+def moe_layers_in(moe: MoEShape | None, layers: range) -> int:
+    """How many of ``layers`` (global indices) are MoE blocks (``models.config.ModelConfig.is_moe_layer``)."""
+    return 0 if moe is None else sum(1 for i in layers if (i + 1) % moe.moe_every == 0)
+
+
+def ep_split(params, ep: int):
+    """``(dense, experts)``: a pipeline rank's :class:`~parallel.plan.memory.StageParams` at ``ep``
+    (counted at ep = 1: each rank keeps ``E/ep`` experts, dim 0 of every expert tensor), split
+    into what ZeRO shards over dp·cp and what it shards over edp (expert tensors are not TP-split:
+    replicated over TP, counted once in ``full``)."""
+    from .memory import StageParams
+
+    x = params.expert
+    if x % ep:
+        raise PlanError(f"ep={ep} does not divide this rank's {x} expert parameters")
+    dense = StageParams(
+        params.numel - x,
+        params.replicated - x,
+        params.full - x,
+        params.tied_copy,
+        params.shared_embedding,
+        blocks=params.blocks,
+        root=params.root,
+    )
+    blocks = tuple(tuple(tuple(n // ep for n in g) for g in unit) for unit in params.expert_blocks)
+    experts = StageParams(x // ep, x // ep, x // ep, blocks=blocks, expert=x // ep, expert_blocks=blocks)
+    return dense, experts
+
+
+def at_ep(params, ep: int):
+    """``params`` as one rank holds them at ``ep`` (its ``E/ep`` experts)."""
+    dense, experts = ep_split(params, ep)
+    return dense + experts
+
+
+def layer_time(moe: MoEShape, dense, local, micro_batch: int, tp: int, hw, precision: str):
+    """One MoE block's :class:`~parallel.plan.compute.LayerTime` from the dense block's ``dense``
+    (attention, norms as before): the dense MLP's GEMMs and activation traffic are replaced by the
+    router (``[T, d] × [d, E]``), the shared experts (TP-split, as a ``ParallelMLP``) and the
+    routed experts: ``k·T`` rows through one expert's GEMMs, *not* split over TP (every TP rank
+    computes them, parallel/layers/moe.py). Grouped per expert on the device; priced as one GEMM
+    of ``k·T`` rows (balanced routing)."""
+    from dataclasses import replace
+
+    from .compute import gemm_seconds
+
+    e = 4 if precision == "fp32" else 2
+    T, d, t = micro_batch * local.seq_len, local.d_model, tp
+    mats = 2 if moe.arch == "llama" else 1  # SwiGLU: gate and up
+
+    def mlp(rows, width, split):
+        return gemm_seconds(rows, d, mats * width / split, hw, precision) + gemm_seconds(
+            rows, width / split, d, hw, precision
+        )
+
+    def act(rows, width, split):
+        return e * rows * width * (mats + 1) / split / hw.hbm_bytes_per_s
+
+    f, shared, rows = moe.expert_d_ff, moe.moe_shared_experts * moe.expert_d_ff, moe.moe_top_k * T
+    gemm = dense.gemm - mlp(T, local.d_ff, t) + gemm_seconds(T, d, moe.moe_experts, hw, precision) + mlp(rows, f, 1)
+    gemm += mlp(T, shared, t) if shared else 0.0
+    ew = dense.elementwise - act(T, local.d_ff, t) + act(rows, f, 1) + (act(T, shared, t) if shared else 0.0)
+    return replace(dense, gemm=gemm, elementwise=ew)
+
+
+def activation_bytes(moe: MoEShape, local, micro_batch: int, *, tp: int, checkpointing: str, e: int, ep: int):
+    """What an MoE block saves beyond the dense block of :func:`~parallel.plan.memory.layer_activation_bytes`
+    (which counts the dense MLP): the dense MLP's ``(4|2)·e·T·f/t`` out, in: the router's fp32
+    logits and probabilities (``8·T·E``), the routed rows (``e·k·T·d``, twice more at ep > 1: the
+    received rows regrouped), the experts' intermediates (``(4|2)·e·k·T·f``, not TP-split) and
+    their outputs (``e·k·T·d``), the shared experts' MLP (TP-split). An estimate of what autograd
+    keeps (balanced routing); ``full`` recomputation keeps only the block input (no change)."""
+    if checkpointing == "full":
+        return 0.0
+    T, d, mult = micro_batch * local.seq_len, local.d_model, 4 if moe.arch == "llama" else 2
+    rows = moe.moe_top_k * T
+    dense_mlp = mult * e * T * local.d_ff / tp
+    shared = mult * e * T * moe.moe_shared_experts * moe.expert_d_ff / tp
+    routed = mult * e * rows * moe.expert_d_ff + e * rows * d * (2 + 2 * (ep > 1))
+    return 8 * T * moe.moe_experts + routed + shared - dense_mlp
+
+
+def ep_traffic(moe: MoEShape, axis, hw, *, n_moe: int, tokens: int, m: int, e: int, checkpointing: str):
+    """The ep group's all-to-alls of ``n_moe`` MoE blocks over ``m`` micro-batches of ``tokens``
+    tokens per rank (``axis`` accumulates the bytes); returns the seconds per micro-batch
+    (forward, backward). Dropless and balanced (:func:`all_to_all_payload_bytes`); full
+    recomputation runs the forward's exchanges again. **Exposed**: the layer waits for each
+    exchange (the counts decide the buffers, the rows feed the experts), nothing overlaps them."""
+    if axis.group_size == 1 or n_moe == 0:
+        return 0.0, 0.0
+    rows = moe.moe_top_k * tokens * moe.d_model * e
+    again = 2 if checkpointing == "full" else 1
+    c = axis.add("all_to_all", COUNT_BYTES * moe.moe_experts, again * n_moe * m, hw, "expert counts (int64)")
+    r = axis.add("all_to_all", rows, again * 2 * n_moe * m, hw, "routed rows out and back (forward)")
+    b = axis.add("all_to_all", rows, 2 * n_moe * m, hw, "routed row gradients back and out (backward)")
+    fwd = n_moe * (c + 2 * r)
+    return fwd, 2 * n_moe * b + (fwd if again == 2 else 0.0)

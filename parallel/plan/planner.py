@@ -40,6 +40,7 @@ from ..zero.policy import policy
 from ..zero.theory import accumulation_grad_bytes
 from . import compute as C
 from . import memory as M
+from . import moe as MoE
 from . import offload as O
 from .advice import advise
 from .cp import cp_traffic, extra_activation_bytes, local_shape
@@ -178,8 +179,10 @@ def plan_layout(
     world_size: int | None = None,
 ) -> Plan:
     """The per-rank-class memory, traffic and time of ``layout`` (module docstring)."""
+    moe = MoE.moe_shape(shape)  # MoE models: experts over ep, all-to-all, active FLOPs (parallel/plan/moe.py)
     shape = ModelShape.of(shape)
     m = check(shape, layout, training, world_size)
+    MoE.check_ep(moe, layout.dp, layout.ep, layout.sequence_parallel, layout.cp)
     L, t, dp, pp, vpp = layout, layout.tp, layout.dp * layout.cp, layout.pp, layout.vpp  # ZeRO spans dp × cp
     local = local_shape(shape, L.cp)  # what one cp rank holds of each sample (parallel/plan/cp.py)
     e = M.PRECISION_BYTES[training.precision]
@@ -191,12 +194,13 @@ def plan_layout(
     stage_info, alike = [], {}  # stages with the same chunk shapes share their numbers
     for s in range(pp):
         chunks = [(v, ranges[v]) for v in range(s, pp * vpp, pp)]
-        key = tuple((len(r),) + _stage_flags(v, pp * vpp) for v, r in chunks)
+        key = tuple((len(r), MoE.moe_layers_in(moe, r)) + _stage_flags(v, pp * vpp) for v, r in chunks)
         if key not in alike:
-            alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops)
-        params, tp_axis, cp_axis, fwd, bwd, acts, flops_s = alike[key]
+            alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, moe)
+        params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis = alike[key]
         tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
-        stage_info.append((chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s))
+        ep_axis = dataclasses.replace(ep_axis, items=list(ep_axis.items))
+        stage_info.append((chunks, params, (tp_axis, cp_axis, ep_axis), fwd, bwd, acts, flops_s))
     # the slowest stage paces the pipeline; p2p of one activation between stages
     p2p_axis_proto = AxisTraffic(pp, group_crosses_node(t * dp, pp, gpn))
     act_msg = e * mb * local.seq_len * shape.d_model / (t if sp else 1)
@@ -206,10 +210,18 @@ def plan_layout(
     p2p_one = PIPELINE_P2P.exposed(p2p_one, slow_f)  # exposed: the executor awaits receives before computing
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one)
     ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
-    for s, (chunks, params, (tp_axis, cp_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
+    for s, (chunks, params, (tp_axis, cp_axis, ep_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
+        params, experts = MoE.ep_split(params, L.ep)  # experts: E/ep per rank, ZeRO over edp = dp·cp/ep
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
         states = M.model_state_bytes(psi, L.zero, dp, training.precision, training.optimizer, L.offload)
+        edp = dp // L.ep
+        per_unit = policy(L.zero).gathers_per_unit
+        epsi = M.zero_padded_numel(experts, edp, training.bucket_mb * 2**20, e, per_unit) if experts.numel else 0
+        if epsi:
+            e_states = M.model_state_bytes(epsi, L.zero, edp, training.precision, training.optimizer, L.offload)
+            states = {k: v + e_states[k] for k, v in states.items()}
         shard = psi // dp if policy(L.zero).shards_optimizer else psi
+        shard += epsi // edp if policy(L.zero).shards_optimizer else epsi
         offload_s = O.offload_seconds(shard, e, L.offload, hw, m, fwd, bwd)
         if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
             sp_shard = M.padded(params.replicated, dp) // (dp if policy(L.zero).shards_optimizer else 1)
@@ -230,16 +242,31 @@ def plan_layout(
             regathered_psi=psi - root_psi,
             accumulate=training.zero3_accumulate,
         )
+        edp_axis = dp_axis if L.ep == 1 else AxisTraffic(edp, group_crosses_node(t * L.ep, edp, gpn))
+        if epsi:  # expert gradients (and stage-3 gathers) on edp, hidden behind the same backward
+            e_times = dp_traffic(
+                hw,
+                edp_axis,
+                psi=epsi,
+                zero=L.zero,
+                micro_batches=m,
+                param_bytes=e,
+                comm_bytes=c,
+                regathered_psi=epsi,
+                accumulate=training.zero3_accumulate,
+            )
+            dp_times = {k: v + e_times[k] for k, v in dp_times.items()}
+            if not policy(L.zero).shards_optimizer:  # stage 0: each ep rank's experts enter the norm
+                scalars_ep = ep_axis.add("all_reduce", 4, 1, hw, "expert gradient norm (fp32 scalar)")
         # the step's scalars: the loss averaged over DP; the gradient norm summed over DP when sharded.
         # They follow backward, so nothing hides them.
         n_scalars = 1 + policy(L.zero).shards_optimizer
         scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
+        scalars_s += scalars_ep if epsi and not policy(L.zero).shards_optimizer else 0.0
         scalars_s = STEP_SCALARS.exposed(scalars_s, 0.0)
         dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap) + scalars_s)
         if L.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
-            optimizer_s = max(
-                optimizer_s, C.optimizer_seconds(psi / (dp if policy(L.zero).shards_optimizer else 1), hw)
-            )
+            optimizer_s = max(optimizer_s, C.optimizer_seconds(shard, hw))
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
         pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
@@ -258,7 +285,7 @@ def plan_layout(
         has_head = any(v == pp * vpp - 1 for v, _ in chunks)
         loss = M.loss_temporary_bytes(local, mb, tp=t, precision=training.precision) if has_head else 0.0
         activations = in_flight * max(acts) + max(recompute, loss)
-        buffers = _buffer_bytes(dataclasses.replace(L, dp=dp), training, params, count_params, act_msg, e, c)
+        buffers = _buffer_bytes(dataclasses.replace(L, dp=dp), training, params + experts, count_params, act_msg, e, c)
         mem = {
             **{k: float(v) for k, v in states.items() if k != "total"},
             "model_states": float(states["total"]),
@@ -272,11 +299,15 @@ def plan_layout(
             for name, a in (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis))
         }
         traffic["cp"] = cp_axis.as_dict()
+        if moe is not None:  # MoE: the all-to-alls (exposed) and the experts' gradients over edp
+            traffic["ep"] = ep_axis.as_dict()
+            if L.ep > 1:
+                traffic["edp"] = edp_axis.as_dict()
         ranks.append(
             RankClass(
                 stage=s,
                 layers=[(r.start, r.stop) for _, r in chunks],
-                params=params,
+                params=params + experts,
                 memory=mem,
                 in_flight=in_flight,
                 activation_per_microbatch=sum(acts),
@@ -293,7 +324,7 @@ def plan_layout(
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
-    mfpt = model_flops_per_token(shape)
+    mfpt = MoE.flops_per_token(moe) if moe else model_flops_per_token(shape)  # MoE: active parameters
     step = {
         "step_time_s": step_time,
         "pipeline_s": makespan,
@@ -307,7 +338,11 @@ def plan_layout(
         "comm_s": comm_total,
         "compute_comm_ratio": compute / comm_total if comm_total else float("inf"),
         "model_flops_per_token": mfpt,
+        "tflops_per_gpu": tokens_step * mfpt / step_time / layout.world_size / 1e12,
     }
+    if moe is not None:
+        counts = MoE.param_counts(moe)
+        step.update(params_total=counts["total"], params_active=counts["active"])
     plan = Plan(
         model=asdict(shape),
         layout=asdict(layout),
@@ -321,9 +356,9 @@ def plan_layout(
     return plan
 
 
-def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
-    """Parameters, TP traffic, per-micro-batch forward/backward seconds, activations per
-    chunk and the step's compute seconds of a rank holding ``chunks``."""
+def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, moe=None):
+    """Parameters, TP and CP traffic, per-micro-batch forward/backward seconds, activations per
+    chunk, the step's compute seconds and the ep traffic of a rank holding ``chunks``."""
     t, sp, ckpt, mb = L.tp, L.sequence_parallel, training.checkpointing, training.micro_batch
     e = M.PRECISION_BYTES[training.precision]
     local = local_shape(shape, L.cp)  # activations and TP messages: s/cp tokens; FLOPs: those tokens over all s
@@ -337,24 +372,33 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
         layer = dataclasses.replace(
             layer, attention=layer.attention * L.cp, attention_backward=layer.attention_backward * L.cp
         )
+    moe_layer = MoE.layer_time(moe, layer, local, mb, t, hw, training.precision) if moe else layer
+    ep_axis = AxisTraffic(L.ep, group_crosses_node(t * L.cp, L.ep, hw.gpus_per_node))
     for v, r in chunks:
         first, last = _stage_flags(v, L.pp * L.vpp)
         params = params + count_params(r, first, last, t)
-        n = len(r)
+        n, n_moe = len(r), MoE.moe_layers_in(moe, r)
         head = C.head_time(local, mb, t, hw, training.precision) if last else C.LayerTime(0.0, 0.0, 0.0)
-        recompute = {"full": n * layer.forward, "selective": n * layer.attention}.get(ckpt, 0.0)
+        blocks_f = (n - n_moe) * layer.forward + n_moe * moe_layer.forward
+        blocks_b = (n - n_moe) * layer.backward + n_moe * moe_layer.backward
+        recompute = {"full": blocks_f, "selective": n * layer.attention}.get(ckpt, 0.0)
         tf, tb, (regather, scatter) = tp_traffic(
             local, tp_axis, hw, n_layers=n, has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
         )
         cf, cb = cp_traffic(
             shape, cp_axis, hw, n_layers=n, mb=mb, m=m, e=e, tp=t, ckpt=ckpt, impl=L.cp_impl, peak_flops=peak_flops
         )
-        f_s = n * layer.forward + head.forward
-        b_s = n * layer.backward + head.backward + recompute
-        fwd += f_s + TP_COLLECTIVES.exposed(tf, n * layer.gemm) + cf  # exposed: TP collectives block
+        ef, eb = (
+            (0.0, 0.0)
+            if not n_moe
+            else MoE.ep_traffic(moe, ep_axis, hw, n_moe=n_moe, tokens=mb * local.seq_len, m=m, e=e, checkpointing=ckpt)
+        )  # exposed: the MoE layer waits for its exchanges
+        f_s = blocks_f + head.forward
+        b_s = blocks_b + head.backward + recompute
+        fwd += f_s + TP_COLLECTIVES.exposed(tf, n * layer.gemm) + cf + ef  # exposed: TP collectives block
         column = n * layer.column_gemm  # input-gradient matmuls hide the re-gathers, weight-gradient ones the scatters
         sp_b = TP_SP_BACKWARD.exposed(regather, column) + TP_SP_BACKWARD.exposed(scatter, column)
-        bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb
+        bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb + eb
         flops_s += f_s + b_s
         acts.append(
             M.stage_activation_bytes(
@@ -369,8 +413,9 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops):
                 precision=training.precision,
             )
             + len(r) * extra_activation_bytes(shape, mb, cp=L.cp, tp=t, impl=L.cp_impl, checkpointing=ckpt, e=e)
+            + (n_moe and n_moe * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=L.ep))
         )
-    return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s
+    return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis
 
 
 def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) -> float:
@@ -395,7 +440,7 @@ def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg
     if L.dp > 1 and (policy(L.zero).shards_grads or c != e):
         total += bucket
     if policy(L.zero).gathers_per_unit and L.dp > 1:
-        total += (1 + ZERO3_PREFETCH_UNITS) * e * count(range(0, 1), False, False, L.tp).numel
+        total += (1 + ZERO3_PREFETCH_UNITS) * e * MoE.at_ep(count(range(0, 1), False, False, L.tp), L.ep).numel
     if tr.compression == "topk":
         total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
     if L.pp > 1:

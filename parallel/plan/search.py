@@ -4,7 +4,9 @@ Searched: tp among the divisors of the heads that fit inside a node (docs/archit
 TP stays inside a node), pp among the divisors of the rest up to the layer
 count, dp the remainder, ZeRO 0–3, micro-batches, checkpointing; sequence
 parallelism whenever tp > 1; context parallelism (cp, inside the node beside tp) where each
-rank keeps at least 1,024 tokens (:func:`parallel.plan.cp.cp_choices`). Every candidate is planned in
+rank keeps at least 1,024 tokens (:func:`parallel.plan.cp.cp_choices`); for MoE models, ep among the
+divisors of dp that divide the experts (:func:`parallel.plan.moe.ep_choices`; no sequence parallelism:
+MoE layers refuse it). Every candidate is planned in
 full (the schedules' closed forms make a plan cost microseconds in the pipeline, whatever its size).
 """
 
@@ -17,6 +19,7 @@ from ..zero.offload import OFFLOAD_MODES
 from .cp import cp_choices
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training
+from .moe import ep_choices, moe_shape
 from .planner import ParamCounter, Plan, plan_layout
 from .shape import ModelShape
 
@@ -29,13 +32,17 @@ def candidate_layouts(
     shape: ModelShape, world_size: int, hw: Hardware, zeros=(0, 1, 2, 3), offload: str = "none"
 ) -> list[Layout]:
     """Every (dp, pp, tp, zero) the search considers for ``world_size`` devices (with ``offload``:
-    the stages that can carry it, dp = 1 included: the offloaded shard is then the whole)."""
+    the stages that can carry it, dp = 1 included: the offloaded shard is then the whole); an MoE
+    model (a config with ``moe_experts``) also every ep of :func:`~parallel.plan.moe.ep_choices`."""
+    moe = moe_shape(shape)
+    shape = ModelShape.of(shape)
     out = []
     for tp in _divisors(min(hw.gpus_per_node, world_size)):
         if hw.gpus_per_node % tp or world_size % tp or shape.n_heads % tp or shape.n_kv_heads % tp or shape.d_ff % tp:
             continue
-        for cp in cp_choices(shape, world_size, tp, hw.gpus_per_node):  # long sequences: context parallel too
-            sp = tp > 1 and shape.seq_len // cp % tp == 0
+        cps = [1] if moe is not None and moe.moe_layers else cp_choices(shape, world_size, tp, hw.gpus_per_node)
+        for cp in cps:  # long sequences: context parallel too (not with MoE layers: CONTEXT_PARALLEL_REFUSED)
+            sp = tp > 1 and shape.seq_len // cp % tp == 0 and moe is None
             for pp in _divisors(world_size // (tp * cp)):
                 if pp > shape.n_layers:
                     break
@@ -43,7 +50,10 @@ def candidate_layouts(
                 for zero in zeros:
                     if (dp * cp == 1 and zero and offload == "none") or zero < OFFLOAD_MIN_STAGE[offload]:
                         continue
-                    out.append(Layout(dp=dp, pp=pp, tp=tp, sequence_parallel=sp, zero=zero, cp=cp, offload=offload))
+                    for ep in ep_choices(moe, dp):
+                        out.append(
+                            Layout(dp=dp, pp=pp, tp=tp, sequence_parallel=sp, zero=zero, cp=cp, offload=offload, ep=ep)
+                        )
     return out
 
 
@@ -61,7 +71,6 @@ def recommend(
 ) -> list[Plan]:
     """The ``top`` fitting plans, fastest first, the leaner of equally fast ones first (``training.micro_batch`` and
     ``checkpointing`` are searched; the global batch and the rest are kept)."""
-    shape = ModelShape.of(shape)
     if world_size < 1:
         raise PlanError(f"world size must be positive, got {world_size}")
     rough: list[tuple[float, Layout, Training]] = []
@@ -76,7 +85,7 @@ def recommend(
             f"{training.global_batch}, even with ZeRO-Offload; add devices or choose a larger device profile"
         )
     rough.sort(key=lambda x: -x[0])
-    exact = [plan_layout(shape, lay, tr, hw, count_params) for _, lay, tr in rough[: 3 * top]]
+    exact = [plan_layout(shape, lay, tr, hw, count_params) for _, lay, tr in rough[: 3 * top]]  # shape: MoE too
     exact = [p for p in exact if p.fits]
     exact.sort(key=lambda p: (-round(p.step["tokens_per_s"], 6), p.peak_memory))  # ties: less memory first
     return exact[:top]

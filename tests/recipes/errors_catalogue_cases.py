@@ -79,12 +79,16 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["parallel.cp=2", "model.seq_len=30"], "parallel.cp", {}),
     (["parallel.cp=4", "parallel.cp_impl=alltoall", "model.n_heads=2"], "parallel.cp", {}),
     (["parallel.cp_impl=ulysses"], "parallel.cp_impl", {}),
+    (["model.preset=mixtral_tiny", "parallel.dp=4", "parallel.ep=3"], "parallel.ep", {}),
+    (["model.preset=mixtral_tiny", "parallel.dp=4", "parallel.ep=4", "model.moe_experts=6"], "parallel.ep", {}),
+    (["parallel.dp=2", "parallel.ep=2"], "parallel.ep", {}),
     # model
     (["model.preset=gpt5"], "model.preset", {}),
     (["model.seq_len=300000"], "model.seq_len", {}),
     (["model.n_heads=3"], "model.n_heads", {}),
     (["model.vocab_size=0"], "model.vocab_size", {}),
     (["model.arch=rnn"], "model.arch", {}),
+    (["model.preset=mixtral_tiny", "model.moe_top_k=5"], "model.moe_top_k", {}),
     # data
     (["data.source=s3"], "data.source", {}),
     (["data.source=memmap"], "data.path", {}),

@@ -48,7 +48,6 @@ def test_fp16_with_moe_is_refused():
         ("sequence_parallel", True, "sequence_parallel=true"),
         ("offload", "optimizer", "offload=optimizer"),
         ("pp_schedule", "zb-h1", "pp_schedule=zb-h1"),
-        ("cp", 2, "cp=2"),
     ],
 )
 def test_unverified_moe_combinations_are_refused(key, value, what):
@@ -57,3 +56,18 @@ def test_unverified_moe_combinations_are_refused(key, value, what):
     setattr(rc.parallel, key, value)
     with pytest.raises(ConfigError, match=f"MoE model.*{what}.*not implemented/verified"):
         validate(rc, world_size=8 * rc.parallel.cp)
+
+
+def test_moe_with_context_parallelism_is_refused_in_the_recipe_and_the_planner():
+    from parallel.layers.moe import CONTEXT_PARALLEL_REFUSED
+    from parallel.plan import PlanError
+    from parallel.plan.moe import check_ep, moe_shape
+    from recipes.config import model_config
+
+    rc = _rc(dp=2, ep=2)
+    rc.parallel.cp = 2
+    with pytest.raises(ConfigError, match="parallel.cp=2: MoE with context parallelism"):
+        validate(rc, world_size=4)
+    with pytest.raises(PlanError) as e:
+        check_ep(moe_shape(model_config(rc.model)), 2, 2, cp=2)
+    assert str(e.value) == CONTEXT_PARALLEL_REFUSED

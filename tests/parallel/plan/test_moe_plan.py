@@ -69,3 +69,66 @@ def test_all_to_all_bytes_equal_theory():
     got = run_ranks(_bytes_rank, 2, cfg, timeout=120)
     assert sum(got) == 2 * all_to_all_payload_bytes(MoEShape.of(cfg), T)  # every routed row out and back
     assert min(got) > 0
+
+
+# ------------------------------------------------------------------ plan_layout / recommend with experts
+def _plan(cfg, hw="a100_80gb", global_batch=64, **layout):
+    from parallel.plan import Layout, Training, hardware_profile, plan_layout
+    from recipes.plan import meta_param_counter
+
+    tr = Training(global_batch=global_batch, micro_batch=1, checkpointing="full")
+    return plan_layout(cfg, Layout(**layout), tr, hardware_profile(hw), meta_param_counter(cfg))
+
+
+def test_mixtral_8x7b_on_16_a100():
+    from parallel.plan import hardware_profile
+
+    """Mixtral-8x7B at dp=16 ep=8 ZeRO-1: two experts per rank, their optimizer state over edp=2;
+    all-to-all bytes as the formula says; FLOPs (and MFU) from the 12.9B active parameters."""
+    cfg = preset("mixtral_8x7b")
+    s, n = MoEShape.of(cfg), param_counts(MoEShape.of(cfg))
+    p = _plan(cfg, dp=16, ep=8, zero=1)
+    r = p.ranks[0]
+    dense = n["total"] - n["expert"]
+    assert r.params.numel == dense + n["expert"] // 8  # vocabulary 32000 is already a multiple of 128
+    experts = expert_state_bytes_per_rank(s, ep=8, dp=16, zero=1)  # the formula, unpadded
+    assert r.memory["model_states"] == pytest.approx(dense * (2 + 4 + 12 / 16) + experts, rel=1e-6)
+    assert p.fits and 60e9 < p.peak_memory < 86e9  # ≈ 81 GB of the 85.9 GB (80 GiB) A100
+    m = 64 // 16  # micro-batches per step, 4096 tokens each; full recomputation repeats the forward's
+    rows = 2 * 4096 * 4096 * 2  # top-2 × tokens × d × bf16
+    payload = 32 * m * (2 * 8 * 8 + 2 * 2 * rows + 2 * rows)  # counts (twice), rows out/back (twice), backward
+    assert r.traffic["ep"]["bytes"] == pytest.approx(payload * 7 / 8)
+    assert all_to_all_payload_bytes(s, 4096, elem_bytes=2) * m * 7 / 8 < r.traffic["ep"]["bytes"]  # + recomputation
+    assert p.step["model_flops_per_token"] == flops_per_token(cfg)
+    assert p.step["params_active"] == n["active"] and p.step["params_total"] == n["total"]
+    peak = hardware_profile("a100_80gb").peak_flops("bf16") / 1e12
+    assert 0.3 < p.step["mfu"] < 0.7 and p.step["tflops_per_gpu"] == pytest.approx(p.step["mfu"] * peak, rel=1e-9)
+    assert not _plan(cfg, dp=8, ep=8, zero=1).fits  # 46.7B × 16 B of states exceed 8 × 80 GB
+
+
+@pytest.mark.parametrize(
+    "layout, match",
+    [
+        (dict(dp=4, ep=3), r"ep 3 does not divide dp 4"),
+        (dict(dp=6, ep=6), r"num_experts=4 is not divisible by ep=6"),
+        (dict(dp=2, tp=2, ep=2, sequence_parallel=True), r"sequence parallelism is not supported in MoE"),
+    ],
+)
+def test_planner_refuses_bad_ep(layout, match):
+    from parallel.plan import PlanError
+
+    with pytest.raises(PlanError, match=match):
+        _plan(preset("mixtral_tiny"), hw="cpu", global_batch=12, **layout)
+
+
+def test_recommend_picks_expert_parallelism_for_mixtral():
+    from parallel.plan import Training, hardware_profile, recommend
+    from recipes.plan import meta_param_counter
+
+    cfg = preset("mixtral_8x7b")
+    tr = Training(global_batch=256, micro_batch=1)
+    plans = recommend(
+        cfg, 64, tr, hardware_profile("a100_80gb"), meta_param_counter(cfg),
+        top=3, micro_batches=(1,), checkpointing=("full",), zeros=(1,),
+    )  # fmt: skip
+    assert plans and plans[0].layout["ep"] > 1, [p.layout for p in plans]
