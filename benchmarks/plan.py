@@ -53,6 +53,7 @@ def _recipe(args: list[str], out: Path, timeout: int = 600) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    (out / "output.txt").write_text(done.stdout + done.stderr)  # the reports, beside metrics.jsonl
     return done.stdout + done.stderr
 
 

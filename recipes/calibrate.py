@@ -41,20 +41,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # all-reduce payloads: latency, bandwidth
 
 
-def _time(fn, min_s: float = 0.05, device: torch.device | None = None, reps: int | None = None) -> float:
-    """Median seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps`` (collectives: every
-    rank must call as often), after one warm-up."""
+def _time(fn, min_s: float = 0.1, device: torch.device | None = None, reps: int | None = None, stat=min) -> float:
+    """``stat`` (the minimum: the time with the core to itself, what a machine shared with other work
+    still shows) of the seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps``
+    (collectives, which take the median: every rank must call as often), after one warm-up."""
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     fn()
     sync()
     times: list[float] = []
     start = time.perf_counter()
-    while (len(times) < reps) if reps else (time.perf_counter() - start < min_s or len(times) < 3):
+    while (len(times) < reps) if reps else (time.perf_counter() - start < min_s or len(times) < 5):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return stat(times)
 
 
 def model_gemms(rc: RecipeConfig) -> list[tuple[int, int, int]]:
@@ -172,7 +173,8 @@ def _collectives_worker(sizes: tuple[int, ...], threads: int) -> list[dict]:
         for name, nbytes, reps in (("small_s", SMALL, 20), ("large_s", LARGE, 5)):
             x = torch.ones(nbytes // 4, device=device)
             if rank < n:  # a fixed count: the group's members issue the same collectives
-                row[name] = _time(lambda: dist.all_reduce(x, group=group), device=device, reps=reps)  # noqa: B023
+                fn = lambda: dist.all_reduce(x, group=group)  # noqa: B023, E731
+                row[name] = _time(fn, device=device, reps=reps, stat=statistics.median)
             dist.barrier()
         out.append(row)
     dist.destroy_process_group()

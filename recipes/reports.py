@@ -162,9 +162,12 @@ def runqueue_seconds() -> float:
 
     On a machine shared with other work, a step's wall time minus the growth of this is the time
     the step would have taken with a core to itself (``benchmarks/plan.py`` compares that with the
-    planner); waits for other ranks stay in it."""
+    planner); waits for other ranks stay in it, and so do waits of gloo's worker threads, which run
+    the collectives (summing those too subtracts reductions that overlap compute: measured, ZeRO
+    steps came out negative)."""
+    pid = os.getpid()
     try:
-        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat") as f:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
             return int(f.read().split()[1]) * 1e-9
     except (OSError, IndexError, ValueError):
         return 0.0
