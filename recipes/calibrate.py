@@ -139,7 +139,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     b = rc.train.micro_batch
     model = build_model(mc, device=device, dtype=dtype)
     ids = torch.randint(mc.vocab_size, (b, mc.seq_len), device=device)
-    sec_mb = _time(lambda: model.loss(model(ids), ids).backward(), device=device)
+    sec_mb = _time(lambda: model.loss(model(ids), ids).backward(), min_s=0.5, device=device)  # ≈ 15 ms each
     hw = Hardware("calibrating", **{**fields, "microbatch_overhead_us": 0.0, "step_overhead_us": 0.0})
     shape = ModelShape.of(mc)
     layer, head = layer_time(shape, b, 1, False, hw, rc.train.precision), head_time(shape, b, 1, hw, rc.train.precision)
@@ -152,7 +152,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    sec_step = _time(step, device=device)
+    sec_step = _time(step, min_s=0.3, device=device)
     opt_work = optimizer_seconds(sum(p.numel() for p in params), hw)
     return max(0.0, sec_mb - work) * 1e6, max(0.0, sec_step - opt_work) * 1e6
 
