@@ -8,6 +8,10 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
   squares; the profile's peak is ``R`` and its ``efficiency`` 1 (what this machine reaches on these
   shapes is its "large-GEMM" rate);
 * **flash attention** (SDPA, causal) on the model's heads: ``attention_efficiency`` against ``R``;
+* **fixed host costs** (what a CPU pays per op, launch and Python line; 0 on GPU profiles): one
+  block's forward + backward beyond its work (``block_overhead_us``), one micro-batch through the
+  whole model and its loss beyond its blocks' and head's work (``microbatch_overhead_us``), one
+  step's clip + optimizer + zero_grad beyond the optimizer's memory-bound work (``step_overhead_us``);
 * **memory bandwidth**: a copy of a 64 MiB tensor (read + write);
 * **collectives**: all-reduces of 4 KiB (latency) and 8 MiB (bandwidth) over groups of 2…N ranks
   spawned with the recipe's launcher (``launch.local``) on the default backend, fitted to the
@@ -37,20 +41,21 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # all-reduce payloads: latency, bandwidth
 
 
-def _time(fn, min_s: float = 0.05, device: torch.device | None = None, reps: int | None = None) -> float:
-    """Median seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps`` (collectives: every
-    rank must call as often), after one warm-up."""
+def _time(fn, min_s: float = 0.1, device: torch.device | None = None, reps: int | None = None, stat=min) -> float:
+    """``stat`` (the minimum: the time with the core to itself, what a machine shared with other work
+    still shows) of the seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps``
+    (collectives, which take the median: every rank must call as often), after one warm-up."""
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     fn()
     sync()
     times: list[float] = []
     start = time.perf_counter()
-    while (len(times) < reps) if reps else (time.perf_counter() - start < min_s or len(times) < 3):
+    while (len(times) < reps) if reps else (time.perf_counter() - start < min_s or len(times) < 5):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return stat(times)
 
 
 def model_gemms(rc: RecipeConfig) -> list[tuple[int, int, int]]:
@@ -116,6 +121,42 @@ def block_overhead_us(rc: RecipeConfig, fields: dict, device: torch.device) -> f
     return max(0.0, sec - work.forward - work.backward) * 1e6
 
 
+def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> tuple[float, float]:
+    """(``microbatch_overhead_us``, ``step_overhead_us``): what one micro-batch through the whole
+    configured model (embedding, blocks, head, cross-entropy; forward + backward) and one step
+    (gradient clipping's norm, the recipe's optimizer step, zero_grad) take beyond what the planner's
+    work model gives them with ``fields`` (which hold the measured ``block_overhead_us``). Measured on
+    the model's own modules and the recipe's own optimizer in this process."""
+    from models.transformer import build_model
+    from parallel.plan import ModelShape
+    from parallel.plan.compute import head_time, layer_time, optimizer_seconds
+    from parallel.plan.hardware import Hardware
+
+    from .gpt_engine import optimizer_factory
+
+    mc = model_config(rc.model)
+    dtype = DTYPES.get(rc.train.precision, torch.float32)
+    b = rc.train.micro_batch
+    model = build_model(mc, device=device, dtype=dtype)
+    ids = torch.randint(mc.vocab_size, (b, mc.seq_len), device=device)
+    sec_mb = _time(lambda: model.loss(model(ids), ids).backward(), min_s=0.5, device=device)  # ≈ 15 ms each
+    hw = Hardware("calibrating", **{**fields, "microbatch_overhead_us": 0.0, "step_overhead_us": 0.0})
+    shape = ModelShape.of(mc)
+    layer, head = layer_time(shape, b, 1, False, hw, rc.train.precision), head_time(shape, b, 1, hw, rc.train.precision)
+    work = mc.n_layers * (layer.forward + layer.backward) + head.forward + head.backward
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer_factory(rc, device)([{"params": params}])
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(params, rc.train.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    sec_step = _time(step, min_s=0.3, device=device)
+    opt_work = optimizer_seconds(sum(p.numel() for p in params), hw)
+    return max(0.0, sec_mb - work) * 1e6, max(0.0, sec_step - opt_work) * 1e6
+
+
 def _collectives_worker(sizes: tuple[int, ...], threads: int) -> list[dict]:
     """One spawned rank: all-reduces of ``SMALL`` and ``LARGE`` bytes in groups of the first n ranks."""
     import torch.distributed as dist
@@ -132,7 +173,8 @@ def _collectives_worker(sizes: tuple[int, ...], threads: int) -> list[dict]:
         for name, nbytes, reps in (("small_s", SMALL, 20), ("large_s", LARGE, 5)):
             x = torch.ones(nbytes // 4, device=device)
             if rank < n:  # a fixed count: the group's members issue the same collectives
-                row[name] = _time(lambda: dist.all_reduce(x, group=group), device=device, reps=reps)  # noqa: B023
+                fn = lambda: dist.all_reduce(x, group=group)  # noqa: B023, E731
+                row[name] = _time(fn, device=device, reps=reps, stat=statistics.median)
             dist.barrier()
         out.append(row)
     dist.destroy_process_group()
@@ -178,6 +220,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "attention_efficiency": attention,
     }
     fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
+    fields["microbatch_overhead_us"], fields["step_overhead_us"] = host_overheads_us(rc, fields, device)
     hardware_profile("calibrated", {"calibrated": fields})  # refuse what the planner would refuse
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -199,6 +242,8 @@ def run_calibrate(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     print(
         f"calibrated in {time.perf_counter() - t0:.0f} s: GEMM {fields['peak_tflops_32'] * 1e3:.1f} GFLOP/s fp32, "
         f"memory {fields['hbm_gbps']:.1f} GB/s, all-reduce {fields['intra_node_gbps']:.2f} GB/s per rank, "
-        f"latency {fields['latency_us']:.0f} µs\nuse it: mode=plan plan.hardware={path}"
+        f"latency {fields['latency_us']:.0f} µs, fixed costs {fields['block_overhead_us']:.0f} µs per block, "
+        f"{fields['microbatch_overhead_us']:.0f} µs per micro-batch, {fields['step_overhead_us']:.0f} µs per step"
+        f"\nuse it: mode=plan plan.hardware={path}"
     )
     return {"hardware": str(path), **fields}

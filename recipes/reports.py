@@ -5,6 +5,7 @@ Each is collective (every rank calls it, in the same order); rank 0 gets the res
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -136,6 +137,7 @@ def format_time_comparison(plan, measured_s: float) -> str:
         "tp collectives": worst.traffic["tp"]["time_s"],
         "dp exposed": s["dp_exposed_s"],
         "optimizer": s.get("optimizer_s", 0.0),
+        "step overhead": s.get("step_overhead_s", 0.0),
     }
     predicted = s["step_time_s"]
     gap = measured_s - predicted
@@ -152,3 +154,20 @@ def format_time_comparison(plan, measured_s: float) -> str:
             f"mode=calibrate measures this machine (plan.hardware=<file>)"
         )
     return "\n".join(lines)
+
+
+def runqueue_seconds() -> float:
+    """Seconds this process's main thread has waited, runnable, for a CPU (Linux's
+    ``/proc/<pid>/task/<pid>/schedstat``, second field); 0.0 where the kernel does not say.
+
+    On a machine shared with other work, a step's wall time minus the growth of this is the time
+    the step would have taken with a core to itself (``benchmarks/plan.py`` compares that with the
+    planner); waits for other ranks stay in it, and so do waits of gloo's worker threads, which run
+    the collectives (summing those too subtracts reductions that overlap compute: measured, ZeRO
+    steps came out negative)."""
+    pid = os.getpid()
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return 0.0

@@ -16,7 +16,13 @@ Three kinds of work, each timed by what limits it on the given :class:`~.hardwar
   them twice and writes a 1-byte mask; backward reads and writes them ≈ 2.5× as often);
 * **elementwise** (norms, activation, residual adds, dropout-free bias): memory-bound, the bytes
   they read and write at HBM bandwidth (:func:`elementwise_bytes`), plus the profile's fixed
-  ``block_overhead_us`` per block (kernel launches, Python, autograd: what a CPU pays per op).
+  ``block_overhead_us`` per block (kernel launches, Python, autograd: what a CPU pays per op);
+* **fixed host costs** beyond the blocks: ``microbatch_overhead_us`` per micro-batch (embedding,
+  head and loss launches, the engine's loop), charged to the chunk holding the head
+  (:func:`head_time`), and ``step_overhead_us`` once per step (zero_grad, the gradient norm, the
+  optimizer's launches, :func:`step_overhead_seconds`). Both split like the block's: a third
+  forward, two thirds backward for the micro-batch's. 0 on the GPU profiles; ``mode=calibrate``
+  measures them on a CPU.
 
 Costs ``forward`` and ``backward`` per layer and for the head feed the pipeline model; the
 optimizer step (memory-bound, :func:`optimizer_seconds`) follows backward.
@@ -102,10 +108,12 @@ def layer_time(
 
 def head_time(shape, micro_batch: int, tp: int, hw: Hardware, precision: str) -> LayerTime:
     """The head's matmul over this rank's ``V/t`` columns and the cross-entropy's fp32 passes
-    (read the logits, write and read the softmax: ≈ 3 × 4 bytes per logit) as elementwise work."""
+    (read the logits, write and read the softmax: ≈ 3 × 4 bytes per logit) as elementwise work,
+    plus the profile's ``microbatch_overhead_us`` (module docstring)."""
     T, V = micro_batch * shape.seq_len, shape.padded_vocab(tp) / tp
     gemm = gemm_seconds(T, shape.d_model, V, hw, precision)
-    return LayerTime(gemm, 0.0, 12 * T * V / hw.hbm_bytes_per_s, 0.0)
+    fixed = hw.microbatch_overhead_us * 1e-6 / 3  # the micro-batch's fixed cost: a third forward, two backward
+    return LayerTime(gemm, 0.0, 12 * T * V / hw.hbm_bytes_per_s + fixed, 0.0)
 
 
 #: HBM bytes per parameter of an AdamW step on fp32 masters: read and write the master, m and v (24),
@@ -116,3 +124,8 @@ ADAMW_BYTES_PER_PARAM = 30
 def optimizer_seconds(params_per_rank: float, hw: Hardware) -> float:
     """The optimizer step on this rank's (sharded) parameters: memory-bound."""
     return ADAMW_BYTES_PER_PARAM * params_per_rank / hw.hbm_bytes_per_s
+
+
+def step_overhead_seconds(hw: Hardware) -> float:
+    """The step's fixed host cost beyond its work (``Hardware.step_overhead_us``): once per step."""
+    return hw.step_overhead_us * 1e-6

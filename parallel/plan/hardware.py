@@ -35,6 +35,8 @@ _RANGES = {
     "attention_efficiency": (0.0, False, 1.0),
     "latency_us": (0.0, True, math.inf),
     "block_overhead_us": (0.0, True, math.inf),
+    "microbatch_overhead_us": (0.0, True, math.inf),
+    "step_overhead_us": (0.0, True, math.inf),
 }
 
 
@@ -71,6 +73,8 @@ class Hardware:
     hbm_gbps: float = 2000.0  # device memory bandwidth, GB/s: elementwise work, small GEMMs' operands
     attention_efficiency: float = 0.5  # achieved / peak of flash attention (SDPA), forward
     block_overhead_us: float = 0.0  # per block forward + backward beyond its work: launches, Python, autograd
+    microbatch_overhead_us: float = 0.0  # per micro-batch beyond its blocks' and head's work: embedding, loss, loop
+    step_overhead_us: float = 0.0  # per optimizer step beyond its memory-bound work: zero_grad, norm, launches
     host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
 
@@ -102,8 +106,12 @@ class Hardware:
 # ``attention_efficiency``: FlashAttention-2's forward, ≈ 60 % of peak on A100 (Dao 2023), ≈ 40 % on
 # H100. ``hbm_gbps``: the datasheets' memory bandwidth (A100 80GB 2,039; H100 SXM 3,350; H100 PCIe
 # 2,000; H200 4,800 GB/s). ``block_overhead_us``: 0 on the GPU profiles (at these sizes kernels queue
-# ahead of the device); on a CPU eager ops cost tens of µs each. For the CPU profile, or any machine,
-# ``mode=calibrate`` measures them all.
+# ahead of the device); on a CPU eager ops cost tens of µs each. ``microbatch_overhead_us`` and
+# ``step_overhead_us`` likewise 0 on the GPU profiles: the host's Python per micro-batch (embedding, loss,
+# the engine's loop) and per step (zero_grad, the gradient norm, the optimizer's launches) is a few ms at
+# most and runs ahead of the device queue at the sizes these profiles plan (PyTorch's CUDA caching and
+# asynchronous launches; our engine reads the device once per logged step); on a CPU nothing queues, so
+# the host's time is the step's. For the CPU profile, or any machine, ``mode=calibrate`` measures them all.
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
     # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU

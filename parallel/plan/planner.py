@@ -320,7 +320,8 @@ def plan_layout(
         )
         offload_exposed = max(offload_exposed, offload_s["exposed_s"])
     emb_time = STEP_SCALARS.exposed(max(r.traffic["embedding"]["time_s"] for r in ranks), 0.0)  # after backward
-    step_time = makespan + dp_exposed + emb_time + offload_exposed + optimizer_s  # offload: host Adam, PCIe
+    overhead_s = C.step_overhead_seconds(hw)  # the step's fixed host cost (0 on GPU profiles)
+    step_time = makespan + dp_exposed + emb_time + offload_exposed + optimizer_s + overhead_s  # offload: host Adam
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
@@ -331,6 +332,7 @@ def plan_layout(
         "bubble_fraction": bubble,
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer_s,
+        "step_overhead_s": overhead_s,
         "offload_s": offload_exposed,
         "tokens_per_s": tokens_step / step_time,
         "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),

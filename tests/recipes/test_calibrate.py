@@ -18,6 +18,7 @@ def test_calibrated_profile_round_trips_and_plans(tmp_path):
     hw = hardware_profile(str(path))
     assert hw.name == "hardware" and {k: getattr(hw, k) for k in fields} == fields
     assert fields["peak_tflops_32"] > 0 and fields["hbm_gbps"] > 0 and 0 < fields["attention_efficiency"] <= 1
+    assert fields["microbatch_overhead_us"] >= 0 and fields["step_overhead_us"] >= 0  # measured, in the file
     plan = plan_from_config(scenario_config(TINY + [f"plan.hardware={path}"]))
     assert plan.step["step_time_s"] > 0
     json.loads((tmp_path / "calibration.json").read_text())["gemm_fp32"]  # the raw measurements are kept
@@ -54,3 +55,30 @@ def test_time_report_compares_and_names_the_largest_part():
     assert f"predicted {predicted:.3f} s" in close and "+10%" in close and "the gap" not in close
     far = format_time_comparison(plan, predicted * 2)
     assert "the gap is" in far and "compute (the largest part) would have to be" in far
+
+
+def test_fixed_host_costs_round_trip_and_enter_the_step_as_documented(tmp_path):
+    """``microbatch_overhead_us`` per micro-batch (a third forward, two thirds backward, on the head's
+    chunk) and ``step_overhead_us`` once per step: with pp = dp = 1 the step grows by exactly
+    ``m·microbatch + step`` over the same profile without them."""
+    base = dict(hardware_profile("cpu").__dict__)
+    del base["name"]
+    paths = {}
+    for name, extra in (("plain", {}), ("fixed", {"microbatch_overhead_us": 700.0, "step_overhead_us": 3000.0})):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({**base, **extra}))
+    hw = hardware_profile(str(paths["fixed"]))
+    assert (hw.microbatch_overhead_us, hw.step_overhead_us) == (700.0, 3000.0)
+    layout = ["train.global_batch=4", "train.micro_batch=1"]  # m = 4
+    plain, fixed = (
+        plan_from_config(scenario_config(TINY + layout + [f"plan.hardware={paths[n]}"])) for n in ("plain", "fixed")
+    )
+    assert fixed.step["step_time_s"] - plain.step["step_time_s"] == pytest.approx(4 * 700e-6 + 3000e-6, rel=1e-9)
+    assert fixed.step["step_overhead_s"] == pytest.approx(3000e-6) and plain.step["step_overhead_s"] == 0.0
+    r0, r1 = plain.ranks[0], fixed.ranks[0]
+    assert r1.forward_s - r0.forward_s == pytest.approx(700e-6 / 3) and r1.backward_s - r0.backward_s == pytest.approx(
+        2 * 700e-6 / 3
+    )
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(PlanError, match="step_overhead_us"):
+            hardware_profile("cpu", step_overhead_us=bad)
