@@ -2,6 +2,7 @@
 
     python -m benchmarks.checkpoint                  # 25.6 M GPT (d 512, 8 layers), dp=2, ZeRO-1
     python -m benchmarks.checkpoint --d 128 --layers 4 --rounds 2
+    python -m benchmarks.checkpoint --world 1 --d 2048 --layers 16   # one GPU (NCCL), or one CPU process
 
 Each rank trains the suite's GPT (:func:`benchmarks.pipeline.zb_recipe`'s shape, dp ranks,
 ZeRO-1: each rank saves its half of the fp32 master weights and Adam moments) and, round
@@ -78,13 +79,33 @@ def _rank(kwargs: dict, rounds: int, steps_between: int, run_dir: str):
     return rows
 
 
+def _one_process(kwargs: dict, rounds: int, steps_between: int, run_dir: str):
+    """A one-rank world in this process on the default backend (NCCL on a GPU: the device path)."""
+    import torch.distributed as dist
+
+    from parallel.groups import init_distributed
+
+    from .gpu_mfu import _single_process_env
+
+    _single_process_env()
+    init_distributed()
+    try:
+        return [_rank(kwargs, rounds, steps_between, run_dir)]
+    finally:
+        dist.destroy_process_group()
+
+
 def main(rounds: int = 3, steps_between: int = 3, world: int = 2, **kwargs) -> dict:
+    """``world`` ranks (forked, gloo on the CPU); ``world=1``: this process, on the GPU if there is one."""
     from parallel.testing import run_ranks
 
     from .common import quantile
 
     with tempfile.TemporaryDirectory() as run_dir:
-        per_rank = run_ranks(_rank, world, kwargs, rounds, steps_between, run_dir, timeout=1800)
+        if world == 1:
+            per_rank = _one_process(kwargs, rounds, steps_between, run_dir)
+        else:
+            per_rank = run_ranks(_rank, world, kwargs, rounds, steps_between, run_dir, timeout=1800)
     slowest = [
         {k: max(r[i][k] for r in per_rank if r[i][k] is not None) for k in per_rank[0][i] if k != "steps_during"}
         for i in range(rounds)

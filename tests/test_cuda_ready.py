@@ -3,6 +3,8 @@
 ``benchmarks/gpu_check.sh`` runs these (``pytest -m cuda``) on a real GPU; CI runs them on the CPU, where
 they check the same code path against the same references. Each test runs in one forked rank whose default
 process group is NCCL on the GPU (gloo on the CPU), so tensors handed to collectives live where NCCL wants.
+Nothing here runs autograd in the pytest process itself: on a CUDA build that would make every forked child fail
+("Unable to handle autograd's threading in combination with fork-based multiprocessing").
 """
 
 import os
@@ -72,7 +74,9 @@ def _zero_on_device(stage):
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_zero_with_fused_adamw_on_the_device_matches_one_cpu_process(stage):
-    ref_losses, _, ref_params = reference_run()  # plain module + torch.optim.AdamW (foreach) on the CPU
+    # plain module + torch.optim.AdamW (foreach) on the CPU, in a child too: on a CUDA build of torch a backward
+    # in this (pytest) process starts autograd's device threads, and every later forked child then fails
+    ref_losses, _, ref_params = run_ranks(reference_run, 1, timeout=120)[0]
     losses, params = run_ranks(_zero_on_device, 1, stage, timeout=120)[0]
     assert losses == pytest.approx(ref_losses, abs=1e-4)
     for name, p in ref_params.items():
@@ -102,12 +106,12 @@ def test_fused_adamw_on_the_device_matches_foreach_adamw_on_the_cpu():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def _trainer_losses(on_device: bool):
+def _trainer_losses(on_device: bool, **overrides):
     from recipes.trainer import Trainer
 
     if on_device:
         _device_world()
-    rc = tiny_recipe(train__max_steps=3)
+    rc = tiny_recipe(train__max_steps=3, **overrides)
     rc.parallel.backend = None if on_device else "gloo"
     trainer = Trainer(rc, run_dir=".")
     assert trainer.device.type == (DEVICE.type if on_device else "cpu")
@@ -116,10 +120,22 @@ def _trainer_losses(on_device: bool):
     return losses, str(trainer.device)
 
 
-def test_one_rank_trainer_on_the_device_matches_the_cpu():
-    """The whole step on the device (executor, ZeRO-1 buckets, fused AdamW, TP layers at tp=1, vocab-parallel
-    cross-entropy) gives the CPU's losses."""
-    cpu, _ = run_ranks(_trainer_losses, 1, False, timeout=180)[0]
-    dev, where = run_ranks(_trainer_losses, 1, True, timeout=180)[0]
+#: what runs differently on a device: host buffers (pinned), side streams and events (offload), the
+#: router's host read and the experts' grouped dispatch (MoE), full fp32 gradients kept across micro-batches
+VARIANTS = {
+    "zero1": {},
+    "offload_optimizer": dict(parallel__zero=1, parallel__offload="optimizer"),
+    "offload_params": dict(parallel__zero=3, parallel__offload="optimizer+params"),
+    "zero3_unsharded": dict(parallel__zero=3, parallel__zero3_accumulate="unsharded"),
+    "moe": dict(model__moe_experts=4, model__moe_top_k=2),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_one_rank_trainer_on_the_device_matches_the_cpu(variant):
+    """The whole step on the device (executor, ZeRO buckets, fused AdamW, TP layers at tp=1, vocab-parallel
+    cross-entropy, and per variant offload's pinned buffers and streams, MoE, ZeRO-3) gives the CPU's losses."""
+    cpu, _ = run_ranks(_trainer_losses, 1, False, timeout=180, **VARIANTS[variant])[0]
+    dev, where = run_ranks(_trainer_losses, 1, True, timeout=180, **VARIANTS[variant])[0]
     assert where.startswith(DEVICE.type)
     assert dev == pytest.approx(cpu, abs=2e-4)

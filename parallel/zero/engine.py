@@ -69,6 +69,7 @@ an inf/NaN on any rank of the DP, TP or ``clip_groups`` is skipped on all.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -357,7 +358,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         any gradient that is not a view of ``flat_grad`` (``model.zero_grad()`` set it to None)."""
         want = not self._hooks_on_demand or (self.dp_size > 1 and self._communicates_now())
         if want and not self._hooks:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_bucket]
+            hook = _weak_hook(self, "_on_grad_ready")
+            self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._param_bucket]
         elif not want and self._hooks:
             for h in self._hooks:
                 h.remove()
@@ -509,3 +511,19 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.zero_grad()
+
+
+def _weak_hook(owner: Any, name: str) -> Callable[[torch.Tensor], None]:
+    """A hook that calls ``owner.<name>(tensor)`` while ``owner`` lives, holding it only weakly.
+
+    A tensor hook is kept by the tensor's C++ side, which Python's garbage collector cannot see
+    through: a hook holding the engine (a bound method) would keep the engine, its model and its
+    buffers alive after the last reference to them is gone (a GPU's memory never returned)."""
+    ref = weakref.ref(owner)
+
+    def hook(tensor: torch.Tensor) -> None:
+        obj = ref()
+        if obj is not None:
+            getattr(obj, name)(tensor)
+
+    return hook
