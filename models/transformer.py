@@ -79,7 +79,7 @@ class TransformerBlock(nn.Module):
         if cfg.is_moe_layer(layer):  # experts instead of the MLP (parallel/layers/moe.py)
             self.mlp = MoELayer(
                 cfg.d_model, cfg.moe_config(), ep_group=ep_group, tp_group=tp_group,
-                sequence_parallel=sequence_parallel, **kw,
+                sequence_parallel=sequence_parallel, cp_group=cp_group, **kw,
             )  # fmt: skip
             return
         self.mlp = ParallelMLP(

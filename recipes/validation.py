@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from parallel.layers.moe import CONTEXT_PARALLEL_REFUSED, MoEConfigError
+from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED, MoEConfigError
 from parallel.layers.ring_attention import CP_IMPLS
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem
 from parallel.precision import PRECISIONS
@@ -200,8 +200,10 @@ def _check_ep(p: Any, dp: int, mc: Any, cfg: Any) -> None:
         f"parallel.offload={p.offload}": p.offload != "none",
         "parallel.pp_schedule=zb-h1": p.pp_schedule == "zb-h1",
     }
-    if p.cp > 1:
-        raise ConfigError(f"parallel.cp={p.cp}: {CONTEXT_PARALLEL_REFUSED}")
+    if p.cp > 1 and mc.moe_capacity_factor is not None:
+        raise ConfigError(
+            f"parallel.cp={p.cp}, model.moe_capacity_factor={mc.moe_capacity_factor}: {CONTEXT_PARALLEL_CAPACITY_REFUSED}"
+        )
     for what, on in unverified.items():
         if on:
             raise ConfigError(

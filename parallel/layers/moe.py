@@ -65,13 +65,13 @@ class MoEConfigError(LayerConfigError):
 
 #: the refusal of sequence parallelism in MoE layers (the layer's and the planner's)
 SEQUENCE_PARALLEL_REFUSED = "MoE: sequence parallelism is not supported in MoE layers; set sequence_parallel=False"
-# The load-balancing loss's token fractions and mean probabilities are computed over the tokens a rank
-# routes; under context parallelism those are a slice of each sequence, so the loss would differ from one
-# process's (measured 2e-4 after 5 steps). Summing them over the cp group first (as Megatron-Core does)
-# is not built yet.
-CONTEXT_PARALLEL_REFUSED = (
-    "MoE with context parallelism (cp > 1) is not supported: the load-balancing loss would see each cp "
-    "rank's slice of a sequence instead of the whole sequence; use cp=1 with MoE models"
+#: the refusal of capacity-limited routing under context parallelism (the layer's and the recipe's): which
+#: assignments an expert drops depends on the arrival order of every token of the micro-batch, and a cp rank
+#: holds a slice of each sequence
+CONTEXT_PARALLEL_CAPACITY_REFUSED = (
+    "MoE with context parallelism (cp > 1) routes dropless only: with a capacity factor an expert's drops "
+    "depend on every token of the micro-batch, and a cp rank routes a slice of each sequence; set "
+    "model.moe_capacity_factor=null (dropless) or cp=1"
 )
 
 
@@ -144,16 +144,47 @@ def route(logits: torch.Tensor, cfg: MoEConfig) -> Routing:
     return Routing(experts, weights, probs, logits)
 
 
-def aux_losses(r: Routing, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(load-balancing loss, z-loss) of one routing, unweighted."""
+def aux_losses(r: Routing, cfg: MoEConfig, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(load-balancing loss, z-loss) of one routing, unweighted.
+
+    ``cp_group``: the context-parallel ranks holding the other slices of these sequences. The
+    balance loss ``E·Σ_e f_e·P_e`` is a product of two means over *all* of a micro-batch's tokens
+    (``f``: the fraction of assignments to expert e, ``P``: its mean router probability), so the
+    assignment counts and probability sums are summed over the cp group first (one all-reduce of
+    ``2E`` floats, whose backward all-reduces the gradient: every cp rank adds the same loss, and
+    the gradient average over dp·cp then gives one process's gradient). The z-loss is a mean over
+    tokens, like the cross-entropy: each cp rank's mean of its equal share averages to the whole."""
     E = cfg.num_experts
     counts = torch.zeros(E, device=r.probs.device).index_add_(
         0, r.experts.reshape(-1), torch.ones(r.experts.numel(), device=r.probs.device)
     )
-    frac = counts / max(r.experts.numel(), 1)
-    balance = E * (frac * r.probs.mean(dim=0)).sum()
+    cp = comm.tp_world_size(cp_group)
+    sums = torch.cat([r.probs.sum(dim=0), counts])
+    if cp > 1:
+        sums = all_reduce_sum_both_ways(sums, cp_group)
+    tokens = r.probs.shape[0] * cp
+    frac = sums[E:] / max(tokens * r.experts.shape[-1], 1)
+    balance = E * (frac * sums[:E] / max(tokens, 1)).sum()
     z = torch.logsumexp(r.logits, dim=-1).square().mean()
     return balance, z
+
+
+class _AllReduceBothWays(torch.autograd.Function):
+    """Sum over the group; backward sums the gradient over the group too (each rank's loss uses the sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_reduce_sum(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce_sum(grad.contiguous(), ctx.group), None
+
+
+def all_reduce_sum_both_ways(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over ``group``, differentiably: the gradient is summed over the group as well."""
+    return _AllReduceBothWays.apply(x, group)
 
 
 def kept_assignments(experts: torch.Tensor, cfg: MoEConfig) -> torch.Tensor | None:
@@ -273,13 +304,15 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, d_model: int, cfg: MoEConfig, *, ep_group=None, tp_group=None,
-                 sequence_parallel: bool = False, device=None, dtype=None):  # fmt: skip
+                 sequence_parallel: bool = False, cp_group=None, device=None, dtype=None):  # fmt: skip
         super().__init__()
         ep = comm.tp_world_size(ep_group)  # None: no expert parallelism (1), not the world
         cfg.check(ep)
         if sequence_parallel:
             raise MoEConfigError(SEQUENCE_PARALLEL_REFUSED)
-        self.cfg, self.ep_group, self.ep = cfg, ep_group, ep
+        if comm.tp_world_size(cp_group) > 1 and cfg.capacity_factor is not None:
+            raise MoEConfigError(CONTEXT_PARALLEL_CAPACITY_REFUSED)
+        self.cfg, self.ep_group, self.ep, self.cp_group = cfg, ep_group, ep, cp_group
         self.num_local = cfg.num_experts // ep
         ep_rank = comm.tp_rank(ep_group)
         self.router = nn.Linear(d_model, cfg.num_experts, bias=False, device=device, dtype=dtype)
@@ -303,7 +336,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         r = route(self.router(h), cfg)
-        balance, z = aux_losses(r, cfg)
+        balance, z = aux_losses(r, cfg, self.cp_group)
         aux = cfg.aux_loss_weight * balance + cfg.z_loss_weight * z
 
         flat_e = r.experts.reshape(-1)  # token-major: assignment a = t·k + j

@@ -148,11 +148,12 @@ def moe_shape(cfg) -> MoEShape | None:
     return MoEShape.of(cfg) if getattr(cfg, "moe_experts", 0) else None
 
 
-def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = False, cp: int = 1) -> None:
+def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = False) -> None:
     """Refuse an ``ep`` the grid or the model cannot take, with the library's own messages
     (:func:`parallel.topology.ep_mismatch`, :meth:`parallel.layers.moe.MoEConfig.check`), and
-    sequence parallelism and context parallelism with MoE layers (which refuse them)."""
-    from ..layers.moe import CONTEXT_PARALLEL_REFUSED, SEQUENCE_PARALLEL_REFUSED, MoEConfig, MoEConfigError
+    sequence parallelism with MoE layers (which refuse it). Context parallelism is planned like a
+    dense model's (the layer sums its router statistics over cp: :func:`cp_stats_bytes`)."""
+    from ..layers.moe import SEQUENCE_PARALLEL_REFUSED, MoEConfig, MoEConfigError
     from ..topology import ep_mismatch
 
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
@@ -169,8 +170,6 @@ def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = F
         raise PlanError(str(e)) from None
     if sequence_parallel and moe.moe_layers:
         raise PlanError(SEQUENCE_PARALLEL_REFUSED)
-    if cp > 1 and moe.moe_layers:
-        raise PlanError(CONTEXT_PARALLEL_REFUSED)
 
 
 def ep_choices(moe: MoEShape | None, dp: int) -> list[int]:
@@ -277,3 +276,20 @@ def ep_traffic(moe: MoEShape, axis, hw, *, n_moe: int, tokens: int, m: int, e: i
     b = axis.add("all_to_all", rows, 2 * n_moe * m, hw, "routed row gradients back and out (backward)")
     fwd = n_moe * (c + 2 * r)
     return fwd, 2 * n_moe * b + (fwd if again == 2 else 0.0)
+
+
+#: bytes of one router-statistics element the MoE layer sums over cp (fp32 probabilities and counts)
+STATS_BYTES = 4
+
+
+def cp_stats_traffic(moe: MoEShape, axis, hw, *, n_moe: int, m: int, checkpointing: str) -> tuple[float, float]:
+    """The cp group's all-reduces of the router statistics of ``n_moe`` MoE blocks over ``m``
+    micro-batches (:func:`parallel.layers.moe.aux_losses`: ``2E`` fp32 sums forward, their gradient
+    backward, the forward's again under full recomputation); returns the seconds per micro-batch
+    (forward, backward). **Exposed**: the loss needs the sums before the layer's output is used."""
+    if axis.group_size == 1 or n_moe == 0:
+        return 0.0, 0.0
+    payload, again = 2 * moe.moe_experts * STATS_BYTES, 2 if checkpointing == "full" else 1
+    f = axis.add("all_reduce", payload, again * n_moe * m, hw, "MoE router statistics (forward)")
+    b = axis.add("all_reduce", payload, n_moe * m, hw, "MoE router statistics' gradient (backward)")
+    return n_moe * f, n_moe * (b + (f if again == 2 else 0.0))

@@ -182,7 +182,7 @@ def plan_layout(
     moe = MoE.moe_shape(shape)  # MoE models: experts over ep, all-to-all, active FLOPs (parallel/plan/moe.py)
     shape = ModelShape.of(shape)
     m = check(shape, layout, training, world_size)
-    MoE.check_ep(moe, layout.dp, layout.ep, layout.sequence_parallel, layout.cp)
+    MoE.check_ep(moe, layout.dp, layout.ep, layout.sequence_parallel)
     L, t, dp, pp, vpp = layout, layout.tp, layout.dp * layout.cp, layout.pp, layout.vpp  # ZeRO spans dp × cp
     local = local_shape(shape, L.cp)  # what one cp rank holds of each sample (parallel/plan/cp.py)
     e = M.PRECISION_BYTES[training.precision]
@@ -395,6 +395,9 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, 
             if not n_moe
             else MoE.ep_traffic(moe, ep_axis, hw, n_moe=n_moe, tokens=mb * local.seq_len, m=m, e=e, checkpointing=ckpt)
         )  # exposed: the MoE layer waits for its exchanges
+        if n_moe:  # cp > 1: the router statistics summed over the cp group
+            sf, sb = MoE.cp_stats_traffic(moe, cp_axis, hw, n_moe=n_moe, m=m, checkpointing=ckpt)
+            cf, cb = cf + sf, cb + sb
         f_s = blocks_f + head.forward
         b_s = blocks_b + head.backward + recompute
         fwd += f_s + TP_COLLECTIVES.exposed(tf, n * layer.gemm) + cf + ef  # exposed: TP collectives block

@@ -40,8 +40,7 @@ def candidate_layouts(
     for tp in _divisors(min(hw.gpus_per_node, world_size)):
         if hw.gpus_per_node % tp or world_size % tp or shape.n_heads % tp or shape.n_kv_heads % tp or shape.d_ff % tp:
             continue
-        cps = [1] if moe is not None and moe.moe_layers else cp_choices(shape, world_size, tp, hw.gpus_per_node)
-        for cp in cps:  # long sequences: context parallel too (not with MoE layers: CONTEXT_PARALLEL_REFUSED)
+        for cp in cp_choices(shape, world_size, tp, hw.gpus_per_node):  # long sequences: context parallel too
             sp = tp > 1 and shape.seq_len // cp % tp == 0 and moe is None
             for pp in _divisors(world_size // (tp * cp)):
                 if pp > shape.n_layers:

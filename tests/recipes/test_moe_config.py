@@ -58,16 +58,19 @@ def test_unverified_moe_combinations_are_refused(key, value, what):
         validate(rc, world_size=8 * rc.parallel.cp)
 
 
-def test_moe_with_context_parallelism_is_refused_in_the_recipe_and_the_planner():
-    from parallel.layers.moe import CONTEXT_PARALLEL_REFUSED
-    from parallel.plan import PlanError
+def test_moe_with_context_parallelism_and_a_capacity_factor_is_refused():
+    """cp routes dropless only (which assignments an expert drops depends on every token of the micro-batch);
+    dropless MoE with cp trains as one process (test_moe_e2e) and is planned like any cp layout."""
+    from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED
     from parallel.plan.moe import check_ep, moe_shape
     from recipes.config import model_config
 
     rc = _rc(dp=2, ep=2)
     rc.parallel.cp = 2
-    with pytest.raises(ConfigError, match="parallel.cp=2: MoE with context parallelism"):
+    validate(rc, world_size=4)  # dropless: accepted
+    check_ep(moe_shape(model_config(rc.model)), 2, 2)
+    rc.model.moe_capacity_factor = 1.25
+    with pytest.raises(ConfigError) as e:
         validate(rc, world_size=4)
-    with pytest.raises(PlanError) as e:
-        check_ep(moe_shape(model_config(rc.model)), 2, 2, cp=2)
-    assert str(e.value) == CONTEXT_PARALLEL_REFUSED
+    assert str(e.value).endswith(CONTEXT_PARALLEL_CAPACITY_REFUSED)
+    assert "parallel.cp=2, model.moe_capacity_factor=1.25" in str(e.value)

@@ -1,4 +1,4 @@
-"""End to end: an MoE model (mixtral_tiny) trains identically under ep with dp, tp, pp and ZeRO."""
+"""End to end: an MoE model (mixtral_tiny) trains identically under ep with dp, tp, pp, cp and ZeRO."""
 
 import json
 
@@ -32,12 +32,15 @@ def reference(tmp_path_factory):
         dict(dp=4, parallel__ep=2, zero=1),
         dict(dp=2, tp=2, parallel__ep=2, zero=0),
         dict(dp=2, pp=2, parallel__ep=2, zero=2),
+        dict(dp=2, cp=2, parallel__ep=2, zero=1),  # the router statistics summed over cp
     ],
     ids=lambda d: ",".join(f"{k.split('__')[-1]}={v}" for k, v in d.items()),
 )
 def test_moe_layouts_match_one_process(reference, tmp_path, layout):
-    world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1)
-    run_ranks(_train, world, _moe(**layout), str(tmp_path), timeout=300)
+    world = layout.get("dp", 1) * layout.get("pp", 1) * layout.get("tp", 1) * layout.get("cp", 1)
+    rc = _moe(**{k: v for k, v in layout.items() if k != "cp"})
+    rc.parallel.cp = layout.get("cp", 1)
+    run_ranks(_train, world, rc, str(tmp_path), timeout=300)
     (ref_loss, ref_norm), (loss, norm) = reference, losses(tmp_path)
     assert len(loss) == STEPS
     assert loss == pytest.approx(ref_loss, abs=1e-4)

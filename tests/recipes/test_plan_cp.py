@@ -45,6 +45,8 @@ def _measure(rc):
         ("llama_tiny", 2, 2, "ring", "none"),
         ("gpt_tiny", 2, 1, "alltoall", "none"),
         ("gpt_tiny", 2, 1, "alltoall", "full"),
+        ("mixtral_tiny", 2, 1, "ring", "none"),  # + the MoE router statistics' all-reduces
+        ("mixtral_tiny", 2, 1, "ring", "full"),  # their recomputation too
     ],
 )
 def test_cp_plan_matches_a_run(preset, cp, tp, impl, ckpt):
@@ -69,7 +71,10 @@ def test_cp_plan_matches_a_run(preset, cp, tp, impl, ckpt):
     for saved, cp_sent in run_ranks(_measure, cp * tp, rc, timeout=60):
         assert cp_sent == pytest.approx(rank.traffic["cp"]["bytes"])  # one micro-batch: the step's ring
         planned = rank.activation_per_microbatch  # the meter sees the saved tensors (recomputation aside)
-        assert abs(planned - saved) <= 0.02 * saved, (planned, saved)
+        # MoE blocks: the planner's MoE activation estimate (balanced routing), ±15 % as in test_plan_moe;
+        # at cp=1 it is 11.6 % under this shape's measurement as well (cp changes nothing there)
+        tolerance = 0.15 if preset.startswith("mixtral") else 0.02
+        assert abs(planned - saved) <= tolerance * saved, (planned, saved)
 
 
 def test_local_shape_and_recommend_choices():
