@@ -56,7 +56,7 @@ SECTIONS: dict[str, tuple[int, list[tuple[str, dict, str]]]] = {
             ("dp ZeRO-1", dict(zero=1), "zero_redundancy"),
             ("dp ZeRO-2", dict(zero=2), "fsdp2_zero2"),
             ("dp ZeRO-3", dict(zero=3), "fsdp2_zero3"),
-            ("dp ZeRO-3 unsharded acc.", dict(zero=3, zero3_accumulate="unsharded"), "fsdp2_zero3"),
+            ("dp ZeRO-3 unsharded acc.", dict(zero=3, zero_accumulate="unsharded"), "fsdp2_zero3"),
         ],
     ),
     "tp": (2, [("tp=2", dict(tp=2), "dtensor_tp")]),
@@ -90,7 +90,7 @@ def expected_bytes(ours: Ours) -> float:
     if lay.dp > 1:
         psi = sum(q.numel() for q in tr.engine.model.parameters())
         in_units = sum(q.numel() for ch in tr.engine.model.chunks for q in ch.blocks.parameters())
-        sent += theory.dp_bytes(psi, p.zero, lay.dp, m, regathered_psi=in_units, accumulate=p.zero3_accumulate)
+        sent += theory.dp_bytes(psi, p.zero, lay.dp, m, regathered_psi=in_units, accumulate=p.zero_accumulate)
     if lay.tp > 1:
         for chunk in tr.engine.model.chunks:
             sent += theory.tp_bytes(

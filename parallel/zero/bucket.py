@@ -93,7 +93,7 @@ class FlatBucket:
         else:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
         self._stage1_shard = None
-        self.keep_full = keep_full  # ZeRO-3, accumulate="unsharded": the full fp32 gradient until the step
+        self.keep_full = keep_full  # ZeRO-2/3, accumulate="unsharded": the full fp32 gradient until the step
         self.acc: torch.Tensor | None = None  # that full gradient, allocated at the first backward
         self.ready = 0  # parameters whose gradient has been accumulated in this backward
         self.reduced = False  # stages 0-1: this step's reduction was launched
@@ -121,7 +121,7 @@ class FlatBucket:
         self.reduced = True
 
     def accumulate_full(self, param, slot_index: int) -> None:
-        """ZeRO-3 with unsharded accumulation: add ``param.grad`` into the fp32 full gradient
+        """ZeRO-2/3 with unsharded accumulation: add ``param.grad`` into the fp32 full gradient
         ``acc`` (n · 4 bytes, held until the step's reduce-scatter) and drop it."""
         grad = param.grad
         if grad is None:
