@@ -75,3 +75,15 @@ def test_unsharded_accumulation_is_refused_below_stage_2():
         ZeroDataParallel(make_model(), dp_group=None, stage=3, optimizer_factory=adamw, accumulate="full")
     with pytest.raises(ValueError):
         grad_reductions_per_step(3, 4, "full")
+
+
+def test_uninitialised_gradient_buffers_send_zeros_where_no_gradient_was_copied():
+    from parallel.zero.bucket import _zero_unwritten
+    from parallel.zero.layout import ParamSlot
+
+    slots = [ParamSlot("a", (2,), 1, 2), ParamSlot("b", (3,), 3, 3), ParamSlot("c", (2,), 8, 2)]
+    flat = torch.full((12,), float("nan"))
+    flat[1:3], flat[8:10] = 1.0, 2.0  # a and c were copied in; b had no gradient
+    _zero_unwritten(flat, slots, [True, False, True])
+    want = torch.tensor([0, 1, 1, 0, 0, 0, 0, 0, 2, 2, 0, 0], dtype=flat.dtype)
+    torch.testing.assert_close(flat, want)
