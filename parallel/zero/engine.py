@@ -436,7 +436,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         divisor = self.dp_size * (self.scaler.scale if self.scaler else 1.0)
         grads = [b.main_grad() for b in self.buckets]
         for b, g in zip(self.buckets, grads):
-            g.div_(divisor)
+            if divisor != 1:  # one process without a loss scale: nothing to average (a pass saved)
+                g.div_(divisor)
             if b.layout.extra_reduce:  # tied embedding: + the other stage's; sequence parallel: + other TP ranks'
                 comm.all_reduce(g, group=self.extra_groups[b.layout.extra_reduce])
             if self._host_copier is not None:  # offload: device -> host now, while later buckets finish
