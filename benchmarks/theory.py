@@ -41,18 +41,19 @@ def dp_bytes(
     all-gathers the updated parameters once; stage 3 does its whole exchange
     (reduce-scatter, forward and backward all-gathers) every micro-batch, except
     that the parameters outside the blocks are gathered once per step; with
-    ``accumulate="unsharded"`` its gradients are reduce-scattered once per step
+    ``accumulate="unsharded"`` stage 2's and 3's gradients are reduce-scattered once per step
     (:func:`parallel.zero.theory.grad_reductions_per_step`)."""
     pol = policy(stage)
     if not pol.reduce_every_microbatch:
         return step_sent_bytes(psi, stage, dp, param_bytes)
     rho = SENT_FRACTION["reduce_scatter"](dp)
+    reductions = grad_reductions_per_step(stage, m, accumulate)
     if not pol.gathers_per_unit:
-        return m * rho * psi * param_bytes + SENT_FRACTION["all_gather"](dp) * psi * param_bytes
+        return reductions * rho * psi * param_bytes + SENT_FRACTION["all_gather"](dp) * psi * param_bytes
     # blocks: reduce-scatter + forward and backward gathers every micro-batch; the rest (embedding,
     # head) is gathered once per step and stays until the optimizer step
     rest = 0 if regathered_psi is None else psi - regathered_psi
-    skipped_reductions = m - grad_reductions_per_step(3, m, accumulate)
+    skipped_reductions = m - reductions
     return (
         m * step_sent_bytes(psi, 3, dp, param_bytes, regathered_psi=regathered_psi)
         - (m - 1) * rho * rest * param_bytes

@@ -47,7 +47,8 @@ class ParallelConfig:
     cp_impl: str = "ring"  # ring | alltoall (Ulysses: heads divisible by cp·tp)
     zero: int = 0  # 0-3
     offload: str = "none"  # none | optimizer (zero ≥ 1) | optimizer+params (zero=3): docs/offload.md
-    zero3_accumulate: str = "sharded"  # sharded | unsharded: ZeRO-3 keeps full fp32 grads, 1 reduce-scatter/step
+    zero_accumulate: str = "sharded"  # sharded | unsharded: ZeRO-2/3 keep full fp32 grads, 1 reduce-scatter/step
+    zero3_accumulate: Optional[str] = None  # the old name of zero_accumulate (stage 3 only then): an alias
     pp_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved | zb-h1 (zero bubble)
     vpp: int = 1  # virtual stages per rank (interleaved)
     pp_layers: Optional[List[int]] = None  # explicit layers per stage

@@ -86,7 +86,7 @@ def build_gpt_engine(
         clip_groups=[g.pp],
         compression=cm.compression,
         topk_ratio=cm.topk_ratio,
-        accumulate=p.zero3_accumulate,
+        accumulate=p.zero_accumulate,
         expert_group=g.edp,
         ep_group=g.ep,
     )

@@ -100,7 +100,7 @@ def _training(rc: RecipeConfig, mc: ModelConfig) -> Training:
         compression=c.compression,
         topk_ratio=c.topk_ratio,
         bucket_mb=c.bucket_mb,
-        zero3_accumulate=rc.parallel.zero3_accumulate,
+        zero_accumulate=rc.parallel.zero_accumulate,
     )
 
 

@@ -27,7 +27,7 @@ from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.offload import MIN_STAGE as OFFLOAD_MIN_STAGE
 from parallel.zero.offload import OFFLOAD_MODES
 from parallel.zero.policy import ZERO_STAGES
-from parallel.zero.theory import ZERO3_ACCUMULATE
+from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies
 
 from .config import ConfigError, Layout, ParallelConfig, RecipeConfig, _show, bad, model_config
 from .runlog import LR_SCHEDULES
@@ -48,7 +48,8 @@ CHOICES = {
     "logger.wandb": ("disabled", "offline", "online"),
     "parallel.zero": ZERO_STAGES,
     "parallel.offload": OFFLOAD_MODES,
-    "parallel.zero3_accumulate": ZERO3_ACCUMULATE,
+    "parallel.zero_accumulate": ZERO_ACCUMULATE,
+    "parallel.zero3_accumulate": (None, *ZERO_ACCUMULATE),
     "parallel.backend": (None, "nccl", "gloo"),
     "parallel.cp_impl": CP_IMPLS,
 }
@@ -75,8 +76,17 @@ def resolve_dp(parallel: ParallelConfig, world_size: int | None) -> int:
 
 
 def resolve_aliases(cfg: Any) -> None:
-    """``parallel.mp`` is another name for ``parallel.tp``: fold it in (idempotent)."""
+    """Fold old or alternative key names into their one key (idempotent): ``parallel.mp`` is another
+    name for ``parallel.tp``; ``parallel.zero3_accumulate`` the old name of ``parallel.zero_accumulate``."""
     p = cfg.parallel
+    old = p.zero3_accumulate
+    if old in ZERO_ACCUMULATE:  # any other value is refused under its own name by check_values
+        if p.zero_accumulate not in ("sharded", old):  # the default, or the same choice
+            raise ConfigError(
+                f"parallel.zero3_accumulate={old} and parallel.zero_accumulate={p.zero_accumulate} disagree "
+                f"(zero3_accumulate is the old name of zero_accumulate); set parallel.zero_accumulate only"
+            )
+        p.zero_accumulate = old
     if p.mp is None:
         return
     if p.tp not in (1, p.mp):
@@ -332,17 +342,17 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
             + ("" if need == 3 else " (or 2, 3)")
             + " or parallel.offload=none"
         )
-    if p.zero3_accumulate == "unsharded" and p.zero != 3:
+    if p.zero_accumulate == "unsharded" and not accumulate_applies(p.zero):
         raise ConfigError(
-            f"parallel.zero3_accumulate=unsharded keeps ZeRO-3's full gradients across micro-batches; "
-            f"parallel.zero is {p.zero} (stages 0-1 keep them anyway): set parallel.zero=3 or "
-            f"parallel.zero3_accumulate=sharded"
+            f"parallel.zero_accumulate=unsharded keeps ZeRO-2/3's full gradients across micro-batches; "
+            f"parallel.zero is {p.zero} (stages 0-1 keep them anyway): set parallel.zero=2 or 3, or "
+            f"parallel.zero_accumulate=sharded"
         )
-    if p.zero3_accumulate == "unsharded" and p.offload != "none":
+    if p.zero_accumulate == "unsharded" and p.offload != "none":
         raise ConfigError(
-            f"parallel.zero3_accumulate=unsharded keeps the full fp32 gradients on the device across "
+            f"parallel.zero_accumulate=unsharded keeps the full fp32 gradients on the device across "
             f"micro-batches, which undoes parallel.offload={p.offload} (it exists to free device memory): "
-            f"set parallel.zero3_accumulate=sharded or parallel.offload=none"
+            f"set parallel.zero_accumulate=sharded or parallel.offload=none"
         )
     if cfg.data.source == "memmap" and not cfg.data.path:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")

@@ -148,7 +148,8 @@ def test_zero3_accumulation_formulas_have_one_home():
     assert plan_traffic.grad_reductions_per_step is zero_theory.grad_reductions_per_step
     assert bench.grad_reductions_per_step is zero_theory.grad_reductions_per_step
     assert planner.accumulation_grad_bytes is zero_theory.accumulation_grad_bytes
-    assert validation.ZERO3_ACCUMULATE is zero_theory.ZERO3_ACCUMULATE is zero_engine.ZERO3_ACCUMULATE
+    assert validation.ZERO_ACCUMULATE is zero_theory.ZERO_ACCUMULATE is zero_engine.ZERO_ACCUMULATE
+    assert validation.accumulate_applies is zero_theory.accumulate_applies is zero_engine.accumulate_applies
 
 
 def test_overlap_facts_have_one_home():

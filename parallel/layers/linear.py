@@ -166,13 +166,18 @@ class ColumnParallelLinear(nn.Module):
             _check_last_dim(x, layer.in_features, type(layer).__name__)
             if (layer.tp_group, layer.sequence_parallel) != (first.tp_group, first.sequence_parallel):
                 raise LayerConfigError("shared_forward: the layers must share tp_group and sequence_parallel")
-        if first.sequence_parallel and first.tp_size > 1:
+        if first.tp_size == 1:  # nothing to copy or gather: nn.Linear's own call (no per-call group lookups)
+            return tuple(F.linear(x, layer.weight, layer.bias) for layer in layers)
+        if first.sequence_parallel:
             params = [t for layer in layers for t in (layer.weight, layer.bias)]
             return _SequenceParallelColumns.apply(x, first.tp_group, *params)
         h = comm.copy_to_tp_region(x, first.tp_group)
         return tuple(F.linear(h, layer.weight, layer.bias) for layer in layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # the hot path of one process: one check and the matmul
+            _check_last_dim(x, self.in_features, type(self).__name__)
+            return F.linear(x, self.weight, self.bias)
         (y,) = self.shared_forward(x, self)
         return comm.gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 

@@ -8,12 +8,13 @@ verdicts (deadlock-free, peak stored activations) hold for the real run.
 Communication (all through :mod:`parallel.comm`):
 
 * each batch of consecutive transfers is one ``comm.exchange`` (batched
-  ``isend``/``irecv``) on ``pp_group``; its receives are awaited before the
-  next computation, its sends (where the backend gives one handle per op, as
-  gloo does) only after the next batch is posted, so a sender computes on
-  instead of idling until its peer posts the receive. NCCL's single handle per
-  batch is awaited whole: the rendezvous under which the simulator proves
-  every schedule deadlock-free (and waiting later never adds a dependency).
+  ``isend``/``irecv``) on ``pp_group``. A batch with receives is awaited whole,
+  its sends too, before the next computation: the rendezvous under which the
+  simulator proves every schedule deadlock-free (NCCL gives one handle per batch;
+  on gloo, one per op, leaving the sends to the next batch made each later send
+  block in gloo: 2.6 vs 0.1 ms per send at 0.87 M, issue 17). A batch of sends
+  alone is awaited only when the next batch completes (as the simulator assumes),
+  so a sender computes on instead of idling until its peer posts the receive.
   So a transfer is not hidden behind compute (:data:`parallel.overlap.PIPELINE_P2P`).
   Shapes and dtype are fixed up front (``activation_shape``, ``dtype``): no
   shape messages. Per transfer, ``prod(activation_shape) · itemsize`` bytes,
@@ -372,19 +373,15 @@ class PipelineExecutor:
                 recvs.append((buf, peer))
                 landing.append(((kind, a.mb, a.chunk), buf))
         handles = comm.exchange(sends, recvs, group=self.pp_group)
-        # the previous batch's sends: matched by now in the usual case; awaiting them here,
+        # the previous send-only batch: matched by now in the usual case; awaiting it here,
         # and not earlier, lets a sender compute instead of idling until its peer posts
         # the receive, and keeps at most one batch of sent tensors alive
         for handle in self._pending_sends:
             handle.wait()
         self._pending_sends, self._send_buffers = [], []
-        if len(handles) == len(sends) + len(recvs):  # one handle per op (gloo)
-            self._pending_sends = handles[: len(sends)]
-            self._send_buffers = [t for t, _ in sends]
-            handles = handles[len(sends) :]
-        elif not recvs:  # a batch of sends alone: awaited with the next batch, as the simulator assumes
+        if not recvs:  # a batch of sends alone: awaited with the next batch, as the simulator assumes
             self._pending_sends, self._send_buffers, handles = handles, [t for t, _ in sends], []
-        for handle in handles:  # NCCL coalesces a batch into one handle: await it whole
+        for handle in handles:  # with receives: the whole batch (one handle on NCCL, one per op on gloo)
             handle.wait()
         for key, buf in landing:
             if self.tp > 1:

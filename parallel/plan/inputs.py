@@ -49,7 +49,7 @@ class Training:
     topk_ratio: float = 0.01
     bucket_mb: float = 25.0
     attention: str = "flash"  # flash (the engine's SDPA) | unfused (scores materialised; plan.compute)
-    zero3_accumulate: str = "sharded"  # parallel.zero.theory.ZERO3_ACCUMULATE
+    zero_accumulate: str = "sharded"  # parallel.zero.theory.ZERO_ACCUMULATE (stages 2-3)
 
 
 def _positive(name: str, v) -> int:

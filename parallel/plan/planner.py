@@ -240,7 +240,7 @@ def plan_layout(
             compression=training.compression,
             topk_ratio=training.topk_ratio,
             regathered_psi=psi - root_psi,
-            accumulate=training.zero3_accumulate,
+            accumulate=training.zero_accumulate,
         )
         edp_axis = dp_axis if L.ep == 1 else AxisTraffic(edp, group_crosses_node(t * L.ep, edp, gpn))
         if epsi:  # expert gradients (and stage-3 gathers) on edp, hidden behind the same backward
@@ -253,7 +253,7 @@ def plan_layout(
                 param_bytes=e,
                 comm_bytes=c,
                 regathered_psi=epsi,
-                accumulate=training.zero3_accumulate,
+                accumulate=training.zero_accumulate,
             )
             dp_times = {k: v + e_times[k] for k, v in dp_times.items()}
             if not policy(L.zero).shards_optimizer:  # stage 0: each ep rank's experts enter the norm
@@ -450,5 +450,5 @@ def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg
         total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
     if L.pp > 1:
         total += 4 * act_msg
-    total += accumulation_grad_bytes(params.numel, L.zero, tr.zero3_accumulate)  # ZeRO-3's full fp32 gradient
+    total += accumulation_grad_bytes(params.numel, L.zero, tr.zero_accumulate)  # ZeRO-2/3: the full fp32 gradient
     return total

@@ -111,7 +111,7 @@ def dp_traffic(
             "all_gather", n * k * (comm_bytes + INDEX_BYTES), 1, hw, "Top-K gradients (values + int32 indices)"
         )
         out["grad_per_step"] = one
-    elif grad_reductions_per_step(zero, m, accumulate) == 1:  # stages 0-1; ZeRO-3 accumulating unsharded
+    elif grad_reductions_per_step(zero, m, accumulate) == 1:  # stages 0-1; ZeRO-2/3 accumulating unsharded
         out["grad_per_step"] = axis.add(pol.reduce, psi * comm_bytes, 1, hw, "gradients")
     else:
         out["grad_per_mb"] = axis.add(pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch")

@@ -47,6 +47,20 @@ from .offload import host_copy, host_empty, to_device
 from .policy import policy
 
 
+def _zero_unwritten(flat: torch.Tensor, slots, written: list[bool]) -> None:
+    """Zero the parts of an uninitialised ``flat`` no gradient was copied into: the gaps and
+    padding between and after ``slots``, and the slots whose ``written`` is False."""
+    end = 0
+    for slot, w in zip(slots, written):
+        if not w:
+            flat[end : slot.end].zero_()
+        elif slot.offset > end:
+            flat[end : slot.offset].zero_()
+        end = slot.end
+    if end < flat.numel():
+        flat[end:].zero_()
+
+
 class FlatBucket:
     def __init__(
         self,
@@ -93,8 +107,9 @@ class FlatBucket:
         else:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
         self._stage1_shard = None
-        self.keep_full = keep_full  # ZeRO-3, accumulate="unsharded": the full fp32 gradient until the step
+        self.keep_full = keep_full  # ZeRO-2/3, accumulate="unsharded": the full fp32 gradient until the step
         self.acc: torch.Tensor | None = None  # that full gradient, allocated at the first backward
+        self._written: list[bool] = []  # per slot: a gradient was copied into acc this step
         self.ready = 0  # parameters whose gradient has been accumulated in this backward
         self.reduced = False  # stages 0-1: this step's reduction was launched
         self._pending = None  # (handle, finish) of an in-flight collective
@@ -121,15 +136,24 @@ class FlatBucket:
         self.reduced = True
 
     def accumulate_full(self, param, slot_index: int) -> None:
-        """ZeRO-3 with unsharded accumulation: add ``param.grad`` into the fp32 full gradient
-        ``acc`` (n · 4 bytes, held until the step's reduce-scatter) and drop it."""
+        """ZeRO-2/3 with unsharded accumulation: add ``param.grad`` into the fp32 full gradient
+        ``acc`` (n · 4 bytes, held until the step's reduce-scatter) and drop it.
+
+        ``acc`` is allocated uninitialised: a slot's first gradient of the step is copied in,
+        later ones added (no memset and no add into zeros); :meth:`_full_grad_for_comm` zeroes
+        what no gradient reached (padding, unused parameters) before it is sent."""
         grad = param.grad
         if grad is None:
             return
         if self.acc is None:
-            self.acc = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=grad.device)
+            self.acc = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=grad.device)
+            self._written = [False] * len(self.params)
         slot = self.layout.slots[slot_index]
-        self.acc[slot.offset : slot.end].add_(grad.reshape(-1))
+        if self._written[slot_index]:
+            self.acc[slot.offset : slot.end].add_(grad.reshape(-1))
+        else:
+            self.acc[slot.offset : slot.end].copy_(grad.reshape(-1))
+            self._written[slot_index] = True
         param.grad = None
 
     def _full_grad_for_comm(self) -> torch.Tensor:
@@ -137,15 +161,18 @@ class FlatBucket:
             for i, p in enumerate(self.params):
                 self.accumulate_full(p, i)
             acc, self.acc = self.acc, None
+            _zero_unwritten(acc, self.layout.slots, self._written)
             return acc if acc.dtype == self.comm_dtype else acc.to(self.comm_dtype)
         if self.flat_grad is not None:  # gradients not sharded (stage 1)
             g = self.flat_grad
             return g if g.dtype == self.comm_dtype else g.to(self.comm_dtype)
-        full = torch.zeros(self.layout.padded_numel, dtype=self.comm_dtype, device=self.flat_param.device)
-        for p, slot in zip(self.params, self.layout.slots):
-            if p.grad is not None:
+        full = torch.empty(self.layout.padded_numel, dtype=self.comm_dtype, device=self.flat_param.device)
+        written = [p.grad is not None for p in self.params]
+        for p, slot, w in zip(self.params, self.layout.slots, written):
+            if w:
                 full[slot.offset : slot.end].copy_(p.grad.reshape(-1))
                 p.grad = None  # stages 2-3: the full gradient is freed as soon as it is sent
+        _zero_unwritten(full, self.layout.slots, written)
         return full
 
     def _keep_shard(self, out: torch.Tensor) -> None:
@@ -209,6 +236,7 @@ class FlatBucket:
         for p in self.params if not self.grad_views else ():
             p.grad = None
         self._stage1_shard = None
+        self.acc = None  # unsharded accumulation: a step abandoned mid-accumulation leaves nothing behind
         self.ready, self.reduced = 0, False
 
     # parameters --------------------------------------------------------------

@@ -30,11 +30,11 @@ Stages (Ψ parameters, N = DP size; :mod:`parallel.zero.theory` has the bytes):
 Gradient accumulation: under :meth:`no_sync` stages 0–1 only accumulate, and
 communicate once, on the last micro-batch (or at :meth:`step`); inside
 :meth:`sync_gradients` (a pipeline's last backward of each chunk) they launch
-each bucket's reduction as its gradients become final. Stages 2–3
+each bucket's reduction as its gradients become final. By default (``accumulate="sharded"``) stages 2–3
 reduce-scatter every micro-batch into the accumulated gradient shard: keeping
 the full gradient across micro-batches would give up the memory these stages
-exist to save (DeepSpeed does the same). ``accumulate="unsharded"`` (stage 3
-only) makes FSDP2's choice instead: under :meth:`no_sync` each micro-batch's
+exist to save (DeepSpeed does the same). ``accumulate="unsharded"`` (stages 2–3,
+``parallel.zero_accumulate``) makes FSDP2's choice instead: under :meth:`no_sync` each micro-batch's
 gradient is added into a full fp32 buffer per bucket (``g·Ψ`` bytes while
 accumulating, :func:`parallel.zero.theory.accumulation_grad_bytes`) and the
 step's last backward reduce-scatters it once — m× fewer gradient bytes.
@@ -91,7 +91,7 @@ from .offload import HostCopier, check_offload, host_step
 from .policy import ZERO_STAGES, policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
-from .theory import ZERO3_ACCUMULATE, grad_comm_dtype
+from .theory import ZERO_ACCUMULATE, accumulate_applies, grad_comm_dtype
 from .units import UnitGatherer
 
 DTYPES = TORCH_DTYPES  # one home: parallel.precision
@@ -133,12 +133,12 @@ def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_r
     if stage not in ZERO_STAGES:
         stages = ", ".join(map(str, ZERO_STAGES[:-1])) + f" or {ZERO_STAGES[-1]}"
         raise ZeroConfigError(f"ZeRO stage must be {stages}, got {stage}")
-    if accumulate not in ZERO3_ACCUMULATE:
-        raise ZeroConfigError(f"accumulate must be one of {ZERO3_ACCUMULATE}, got {accumulate!r}")
-    if accumulate == "unsharded" and stage != 3:
+    if accumulate not in ZERO_ACCUMULATE:
+        raise ZeroConfigError(f"accumulate must be one of {ZERO_ACCUMULATE}, got {accumulate!r}")
+    if accumulate == "unsharded" and not accumulate_applies(stage):
         raise ZeroConfigError(
-            f"accumulate='unsharded' is ZeRO-3's choice (stages 0-1 keep full gradients anyway; stage 2 "
-            f"with them is stage 1), got stage {stage}; use stage=3, or stage=1 for unsharded gradients"
+            f"accumulate='unsharded' is a choice of stages 2-3 (stages 0-1 keep full gradients and reduce "
+            f"once per step anyway), got stage {stage}; use stage=2 or 3, or accumulate='sharded'"
         )
     if compression not in (None, *COMPRESSIONS):
         raise ZeroConfigError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
@@ -195,7 +195,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         super().__init__()
         compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio, accumulate)
         self.offload = check_offload(offload, stage)
-        self.keep_full = accumulate == "unsharded"  # ZeRO-3: one reduce-scatter per step (theory.ZERO3_ACCUMULATE)
+        self.keep_full = accumulate == "unsharded"  # ZeRO-2/3: one reduce-scatter per step (theory.ZERO_ACCUMULATE)
         if self.keep_full and self.offload != "none":
             raise ZeroConfigError(
                 f"accumulate='unsharded' keeps the full fp32 gradients on the device across micro-batches, "
@@ -438,7 +438,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         divisor = self.dp_size * (self.scaler.scale if self.scaler else 1.0)
         grads = [b.main_grad() for b in self.buckets]
         for b, g in zip(self.buckets, grads):
-            g.div_(divisor)
+            if divisor != 1:  # one process without a loss scale: nothing to average (a pass saved)
+                g.div_(divisor)
             if b.layout.extra_reduce:  # tied embedding: + the other stage's; sequence parallel: + other TP ranks'
                 comm.all_reduce(g, group=self.extra_groups[b.layout.extra_reduce])
             if self._host_copier is not None:  # offload: device -> host now, while later buckets finish

@@ -111,25 +111,36 @@ def step_sent_bytes(
     return sent
 
 
-#: how ZeRO-3 accumulates gradients over the micro-batches of a step: ``sharded`` reduce-scatters
-#: every micro-batch into the fp32 shard (Ψ·g/N held); ``unsharded`` keeps the full fp32 gradient
-#: until the step's last micro-batch and reduce-scatters once (FSDP2's accumulation: m× fewer
-#: gradient bytes on the wire for g·Ψ·(N-1)/N more bytes held while accumulating)
-ZERO3_ACCUMULATE = ("sharded", "unsharded")
+#: how ZeRO-2/3 accumulate gradients over the micro-batches of a step (``parallel.zero_accumulate``):
+#: ``sharded`` reduce-scatters every micro-batch into the fp32 shard (Ψ·g/N held); ``unsharded`` keeps
+#: the full fp32 gradient until the step's last micro-batch and reduce-scatters once (FSDP2's
+#: accumulation: m× fewer gradient bytes on the wire for g·Ψ more bytes held while accumulating).
+#: Stages 0-1 reduce once per step anyway (their gradients are never sharded): there it means nothing.
+ZERO_ACCUMULATE = ("sharded", "unsharded")
+
+
+def accumulate_applies(stage: int) -> bool:
+    """Whether ``accumulate`` changes what ``stage`` does: only where the policy reduces every
+    micro-batch (stages 2-3); stages 0-1 keep full gradients and reduce once per step anyway."""
+    return policy(stage).reduce_every_microbatch
+
+
+def _check_accumulate(accumulate: str) -> None:
+    if accumulate not in ZERO_ACCUMULATE:
+        raise ValueError(f"accumulate must be one of {ZERO_ACCUMULATE}, got {accumulate!r}")
 
 
 def grad_reductions_per_step(stage: int, microbatches: int, accumulate: str = "sharded") -> int:
-    """How many times a step reduces each gradient over DP: once at stages 0–1 and for ZeRO-3
-    with ``accumulate="unsharded"``; every micro-batch at stage 2 and sharded stage 3."""
-    if accumulate not in ZERO3_ACCUMULATE:
-        raise ValueError(f"accumulate must be one of {ZERO3_ACCUMULATE}, got {accumulate!r}")
-    once = not policy(stage).reduce_every_microbatch or (stage == 3 and accumulate == "unsharded")
+    """How many times a step reduces each gradient over DP: once at stages 0–1 and at stages
+    2–3 with ``accumulate="unsharded"``; every micro-batch at stages 2–3 with ``"sharded"``."""
+    _check_accumulate(accumulate)
+    once = not accumulate_applies(stage) or accumulate == "unsharded"
     return 1 if once else microbatches
 
 
 def accumulation_grad_bytes(psi: int, stage: int, accumulate: str = "sharded", grad_bytes: int = GRAD_BYTES) -> int:
     """Bytes of full (unsharded) gradient a rank holds while accumulating, beyond
-    :func:`model_state_bytes`: ``grad_bytes·Ψ`` for ZeRO-3 with ``accumulate="unsharded"``
+    :func:`model_state_bytes`: ``grad_bytes·Ψ`` at stages 2–3 with ``accumulate="unsharded"``
     (allocated at the first backward, freed by the step's reduce-scatter), else 0."""
-    grad_reductions_per_step(stage, 1, accumulate)  # refuses an unknown mode
-    return grad_bytes * psi if stage == 3 and accumulate == "unsharded" else 0
+    _check_accumulate(accumulate)
+    return grad_bytes * psi if accumulate_applies(stage) and accumulate == "unsharded" else 0

@@ -32,10 +32,11 @@ def test_pytorch_traffic_is_counted_where_visible(two_rank_rows):
         two_rank_rows["dp ZeRO-0"]["theory_sent_MB"], rel=0.02
     )
     # FSDP2 without resharding (after forward, nor after a non-final backward): one all-gather and one
-    # reduce-scatter per step (gradient sync only on the last micro-batch); ours stage 2 a
-    # reduce-scatter per micro-batch and one all-gather
+    # reduce-scatter per step (gradient sync only on the last micro-batch); ours stage 2 accumulating
+    # unsharded (the row's mode) the same
     m, rs = 4, two_rank_rows["dp ZeRO-0"]["theory_sent_MB"] / 2  # all-reduce 2ρ·Ψ·4 B; its half ρ·Ψ·4 B
     assert two_rank_rows["dp ZeRO-2"]["theirs_sent_MB"] == pytest.approx(2 * rs, rel=0.02)
+    assert two_rank_rows["dp ZeRO-2"]["ours_sent_MB"] == pytest.approx(2 * rs, rel=0.02)
     # FSDP2 resharding: all-gathers in forward and backward of every micro-batch, one reduce-scatter
     assert two_rank_rows["dp ZeRO-3"]["theirs_sent_MB"] == pytest.approx((2 * m + 1) * rs, rel=0.02)
     # ours accumulating unsharded at stage 3: FSDP2's gradient traffic, one reduce-scatter per step

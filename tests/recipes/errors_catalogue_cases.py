@@ -54,7 +54,8 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["comm.bucket_mb=0"], "comm.bucket_mb", {}),
     (["comm.topk_ratio=2"], "comm.topk_ratio", {}),
     (["comm.compression=topk", "parallel.zero=1"], "comm.compression", {}),
-    (["parallel.zero3_accumulate=unsharded", "parallel.zero=1"], "parallel.zero3_accumulate", {}),
+    (["parallel.zero_accumulate=unsharded", "parallel.zero=1"], "parallel.zero_accumulate", {}),
+    (["parallel.zero3_accumulate=sharded", "parallel.zero_accumulate=unsharded"], "parallel.zero3_accumulate", {}),
     (["comm.dtype=int8"], "comm.dtype", {}),
     # layout
     (["parallel.order=bogus"], "parallel.order", {}),

@@ -1,6 +1,6 @@
-"""``parallel.zero3_accumulate=unsharded``: the planner prices one reduce-scatter per step and the
-full fp32 gradient held while accumulating — equal to what the ZeRO engine sends; the recipe
-refuses it below stage 3."""
+"""``parallel.zero_accumulate=unsharded`` (stages 2-3): the planner prices one reduce-scatter per
+step and the full fp32 gradient held while accumulating — equal to what the ZeRO engine sends; the
+recipe refuses it below stage 2 and with offload; ``parallel.zero3_accumulate`` is its old name."""
 
 import contextlib
 
@@ -20,7 +20,7 @@ from recipes.plan_scenarios import scenario_config
 M = 4
 
 
-def _config(accumulate: str, zero: int = 3):
+def _config(accumulate: str, zero: int = 3, key: str = "zero_accumulate", extra=()):
     return scenario_config(
         [
             "model.preset=gpt_tiny",
@@ -29,11 +29,12 @@ def _config(accumulate: str, zero: int = 3):
             "model.vocab_size=250",
             "parallel.dp=3",
             f"parallel.zero={zero}",
-            f"parallel.zero3_accumulate={accumulate}",
+            f"parallel.{key}={accumulate}",
             "comm.bucket_mb=0.01",
             "train.micro_batch=2",
             f"train.global_batch={2 * 3 * M}",
             "plan.hardware=cpu",
+            *extra,
         ]
     )
 
@@ -47,11 +48,11 @@ def _sent(rc) -> float:
     z = ZeroDataParallel(
         model,
         dp_group=groups.dp,
-        stage=3,
+        stage=rc.parallel.zero,
         optimizer_factory=torch.optim.AdamW,
         units=list(model.blocks.values()),
         bucket_mb=rc.comm.bucket_mb,
-        accumulate=rc.parallel.zero3_accumulate,
+        accumulate=rc.parallel.zero_accumulate,
     )
     counter = comm.CommCounter()
     with counter:
@@ -63,21 +64,37 @@ def _sent(rc) -> float:
     return counter.sent_bytes("dp")
 
 
-def test_planner_prices_unsharded_accumulation_as_the_engine_runs_it():
-    plans = {a: plan_from_config(_config(a)) for a in ("sharded", "unsharded")}
+@pytest.mark.parametrize("zero", [2, 3])
+def test_planner_prices_unsharded_accumulation_as_the_engine_runs_it(zero):
+    plans = {a: plan_from_config(_config(a, zero)) for a in ("sharded", "unsharded")}
     for a, plan in plans.items():
-        for dp_sent in run_ranks(_sent, 3, _config(a), timeout=60):
+        for dp_sent in run_ranks(_sent, 3, _config(a, zero), timeout=60):
             assert plan.ranks[0].traffic["dp"]["bytes"] == pytest.approx(dp_sent, abs=8), a  # + the norm
     sharded, unsharded = (plans[a].ranks[0] for a in ("sharded", "unsharded"))
     assert unsharded.traffic["dp"]["bytes"] < sharded.traffic["dp"]["bytes"]
     extra = unsharded.memory["buffers"] - sharded.memory["buffers"]
-    assert extra == accumulation_grad_bytes(unsharded.params.numel, 3, "unsharded") > 0
+    assert extra == accumulation_grad_bytes(unsharded.params.numel, zero, "unsharded") > 0
 
 
-def test_unsharded_accumulation_needs_zero_3():
+def test_unsharded_accumulation_needs_zero_2_or_3_and_no_offload():
     from recipes.validation import validate
 
-    with pytest.raises(ConfigError, match="parallel.zero=3"):
-        validate(_config("unsharded", zero=2))
-    with pytest.raises(ConfigError, match="zero3_accumulate"):
+    with pytest.raises(ConfigError, match="set parallel.zero=2 or 3"):
+        validate(_config("unsharded", zero=1))
+    with pytest.raises(ConfigError, match="parallel.zero_accumulate=sharded or parallel.offload=none"):
+        validate(_config("unsharded", zero=2, extra=["parallel.offload=optimizer"]))
+    with pytest.raises(ConfigError, match="parallel.zero_accumulate"):
         validate(_config("full"))
+
+
+def test_the_old_key_is_an_alias():
+    from recipes.validation import validate
+
+    rc = _config("unsharded", zero=2, key="zero3_accumulate")
+    validate(rc)
+    assert rc.parallel.zero_accumulate == "unsharded"
+    assert plan_from_config(rc).ranks[0].memory == plan_from_config(_config("unsharded", 2)).ranks[0].memory
+    with pytest.raises(ConfigError, match="disagree"):
+        validate(_config("sharded", key="zero3_accumulate", extra=["parallel.zero_accumulate=unsharded"]))
+    with pytest.raises(ConfigError, match="parallel.zero3_accumulate"):
+        validate(_config("full", key="zero3_accumulate"))

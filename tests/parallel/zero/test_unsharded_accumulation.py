@@ -1,4 +1,4 @@
-"""ZeRO-3 with ``accumulate="unsharded"`` (issue 17 item 4): FSDP2's accumulation — the full fp32
+"""ZeRO-2/3 with ``accumulate="unsharded"`` (issue 17 item 4): FSDP2's accumulation — the full fp32
 gradient kept across micro-batches, one reduce-scatter per step — equals the default, sends
 what theory says, and holds what theory says while accumulating."""
 
@@ -20,12 +20,12 @@ from .toy import adamw, batches, make_model
 M = 4  # micro-batches per step
 
 
-def _run(accumulate: str, precision: str = "fp32"):
+def _run(accumulate: str, precision: str = "fp32", stage: int = 3):
     model = make_model()
     zdp = ZeroDataParallel(
         model,
         dp_group=dist.group.WORLD,
-        stage=3,
+        stage=stage,
         optimizer_factory=adamw,
         units=list(model.blocks),
         precision=precision,
@@ -48,29 +48,42 @@ def _run(accumulate: str, precision: str = "fp32"):
     return params, rs, counter.sent_bytes(op="all_gather") / 3, held, psi
 
 
-def _both(precision):
-    return _run("sharded", precision), _run("unsharded", precision)
+def _both(precision, stage):
+    return _run("sharded", precision, stage), _run("unsharded", precision, stage)
 
 
-@pytest.mark.parametrize("precision,tol", [("fp32", 1e-6), ("bf16", 1e-3)])
-def test_unsharded_accumulation_equals_sharded_and_theory(precision, tol):
+@pytest.mark.parametrize("stage,precision,tol", [(3, "fp32", 1e-6), (3, "bf16", 1e-3), (2, "fp32", 1e-6)])
+def test_unsharded_accumulation_equals_sharded_and_theory(stage, precision, tol):
     dp = 2
-    for sharded, unsharded in run_ranks(_both, dp, precision, timeout=120):
+    for sharded, unsharded in run_ranks(_both, dp, precision, stage, timeout=120):
         for a, b in zip(sharded[0], unsharded[0]):
             torch.testing.assert_close(b, a, rtol=tol, atol=tol)
         psi = sharded[4]
         for (_, rs, _, _, _), mode in ((sharded, "sharded"), (unsharded, "unsharded")):
-            want = grad_reductions_per_step(3, M, mode) * SENT_FRACTION["reduce_scatter"](dp) * psi * 4
+            want = grad_reductions_per_step(stage, M, mode) * SENT_FRACTION["reduce_scatter"](dp) * psi * 4
             assert rs == pytest.approx(want, abs=0), mode
         assert unsharded[1] * M == sharded[1]  # one reduce-scatter per step instead of M
         assert unsharded[2] == sharded[2]  # parameters gathered as before
-        assert sharded[3] == 0 and unsharded[3] == accumulation_grad_bytes(psi, 3, "unsharded")
+        assert sharded[3] == 0 and unsharded[3] == accumulation_grad_bytes(psi, stage, "unsharded")
 
 
-def test_unsharded_accumulation_is_refused_below_stage_3():
-    with pytest.raises(ZeroConfigError, match="stage=3"):
-        ZeroDataParallel(make_model(), dp_group=None, stage=2, optimizer_factory=adamw, accumulate="unsharded")
+def test_unsharded_accumulation_is_refused_below_stage_2():
+    with pytest.raises(ZeroConfigError, match="stage=2 or 3"):
+        ZeroDataParallel(make_model(), dp_group=None, stage=1, optimizer_factory=adamw, accumulate="unsharded")
+    assert accumulation_grad_bytes(1000, 1, "unsharded") == 0 and grad_reductions_per_step(1, 4, "unsharded") == 1
     with pytest.raises(ZeroConfigError, match="accumulate must be"):
         ZeroDataParallel(make_model(), dp_group=None, stage=3, optimizer_factory=adamw, accumulate="full")
     with pytest.raises(ValueError):
         grad_reductions_per_step(3, 4, "full")
+
+
+def test_uninitialised_gradient_buffers_send_zeros_where_no_gradient_was_copied():
+    from parallel.zero.bucket import _zero_unwritten
+    from parallel.zero.layout import ParamSlot
+
+    slots = [ParamSlot("a", (2,), 1, 2), ParamSlot("b", (3,), 3, 3), ParamSlot("c", (2,), 8, 2)]
+    flat = torch.full((12,), float("nan"))
+    flat[1:3], flat[8:10] = 1.0, 2.0  # a and c were copied in; b had no gradient
+    _zero_unwritten(flat, slots, [True, False, True])
+    want = torch.tensor([0, 1, 1, 0, 0, 0, 0, 0, 2, 2, 0, 0], dtype=flat.dtype)
+    torch.testing.assert_close(flat, want)
