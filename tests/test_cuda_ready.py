@@ -126,7 +126,7 @@ VARIANTS = {
     "zero1": {},
     "offload_optimizer": dict(parallel__zero=1, parallel__offload="optimizer"),
     "offload_params": dict(parallel__zero=3, parallel__offload="optimizer+params"),
-    "zero3_unsharded": dict(parallel__zero=3, parallel__zero3_accumulate="unsharded"),
+    "zero3_unsharded": dict(parallel__zero=3, parallel__zero_accumulate="unsharded"),
     "moe": dict(model__moe_experts=4, model__moe_top_k=2),
 }
 

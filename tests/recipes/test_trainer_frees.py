@@ -15,7 +15,7 @@ VARIANTS = {
     "bf16 ZeRO-1": dict(train__precision="bf16"),
     "fp32 ZeRO-1 (no hooks at dp=1)": {},
     "bf16 ZeRO-3": dict(parallel__zero=3, train__precision="bf16"),
-    "ZeRO-3 unsharded accumulation": dict(parallel__zero=3, parallel__zero3_accumulate="unsharded"),
+    "ZeRO-3 unsharded accumulation": dict(parallel__zero=3, parallel__zero_accumulate="unsharded"),
     "offload": dict(parallel__zero=1, parallel__offload="optimizer"),
     "MoE": dict(model__moe_experts=4, model__moe_top_k=2),
 }
