@@ -11,7 +11,8 @@ first), each after a few steps. Per save and rank it records
 
 * the **stall**: the training thread's time inside the save call (synchronous: the whole
   save — DCP write, fsync, CRC32s, barriers, publication; background: waiting for the previous
-  save, none here, and copying the pieces to host buffers);
+  save, none here, and copying the pieces to host buffers; on a GPU the device is synchronised
+  before and after, so the queued device-to-host copies count);
 * for the background save, the writer's own time, and the time of the training steps that ran
   while it wrote against the steps before the save (on shared CPU cores the writer competes
   with training: that slowdown is reported beside the stall, not hidden in it).
@@ -63,8 +64,10 @@ def _rank(kwargs: dict, rounds: int, steps_between: int, run_dir: str):
         for name in ("sync", "background") if r % 2 == 0 else ("background", "sync"):
             before = statistics.median(steps(steps_between))
             dist.barrier()
+            _device_sync(trainer.device)
             t0 = time.perf_counter()
             (sync if name == "sync" else background).save()
+            _device_sync(trainer.device)  # a GPU's queued device-to-host staging copies are part of the stall
             row[f"{name}_stall_s"] = time.perf_counter() - t0
             if name == "background":
                 during = []
@@ -77,6 +80,13 @@ def _rank(kwargs: dict, rounds: int, steps_between: int, run_dir: str):
                 row["step_during_s"] = statistics.median(during) if during else None
         rows.append(row)
     return rows
+
+
+def _device_sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _one_process(kwargs: dict, rounds: int, steps_between: int, run_dir: str):

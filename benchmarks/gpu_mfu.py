@@ -211,8 +211,8 @@ def main(argv=None) -> list[dict]:
         "--hardware",
         action="append",
         default=[],
-        help="planner profile (name or mode=calibrate's hardware.json) to predict the step time with (repeatable; "
-        "default: the GPU's own profile)",
+        help="planner profile (name or mode=calibrate's hardware.json) to predict the step time with, beside the "
+        "GPU's own stock profile (repeatable)",
     )
     ap.add_argument("--json", help="write the results to this file")
     a = ap.parse_args(argv)
@@ -240,8 +240,8 @@ def main(argv=None) -> list[dict]:
         ap.error(f"layouts {bad} do not multiply to the world size {world} (give dp,pp,tp with dp·pp·tp = {world})")
     _single_process_env()
     name = torch.cuda.get_device_name() if not dry_run else "CPU"
-    own = profile_for_name(name)
-    a.hardware = a.hardware or ([own] if own else ["cpu"])
+    own = profile_for_name(name)  # the stock profile always, beside any given (a calibrated file, say)
+    a.hardware = [hw for hw in dict.fromkeys([own or "cpu", *a.hardware])]
     peak = a.peak_tflops or (None if dry_run else peak_tflops(name))
     rank0 = int(os.environ["RANK"]) == 0
     results = []

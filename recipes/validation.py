@@ -219,7 +219,7 @@ def _check_ep(p: Any, dp: int, mc: Any, cfg: Any) -> None:
             raise ConfigError(
                 f"an MoE model (model.moe_experts={mc.moe_experts}) with {what}: this combination is not "
                 "implemented/verified against one process; turn it off (MoE trains with dp, ep, tp without "
-                "sequence parallelism, pp with 1f1b/gpipe/interleaved, ZeRO 0-3)"
+                "sequence parallelism, cp (dropless), pp with 1f1b/gpipe/interleaved, ZeRO 0-3)"
             )
 
 

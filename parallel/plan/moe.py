@@ -51,6 +51,7 @@ class MoEShape:
     moe_every: int = 1
     moe_d_ff: int | None = None
     moe_shared_experts: int = 0
+    moe_capacity_factor: float | None = None  # None: dropless (the only routing cp can take)
 
     @classmethod
     def of(cls, cfg) -> MoEShape:
@@ -148,12 +149,18 @@ def moe_shape(cfg) -> MoEShape | None:
     return MoEShape.of(cfg) if getattr(cfg, "moe_experts", 0) else None
 
 
-def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = False) -> None:
+def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = False, cp: int = 1) -> None:
     """Refuse an ``ep`` the grid or the model cannot take, with the library's own messages
-    (:func:`parallel.topology.ep_mismatch`, :meth:`parallel.layers.moe.MoEConfig.check`), and
-    sequence parallelism with MoE layers (which refuse it). Context parallelism is planned like a
-    dense model's (the layer sums its router statistics over cp: :func:`cp_stats_bytes`)."""
-    from ..layers.moe import SEQUENCE_PARALLEL_REFUSED, MoEConfig, MoEConfigError
+    (:func:`parallel.topology.ep_mismatch`, :meth:`parallel.layers.moe.MoEConfig.check`),
+    sequence parallelism with MoE layers and context parallelism with capacity-limited routing
+    (which the layer refuses). Dropless MoE with cp is planned like a dense model's layout (the
+    layer sums its router statistics over cp: :func:`cp_stats_traffic`)."""
+    from ..layers.moe import (
+        CONTEXT_PARALLEL_CAPACITY_REFUSED,
+        SEQUENCE_PARALLEL_REFUSED,
+        MoEConfig,
+        MoEConfigError,
+    )
     from ..topology import ep_mismatch
 
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
@@ -170,6 +177,13 @@ def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = F
         raise PlanError(str(e)) from None
     if sequence_parallel and moe.moe_layers:
         raise PlanError(SEQUENCE_PARALLEL_REFUSED)
+    if cp > 1 and moe.moe_layers and not cp_routes(moe):
+        raise PlanError(CONTEXT_PARALLEL_CAPACITY_REFUSED)
+
+
+def cp_routes(moe: MoEShape | None) -> bool:
+    """Whether context parallelism can split this model's sequences (dense, or dropless MoE)."""
+    return moe is None or not moe.moe_layers or moe.moe_capacity_factor is None
 
 
 def ep_choices(moe: MoEShape | None, dp: int) -> list[int]:

@@ -182,7 +182,7 @@ def plan_layout(
     moe = MoE.moe_shape(shape)  # MoE models: experts over ep, all-to-all, active FLOPs (parallel/plan/moe.py)
     shape = ModelShape.of(shape)
     m = check(shape, layout, training, world_size)
-    MoE.check_ep(moe, layout.dp, layout.ep, layout.sequence_parallel)
+    MoE.check_ep(moe, layout.dp, layout.ep, layout.sequence_parallel, layout.cp)
     L, t, dp, pp, vpp = layout, layout.tp, layout.dp * layout.cp, layout.pp, layout.vpp  # ZeRO spans dp × cp
     local = local_shape(shape, L.cp)  # what one cp rank holds of each sample (parallel/plan/cp.py)
     e = M.PRECISION_BYTES[training.precision]

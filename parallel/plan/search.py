@@ -19,7 +19,7 @@ from ..zero.offload import OFFLOAD_MODES
 from .cp import cp_choices
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training
-from .moe import ep_choices, moe_shape
+from .moe import cp_routes, ep_choices, moe_shape
 from .planner import ParamCounter, Plan, plan_layout
 from .shape import ModelShape
 
@@ -40,7 +40,8 @@ def candidate_layouts(
     for tp in _divisors(min(hw.gpus_per_node, world_size)):
         if hw.gpus_per_node % tp or world_size % tp or shape.n_heads % tp or shape.n_kv_heads % tp or shape.d_ff % tp:
             continue
-        for cp in cp_choices(shape, world_size, tp, hw.gpus_per_node):  # long sequences: context parallel too
+        cps = cp_choices(shape, world_size, tp, hw.gpus_per_node) if cp_routes(moe) else [1]
+        for cp in cps:  # long sequences: context parallel too (MoE: dropless only, moe.cp_routes)
             sp = tp > 1 and shape.seq_len // cp % tp == 0 and moe is None
             for pp in _divisors(world_size // (tp * cp)):
                 if pp > shape.n_layers:

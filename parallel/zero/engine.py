@@ -234,7 +234,9 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self._hooks_on_demand = (
             self.param_dtype == torch.float32 and not self.policy.shards_grads and not self.policy.shards_params
         )
-        self._hooks: list = []
+        self._hooks: list = []  # one list object for the engine's life: the finalizer below holds it
+        # the parameters outlive an engine that is dropped (a model wrapped again): its hooks go with it
+        weakref.finalize(self, _remove_hooks, self._hooks)
         self._update_hooks()
         if self.policy.gathers_per_unit:
             self._unit_gatherer = UnitGatherer(self.module, self.units, self._unit_buckets)
@@ -359,11 +361,9 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         want = not self._hooks_on_demand or (self.dp_size > 1 and self._communicates_now())
         if want and not self._hooks:
             hook = _weak_hook(self, "_on_grad_ready")
-            self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._param_bucket]
+            self._hooks.extend(p.register_post_accumulate_grad_hook(hook) for p in self._param_bucket)
         elif not want and self._hooks:
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
+            _remove_hooks(self._hooks)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if not self._callback_queued:
@@ -512,6 +512,13 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.zero_grad()
+
+
+def _remove_hooks(handles: list) -> None:
+    """Remove every hook in ``handles`` and empty the list (it stays the same object)."""
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 def _weak_hook(owner: Any, name: str) -> Callable[[torch.Tensor], None]:

@@ -74,3 +74,11 @@ def test_moe_with_context_parallelism_and_a_capacity_factor_is_refused():
         validate(rc, world_size=4)
     assert str(e.value).endswith(CONTEXT_PARALLEL_CAPACITY_REFUSED)
     assert "parallel.cp=2, model.moe_capacity_factor=1.25" in str(e.value)
+    # the planner refuses what training refuses, and recommend does not offer it
+    from parallel.plan import PlanError
+
+    shape = moe_shape(model_config(rc.model))
+    with pytest.raises(PlanError) as e:
+        check_ep(shape, 2, 2, cp=2)
+    assert str(e.value) == CONTEXT_PARALLEL_CAPACITY_REFUSED
+    check_ep(shape, 2, 2, cp=1)

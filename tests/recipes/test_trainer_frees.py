@@ -29,6 +29,7 @@ def _alive_after_delete() -> dict[str, list[str]]:
         trainer = Trainer(tiny_recipe(train__max_steps=2, **overrides), run_dir=".")
         for step in range(2):
             trainer.train_step(step)
+        param = next(iter(trainer.engine.zero._param_bucket))  # outlives the engine, like a model wrapped again
         refs = {
             "trainer": weakref.ref(trainer),
             "engine": weakref.ref(trainer.engine),
@@ -38,6 +39,8 @@ def _alive_after_delete() -> dict[str, list[str]]:
         del trainer
         gc.collect()
         alive[name] = [what for what, ref in refs.items() if ref() is not None]
+        if getattr(param, "_post_accumulate_grad_hooks", None):  # the dead engine's hooks went with it
+            alive[name].append("hooks on a parameter")
     return alive
 
 
