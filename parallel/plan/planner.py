@@ -190,13 +190,16 @@ def plan_layout(
     sp, ckpt, mb = L.sequence_parallel, training.checkpointing, training.micro_batch
     ranges = layer_partition(shape, pp, vpp, L.pp_layers)
     gpn = hw.gpus_per_node
-    peak_flops = hw.peak_flops(training.precision) * hw.efficiency  # large GEMMs: cp's ring overlap (plan.cp)
+    # compute as each rank sees it with the host's other ranks busy too (0 slowdown on GPU profiles)
+    colocated = min(layout.world_size, gpn)
+    work_hw = C.colocated(hw, colocated)
+    peak_flops = work_hw.peak_flops(training.precision) * work_hw.efficiency  # large GEMMs: cp's ring overlap (plan.cp)
     stage_info, alike = [], {}  # stages with the same chunk shapes share their numbers
     for s in range(pp):
         chunks = [(v, ranges[v]) for v in range(s, pp * vpp, pp)]
         key = tuple((len(r), MoE.moe_layers_in(moe, r)) + _stage_flags(v, pp * vpp) for v, r in chunks)
         if key not in alike:
-            alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, moe)
+            alike[key] = _stage_numbers(shape, chunks, count_params, work_hw, training, L, m, peak_flops, moe)
         params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis = alike[key]
         tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
         ep_axis = dataclasses.replace(ep_axis, items=list(ep_axis.items))
@@ -206,7 +209,8 @@ def plan_layout(
     act_msg = e * mb * local.seq_len * shape.d_model / (t if sp else 1)
     slow_f = max(i[3] for i in stage_info) / vpp
     slow_b = max(i[4] for i in stage_info) / vpp
-    p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + hw.latency_us * 1e-6) if pp > 1 else 0.0
+    p2p_fixed = (hw.latency_us + hw.collective_overhead_us) * 1e-6  # per message: latency and host cost
+    p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + p2p_fixed) if pp > 1 else 0.0
     p2p_one = PIPELINE_P2P.exposed(p2p_one, slow_f)  # exposed: the executor awaits receives before computing
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one)
     ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
@@ -241,6 +245,8 @@ def plan_layout(
             topk_ratio=training.topk_ratio,
             regathered_psi=psi - root_psi,
             accumulate=training.zero3_accumulate,
+            buckets=-(-psi * e // int(training.bucket_mb * 2**20)),  # the engine's buckets: one collective each
+            units=sum(len(r) for _, r in chunks),  # ZeRO-3 gathers (and reduces) each block apart
         )
         edp_axis = dp_axis if L.ep == 1 else AxisTraffic(edp, group_crosses_node(t * L.ep, edp, gpn))
         if epsi:  # expert gradients (and stage-3 gathers) on edp, hidden behind the same backward
@@ -266,7 +272,7 @@ def plan_layout(
         scalars_s = STEP_SCALARS.exposed(scalars_s, 0.0)
         dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap) + scalars_s)
         if L.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
-            optimizer_s = max(optimizer_s, C.optimizer_seconds(shard, hw))
+            optimizer_s = max(optimizer_s, C.optimizer_seconds(shard, work_hw))
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
         pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
@@ -320,7 +326,7 @@ def plan_layout(
         )
         offload_exposed = max(offload_exposed, offload_s["exposed_s"])
     emb_time = STEP_SCALARS.exposed(max(r.traffic["embedding"]["time_s"] for r in ranks), 0.0)  # after backward
-    overhead_s = C.step_overhead_seconds(hw)  # the step's fixed host cost (0 on GPU profiles)
+    overhead_s = C.step_overhead_seconds(work_hw)  # the step's fixed host cost (0 on GPU profiles)
     step_time = makespan + dp_exposed + emb_time + offload_exposed + optimizer_s + overhead_s  # offload: host Adam
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
@@ -333,6 +339,7 @@ def plan_layout(
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer_s,
         "step_overhead_s": overhead_s,
+        "colocated_factor": C.colocated_factor(hw, colocated),
         "offload_s": offload_exposed,
         "tokens_per_s": tokens_step / step_time,
         "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),
