@@ -232,6 +232,9 @@ def plan_layout(
             tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
         tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
+        buckets = max(1, -(-psi * e // int(training.bucket_mb * 2**20)))  # the engine's: one collective each
+        units = sum(len(r) for _, r in chunks)  # ZeRO-3 gathers (and reduces) each block apart
+        reductions = max(buckets, units) if policy(L.zero).gathers_per_unit else buckets
         root_psi = M.zero_padded_numel(M.StageParams(0, root=params.root), dp, training.bucket_mb * 2**20, e)
         dp_times = dp_traffic(
             hw,
@@ -245,8 +248,8 @@ def plan_layout(
             topk_ratio=training.topk_ratio,
             regathered_psi=psi - root_psi,
             accumulate=training.zero3_accumulate,
-            buckets=-(-psi * e // int(training.bucket_mb * 2**20)),  # the engine's buckets: one collective each
-            units=sum(len(r) for _, r in chunks),  # ZeRO-3 gathers (and reduces) each block apart
+            buckets=buckets,
+            units=units,
         )
         edp_axis = dp_axis if L.ep == 1 else AxisTraffic(edp, group_crosses_node(t * L.ep, edp, gpn))
         if epsi:  # expert gradients (and stage-3 gathers) on edp, hidden behind the same backward
@@ -270,7 +273,7 @@ def plan_layout(
         scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
         scalars_s += scalars_ep if epsi and not policy(L.zero).shards_optimizer else 0.0
         scalars_s = STEP_SCALARS.exposed(scalars_s, 0.0)
-        dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap) + scalars_s)
+        dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap, reductions) + scalars_s)
         if L.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
             optimizer_s = max(optimizer_s, C.optimizer_seconds(shard, work_hw))
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
@@ -427,16 +430,23 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, 
     return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis
 
 
-def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) -> float:
+def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool, reductions: int = 1) -> float:
     """DP seconds compute cannot hide, as :mod:`parallel.overlap`'s rows say: gradient reductions
     (``DP_REDUCTION``, with ``overlap``) under the backward — stages 0–1 the last micro-batch's,
     stages 2–3 every one's — sharing it with stage 3's backward gathers (``ZERO3_GATHER``,
     prefetched whatever ``overlap``); stage 3's forward gathers under the forward; the all-gather
-    after the optimizer step (``PARAM_GATHER_AFTER_STEP``) exposed."""
-    per_mb = exposed_sharing(
-        bwd, (DP_REDUCTION, dp["grad_per_mb"]), (ZERO3_GATHER, dp["param_bwd_per_mb"]), overlap=overlap
+    after the optimizer step (``PARAM_GATHER_AFTER_STEP``) exposed. The gradients are reduced as
+    ``reductions`` collectives (buckets; ZeRO-3's units), each launched when its last gradient is
+    ready: the last one's starts when backward ends, so at least that ``1/reductions`` share is
+    exposed whatever the overlap (one bucket: all of it)."""
+    last = 1.0 / max(1, reductions)
+    per_mb = max(
+        exposed_sharing(
+            bwd, (DP_REDUCTION, dp["grad_per_mb"]), (ZERO3_GATHER, dp["param_bwd_per_mb"]), overlap=overlap
+        ),
+        last * dp["grad_per_mb"],
     ) + ZERO3_GATHER.exposed(dp["param_fwd_per_mb"], fwd, overlap)
-    once = DP_REDUCTION.exposed(dp["grad_per_step"], bwd, overlap)
+    once = max(DP_REDUCTION.exposed(dp["grad_per_step"], bwd, overlap), last * dp["grad_per_step"])
     return m * per_mb + once + PARAM_GATHER_AFTER_STEP.exposed(dp["param_after_step"], 0.0, overlap)
 
 
