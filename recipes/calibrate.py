@@ -24,7 +24,10 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
   the quietest of five rounds' means, what many calls cost on a machine other jobs share);
 * **ranks sharing the host** (``colocated_slowdown``): the configured model's block forward + backward
   on one rank alone, then on k = 2…min(cores, N) ranks at once (the minimum over repeats, as above);
-  the slowdown per extra busy rank is the least-squares slope of ``t_k / t_1 − 1`` over ``k − 1``.
+  the slowdown per extra busy rank is the least-squares slope of ``t_k / t_1 − 1`` over ``k − 1``;
+* **how much compute hides** (``overlap_fraction``): on every rank, the block, an all-reduce of its
+  gradients, and the all-reduce launched asynchronously before the block; the share of the shorter
+  one the overlap saved (on a CPU whose cores all run ranks, gloo's copies compete with the compute).
 
 The profile (``hardware.json``, the :class:`~parallel.plan.Hardware` fields) and the raw measurements
 (``calibration.json``) go to the run directory.
@@ -181,7 +184,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
 #: seconds of compute before each collective when measuring its fixed cost (≈ a TP block's forward
 #: between its two all-reduces at the benchmark's size)
 COMPUTE_BEFORE_S = 1e-3
-COLLECTIVE_REPS, BLOCK_REPS = 10, 20
+COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS = 10, 20, 5
 
 
 def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
@@ -190,7 +193,7 @@ def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
 
     block = build_model(mc, layers=range(0, 1), has_embedding=False, has_head=False, device=device, dtype=dtype)
     x = torch.randn(micro_batch, mc.seq_len, mc.d_model, device=device, dtype=dtype, requires_grad=True)
-    return lambda: block(x).float().sum().backward()
+    return lambda: block(x).float().sum().backward(), sum(p.numel() for p in block.parameters())
 
 
 def _collectives_worker(
@@ -205,7 +208,9 @@ def _collectives_worker(
     """One spawned rank: all-reduces of ``SMALL`` and ``LARGE`` bytes in groups of the first n ranks
     (``torch.distributed`` directly: the ring's latency and bandwidth), a ``SMALL`` all-reduce through
     ``parallel.comm`` after ``COMPUTE_BEFORE_S`` of ``shape``'s GEMMs (the fixed host cost), and the
-    block of ``mc`` alone on rank 0 and on k = 2…``busy`` ranks at once (``colocated_slowdown``).
+    block of ``mc`` alone on rank 0 and on k = 2…``busy`` ranks at once (``colocated_slowdown``), and on
+    every rank the block, an all-reduce of its gradients, and that all-reduce launched (asynchronously)
+    before the block (``overlap_fraction``).
     Every rank issues the same barriers in the same order; only a group's members time."""
     import torch.distributed as dist
 
@@ -242,11 +247,24 @@ def _collectives_worker(
         dist.barrier()
         out["links"].append(row)
     if mc is not None:
-        step = _block_step(mc, micro_batch, DTYPES.get(precision, torch.float32), device)
+        step, numel = _block_step(mc, micro_batch, DTYPES.get(precision, torch.float32), device)
         for ranks_busy in range(1, busy + 1):  # rank 0 alone, then 2…busy ranks at once
             dist.barrier()
             if rank < ranks_busy:
                 out["block"].append({"k": ranks_busy, "s": _time(step, device=device, reps=BLOCK_REPS)})
+        dist.barrier()
+        grads = torch.ones(numel, device=device)  # one block's gradients, reduced over every rank (the last group)
+
+        def both():
+            work = comm.all_reduce(grads, group=group, async_op=True)
+            step()
+            work.wait()
+
+        out["overlap"] = {
+            "block_s": _quietest(step, device, OVERLAP_REPS),
+            "comm_s": _quietest(lambda: comm.all_reduce(grads, group=group), device, OVERLAP_REPS),
+            "both_s": _quietest(both, device, OVERLAP_REPS),
+        }
         dist.barrier()
     dist.destroy_process_group()
     return out
@@ -267,6 +285,16 @@ def fit_collective_overhead(rows: list[dict], latency_us: float) -> float:
     (each a quietest-round mean, :func:`_quietest`)."""
     extra = [r["after_compute_s"] - r["compute_s"] - 2 * (r["n"] - 1) * latency_us * 1e-6 for r in rows]
     return max(0.0, statistics.median(extra) * 1e6) if extra else 0.0
+
+
+def fit_overlap_fraction(row: dict | None) -> float:
+    """The share of an all-reduce that a block's forward + backward hides when the all-reduce is
+    launched first: ``(t_block + t_comm − t_both) / min(t_block, t_comm)``, clipped to [0, 1]; 1 when
+    nothing was measured (one rank)."""
+    if not row:
+        return 1.0
+    hidden = row["block_s"] + row["comm_s"] - row["both_s"]
+    return min(1.0, max(0.0, hidden / max(min(row["block_s"], row["comm_s"]), 1e-12)))
 
 
 def fit_colocated_slowdown(blocks: list[dict]) -> float:
@@ -324,6 +352,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "attention_efficiency": attention,
         "collective_overhead_us": fit_collective_overhead(links, latency_us),
         "colocated_slowdown": fit_colocated_slowdown(blocks),
+        "overlap_fraction": fit_overlap_fraction(per_rank[0].get("overlap") if per_rank else None),
     }
     fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
     fields["microbatch_overhead_us"], fields["step_overhead_us"] = host_overheads_us(rc, fields, device)
@@ -337,6 +366,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "gemm_low": rows16,
         "allreduce": links,
         "block_busy_ranks": blocks,
+        "overlap": per_rank[0].get("overlap") if per_rank else None,
         "ranks": n,
     }
     (out / "calibration.json").write_text(json.dumps(raw, indent=1))
@@ -357,6 +387,7 @@ def run_calibrate(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         f"memory {fields['hbm_gbps']:.1f} GB/s, all-reduce {fields['intra_node_gbps']:.2f} GB/s per rank, "
         f"latency {fields['latency_us']:.0f} µs + {fields['collective_overhead_us']:.0f} µs per collective, "
         f"slowdown {fields['colocated_slowdown']:.2f} per other busy rank, "
+        f"{fields['overlap_fraction']:.0%} of an overlapped all-reduce hidden, "
         f"fixed costs {fields['block_overhead_us']:.0f} µs per block, "
         f"{fields['microbatch_overhead_us']:.0f} µs per micro-batch, {fields['step_overhead_us']:.0f} µs per step"
         f"\nuse it: mode=plan plan.hardware={path}"

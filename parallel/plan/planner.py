@@ -273,7 +273,10 @@ def plan_layout(
         scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
         scalars_s += scalars_ep if epsi and not policy(L.zero).shards_optimizer else 0.0
         scalars_s = STEP_SCALARS.exposed(scalars_s, 0.0)
-        dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap, reductions) + scalars_s)
+        dp_exposed = max(
+            dp_exposed,
+            _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap, reductions, hw.overlap_fraction) + scalars_s,
+        )
         if L.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
             optimizer_s = max(optimizer_s, C.optimizer_seconds(shard, work_hw))
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
@@ -410,6 +413,7 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, 
         fwd += f_s + TP_COLLECTIVES.exposed(tf, n * layer.gemm) + cf + ef  # exposed: TP collectives block
         column = n * layer.column_gemm  # input-gradient matmuls hide the re-gathers, weight-gradient ones the scatters
         sp_b = TP_SP_BACKWARD.exposed(regather, column) + TP_SP_BACKWARD.exposed(scatter, column)
+        sp_b = partly_hidden(regather + scatter, sp_b, hw.overlap_fraction)
         bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb + eb
         flops_s += f_s + b_s
         acts.append(
@@ -430,7 +434,15 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, 
     return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis
 
 
-def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool, reductions: int = 1) -> float:
+def partly_hidden(comm_s: float, exposed_s: float, fraction: float) -> float:
+    """Seconds exposed when compute hides only ``fraction`` of what the overlap table hides
+    (``Hardware.overlap_fraction``): ``exposed + (1 − fraction)·(comm − exposed)``."""
+    return exposed_s + (1.0 - fraction) * max(0.0, comm_s - exposed_s)
+
+
+def _exposed_dp_time(
+    dp: dict, m: int, fwd: float, bwd: float, overlap: bool, reductions: int = 1, fraction: float = 1.0
+) -> float:
     """DP seconds compute cannot hide, as :mod:`parallel.overlap`'s rows say: gradient reductions
     (``DP_REDUCTION``, with ``overlap``) under the backward — stages 0–1 the last micro-batch's,
     stages 2–3 every one's — sharing it with stage 3's backward gathers (``ZERO3_GATHER``,
@@ -438,7 +450,8 @@ def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool, re
     after the optimizer step (``PARAM_GATHER_AFTER_STEP``) exposed. The gradients are reduced as
     ``reductions`` collectives (buckets; ZeRO-3's units), each launched when its last gradient is
     ready: the last one's starts when backward ends, so at least that ``1/reductions`` share is
-    exposed whatever the overlap (one bucket: all of it)."""
+    exposed whatever the overlap (one bucket: all of it). Compute hides only ``fraction`` of the rest
+    (:func:`partly_hidden`)."""
     last = 1.0 / max(1, reductions)
     per_mb = max(
         exposed_sharing(
@@ -446,7 +459,9 @@ def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool, re
         ),
         last * dp["grad_per_mb"],
     ) + ZERO3_GATHER.exposed(dp["param_fwd_per_mb"], fwd, overlap)
+    per_mb = partly_hidden(dp["grad_per_mb"] + dp["param_bwd_per_mb"] + dp["param_fwd_per_mb"], per_mb, fraction)
     once = max(DP_REDUCTION.exposed(dp["grad_per_step"], bwd, overlap), last * dp["grad_per_step"])
+    once = partly_hidden(dp["grad_per_step"], once, fraction)
     return m * per_mb + once + PARAM_GATHER_AFTER_STEP.exposed(dp["param_after_step"], 0.0, overlap)
 
 
