@@ -19,9 +19,10 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
 * **a collective's fixed host cost** (``collective_overhead_us``): training issues a blocking
   collective right after compute (TP's per block, the step's scalars, pipeline receives), not in a
   tight loop: the rank that arrives first sleeps and is woken, and ``parallel.comm`` adds its Python.
-  Measured on the same ranks: ≈ 1 ms of the model's GEMMs followed by a 4 KiB
-  ``parallel.comm.all_reduce``, less the GEMMs alone and the ring's fitted latency steps (collectives:
-  the quietest of five rounds' means, what many calls cost on a machine other jobs share);
+  Measured on the same ranks: the configured block's forward + backward followed by a 4 KiB
+  ``parallel.comm.all_reduce``, less the block alone and the ring's fitted latency steps (the median
+  of five rounds' means: the cost includes the ranks' arrival skew, which the luckiest round hides;
+  the ring's latency and bandwidth are the quietest round's, what other jobs disturbed least);
 * **ranks sharing the host** (``colocated_slowdown``): the configured model's block forward + backward
   on one rank alone, then on k = 2…min(cores, N) ranks at once (the minimum over repeats, as above);
   the slowdown per extra busy rank is the least-squares slope of ``t_k / t_1 − 1`` over ``k − 1``;
@@ -80,6 +81,12 @@ def _quietest(fn, device: torch.device, reps: int) -> float:
     hot, ≈ 1 ms when one has to be woken), the quietest round the one other jobs on a shared machine
     disturbed least. A fixed count: every member of a group calls it equally often."""
     return min(_time(fn, device=device, reps=reps, stat=statistics.mean) for _ in range(ROUNDS))
+
+
+def _typical(fn, device: torch.device, reps: int) -> float:
+    """The median of :data:`ROUNDS` rounds' mean seconds of ``reps`` calls of ``fn`` (a fixed count):
+    for costs that depend on the ranks' arrival skew, where the quietest round would be the luckiest."""
+    return statistics.median(_time(fn, device=device, reps=reps, stat=statistics.mean) for _ in range(ROUNDS))
 
 
 def model_gemms(rc: RecipeConfig) -> list[tuple[int, int, int]]:
@@ -184,7 +191,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
 #: seconds of compute before each collective when measuring its fixed cost (≈ a TP block's forward
 #: between its two all-reduces at the benchmark's size)
 COMPUTE_BEFORE_S = 1e-3
-COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS = 10, 20, 5
+COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS = 8, 20, 5
 
 
 def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
@@ -207,7 +214,8 @@ def _collectives_worker(
 ) -> dict:
     """One spawned rank: all-reduces of ``SMALL`` and ``LARGE`` bytes in groups of the first n ranks
     (``torch.distributed`` directly: the ring's latency and bandwidth), a ``SMALL`` all-reduce through
-    ``parallel.comm`` after ``COMPUTE_BEFORE_S`` of ``shape``'s GEMMs (the fixed host cost), and the
+    ``parallel.comm`` after the block of ``mc`` (``COMPUTE_BEFORE_S`` of ``shape``'s GEMMs without one: the
+    fixed host cost), and the
     block of ``mc`` alone on rank 0 and on k = 2…``busy`` ranks at once (``colocated_slowdown``), and on
     every rank the block, an all-reduce of its gradients, and that all-reduce launched (asynchronously)
     before the block (``overlap_fraction``).
@@ -225,9 +233,12 @@ def _collectives_worker(
     one = _time(lambda: a @ b, device=device)
     repeats = max(1, round(COMPUTE_BEFORE_S / max(one, 1e-9)))
 
-    def compute():
+    def gemms():
         for _ in range(repeats):
             a @ b
+
+    block = _block_step(mc, micro_batch, DTYPES.get(precision, torch.float32), device) if mc is not None else None
+    compute = block[0] if block else gemms  # what a step computes between its blocking collectives
 
     out: dict = {"links": [], "block": []}
     for n in sizes:
@@ -242,12 +253,12 @@ def _collectives_worker(
         x = torch.ones(SMALL // 4, device=device)
         if rank < n:
             after = lambda: (compute(), comm.all_reduce(x, group=group))  # noqa: B023, E731
-            row["compute_s"] = _quietest(compute, device, COLLECTIVE_REPS)
-            row["after_compute_s"] = _quietest(after, device, COLLECTIVE_REPS)
+            row["compute_s"] = _typical(compute, device, COLLECTIVE_REPS)
+            row["after_compute_s"] = _typical(after, device, COLLECTIVE_REPS)
         dist.barrier()
         out["links"].append(row)
     if mc is not None:
-        step, numel = _block_step(mc, micro_batch, DTYPES.get(precision, torch.float32), device)
+        step, numel = block
         for ranks_busy in range(1, busy + 1):  # rank 0 alone, then 2…busy ranks at once
             dist.barrier()
             if rank < ranks_busy:
