@@ -19,14 +19,10 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
 * **a collective's fixed host cost** (``collective_overhead_us``): training issues a blocking
   collective right after compute (TP's per block, the step's scalars, pipeline receives), not in a
   tight loop: the rank that arrives first sleeps and is woken, and ``parallel.comm`` adds its Python.
-  Measured on the same ranks: ≈ 1 ms of the model's GEMMs, and the configured block's forward +
-  backward, each followed by a 4 KiB ``parallel.comm.all_reduce``, less the compute alone (the median
+  Measured on the same ranks: the configured block's forward + backward followed by a 4 KiB
+  ``parallel.comm.all_reduce``, less the block alone and the ring's fitted latency steps (the median
   of five rounds' means: the cost includes the ranks' arrival skew, which the luckiest round hides;
   the ring's latency and bandwidth are the quietest round's, what other jobs disturbed least);
-* **ranks waiting for each other** (``sync_skew``): that cost grows with the compute before the
-  collective (the ranks' compute jitters, and the first to arrive waits for the last): the line
-  ``fixed + sync_skew · compute`` through the two measurements gives both; ``fixed`` less the ring's
-  latency steps is ``collective_overhead_us``;
 * **ranks sharing the host** (``colocated_slowdown``): the configured model's block forward + backward
   on one rank alone, then on k = 2…min(cores, N) ranks at once (the minimum over repeats, as above);
   the slowdown per extra busy rank is the least-squares slope of ``t_k / t_1 − 1`` over ``k − 1``;
@@ -255,11 +251,10 @@ def _collectives_worker(
                 row[name] = _quietest(fn, device, reps)
             dist.barrier()
         x = torch.ones(SMALL // 4, device=device)
-        if rank < n:  # after two computes of different length: fixed cost and skew apart
-            for name, work in (("gemm", gemms), ("compute", compute)):
-                after = lambda w=work: (w(), comm.all_reduce(x, group=group))  # noqa: B023, E731
-                row[f"{name}_s"] = _typical(work, device, COLLECTIVE_REPS)
-                row[f"after_{name}_s"] = _typical(after, device, COLLECTIVE_REPS)
+        if rank < n:
+            after = lambda: (compute(), comm.all_reduce(x, group=group))  # noqa: B023, E731
+            row["compute_s"] = _typical(compute, device, COLLECTIVE_REPS)
+            row["after_compute_s"] = _typical(after, device, COLLECTIVE_REPS)
         dist.barrier()
         out["links"].append(row)
     if mc is not None:
@@ -295,20 +290,12 @@ def fit_links(rows: list[dict]) -> tuple[float, float]:
     return statistics.median(bw) / 1e9, statistics.median(lat) * 1e6
 
 
-def fit_collective_cost(rows: list[dict], latency_us: float) -> tuple[float, float]:
-    """(``collective_overhead_us``, ``sync_skew``): a ``parallel.comm`` collective issued after ``c``
-    seconds of compute costs ``fixed + sync_skew · c`` beyond the compute, fitted through the two
-    computes each row measured (``gemm_s`` ≈ 1 ms, ``compute_s``: the block); the overhead is ``fixed``
-    less the ring's ``2(n−1)·latency``. Medians over group sizes, both ≥ 0."""
-    if not rows:
-        return 0.0, 0.0
-    skews, fixed = [], []
-    for r in rows:
-        short, long = r["after_gemm_s"] - r["gemm_s"], r["after_compute_s"] - r["compute_s"]
-        skew = max(0.0, (long - short) / (r["compute_s"] - r["gemm_s"])) if r["compute_s"] > r["gemm_s"] else 0.0
-        skews.append(skew)
-        fixed.append(short - skew * r["gemm_s"] - 2 * (r["n"] - 1) * latency_us * 1e-6)
-    return max(0.0, statistics.median(fixed) * 1e6), statistics.median(skews)
+def fit_collective_overhead(rows: list[dict], latency_us: float) -> float:
+    """Microseconds a ``parallel.comm`` collective issued after compute takes beyond its ring latency
+    steps: the median over group sizes of ``after_compute_s − compute_s − 2(n−1)·latency``, ≥ 0
+    (each a quietest-round mean, :func:`_quietest`)."""
+    extra = [r["after_compute_s"] - r["compute_s"] - 2 * (r["n"] - 1) * latency_us * 1e-6 for r in rows]
+    return max(0.0, statistics.median(extra) * 1e6) if extra else 0.0
 
 
 def fit_overlap_fraction(row: dict | None) -> float:
@@ -374,7 +361,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "latency_us": latency_us,
         "hbm_gbps": hbm / 1e9,
         "attention_efficiency": attention,
-        **dict(zip(("collective_overhead_us", "sync_skew"), fit_collective_cost(links, latency_us))),
+        "collective_overhead_us": fit_collective_overhead(links, latency_us),
         "colocated_slowdown": fit_colocated_slowdown(blocks),
         "overlap_fraction": fit_overlap_fraction(per_rank[0].get("overlap") if per_rank else None),
     }
@@ -412,7 +399,6 @@ def run_calibrate(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         f"latency {fields['latency_us']:.0f} µs + {fields['collective_overhead_us']:.0f} µs per collective, "
         f"slowdown {fields['colocated_slowdown']:.2f} per other busy rank, "
         f"{fields['overlap_fraction']:.0%} of an overlapped all-reduce hidden, "
-        f"ranks wait {fields['sync_skew']:.2f} s per s of compute between collectives, "
         f"fixed costs {fields['block_overhead_us']:.0f} µs per block, "
         f"{fields['microbatch_overhead_us']:.0f} µs per micro-batch, {fields['step_overhead_us']:.0f} µs per step"
         f"\nuse it: mode=plan plan.hardware={path}"

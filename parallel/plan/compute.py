@@ -27,16 +27,13 @@ Three kinds of work, each timed by what limits it on the given :class:`~.hardwar
 Costs ``forward`` and ``backward`` per layer and for the head feed the pipeline model; the
 optimizer step (memory-bound, :func:`optimizer_seconds`) follows backward.
 
-**Ranks sharing a host, ranks waiting for each other** (:func:`colocated`): every rank of a host
-computes at once, and where the ranks share the hardware they compute on (a CPU's cores share memory
-bandwidth, last-level cache and the package's clock budget) each runs slower than it would alone; and
-ranks that meet at collectives wait for the slowest, by ``sync_skew`` seconds per second of compute
-between meetings (every compute segment of a multi-rank step ends in one: TP's collectives, DP's
-reduction, pipeline messages). The planner times all of the above with the profile :func:`colocated`
-returns for the ranks one host runs at once (``k = min(world size, gpus_per_node)``) and the world:
-rates divided and fixed host costs multiplied by ``(1 + colocated_slowdown · (k − 1)) · (1 + sync_skew)``
-(the last factor only when the world has more than one rank). Both 0 on the GPU profiles;
-``mode=calibrate`` measures them.
+**Ranks sharing a host** (:func:`colocated`): every rank of a host computes at once, and where the
+ranks share the hardware they compute on (a CPU's cores share memory bandwidth, last-level cache and
+the package's clock budget) each runs slower than it would alone. The planner times all of the above
+with the profile :func:`colocated` returns for the ranks one host runs at once
+(``min(world size, gpus_per_node)``): rates divided and fixed host costs multiplied by
+``1 + colocated_slowdown · (k − 1)``. 0 on the GPU profiles (one device per rank); ``mode=calibrate``
+measures it by running the configured model's block on 1 and on k ranks at once.
 """
 
 from __future__ import annotations
@@ -137,20 +134,17 @@ def optimizer_seconds(params_per_rank: float, hw: Hardware) -> float:
     return ADAMW_BYTES_PER_PARAM * params_per_rank / hw.hbm_bytes_per_s
 
 
-def colocated_factor(hw: Hardware, ranks_on_host: int, world: int = 1) -> float:
-    """How much slower a busy rank's step computes when ``ranks_on_host`` ranks of one host compute at
-    once and ``world`` ranks meet at collectives: ``(1 + colocated_slowdown · (k − 1)) · (1 + sync_skew)``,
-    the last factor only for ``world > 1``; 1 for a single process (module docstring)."""
-    skew = 1.0 + hw.sync_skew if world > 1 else 1.0
-    return (1.0 + hw.colocated_slowdown * max(0, ranks_on_host - 1)) * skew
+def colocated_factor(hw: Hardware, ranks_on_host: int) -> float:
+    """How much slower a busy rank computes when ``ranks_on_host`` ranks of one host compute at once:
+    ``1 + colocated_slowdown · (k − 1)``; 1 for one rank per host (module docstring)."""
+    return 1.0 + hw.colocated_slowdown * max(0, ranks_on_host - 1)
 
 
-def colocated(hw: Hardware, ranks_on_host: int, world: int = 1) -> Hardware:
-    """``hw`` as each of ``ranks_on_host`` ranks busy at once on one host, in a world of ``world``
-    ranks, sees it: peak FLOP/s and memory bandwidth divided by :func:`colocated_factor`, the fixed host
-    costs per block, micro-batch and step multiplied by it (communication unchanged: its calibration
-    ran on every rank at once)."""
-    f = colocated_factor(hw, ranks_on_host, world)
+def colocated(hw: Hardware, ranks_on_host: int) -> Hardware:
+    """``hw`` as each of ``ranks_on_host`` ranks busy at once on one host sees it: peak FLOP/s and
+    memory bandwidth divided by :func:`colocated_factor`, the fixed host costs per block, micro-batch
+    and step multiplied by it (communication unchanged: its calibration ran on every rank at once)."""
+    f = colocated_factor(hw, ranks_on_host)
     if f == 1.0:
         return hw
     return hw.replace(

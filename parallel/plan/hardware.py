@@ -40,7 +40,6 @@ _RANGES = {
     "collective_overhead_us": (0.0, True, math.inf),
     "colocated_slowdown": (0.0, True, math.inf),
     "overlap_fraction": (0.0, True, 1.0),
-    "sync_skew": (0.0, True, math.inf),
 }
 
 
@@ -82,7 +81,6 @@ class Hardware:
     collective_overhead_us: float = 0.0  # per collective or p2p message issued, beyond latency_us and bandwidth
     colocated_slowdown: float = 0.0  # a busy rank's slowdown per other busy rank on its host (plan.compute.colocated)
     overlap_fraction: float = 1.0  # of the communication parallel.overlap hides behind compute, the share really hidden
-    sync_skew: float = 0.0  # seconds ranks wait for the slowest per second of compute between their collectives
     host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
 
@@ -132,12 +130,7 @@ class Hardware:
 # ``parallel.overlap`` calls hidden is hidden, up to the compute it hides behind); on a CPU whose cores
 # all run ranks, an asynchronous gloo collective's copies and reductions run on the same cores as the
 # compute, and ``mode=calibrate`` measures the share an all-reduce launched before a block's forward +
-# backward really hides (≈ 0–0.3 with 2 ranks on 2 cores). ``sync_skew``: 0 on the GPU profiles (kernel
-# times repeat to well under 1 %, and the Narayanan rows fit without it); on a CPU the ranks' compute
-# jitters (timer interrupts, the scheduler, cache misses), so ranks that meet at every collective wait
-# for the slowest by a time that grows with the compute between meetings: ``mode=calibrate`` fits
-# ``fixed + sync_skew · compute`` to a collective's cost after two computes of different length (≈ 0.4
-# on this VM). For the CPU profile, or any machine,
+# backward really hides (≈ 0.1–0.3 with 2 ranks on 2 cores). For the CPU profile, or any machine,
 # ``mode=calibrate`` measures them all.
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312

@@ -192,7 +192,7 @@ def plan_layout(
     gpn = hw.gpus_per_node
     # compute as each rank sees it with the host's other ranks busy too (0 slowdown on GPU profiles)
     colocated = min(layout.world_size, gpn)
-    work_hw = C.colocated(hw, colocated, layout.world_size)
+    work_hw = C.colocated(hw, colocated)
     peak_flops = work_hw.peak_flops(training.precision) * work_hw.efficiency  # large GEMMs: cp's ring overlap (plan.cp)
     stage_info, alike = [], {}  # stages with the same chunk shapes share their numbers
     for s in range(pp):
@@ -345,7 +345,7 @@ def plan_layout(
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer_s,
         "step_overhead_s": overhead_s,
-        "colocated_factor": C.colocated_factor(hw, colocated, layout.world_size),
+        "colocated_factor": C.colocated_factor(hw, colocated),
         "offload_s": offload_exposed,
         "tokens_per_s": tokens_step / step_time,
         "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),

@@ -8,7 +8,7 @@ from parallel.plan import PlanError, hardware_profile
 from recipes.calibrate import (
     LARGE,
     calibrate,
-    fit_collective_cost,
+    fit_collective_overhead,
     fit_colocated_slowdown,
     fit_links,
     fit_overlap_fraction,
@@ -27,8 +27,7 @@ def test_calibrated_profile_round_trips_and_plans(tmp_path):
     assert fields["peak_tflops_32"] > 0 and fields["hbm_gbps"] > 0 and 0 < fields["attention_efficiency"] <= 1
     assert fields["microbatch_overhead_us"] >= 0 and fields["step_overhead_us"] >= 0  # measured, in the file
     # one rank: nothing shares the host or the collectives, and the file says so
-    host = ("collective_overhead_us", "sync_skew", "colocated_slowdown", "overlap_fraction")
-    assert tuple(fields[k] for k in host) == (0, 0, 0, 1)
+    assert (fields["collective_overhead_us"], fields["colocated_slowdown"], fields["overlap_fraction"]) == (0, 0, 1)
     plan = plan_from_config(scenario_config(TINY + [f"plan.hardware={path}"]))
     assert plan.step["step_time_s"] > 0
     json.loads((tmp_path / "calibration.json").read_text())["gemm_fp32"]  # the raw measurements are kept
@@ -95,16 +94,10 @@ def test_fixed_host_costs_round_trip_and_enter_the_step_as_documented(tmp_path):
 
 
 def test_host_term_fits_invert_their_models():
-    lat, fixed, skew = 100.0, 700e-6, 0.4  # µs per ring step; a collective costs fixed + ring + skew · compute
-
-    def row(n):
-        cost = lambda c: c + fixed + 2 * (n - 1) * lat * 1e-6 + skew * c  # noqa: E731
-        return {"n": n, "gemm_s": 1e-3, "after_gemm_s": cost(1e-3), "compute_s": 4e-3, "after_compute_s": cost(4e-3)}
-
-    overhead, fitted = fit_collective_cost([row(2), row(3)], lat)
-    assert overhead == pytest.approx(700.0) and fitted == pytest.approx(skew)
-    assert fit_collective_cost([row(2)], 1e6)[0] == 0.0  # never negative
-    assert fit_collective_cost([], lat) == (0.0, 0.0)
+    lat = 100.0  # µs per ring step
+    rows = [{"n": n, "compute_s": 1e-3, "after_compute_s": 1e-3 + 2 * (n - 1) * lat * 1e-6 + 700e-6} for n in (2, 3)]
+    assert fit_collective_overhead(rows, lat) == pytest.approx(700.0)
+    assert fit_collective_overhead(rows, 1e6) == 0.0  # never negative
     blocks = [{"k": 1, "s": 2.0}] + [{"k": k, "s": 2.0 * (1 + 0.25 * (k - 1))} for k in (2, 2, 3, 3, 3)]
     assert fit_colocated_slowdown(blocks) == pytest.approx(0.25)
     assert fit_colocated_slowdown([{"k": 1, "s": 2.0}]) == 0.0
@@ -113,7 +106,7 @@ def test_host_term_fits_invert_their_models():
     assert fit_overlap_fraction(None) == 1.0
 
 
-@pytest.mark.parametrize("field", ["collective_overhead_us", "sync_skew", "colocated_slowdown", "overlap_fraction"])
+@pytest.mark.parametrize("field", ["collective_overhead_us", "colocated_slowdown", "overlap_fraction"])
 def test_host_terms_round_trip_through_the_profile_file_and_bad_ones_are_refused(tmp_path, field):
     good = dict(hardware_profile("cpu").__dict__)
     del good["name"]

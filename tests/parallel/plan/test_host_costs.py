@@ -1,7 +1,6 @@
 """The hardware profile's host-side terms enter the plan exactly as documented: a fixed cost per
 collective call (``collective_overhead_us``), the busy-rank slowdown of ranks sharing a host
-(``colocated_slowdown``), the wait for the slowest rank (``sync_skew``), the share of overlapped
-communication really hidden (``overlap_fraction``),
+(``colocated_slowdown``), the share of overlapped communication really hidden (``overlap_fraction``),
 and the last gradient bucket's reduction after backward. Pure: no process is started."""
 
 import dataclasses
@@ -64,16 +63,6 @@ def test_ranks_sharing_a_host_compute_slower_by_the_calibrated_factor():
     assert together.hardware["peak_tflops_32"] == shared.peak_tflops_32  # the plan records the profile as given
 
 
-def test_ranks_that_meet_wait_for_the_slowest_in_proportion_to_compute():
-    skewed = dataclasses.replace(HW, sync_skew=0.4)
-    single, alone = _plan(Layout(), skewed), _plan(Layout(), HW)
-    assert single.ranks[0].compute_s == pytest.approx(alone.ranks[0].compute_s, rel=1e-12)  # nobody to wait for
-    plain, waiting = _plan(Layout(dp=2), HW), _plan(Layout(dp=2), skewed)
-    assert waiting.ranks[0].compute_s == pytest.approx(1.4 * plain.ranks[0].compute_s, rel=1e-9)
-    both = dataclasses.replace(skewed, gpus_per_node=2, colocated_slowdown=0.5)
-    assert colocated_factor(both, 2, world=2) == pytest.approx(1.5 * 1.4)
-
-
 def test_overlap_fraction_zero_exposes_what_overlap_would_hide():
     slow = dataclasses.replace(HW, intra_node_gbps=0.01, inter_node_gbps=0.01, gpus_per_node=8)
     kw = dict(bucket_mb=0.01)  # many buckets: with full hiding most of the reduction is hidden
@@ -90,8 +79,6 @@ def test_overlap_fraction_zero_exposes_what_overlap_would_hide():
         ("collective_overhead_us", -1.0),
         ("collective_overhead_us", float("nan")),
         ("colocated_slowdown", -0.1),
-        ("sync_skew", -0.5),
-        ("sync_skew", float("nan")),
         ("colocated_slowdown", float("inf")),
         ("overlap_fraction", 1.5),
         ("overlap_fraction", float("nan")),
