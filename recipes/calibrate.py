@@ -19,10 +19,10 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
 * **a collective's fixed host cost** (``collective_overhead_us``): training issues a blocking
   collective right after compute (TP's per block, the step's scalars, pipeline receives), not in a
   tight loop: the rank that arrives first sleeps and is woken, and ``parallel.comm`` adds its Python.
-  Measured on the same ranks: the configured block's forward + backward followed by a 4 KiB
-  ``parallel.comm.all_reduce``, less the block alone and the ring's fitted latency steps (the median
-  of five rounds' means: the cost includes the ranks' arrival skew, which the luckiest round hides;
-  the ring's latency and bandwidth are the quietest round's, what other jobs disturbed least);
+  Measured on the same ranks: ≈ 1 ms of the model's GEMMs (:data:`COMPUTE_BEFORE_S`) followed by a
+  4 KiB ``parallel.comm.all_reduce``, less the GEMMs alone and the ring's fitted latency steps (the
+  median of five rounds' means: the cost includes the ranks' arrival skew, which the luckiest round
+  hides; the ring's latency and bandwidth are the quietest round's, what other jobs disturbed least);
 * **ranks sharing the host** (``colocated_slowdown``): the configured model's block forward + backward
   on one rank alone, then on k = 2…min(cores, N) ranks at once (the minimum over repeats, as above);
   the slowdown per extra busy rank is the least-squares slope of ``t_k / t_1 − 1`` over ``k − 1``;
@@ -188,8 +188,10 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     return max(0.0, sec_mb - work) * 1e6, max(0.0, sec_step - opt_work) * 1e6
 
 
-#: seconds of compute before each collective when measuring its fixed cost (≈ a TP block's forward
-#: between its two all-reduces at the benchmark's size)
+#: seconds of compute before each collective when measuring its fixed cost: ≈ the compute between a
+#: TP block's collectives at the benchmark's size. The cost grows with it (the ranks' compute jitters
+#: and the first to arrive waits for the last): ≈ 1.5 ms after 1 ms, 1.2–3.3 ms after a 3 ms block on
+#: the 2-core VM this was written on, too noisy to fit a slope from (docs/planner.md)
 COMPUTE_BEFORE_S = 1e-3
 COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS = 20, 20, 10
 
@@ -214,8 +216,7 @@ def _collectives_worker(
 ) -> dict:
     """One spawned rank: all-reduces of ``SMALL`` and ``LARGE`` bytes in groups of the first n ranks
     (``torch.distributed`` directly: the ring's latency and bandwidth), a ``SMALL`` all-reduce through
-    ``parallel.comm`` after the block of ``mc`` (``COMPUTE_BEFORE_S`` of ``shape``'s GEMMs without one: the
-    fixed host cost), and the
+    ``parallel.comm`` after ``COMPUTE_BEFORE_S`` of ``shape``'s GEMMs (the fixed host cost), and the
     block of ``mc`` alone on rank 0 and on k = 2…``busy`` ranks at once (``colocated_slowdown``), and on
     every rank the block, an all-reduce of its gradients, and that all-reduce launched (asynchronously)
     before the block (``overlap_fraction``).
@@ -238,7 +239,6 @@ def _collectives_worker(
             a @ b
 
     block = _block_step(mc, micro_batch, DTYPES.get(precision, torch.float32), device) if mc is not None else None
-    compute = block[0] if block else gemms  # what a step computes between its blocking collectives
 
     out: dict = {"links": [], "block": []}
     for n in sizes:
@@ -252,8 +252,8 @@ def _collectives_worker(
             dist.barrier()
         x = torch.ones(SMALL // 4, device=device)
         if rank < n:
-            after = lambda: (compute(), comm.all_reduce(x, group=group))  # noqa: B023, E731
-            row["compute_s"] = _typical(compute, device, COLLECTIVE_REPS)
+            after = lambda: (gemms(), comm.all_reduce(x, group=group))  # noqa: B023, E731
+            row["compute_s"] = _typical(gemms, device, COLLECTIVE_REPS)
             row["after_compute_s"] = _typical(after, device, COLLECTIVE_REPS)
         dist.barrier()
         out["links"].append(row)
