@@ -15,7 +15,20 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
 * **memory bandwidth**: a copy of a 64 MiB tensor (read + write);
 * **collectives**: all-reduces of 4 KiB (latency) and 8 MiB (bandwidth) over groups of 2…N ranks
   spawned with the recipe's launcher (``launch.local``) on the default backend, fitted to the
-  planner's ring model ``2(n−1)/n·B/bw + 2(n−1)·latency``.
+  planner's ring model ``2(n−1)/n·B/bw + 2(n−1)·latency``;
+* **a collective's fixed host cost** (``collective_overhead_us``): training issues a blocking
+  collective right after compute (TP's per block, the step's scalars, pipeline receives), not in a
+  tight loop: the rank that arrives first sleeps and is woken, and ``parallel.comm`` adds its Python.
+  Measured on the same ranks: ≈ 1 ms of the model's GEMMs (:data:`COMPUTE_BEFORE_S`) followed by a
+  4 KiB ``parallel.comm.all_reduce``, less the GEMMs alone and the ring's fitted latency steps (the
+  median of five rounds' means: the cost includes the ranks' arrival skew, which the luckiest round
+  hides; the ring's latency and bandwidth are the quietest round's, what other jobs disturbed least);
+* **ranks sharing the host** (``colocated_slowdown``): the configured model's block forward + backward
+  on one rank alone, then on k = 2…min(cores, N) ranks at once (the minimum over repeats, as above);
+  the slowdown per extra busy rank is the least-squares slope of ``t_k / t_1 − 1`` over ``k − 1``;
+* **how much compute hides** (``overlap_fraction``): on every rank, the block, an all-reduce of its
+  gradients, and the all-reduce launched asynchronously before the block; the share of the shorter
+  one the overlap saved (on a CPU whose cores all run ranks, gloo's copies compete with the compute).
 
 The profile (``hardware.json``, the :class:`~parallel.plan.Hardware` fields) and the raw measurements
 (``calibration.json``) go to the run directory.
@@ -56,6 +69,24 @@ def _time(fn, min_s: float = 0.1, device: torch.device | None = None, reps: int 
         sync()
         times.append(time.perf_counter() - t0)
     return stat(times)
+
+
+#: collectives are timed in this many rounds of fixed repeats; the quietest round's mean counts
+ROUNDS = 5
+
+
+def _quietest(fn, device: torch.device, reps: int) -> float:
+    """The lowest of :data:`ROUNDS` rounds' mean seconds of ``reps`` calls of ``fn``: the mean is what a
+    step issuing many such calls pays (a collective's cost is bimodal: fast when both ranks arrive
+    hot, ≈ 1 ms when one has to be woken), the quietest round the one other jobs on a shared machine
+    disturbed least. A fixed count: every member of a group calls it equally often."""
+    return min(_time(fn, device=device, reps=reps, stat=statistics.mean) for _ in range(ROUNDS))
+
+
+def _typical(fn, device: torch.device, reps: int) -> float:
+    """The median of :data:`ROUNDS` rounds' mean seconds of ``reps`` calls of ``fn`` (a fixed count):
+    for costs that depend on the ranks' arrival skew, where the quietest round would be the luckiest."""
+    return statistics.median(_time(fn, device=device, reps=reps, stat=statistics.mean) for _ in range(ROUNDS))
 
 
 def model_gemms(rc: RecipeConfig) -> list[tuple[int, int, int]]:
@@ -157,26 +188,95 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     return max(0.0, sec_mb - work) * 1e6, max(0.0, sec_step - opt_work) * 1e6
 
 
-def _collectives_worker(sizes: tuple[int, ...], threads: int) -> list[dict]:
-    """One spawned rank: all-reduces of ``SMALL`` and ``LARGE`` bytes in groups of the first n ranks."""
+#: seconds of compute before each collective when measuring its fixed cost: ≈ the compute between a
+#: TP block's collectives at the benchmark's size. The cost grows with it (the ranks' compute jitters
+#: and the first to arrive waits for the last): ≈ 1.5 ms after 1 ms, 1.2–3.3 ms after a 3 ms block on
+#: the 2-core VM this was written on, too noisy to fit a slope from (docs/planner.md)
+COMPUTE_BEFORE_S = 1e-3
+COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS = 20, 20, 10
+
+
+def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
+    """A function running one forward + backward of the configured model's first block."""
+    from models.transformer import build_model
+
+    block = build_model(mc, layers=range(0, 1), has_embedding=False, has_head=False, device=device, dtype=dtype)
+    x = torch.randn(micro_batch, mc.seq_len, mc.d_model, device=device, dtype=dtype, requires_grad=True)
+    return lambda: block(x).float().sum().backward(), sum(p.numel() for p in block.parameters())
+
+
+def _collectives_worker(
+    sizes: tuple[int, ...],
+    threads: int,
+    shape: tuple[int, int, int],
+    mc=None,
+    micro_batch: int = 1,
+    busy: int = 1,
+    precision: str = "fp32",
+) -> dict:
+    """One spawned rank: all-reduces of ``SMALL`` and ``LARGE`` bytes in groups of the first n ranks
+    (``torch.distributed`` directly: the ring's latency and bandwidth), a ``SMALL`` all-reduce through
+    ``parallel.comm`` after ``COMPUTE_BEFORE_S`` of ``shape``'s GEMMs (the fixed host cost), and the
+    block of ``mc`` alone on rank 0 and on k = 2…``busy`` ranks at once (``colocated_slowdown``), and on
+    every rank the block, an all-reduce of its gradients, and that all-reduce launched (asynchronously)
+    before the block (``overlap_fraction``).
+    Every rank issues the same barriers in the same order; only a group's members time."""
     import torch.distributed as dist
 
+    from parallel import comm
     from parallel.groups import default_device, init_distributed
 
     torch.set_num_threads(threads)
     rank, world = init_distributed(timeout_s=120)
     device = default_device(dist.get_backend(), int(os.environ.get("LOCAL_RANK", "0")))
-    out = []
+    m, k, n_ = shape
+    a, b = torch.randn(m, k, device=device), torch.randn(k, n_, device=device)
+    one = _time(lambda: a @ b, device=device)
+    repeats = max(1, round(COMPUTE_BEFORE_S / max(one, 1e-9)))
+
+    def gemms():
+        for _ in range(repeats):
+            a @ b
+
+    block = _block_step(mc, micro_batch, DTYPES.get(precision, torch.float32), device) if mc is not None else None
+
+    out: dict = {"links": [], "block": []}
     for n in sizes:
         group = dist.new_group(list(range(n)))  # every rank creates every group, in the same order
         row = {"n": n}
-        for name, nbytes, reps in (("small_s", SMALL, 20), ("large_s", LARGE, 5)):
+        for name, nbytes, reps in (("small_s", SMALL, 10), ("large_s", LARGE, 3)):
             x = torch.ones(nbytes // 4, device=device)
             if rank < n:  # a fixed count: the group's members issue the same collectives
                 fn = lambda: dist.all_reduce(x, group=group)  # noqa: B023, E731
-                row[name] = _time(fn, device=device, reps=reps, stat=statistics.median)
+                row[name] = _quietest(fn, device, reps)
             dist.barrier()
-        out.append(row)
+        x = torch.ones(SMALL // 4, device=device)
+        if rank < n:
+            after = lambda: (gemms(), comm.all_reduce(x, group=group))  # noqa: B023, E731
+            row["compute_s"] = _typical(gemms, device, COLLECTIVE_REPS)
+            row["after_compute_s"] = _typical(after, device, COLLECTIVE_REPS)
+        dist.barrier()
+        out["links"].append(row)
+    if mc is not None:
+        step, numel = block
+        for ranks_busy in range(1, busy + 1):  # rank 0 alone, then 2…busy ranks at once
+            dist.barrier()
+            if rank < ranks_busy:
+                out["block"].append({"k": ranks_busy, "s": _time(step, device=device, reps=BLOCK_REPS)})
+        dist.barrier()
+        grads = torch.ones(numel, device=device)  # one block's gradients, reduced over every rank (the last group)
+
+        def both():
+            work = comm.all_reduce(grads, group=group, async_op=True)
+            step()
+            work.wait()
+
+        out["overlap"] = {
+            "block_s": _typical(step, device, OVERLAP_REPS),
+            "comm_s": _typical(lambda: comm.all_reduce(grads, group=group), device, OVERLAP_REPS),
+            "both_s": _typical(both, device, OVERLAP_REPS),
+        }
+        dist.barrier()
     dist.destroy_process_group()
     return out
 
@@ -190,6 +290,38 @@ def fit_links(rows: list[dict]) -> tuple[float, float]:
     return statistics.median(bw) / 1e9, statistics.median(lat) * 1e6
 
 
+def fit_collective_overhead(rows: list[dict], latency_us: float) -> float:
+    """Microseconds a ``parallel.comm`` collective issued after compute takes beyond its ring latency
+    steps: the median over group sizes of ``after_compute_s − compute_s − 2(n−1)·latency``, ≥ 0
+    (each a quietest-round mean, :func:`_quietest`)."""
+    extra = [r["after_compute_s"] - r["compute_s"] - 2 * (r["n"] - 1) * latency_us * 1e-6 for r in rows]
+    return max(0.0, statistics.median(extra) * 1e6) if extra else 0.0
+
+
+def fit_overlap_fraction(row: dict | None) -> float:
+    """The share of an all-reduce that a block's forward + backward hides when the all-reduce is
+    launched first: ``(t_block + t_comm − t_both) / min(t_block, t_comm)``, clipped to [0, 1]; 1 when
+    nothing was measured (one rank)."""
+    if not row:
+        return 1.0
+    hidden = row["block_s"] + row["comm_s"] - row["both_s"]
+    return min(1.0, max(0.0, hidden / max(min(row["block_s"], row["comm_s"]), 1e-12)))
+
+
+def fit_colocated_slowdown(blocks: list[dict]) -> float:
+    """The slope ``s`` of ``t_k / t_1 = 1 + s·(k − 1)`` (least squares through the origin) from block
+    timings ``{"k", "s"}`` of every busy rank (``t_k``: their mean at k ranks at once), ≥ 0; 0 when
+    only one rank was timed."""
+    by_k: dict[int, list[float]] = {}
+    for b in blocks:
+        by_k.setdefault(b["k"], []).append(b["s"])
+    if 1 not in by_k or len(by_k) < 2:
+        return 0.0
+    t1 = statistics.mean(by_k[1])
+    pts = [(k - 1, statistics.mean(ts) / t1 - 1) for k, ts in by_k.items() if k > 1]
+    return max(0.0, sum(x * y for x, y in pts) / sum(x * x for x, _ in pts))
+
+
 def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> dict[str, Any]:
     """Measure, write ``hardware.json`` and ``calibration.json`` into ``run_dir``; return the profile fields."""
     from launch.local import spawn_local
@@ -201,11 +333,22 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
     torch.set_num_threads(threads)
     hbm = memory_bandwidth(device)
     shapes = model_gemms(rc)
-    low = DTYPES[rc.train.precision if rc.train.precision in DTYPES else "fp32"]
+    low_name = rc.train.precision if rc.train.precision in DTYPES else "fp32"
+    low = DTYPES[low_name]
     r32, rows32 = gemm_rate(shapes, torch.float32, hbm, device)
     r16, rows16 = (r32, rows32) if low == torch.float32 else gemm_rate(shapes, low, hbm, device)
     attention = attention_fraction(rc, low, r16 if low != torch.float32 else r32, device)
-    links = spawn_local(_collectives_worker, n, tuple(range(2, n + 1)), threads)[0] if n > 1 else []
+    mc = model_config(rc.model)
+    busy = n if cuda else min(n, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    per_rank = (
+        spawn_local(
+            _collectives_worker, n, tuple(range(2, n + 1)), threads, shapes[0], mc, rc.train.micro_batch, busy, low_name
+        )
+        if n > 1
+        else {}
+    )
+    links = per_rank[0]["links"] if per_rank else []
+    blocks = [b for r in per_rank.values() for b in r["block"]]
     gbps, latency_us = fit_links(links) if links else (hbm / 1e9, 0.0)
     fields = {
         "peak_tflops_16": r16 / 1e12,
@@ -218,6 +361,9 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "latency_us": latency_us,
         "hbm_gbps": hbm / 1e9,
         "attention_efficiency": attention,
+        "collective_overhead_us": fit_collective_overhead(links, latency_us),
+        "colocated_slowdown": fit_colocated_slowdown(blocks),
+        "overlap_fraction": fit_overlap_fraction(per_rank[0].get("overlap") if per_rank else None),
     }
     fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
     fields["microbatch_overhead_us"], fields["step_overhead_us"] = host_overheads_us(rc, fields, device)
@@ -225,7 +371,15 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "hardware.json").write_text(json.dumps(fields, indent=1))
-    raw = {"threads": threads, "gemm_fp32": rows32, "gemm_low": rows16, "allreduce": links, "ranks": n}
+    raw = {
+        "threads": threads,
+        "gemm_fp32": rows32,
+        "gemm_low": rows16,
+        "allreduce": links,
+        "block_busy_ranks": blocks,
+        "overlap": per_rank[0].get("overlap") if per_rank else None,
+        "ranks": n,
+    }
     (out / "calibration.json").write_text(json.dumps(raw, indent=1))
     return fields
 
@@ -242,7 +396,10 @@ def run_calibrate(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     print(
         f"calibrated in {time.perf_counter() - t0:.0f} s: GEMM {fields['peak_tflops_32'] * 1e3:.1f} GFLOP/s fp32, "
         f"memory {fields['hbm_gbps']:.1f} GB/s, all-reduce {fields['intra_node_gbps']:.2f} GB/s per rank, "
-        f"latency {fields['latency_us']:.0f} µs, fixed costs {fields['block_overhead_us']:.0f} µs per block, "
+        f"latency {fields['latency_us']:.0f} µs + {fields['collective_overhead_us']:.0f} µs per collective, "
+        f"slowdown {fields['colocated_slowdown']:.2f} per other busy rank, "
+        f"{fields['overlap_fraction']:.0%} of an overlapped all-reduce hidden, "
+        f"fixed costs {fields['block_overhead_us']:.0f} µs per block, "
         f"{fields['microbatch_overhead_us']:.0f} µs per micro-batch, {fields['step_overhead_us']:.0f} µs per step"
         f"\nuse it: mode=plan plan.hardware={path}"
     )

@@ -138,7 +138,7 @@ def scenario_13b() -> tuple[list[str], list[list[str]], dict]:
             "64 GPUs, gradient all-reduce time",
             "1.4 s",
             f"{comm(base):.2f} s",
-            "2(N−1)/N · 26 GB at 12.5 GB/s; 1.4 s would need ≈ 37 GB/s",
+            "2(N−1)/N · 26 GB at 12.5 GB/s, plus 2(N−1) latency steps per 25 MB bucket; 1.4 s would need ≈ 37 GB/s",
         ],
         [
             "with Top-K 50 %, ×4 accumulation, overlap: step",

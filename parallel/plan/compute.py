@@ -26,6 +26,14 @@ Three kinds of work, each timed by what limits it on the given :class:`~.hardwar
 
 Costs ``forward`` and ``backward`` per layer and for the head feed the pipeline model; the
 optimizer step (memory-bound, :func:`optimizer_seconds`) follows backward.
+
+**Ranks sharing a host** (:func:`colocated`): every rank of a host computes at once, and where the
+ranks share the hardware they compute on (a CPU's cores share memory bandwidth, last-level cache and
+the package's clock budget) each runs slower than it would alone. The planner times all of the above
+with the profile :func:`colocated` returns for the ranks one host runs at once
+(``min(world size, gpus_per_node)``): rates divided and fixed host costs multiplied by
+``1 + colocated_slowdown · (k − 1)``. 0 on the GPU profiles (one device per rank); ``mode=calibrate``
+measures it by running the configured model's block on 1 and on k ranks at once.
 """
 
 from __future__ import annotations
@@ -124,6 +132,29 @@ ADAMW_BYTES_PER_PARAM = 30
 def optimizer_seconds(params_per_rank: float, hw: Hardware) -> float:
     """The optimizer step on this rank's (sharded) parameters: memory-bound."""
     return ADAMW_BYTES_PER_PARAM * params_per_rank / hw.hbm_bytes_per_s
+
+
+def colocated_factor(hw: Hardware, ranks_on_host: int) -> float:
+    """How much slower a busy rank computes when ``ranks_on_host`` ranks of one host compute at once:
+    ``1 + colocated_slowdown · (k − 1)``; 1 for one rank per host (module docstring)."""
+    return 1.0 + hw.colocated_slowdown * max(0, ranks_on_host - 1)
+
+
+def colocated(hw: Hardware, ranks_on_host: int) -> Hardware:
+    """``hw`` as each of ``ranks_on_host`` ranks busy at once on one host sees it: peak FLOP/s and
+    memory bandwidth divided by :func:`colocated_factor`, the fixed host costs per block, micro-batch
+    and step multiplied by it (communication unchanged: its calibration ran on every rank at once)."""
+    f = colocated_factor(hw, ranks_on_host)
+    if f == 1.0:
+        return hw
+    return hw.replace(
+        peak_tflops_16=hw.peak_tflops_16 / f,
+        peak_tflops_32=hw.peak_tflops_32 / f,
+        hbm_gbps=hw.hbm_gbps / f,
+        block_overhead_us=hw.block_overhead_us * f,
+        microbatch_overhead_us=hw.microbatch_overhead_us * f,
+        step_overhead_us=hw.step_overhead_us * f,
+    )
 
 
 def step_overhead_seconds(hw: Hardware) -> float:

@@ -37,6 +37,9 @@ _RANGES = {
     "block_overhead_us": (0.0, True, math.inf),
     "microbatch_overhead_us": (0.0, True, math.inf),
     "step_overhead_us": (0.0, True, math.inf),
+    "collective_overhead_us": (0.0, True, math.inf),
+    "colocated_slowdown": (0.0, True, math.inf),
+    "overlap_fraction": (0.0, True, 1.0),
 }
 
 
@@ -55,7 +58,7 @@ def _check_field(profile: str, name: str, value) -> None:
         raise PlanError(f"{where} must be a finite number; {fix}")
     lo, closed, hi = _RANGES.get(name, (0.0, False, math.inf))
     if value < lo or (value == lo and not closed) or value > hi:
-        want = f"in ({lo:g}, {hi:g}]" if hi != math.inf else ("≥ 0" if closed else "> 0")
+        want = f"in {'[' if closed else '('}{lo:g}, {hi:g}]" if hi != math.inf else ("≥ 0" if closed else "> 0")
         raise PlanError(f"{where} must be {want}; {fix}")
 
 
@@ -75,6 +78,9 @@ class Hardware:
     block_overhead_us: float = 0.0  # per block forward + backward beyond its work: launches, Python, autograd
     microbatch_overhead_us: float = 0.0  # per micro-batch beyond its blocks' and head's work: embedding, loss, loop
     step_overhead_us: float = 0.0  # per optimizer step beyond its memory-bound work: zero_grad, norm, launches
+    collective_overhead_us: float = 0.0  # per collective or p2p message issued, beyond latency_us and bandwidth
+    colocated_slowdown: float = 0.0  # a busy rank's slowdown per other busy rank on its host (plan.compute.colocated)
+    overlap_fraction: float = 1.0  # of the communication parallel.overlap hides behind compute, the share really hidden
     host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
 
@@ -111,7 +117,21 @@ class Hardware:
 # the engine's loop) and per step (zero_grad, the gradient norm, the optimizer's launches) is a few ms at
 # most and runs ahead of the device queue at the sizes these profiles plan (PyTorch's CUDA caching and
 # asynchronous launches; our engine reads the device once per logged step); on a CPU nothing queues, so
-# the host's time is the step's. For the CPU profile, or any machine, ``mode=calibrate`` measures them all.
+# the host's time is the step's. ``collective_overhead_us``: 0 on the GPU profiles, whose ``latency_us`` is
+# the whole fixed cost of a collective (the host enqueues NCCL kernels ahead of the device, so the Python
+# launch and the waiting rank's wake-up do not delay the device); on a CPU a blocking gloo collective that
+# follows compute costs its ring latency plus the host's launch and the wake-up of the rank that arrived
+# first (measured by ``mode=calibrate``, ≈ 1 ms on the 2-core VM this was written on, against ≈ 0.2 ms
+# per ring step in a tight loop). ``colocated_slowdown``: 0 on the GPU profiles, where each rank has its
+# own device (its SMs, HBM and caches are not shared with the node's other ranks); on a CPU the ranks of a
+# host share memory bandwidth, last-level cache and the cores' clock budget, and ``mode=calibrate`` measures
+# how much slower a block runs with k ranks busy at once than alone. ``overlap_fraction``: 1 on the GPU
+# profiles and the stock cpu one (NCCL's kernels and copy engines run beside the compute kernels: what
+# ``parallel.overlap`` calls hidden is hidden, up to the compute it hides behind); on a CPU whose cores
+# all run ranks, an asynchronous gloo collective's copies and reductions run on the same cores as the
+# compute, and ``mode=calibrate`` measures the share an all-reduce launched before a block's forward +
+# backward really hides (≈ 0.1–0.3 with 2 ranks on 2 cores). For the CPU profile, or any machine,
+# ``mode=calibrate`` measures them all.
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
     # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU

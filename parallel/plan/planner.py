@@ -190,13 +190,16 @@ def plan_layout(
     sp, ckpt, mb = L.sequence_parallel, training.checkpointing, training.micro_batch
     ranges = layer_partition(shape, pp, vpp, L.pp_layers)
     gpn = hw.gpus_per_node
-    peak_flops = hw.peak_flops(training.precision) * hw.efficiency  # large GEMMs: cp's ring overlap (plan.cp)
+    # compute as each rank sees it with the host's other ranks busy too (0 slowdown on GPU profiles)
+    colocated = min(layout.world_size, gpn)
+    work_hw = C.colocated(hw, colocated)
+    peak_flops = work_hw.peak_flops(training.precision) * work_hw.efficiency  # large GEMMs: cp's ring overlap (plan.cp)
     stage_info, alike = [], {}  # stages with the same chunk shapes share their numbers
     for s in range(pp):
         chunks = [(v, ranges[v]) for v in range(s, pp * vpp, pp)]
         key = tuple((len(r), MoE.moe_layers_in(moe, r)) + _stage_flags(v, pp * vpp) for v, r in chunks)
         if key not in alike:
-            alike[key] = _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, moe)
+            alike[key] = _stage_numbers(shape, chunks, count_params, work_hw, training, L, m, peak_flops, moe)
         params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis = alike[key]
         tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
         ep_axis = dataclasses.replace(ep_axis, items=list(ep_axis.items))
@@ -206,7 +209,8 @@ def plan_layout(
     act_msg = e * mb * local.seq_len * shape.d_model / (t if sp else 1)
     slow_f = max(i[3] for i in stage_info) / vpp
     slow_b = max(i[4] for i in stage_info) / vpp
-    p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + hw.latency_us * 1e-6) if pp > 1 else 0.0
+    p2p_fixed = (hw.latency_us + hw.collective_overhead_us) * 1e-6  # per message: latency and host cost
+    p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + p2p_fixed) if pp > 1 else 0.0
     p2p_one = PIPELINE_P2P.exposed(p2p_one, slow_f)  # exposed: the executor awaits receives before computing
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one)
     ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
@@ -228,6 +232,9 @@ def plan_layout(
             tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
         tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
+        buckets = max(1, -(-psi * e // int(training.bucket_mb * 2**20)))  # the engine's: one collective each
+        units = sum(len(r) for _, r in chunks)  # ZeRO-3 gathers (and reduces) each block apart
+        reductions = max(buckets, units) if policy(L.zero).gathers_per_unit else buckets
         root_psi = M.zero_padded_numel(M.StageParams(0, root=params.root), dp, training.bucket_mb * 2**20, e)
         dp_times = dp_traffic(
             hw,
@@ -241,6 +248,8 @@ def plan_layout(
             topk_ratio=training.topk_ratio,
             regathered_psi=psi - root_psi,
             accumulate=training.zero_accumulate,
+            buckets=buckets,
+            units=units,
         )
         edp_axis = dp_axis if L.ep == 1 else AxisTraffic(edp, group_crosses_node(t * L.ep, edp, gpn))
         if epsi:  # expert gradients (and stage-3 gathers) on edp, hidden behind the same backward
@@ -264,9 +273,12 @@ def plan_layout(
         scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
         scalars_s += scalars_ep if epsi and not policy(L.zero).shards_optimizer else 0.0
         scalars_s = STEP_SCALARS.exposed(scalars_s, 0.0)
-        dp_exposed = max(dp_exposed, _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap) + scalars_s)
+        dp_exposed = max(
+            dp_exposed,
+            _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap, reductions, hw.overlap_fraction) + scalars_s,
+        )
         if L.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
-            optimizer_s = max(optimizer_s, C.optimizer_seconds(shard, hw))
+            optimizer_s = max(optimizer_s, C.optimizer_seconds(shard, work_hw))
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
         pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
@@ -320,7 +332,7 @@ def plan_layout(
         )
         offload_exposed = max(offload_exposed, offload_s["exposed_s"])
     emb_time = STEP_SCALARS.exposed(max(r.traffic["embedding"]["time_s"] for r in ranks), 0.0)  # after backward
-    overhead_s = C.step_overhead_seconds(hw)  # the step's fixed host cost (0 on GPU profiles)
+    overhead_s = C.step_overhead_seconds(work_hw)  # the step's fixed host cost (0 on GPU profiles)
     step_time = makespan + dp_exposed + emb_time + offload_exposed + optimizer_s + overhead_s  # offload: host Adam
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
@@ -333,6 +345,7 @@ def plan_layout(
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer_s,
         "step_overhead_s": overhead_s,
+        "colocated_factor": C.colocated_factor(hw, colocated),
         "offload_s": offload_exposed,
         "tokens_per_s": tokens_step / step_time,
         "mfu": tokens_step * mfpt / step_time / (layout.world_size * hw.peak_flops(training.precision)),
@@ -403,6 +416,7 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, 
         fwd += f_s + TP_COLLECTIVES.exposed(tf, n * layer.gemm) + cf + ef  # exposed: TP collectives block
         column = n * layer.column_gemm  # input-gradient matmuls hide the re-gathers, weight-gradient ones the scatters
         sp_b = TP_SP_BACKWARD.exposed(regather, column) + TP_SP_BACKWARD.exposed(scatter, column)
+        sp_b = partly_hidden(regather + scatter, sp_b, hw.overlap_fraction)
         bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb + eb
         flops_s += f_s + b_s
         acts.append(
@@ -423,16 +437,34 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, 
     return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis
 
 
-def _exposed_dp_time(dp: dict, m: int, fwd: float, bwd: float, overlap: bool) -> float:
+def partly_hidden(comm_s: float, exposed_s: float, fraction: float) -> float:
+    """Seconds exposed when compute hides only ``fraction`` of what the overlap table hides
+    (``Hardware.overlap_fraction``): ``exposed + (1 − fraction)·(comm − exposed)``."""
+    return exposed_s + (1.0 - fraction) * max(0.0, comm_s - exposed_s)
+
+
+def _exposed_dp_time(
+    dp: dict, m: int, fwd: float, bwd: float, overlap: bool, reductions: int = 1, fraction: float = 1.0
+) -> float:
     """DP seconds compute cannot hide, as :mod:`parallel.overlap`'s rows say: gradient reductions
     (``DP_REDUCTION``, with ``overlap``) under the backward — stages 0–1 the last micro-batch's,
     stages 2–3 every one's — sharing it with stage 3's backward gathers (``ZERO3_GATHER``,
     prefetched whatever ``overlap``); stage 3's forward gathers under the forward; the all-gather
-    after the optimizer step (``PARAM_GATHER_AFTER_STEP``) exposed."""
-    per_mb = exposed_sharing(
-        bwd, (DP_REDUCTION, dp["grad_per_mb"]), (ZERO3_GATHER, dp["param_bwd_per_mb"]), overlap=overlap
+    after the optimizer step (``PARAM_GATHER_AFTER_STEP``) exposed. The gradients are reduced as
+    ``reductions`` collectives (buckets; ZeRO-3's units), each launched when its last gradient is
+    ready: the last one's starts when backward ends, so at least that ``1/reductions`` share is
+    exposed whatever the overlap (one bucket: all of it). Compute hides only ``fraction`` of the rest
+    (:func:`partly_hidden`)."""
+    last = 1.0 / max(1, reductions)
+    per_mb = max(
+        exposed_sharing(
+            bwd, (DP_REDUCTION, dp["grad_per_mb"]), (ZERO3_GATHER, dp["param_bwd_per_mb"]), overlap=overlap
+        ),
+        last * dp["grad_per_mb"],
     ) + ZERO3_GATHER.exposed(dp["param_fwd_per_mb"], fwd, overlap)
-    once = DP_REDUCTION.exposed(dp["grad_per_step"], bwd, overlap)
+    per_mb = partly_hidden(dp["grad_per_mb"] + dp["param_bwd_per_mb"] + dp["param_fwd_per_mb"], per_mb, fraction)
+    once = max(DP_REDUCTION.exposed(dp["grad_per_step"], bwd, overlap), last * dp["grad_per_step"])
+    once = partly_hidden(dp["grad_per_step"], once, fraction)
     return m * per_mb + once + PARAM_GATHER_AFTER_STEP.exposed(dp["param_after_step"], 0.0, overlap)
 
 

@@ -3,7 +3,8 @@
 Ring algorithms: over N ranks and a payload of B bytes, an all-reduce sends
 ``2(N−1)/N·B`` bytes per rank in ``2(N−1)`` steps, a reduce-scatter or an
 all-gather (B = the full, gathered size) ``(N−1)/N·B`` in ``N−1`` steps. Time
-= sent / bandwidth + steps × latency, with the hardware's intra-node bandwidth
+= sent / bandwidth + steps × latency + the profile's fixed ``collective_overhead_us`` per collective
+issued, with the hardware's intra-node bandwidth
 when the group sits inside one node and its inter-node bandwidth otherwise.
 
 Rank order is Megatron's (tp fastest, then dp, then pp): a TP group is ``tp``
@@ -55,8 +56,10 @@ class AxisTraffic:
             "items": list(self.items),
         }
 
-    def add(self, kind: str, payload: float, count: float, hw: Hardware, what: str) -> float:
-        """Account ``count`` collectives of ``kind`` on ``payload`` bytes; returns one's time."""
+    def add(self, kind: str, payload: float, count: float, hw: Hardware, what: str, calls: int = 1) -> float:
+        """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls``
+        separate collectives (buckets, units) that split the payload; returns one's time: bytes at the
+        bandwidth, plus per call the ring's latency steps and the profile's ``collective_overhead_us``."""
         n = self.group_size
         if n <= 1 or count == 0 or payload == 0:
             return 0.0
@@ -64,7 +67,8 @@ class AxisTraffic:
             sent, steps = payload, 1
         else:
             sent, steps = SENT_FRACTION[kind](n) * payload, RING_STEPS[kind] * (n - 1)
-        one = sent / hw.bandwidth(self.crosses_node) + steps * hw.latency_us * 1e-6
+        fixed = steps * hw.latency_us * 1e-6 + hw.collective_overhead_us * 1e-6
+        one = sent / hw.bandwidth(self.crosses_node) + max(1, calls) * fixed
         self.bytes += count * sent
         self.time_s += count * one
         self.items.append(f"{what}: {count:g} × {kind} of {payload / 1e6:,.1f} MB")
@@ -87,6 +91,8 @@ def dp_traffic(
     topk_ratio: float = 1.0,
     regathered_psi: int | None = None,
     accumulate: str = "sharded",
+    buckets: int = 1,
+    units: int = 1,
 ) -> dict[str, float]:
     """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
 
@@ -96,7 +102,9 @@ def dp_traffic(
     the blocks) before every forward and again before every backward, and the rest
     once per step (it stays gathered until the optimizer step). Top-K
     (stage 0) all-gathers ``k`` values + int32 indices per rank instead of the
-    all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Returns the seconds of one of each kind
+    all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Each reduction and the after-step gather is issued as
+    ``buckets`` collectives, stage 3's per-unit gathers (and its reductions, at least) as ``units``:
+    each pays the ring's latency and the profile's fixed cost per call. Returns the seconds of one of each kind
     (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
     ``param_bwd_per_mb``).
     """
@@ -111,17 +119,21 @@ def dp_traffic(
             "all_gather", n * k * (comm_bytes + INDEX_BYTES), 1, hw, "Top-K gradients (values + int32 indices)"
         )
         out["grad_per_step"] = one
-    elif grad_reductions_per_step(zero, m, accumulate) == 1:  # stages 0-1; ZeRO-2/3 accumulating unsharded
-        out["grad_per_step"] = axis.add(pol.reduce, psi * comm_bytes, 1, hw, "gradients")
     else:
-        out["grad_per_mb"] = axis.add(pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch")
+        calls = max(buckets, units) if pol.gathers_per_unit else buckets
+        if grad_reductions_per_step(zero, m, accumulate) == 1:  # stages 0-1; ZeRO-2/3 accumulating unsharded
+            out["grad_per_step"] = axis.add(pol.reduce, psi * comm_bytes, 1, hw, "gradients", calls)
+        else:
+            out["grad_per_mb"] = axis.add(pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch", calls)
     if pol.gathers_after_step:
-        out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters")
+        out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters", buckets)
     if pol.gathers_per_unit:
         blocks = psi if regathered_psi is None else regathered_psi
-        out["param_fwd_per_mb"] = axis.add("all_gather", blocks * param_bytes, m, hw, "block parameters before forward")
+        out["param_fwd_per_mb"] = axis.add(
+            "all_gather", blocks * param_bytes, m, hw, "block parameters before forward", units
+        )
         out["param_bwd_per_mb"] = axis.add(
-            "all_gather", blocks * param_bytes, m, hw, "block parameters before backward"
+            "all_gather", blocks * param_bytes, m, hw, "block parameters before backward", units
         )
         if psi > blocks:  # the rest (embedding, head) stays gathered from the first forward to the step
             out["param_after_step"] = axis.add(

@@ -5,7 +5,14 @@ import json
 import pytest
 
 from parallel.plan import PlanError, hardware_profile
-from recipes.calibrate import LARGE, calibrate, fit_links
+from recipes.calibrate import (
+    LARGE,
+    calibrate,
+    fit_collective_overhead,
+    fit_colocated_slowdown,
+    fit_links,
+    fit_overlap_fraction,
+)
 from recipes.plan import plan_from_config
 from recipes.plan_scenarios import scenario_config
 
@@ -19,6 +26,8 @@ def test_calibrated_profile_round_trips_and_plans(tmp_path):
     assert hw.name == "hardware" and {k: getattr(hw, k) for k in fields} == fields
     assert fields["peak_tflops_32"] > 0 and fields["hbm_gbps"] > 0 and 0 < fields["attention_efficiency"] <= 1
     assert fields["microbatch_overhead_us"] >= 0 and fields["step_overhead_us"] >= 0  # measured, in the file
+    # one rank: nothing shares the host or the collectives, and the file says so
+    assert (fields["collective_overhead_us"], fields["colocated_slowdown"], fields["overlap_fraction"]) == (0, 0, 1)
     plan = plan_from_config(scenario_config(TINY + [f"plan.hardware={path}"]))
     assert plan.step["step_time_s"] > 0
     json.loads((tmp_path / "calibration.json").read_text())["gemm_fp32"]  # the raw measurements are kept
@@ -82,3 +91,29 @@ def test_fixed_host_costs_round_trip_and_enter_the_step_as_documented(tmp_path):
     for bad in (-1.0, float("nan")):
         with pytest.raises(PlanError, match="step_overhead_us"):
             hardware_profile("cpu", step_overhead_us=bad)
+
+
+def test_host_term_fits_invert_their_models():
+    lat = 100.0  # µs per ring step
+    rows = [{"n": n, "compute_s": 1e-3, "after_compute_s": 1e-3 + 2 * (n - 1) * lat * 1e-6 + 700e-6} for n in (2, 3)]
+    assert fit_collective_overhead(rows, lat) == pytest.approx(700.0)
+    assert fit_collective_overhead(rows, 1e6) == 0.0  # never negative
+    blocks = [{"k": 1, "s": 2.0}] + [{"k": k, "s": 2.0 * (1 + 0.25 * (k - 1))} for k in (2, 2, 3, 3, 3)]
+    assert fit_colocated_slowdown(blocks) == pytest.approx(0.25)
+    assert fit_colocated_slowdown([{"k": 1, "s": 2.0}]) == 0.0
+    assert fit_overlap_fraction({"block_s": 3.0, "comm_s": 1.0, "both_s": 3.25}) == pytest.approx(0.75)
+    assert fit_overlap_fraction({"block_s": 3.0, "comm_s": 1.0, "both_s": 5.0}) == 0.0  # worse than serial
+    assert fit_overlap_fraction(None) == 1.0
+
+
+@pytest.mark.parametrize("field", ["collective_overhead_us", "colocated_slowdown", "overlap_fraction"])
+def test_host_terms_round_trip_through_the_profile_file_and_bad_ones_are_refused(tmp_path, field):
+    good = dict(hardware_profile("cpu").__dict__)
+    del good["name"]
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({**good, field: 0.5}))
+    assert getattr(hardware_profile(str(path)), field) == 0.5
+    for bad in (-1.0, float("nan")):
+        path.write_text(json.dumps({**good, field: bad}))
+        with pytest.raises(PlanError, match=f"{field}="):
+            hardware_profile(str(path))

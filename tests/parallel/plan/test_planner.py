@@ -75,9 +75,12 @@ def test_gradient_accumulation_communicates_once_per_step():
 
 def test_overlap_hides_dp_behind_backward():
     slow = dataclasses.replace(HW, intra_node_gbps=0.01, inter_node_gbps=0.01)
-    on = plan_layout(SHAPE, Layout(dp=8), Training(16, 2, overlap=True), slow, count)
-    off = plan_layout(SHAPE, Layout(dp=8), Training(16, 2, overlap=False), slow, count)
+    small = 0.01  # MB: many buckets, each reduced as soon as its gradients are ready
+    on = plan_layout(SHAPE, Layout(dp=8), Training(16, 2, overlap=True, bucket_mb=small), slow, count)
+    off = plan_layout(SHAPE, Layout(dp=8), Training(16, 2, overlap=False, bucket_mb=small), slow, count)
     assert on.step["dp_exposed_s"] < off.step["dp_exposed_s"]
+    one = plan_layout(SHAPE, Layout(dp=8), Training(16, 2, overlap=True, bucket_mb=1e3), slow, count)
+    assert one.step["dp_exposed_s"] == pytest.approx(one.ranks[0].traffic["dp"]["time_s"])  # one bucket: after backward
     assert off.step["dp_exposed_s"] == pytest.approx(on.ranks[0].traffic["dp"]["time_s"])
 
 

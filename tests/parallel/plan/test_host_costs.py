@@ -1,0 +1,89 @@
+"""The hardware profile's host-side terms enter the plan exactly as documented: a fixed cost per
+collective call (``collective_overhead_us``), the busy-rank slowdown of ranks sharing a host
+(``colocated_slowdown``), the share of overlapped communication really hidden (``overlap_fraction``),
+and the last gradient bucket's reduction after backward. Pure: no process is started."""
+
+import dataclasses
+
+import pytest
+
+from parallel.plan import Layout, PlanError, Training, hardware_profile, plan_layout
+from parallel.plan.compute import colocated, colocated_factor
+from parallel.plan.traffic import AxisTraffic, dp_traffic
+
+from .test_planner import SHAPE, count
+
+HW = hardware_profile("cpu")  # 1 device per node: no colocation unless a test says so
+
+
+def test_every_call_pays_latency_steps_and_the_fixed_cost():
+    hw = dataclasses.replace(HW, latency_us=30.0, collective_overhead_us=500.0)
+    axis = AxisTraffic(4, False)
+    one = axis.add("all_reduce", 8e6, 3, hw, "x", calls=5)
+    sent = 2 * 3 / 4 * 8e6  # ring all-reduce over 4 ranks
+    assert one == pytest.approx(sent / hw.bandwidth(False) + 5 * (2 * 3 * 30e-6 + 500e-6), rel=1e-12)
+    assert axis.time_s == pytest.approx(3 * one, rel=1e-12) and axis.bytes == pytest.approx(3 * sent)
+    p2p = AxisTraffic(2, False).add("p2p", 1e3, 1, hw, "y")
+    assert p2p == pytest.approx(1e3 / hw.bandwidth(False) + 30e-6 + 500e-6, rel=1e-12)
+
+
+def test_buckets_and_units_are_separate_calls():
+    hw = dataclasses.replace(HW, latency_us=0.0, collective_overhead_us=1000.0)
+    kw = dict(psi=10**6, micro_batches=2, param_bytes=4, comm_bytes=4)
+    one = dp_traffic(hw, AxisTraffic(2, False), zero=0, **kw)
+    four = dp_traffic(hw, AxisTraffic(2, False), zero=0, buckets=4, **kw)
+    assert four["grad_per_step"] - one["grad_per_step"] == pytest.approx(3e-3)
+    z3 = dp_traffic(hw, AxisTraffic(2, False), zero=3, units=8, **kw)
+    z3_one = dp_traffic(hw, AxisTraffic(2, False), zero=3, **kw)
+    for key in ("param_fwd_per_mb", "param_bwd_per_mb", "grad_per_mb"):
+        assert z3[key] - z3_one[key] == pytest.approx(7e-3)
+
+
+def _plan(layout, hw, **training):
+    return plan_layout(SHAPE, layout, Training(**{"global_batch": 16, "micro_batch": 2, **training}), hw, count)
+
+
+def test_a_collective_overhead_delays_each_pipeline_message():
+    base = _plan(Layout(pp=2), HW)
+    slow = _plan(Layout(pp=2), dataclasses.replace(HW, collective_overhead_us=2000.0))
+    m = 8  # 1F1B with pp = 2 puts m + 1 transfers on the critical path (parallel.plan.planner.closed_form)
+    assert slow.step["pipeline_s"] - base.step["pipeline_s"] == pytest.approx((m + 1) * 2e-3, rel=1e-9)
+
+
+def test_ranks_sharing_a_host_compute_slower_by_the_calibrated_factor():
+    shared = dataclasses.replace(HW, gpus_per_node=2, colocated_slowdown=0.5)
+    assert colocated_factor(shared, 1) == 1.0 and colocated_factor(shared, 3) == 2.0
+    assert colocated(shared, 2).peak_flops("fp32") == pytest.approx(shared.peak_flops("fp32") / 1.5)
+    apart = _plan(Layout(dp=2), dataclasses.replace(shared, colocated_slowdown=0.0))
+    together = _plan(Layout(dp=2), shared)
+    assert together.ranks[0].compute_s == pytest.approx(1.5 * apart.ranks[0].compute_s, rel=1e-9)
+    assert together.step["colocated_factor"] == 1.5 and apart.step["colocated_factor"] == 1.0
+    one_per_node = _plan(Layout(dp=2), dataclasses.replace(shared, gpus_per_node=1))
+    assert one_per_node.ranks[0].compute_s == pytest.approx(apart.ranks[0].compute_s, rel=1e-12)
+    assert together.hardware["peak_tflops_32"] == shared.peak_tflops_32  # the plan records the profile as given
+
+
+def test_overlap_fraction_zero_exposes_what_overlap_would_hide():
+    slow = dataclasses.replace(HW, intra_node_gbps=0.01, inter_node_gbps=0.01, gpus_per_node=8)
+    kw = dict(bucket_mb=0.01)  # many buckets: with full hiding most of the reduction is hidden
+    hidden = _plan(Layout(dp=4), slow, overlap=True, **kw)
+    none = _plan(Layout(dp=4), dataclasses.replace(slow, overlap_fraction=0.0), overlap=True, **kw)
+    serial = _plan(Layout(dp=4), slow, overlap=False, **kw)
+    assert hidden.step["dp_exposed_s"] < none.step["dp_exposed_s"]
+    assert none.step["dp_exposed_s"] == pytest.approx(serial.step["dp_exposed_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("collective_overhead_us", -1.0),
+        ("collective_overhead_us", float("nan")),
+        ("colocated_slowdown", -0.1),
+        ("colocated_slowdown", float("inf")),
+        ("overlap_fraction", 1.5),
+        ("overlap_fraction", float("nan")),
+    ],
+)
+def test_bad_host_terms_are_refused(field, bad):
+    with pytest.raises(PlanError, match=f"{field}="):
+        hardware_profile("cpu", **{field: bad})
