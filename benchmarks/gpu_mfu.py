@@ -241,7 +241,7 @@ def main(argv=None) -> list[dict]:
     _single_process_env()
     name = torch.cuda.get_device_name() if not dry_run else "CPU"
     own = profile_for_name(name)  # the stock profile always, beside any given (a calibrated file, say)
-    a.hardware = [hw for hw in dict.fromkeys([own or "cpu", *a.hardware])]
+    a.hardware = list(dict.fromkeys([own or "cpu", *a.hardware]))
     peak = a.peak_tflops or (None if dry_run else peak_tflops(name))
     rank0 = int(os.environ["RANK"]) == 0
     results = []
