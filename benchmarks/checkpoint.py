@@ -71,7 +71,7 @@ def _rank(kwargs: dict, rounds: int, steps_between: int, run_dir: str):
             row[f"{name}_stall_s"] = time.perf_counter() - t0
             if name == "background":
                 during = []
-                while background.background.busy:
+                while _any_busy(background, trainer.device):  # every rank steps the same number of times
                     during += steps(1)
                 background.close()
                 row["write_s"] = background.background.write_s
@@ -80,6 +80,19 @@ def _rank(kwargs: dict, rounds: int, steps_between: int, run_dir: str):
                 row["step_during_s"] = statistics.median(during) if during else None
         rows.append(row)
     return rows
+
+
+def _any_busy(saver, device) -> bool:
+    """Whether any rank's writer is still busy: a MAX all-reduce, so that all ranks agree.
+
+    Each rank's own ``busy`` flips at its own time; stepping while only the local writer is
+    busy would leave ranks in different steps' collectives (a hang)."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(saver.background.busy)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def _device_sync(device) -> None:
@@ -105,8 +118,10 @@ def _one_process(kwargs: dict, rounds: int, steps_between: int, run_dir: str):
         dist.destroy_process_group()
 
 
-def main(rounds: int = 3, steps_between: int = 3, world: int = 2, **kwargs) -> dict:
-    """``world`` ranks (forked, gloo on the CPU); ``world=1``: this process, on the GPU if there is one."""
+def main(rounds: int = 3, steps_between: int = 3, world: int = 2, timeout_s: float = 1800, **kwargs) -> dict:
+    """``world`` ranks (forked, gloo on the CPU); ``world=1``: this process, on the GPU if there is one.
+
+    ``timeout_s`` bounds the forked ranks (a hang fails with every rank's stack)."""
     from parallel.testing import run_ranks
 
     from .common import quantile
@@ -115,7 +130,7 @@ def main(rounds: int = 3, steps_between: int = 3, world: int = 2, **kwargs) -> d
         if world == 1:
             per_rank = _one_process(kwargs, rounds, steps_between, run_dir)
         else:
-            per_rank = run_ranks(_rank, world, kwargs, rounds, steps_between, run_dir, timeout=1800)
+            per_rank = run_ranks(_rank, world, kwargs, rounds, steps_between, run_dir, timeout=timeout_s)
     slowest = [
         {k: max(r[i][k] for r in per_rank if r[i][k] is not None) for k in per_rank[0][i] if k != "steps_during"}
         for i in range(rounds)

@@ -16,5 +16,5 @@ def test_zero_bubble_benchmark_reports_the_smaller_bubble_and_the_released_memor
 def test_checkpoint_benchmark_times_both_saves():
     from benchmarks import checkpoint
 
-    r = checkpoint.main(rounds=1, steps_between=1, d=32, n_layers=2, seq=16)
+    r = checkpoint.main(rounds=2, steps_between=1, timeout_s=240, d=32, n_layers=2, seq=16)
     assert r["sync_stall_s"] > 0 and r["background_stall_s"] > 0 and r["write_s"] > 0
