@@ -201,8 +201,7 @@ def plan_layout(
         if key not in alike:
             alike[key] = _stage_numbers(shape, chunks, count_params, work_hw, training, L, m, peak_flops, moe)
         params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis = alike[key]
-        tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
-        ep_axis = dataclasses.replace(ep_axis, items=list(ep_axis.items))
+        tp_axis, ep_axis = tp_axis.copy(), ep_axis.copy()  # stages alike share the numbers, not the ledger
         stage_info.append((chunks, params, (tp_axis, cp_axis, ep_axis), fwd, bwd, acts, flops_s))
     # the slowest stage paces the pipeline; p2p of one activation between stages
     p2p_axis_proto = AxisTraffic(pp, group_crosses_node(t * dp, pp, gpn))
@@ -232,9 +231,16 @@ def plan_layout(
             tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
         tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
-        buckets = max(1, -(-psi * e // int(training.bucket_mb * 2**20)))  # the engine's: one collective each
-        units = sum(len(r) for _, r in chunks)  # ZeRO-3 gathers (and reduces) each block apart
-        reductions = max(buckets, units) if policy(L.zero).gathers_per_unit else buckets
+        counts = M.zero_bucket_counts(params, training.bucket_mb * 2**20, e, per_unit)  # one collective each
+        if counts is not None:  # the engine's buckets: per block (ZeRO-3), then the rest
+            buckets, units, root_calls = sum(counts), max(1, sum(counts[:-1])), max(1, counts[-1])
+        else:  # classes unknown: the rank packed as one class, ZeRO-3's blocks one bucket each
+            buckets, units, root_calls = (
+                max(1, -(-psi * e // int(training.bucket_mb * 2**20))),
+                sum(len(r) for _, r in chunks),
+                1,
+            )
+        reductions = max(buckets, units) if per_unit else buckets
         root_psi = M.zero_padded_numel(M.StageParams(0, root=params.root), dp, training.bucket_mb * 2**20, e)
         dp_times = dp_traffic(
             hw,
@@ -250,6 +256,7 @@ def plan_layout(
             accumulate=training.zero_accumulate,
             buckets=buckets,
             units=units,
+            root_calls=root_calls,
         )
         edp_axis = dp_axis if L.ep == 1 else AxisTraffic(edp, group_crosses_node(t * L.ep, edp, gpn))
         if epsi:  # expert gradients (and stage-3 gathers) on edp, hidden behind the same backward

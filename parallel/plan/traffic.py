@@ -46,6 +46,7 @@ class AxisTraffic:
     bytes: float = 0.0
     time_s: float = 0.0
     items: list[str] = field(default_factory=list)
+    by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # kind → calls, seconds (all of them)
 
     def as_dict(self) -> dict:
         return {
@@ -54,7 +55,19 @@ class AxisTraffic:
             "bytes": self.bytes,
             "time_s": self.time_s,
             "items": list(self.items),
+            "by_kind": {k: dict(v) for k, v in self.by_kind.items()},
         }
+
+    def copy(self) -> AxisTraffic:
+        """An independent copy (its items and per-kind sums are not shared)."""
+        return AxisTraffic(
+            self.group_size,
+            self.crosses_node,
+            self.bytes,
+            self.time_s,
+            list(self.items),
+            {k: dict(v) for k, v in self.by_kind.items()},
+        )
 
     def add(self, kind: str, payload: float, count: float, hw: Hardware, what: str, calls: int = 1) -> float:
         """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls``
@@ -71,6 +84,9 @@ class AxisTraffic:
         one = sent / hw.bandwidth(self.crosses_node) + max(1, calls) * fixed
         self.bytes += count * sent
         self.time_s += count * one
+        kind_sum = self.by_kind.setdefault(kind, {"calls": 0.0, "seconds": 0.0})
+        kind_sum["calls"] += count * max(1, calls)
+        kind_sum["seconds"] += count * one
         self.items.append(f"{what}: {count:g} × {kind} of {payload / 1e6:,.1f} MB")
         return one
 
@@ -93,6 +109,7 @@ def dp_traffic(
     accumulate: str = "sharded",
     buckets: int = 1,
     units: int = 1,
+    root_calls: int = 1,
 ) -> dict[str, float]:
     """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
 
@@ -103,7 +120,8 @@ def dp_traffic(
     once per step (it stays gathered until the optimizer step). Top-K
     (stage 0) all-gathers ``k`` values + int32 indices per rank instead of the
     all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Each reduction and the after-step gather is issued as
-    ``buckets`` collectives, stage 3's per-unit gathers (and its reductions, at least) as ``units``:
+    ``buckets`` collectives, stage 3's per-unit gathers (and its reductions, at least) as ``units``
+    (the blocks' buckets), its once-per-step gather of the rest as ``root_calls``:
     each pays the ring's latency and the profile's fixed cost per call. Returns the seconds of one of each kind
     (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
     ``param_bwd_per_mb``).
@@ -137,7 +155,12 @@ def dp_traffic(
         )
         if psi > blocks:  # the rest (embedding, head) stays gathered from the first forward to the step
             out["param_after_step"] = axis.add(
-                "all_gather", (psi - blocks) * param_bytes, 1, hw, "parameters outside the blocks, once per step"
+                "all_gather",
+                (psi - blocks) * param_bytes,
+                1,
+                hw,
+                "parameters outside the blocks, once per step",
+                root_calls,
             )
     return out
 
