@@ -139,6 +139,16 @@ def closed_form(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float
     return None
 
 
+def uneven_stages_saving(stage_costs: list[float]) -> float:
+    """Seconds a GPipe or 1F1B step (one chunk per stage) takes less than :func:`closed_form` prices
+    it at the slowest stage's cost ``c_k`` (one micro-batch's forward + backward) on every stage: the
+    slowest stage works ``m · c_k`` without a break once its first micro-batch arrives, the others only
+    fill and drain the pipeline around it, so the makespan is ``m·c_k + Σ_{s≠k} c_s`` (plus the
+    transfers) instead of ``(m + pp − 1)·c_k``: the saving is ``Σ_s (c_k − c_s)``."""
+    slowest = max(stage_costs, default=0.0)
+    return sum(slowest - c for c in stage_costs)
+
+
 def pipeline_time(
     schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float
 ) -> tuple[float, float, tuple[int, ...]]:
@@ -212,6 +222,9 @@ def plan_layout(
     p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + p2p_fixed) if pp > 1 else 0.0
     p2p_one = PIPELINE_P2P.exposed(p2p_one, slow_f)  # exposed: the executor awaits receives before computing
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one)
+    if vpp == 1 and L.schedule in ("gpipe", "1f1b"):  # faster stages fill and drain the pipeline faster
+        makespan -= uneven_stages_saving([i[3] + i[4] for i in stage_info])
+        bubble = 1 - m * (slow_f + slow_b) / makespan
     ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
     for s, (chunks, params, (tp_axis, cp_axis, ep_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
         params, experts = MoE.ep_split(params, L.ep)  # experts: E/ep per rank, ZeRO over edp = dp·cp/ep
@@ -257,6 +270,8 @@ def plan_layout(
             buckets=buckets,
             units=units,
             root_calls=root_calls,
+            first_unit_calls=counts[0] if counts is not None and len(counts) > 1 else None,
+            overlap=training.overlap,
         )
         edp_axis = dp_axis if L.ep == 1 else AxisTraffic(edp, group_crosses_node(t * L.ep, edp, gpn))
         if epsi:  # expert gradients (and stage-3 gathers) on edp, hidden behind the same backward

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..comm.counter import SENT_FRACTION
 from ..layers.cross_entropy import CE_ALL_REDUCE_BYTES_PER_TOKEN
+from ..overlap import DP_REDUCTION, ZERO3_GATHER
 from ..zero.compression import INDEX_BYTES, topk_count
 from ..zero.policy import policy
 from ..zero.theory import grad_reductions_per_step
@@ -69,10 +70,22 @@ class AxisTraffic:
             {k: dict(v) for k, v in self.by_kind.items()},
         )
 
-    def add(self, kind: str, payload: float, count: float, hw: Hardware, what: str, calls: int = 1) -> float:
+    def add(
+        self,
+        kind: str,
+        payload: float,
+        count: float,
+        hw: Hardware,
+        what: str,
+        calls: int = 1,
+        blocking: int | None = None,
+    ) -> float:
         """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls``
         separate collectives (buckets, units) that split the payload; returns one's time: bytes at the
-        bandwidth, plus per call the ring's latency steps and the profile's ``collective_overhead_us``."""
+        bandwidth, plus per call the ring's latency steps, plus the profile's ``collective_overhead_us``
+        for each of the ``blocking`` calls (default all) the rank waits for as soon as it issues them:
+        a collective launched ahead of its wait (prefetched, launched from a backward hook) meets its
+        peers' arrival and wake-up while this rank still computes."""
         n = self.group_size
         if n <= 1 or count == 0 or payload == 0:
             return 0.0
@@ -80,12 +93,14 @@ class AxisTraffic:
             sent, steps = payload, 1
         else:
             sent, steps = SENT_FRACTION[kind](n) * payload, RING_STEPS[kind] * (n - 1)
-        fixed = steps * hw.latency_us * 1e-6 + hw.collective_overhead_us * 1e-6
-        one = sent / hw.bandwidth(self.crosses_node) + max(1, calls) * fixed
+        calls = max(1, calls)
+        blocking = calls if blocking is None else min(calls, max(0, blocking))
+        fixed = calls * steps * hw.latency_us * 1e-6 + blocking * hw.collective_overhead_us * 1e-6
+        one = sent / hw.bandwidth(self.crosses_node) + fixed
         self.bytes += count * sent
         self.time_s += count * one
         kind_sum = self.by_kind.setdefault(kind, {"calls": 0.0, "seconds": 0.0})
-        kind_sum["calls"] += count * max(1, calls)
+        kind_sum["calls"] += count * calls
         kind_sum["seconds"] += count * one
         self.items.append(f"{what}: {count:g} × {kind} of {payload / 1e6:,.1f} MB")
         return one
@@ -110,6 +125,8 @@ def dp_traffic(
     buckets: int = 1,
     units: int = 1,
     root_calls: int = 1,
+    first_unit_calls: int | None = None,
+    overlap: bool = True,
 ) -> dict[str, float]:
     """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
 
@@ -121,7 +138,11 @@ def dp_traffic(
     (stage 0) all-gathers ``k`` values + int32 indices per rank instead of the
     all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Each reduction and the after-step gather is issued as
     ``buckets`` collectives, stage 3's per-unit gathers (and its reductions, at least) as ``units``
-    (the blocks' buckets), its once-per-step gather of the rest as ``root_calls``:
+    (the blocks' buckets), its once-per-step gather of the rest as ``root_calls``. Where
+    :mod:`parallel.overlap` says stage 3 launches them ahead of their wait (``ZERO3_GATHER``: prefetched;
+    ``DP_REDUCTION`` with ``overlap``: from each unit's backward hook), only the first unit's gathers
+    (``first_unit_calls``, default one) and the reductions launched when backward ends (the first
+    unit's and the rest's) block on issue (:meth:`AxisTraffic.add`'s ``blocking``):
     each pays the ring's latency and the profile's fixed cost per call. Returns the seconds of one of each kind
     (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
     ``param_bwd_per_mb``).
@@ -139,19 +160,24 @@ def dp_traffic(
         out["grad_per_step"] = one
     else:
         calls = max(buckets, units) if pol.gathers_per_unit else buckets
+        first = 1 if first_unit_calls is None else first_unit_calls
+        ends_backward = first + root_calls if pol.gathers_per_unit and DP_REDUCTION.hidden(overlap) else None
         if grad_reductions_per_step(zero, m, accumulate) == 1:  # stages 0-1; ZeRO-2/3 accumulating unsharded
-            out["grad_per_step"] = axis.add(pol.reduce, psi * comm_bytes, 1, hw, "gradients", calls)
+            out["grad_per_step"] = axis.add(pol.reduce, psi * comm_bytes, 1, hw, "gradients", calls, ends_backward)
         else:
-            out["grad_per_mb"] = axis.add(pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch", calls)
+            out["grad_per_mb"] = axis.add(
+                pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch", calls, ends_backward
+            )
     if pol.gathers_after_step:
         out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters", buckets)
     if pol.gathers_per_unit:
         blocks = psi if regathered_psi is None else regathered_psi
+        ahead = first if ZERO3_GATHER.hidden(overlap) else None  # prefetched: the first unit's block
         out["param_fwd_per_mb"] = axis.add(
-            "all_gather", blocks * param_bytes, m, hw, "block parameters before forward", units
+            "all_gather", blocks * param_bytes, m, hw, "block parameters before forward", units, ahead
         )
         out["param_bwd_per_mb"] = axis.add(
-            "all_gather", blocks * param_bytes, m, hw, "block parameters before backward", units
+            "all_gather", blocks * param_bytes, m, hw, "block parameters before backward", units, ahead
         )
         if psi > blocks:  # the rest (embedding, head) stays gathered from the first forward to the step
             out["param_after_step"] = axis.add(
