@@ -5,7 +5,7 @@ then trains a small GPT in each of :data:`LAYOUTS` (dp, tp, pp, ZeRO stages, acc
 recipe's own launcher and ``plan.hardware=<that file>``; the trainer's first-step report prints the
 planner's step time beside the measured one (:func:`recipes.reports.time_report`), which this collects.
 
-The measured time in ``plan.md`` / ``plan.json`` is the median over steps 3–8 of rank 0's wall time per
+The measured time in ``plan.md`` / ``plan.json`` is the median over steps 3–16 of rank 0's wall time per
 step *less the time its main thread waited, runnable, for a CPU* (``runqueue_s`` in ``metrics.jsonl``,
 :func:`recipes.reports.runqueue_seconds`): all ranks are one-thread CPU processes, and on a machine
 shared with other work (2 ranks on 2 cores beside other jobs) the wall time measures the load, not the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 MODEL = ["model.d_model=128", "model.seq_len=64", "train.precision=fp32", "train.threads=1"]
 TRAIN = [
-    "train.max_steps=8",
+    "train.max_steps=16",
     "train.eval_every=0",
     "train.log_every=1",
     "logger.progress=false",
@@ -232,7 +232,7 @@ def _breakdown_worker(rc, run_dir: str, steps: int, skip: int) -> dict:
     return measured_parts(samples)
 
 
-def breakdown(name: str, args: list[str], hw: Path, out: Path, steps: int = 8, skip: int = 2) -> dict:
+def breakdown(name: str, args: list[str], hw: Path, out: Path, steps: int = 16, skip: int = 2) -> dict:
     """The measured parts of one layout's step (:func:`_breakdown_worker`, rank 0's, and every
     rank's step time) beside the planner's parts of the same layout (:func:`recipes.reports.predicted_parts`)."""
     from hydra import compose, initialize_config_module
@@ -252,8 +252,9 @@ def breakdown(name: str, args: list[str], hw: Path, out: Path, steps: int = 8, s
     layout = validate(rc, world_size=None)
     run_dir = out / ("breakdown_" + re.sub(r"\W+", "_", name))
     run_dir.mkdir(parents=True, exist_ok=True)
-    wait_for_quiet()
-    per_rank = spawn_local(_breakdown_worker, layout.world_size, rc, str(run_dir), steps, skip)
+    per_rank, other = _disturbance(
+        lambda: spawn_local(_breakdown_worker, layout.world_size, rc, str(run_dir), steps, skip)
+    )
     plan = plan_from_config(rc)
     last = (rc.parallel.pp - 1) * layout.world_size // rc.parallel.pp  # the last stage's first rank
     return {
@@ -262,6 +263,7 @@ def breakdown(name: str, args: list[str], hw: Path, out: Path, steps: int = 8, s
         "predicted": predicted_parts(plan),
         "last_stage": None if last == 0 else {"measured": per_rank[last], "predicted": predicted_parts(plan, -1)},
         "measured_step_s_per_rank": [per_rank[r]["step_s"] for r in sorted(per_rank)],
+        "other_cores": other,
     }
 
 
@@ -269,7 +271,8 @@ def format_layout_breakdown(part: dict) -> str:
     """:func:`recipes.reports.format_breakdown` of rank 0 and, with pp > 1, of the last stage."""
     from recipes.reports import format_breakdown
 
-    text = format_breakdown(f"{part['layout']}, rank 0", part["measured"], part["predicted"])
+    other = f" (other jobs {part['other_cores']:.2f} cores)" if "other_cores" in part else ""
+    text = format_breakdown(f"{part['layout']}, rank 0{other}", part["measured"], part["predicted"])
     if part.get("last_stage"):
         last = part["last_stage"]
         text += "\n" + format_breakdown(f"{part['layout']}, last stage", last["measured"], last["predicted"])

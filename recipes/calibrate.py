@@ -83,6 +83,21 @@ def _quietest(fn, device: torch.device, reps: int) -> float:
     return min(_time(fn, device=device, reps=reps, stat=statistics.mean) for _ in range(ROUNDS))
 
 
+#: rounds of the paired measurements (a collective's fixed cost, overlap): many, each short
+PAIRED_ROUNDS = 15
+
+
+def _paired(fns: dict, device: torch.device, reps: int, rounds: int = PAIRED_ROUNDS) -> list[dict[str, float]]:
+    """Per round, the mean seconds of ``reps`` calls of each of ``fns`` (by name), run one after the
+    other in the same round: a difference or ratio between them is taken within a round (the machine's
+    state drifts between rounds on a shared host: both sides of a difference see the same drift), and
+    its median over rounds is what counts (:func:`fit_collective_overhead`, :func:`fit_overlap_fraction`).
+    A fixed count: every member of a group calls each as often."""
+    return [
+        {k: _time(fn, device=device, reps=reps, stat=statistics.mean) for k, fn in fns.items()} for _ in range(rounds)
+    ]
+
+
 def _typical(fn, device: torch.device, reps: int) -> float:
     """The median of :data:`ROUNDS` rounds' mean seconds of ``reps`` calls of ``fn`` (a fixed count):
     for costs that depend on the ranks' arrival skew, where the quietest round would be the luckiest."""
@@ -253,8 +268,10 @@ def _collectives_worker(
         x = torch.ones(SMALL // 4, device=device)
         if rank < n:
             after = lambda: (gemms(), comm.all_reduce(x, group=group))  # noqa: B023, E731
-            row["compute_s"] = _typical(gemms, device, COLLECTIVE_REPS)
-            row["after_compute_s"] = _typical(after, device, COLLECTIVE_REPS)
+            rounds = _paired({"compute_s": gemms, "after_compute_s": after}, device, COLLECTIVE_REPS)
+            row["rounds"] = rounds
+            row["compute_s"] = statistics.median(r["compute_s"] for r in rounds)
+            row["after_compute_s"] = statistics.median(r["after_compute_s"] for r in rounds)
         dist.barrier()
         out["links"].append(row)
     if mc is not None:
@@ -271,11 +288,13 @@ def _collectives_worker(
             step()
             work.wait()
 
-        out["overlap"] = {
-            "block_s": _typical(step, device, OVERLAP_REPS),
-            "comm_s": _typical(lambda: comm.all_reduce(grads, group=group), device, OVERLAP_REPS),
-            "both_s": _typical(both, device, OVERLAP_REPS),
-        }
+        rounds = _paired(
+            {"block_s": step, "comm_s": lambda: comm.all_reduce(grads, group=group), "both_s": both},
+            device,
+            OVERLAP_REPS,
+        )
+        out["overlap"] = {k: statistics.median(r[k] for r in rounds) for k in ("block_s", "comm_s", "both_s")}
+        out["overlap"]["rounds"] = rounds
         dist.barrier()
     dist.destroy_process_group()
     return out
@@ -292,20 +311,32 @@ def fit_links(rows: list[dict]) -> tuple[float, float]:
 
 def fit_collective_overhead(rows: list[dict], latency_us: float) -> float:
     """Microseconds a ``parallel.comm`` collective issued after compute takes beyond its ring latency
-    steps: the median over group sizes of ``after_compute_s − compute_s − 2(n−1)·latency``, ≥ 0
-    (each a quietest-round mean, :func:`_quietest`)."""
-    extra = [r["after_compute_s"] - r["compute_s"] - 2 * (r["n"] - 1) * latency_us * 1e-6 for r in rows]
-    return max(0.0, statistics.median(extra) * 1e6) if extra else 0.0
+    steps: over group sizes, the median of ``after_compute_s − compute_s − 2(n−1)·latency``, ≥ 0, each
+    the median over the row's paired ``rounds`` of the difference within a round (:func:`_paired`), or
+    of the row's own two figures where it has no rounds."""
+
+    def extra(r: dict) -> float:
+        steps = 2 * (r["n"] - 1) * latency_us * 1e-6
+        pairs = r.get("rounds") or [r]
+        return statistics.median(p["after_compute_s"] - p["compute_s"] for p in pairs) - steps
+
+    values = [extra(r) for r in rows]
+    return max(0.0, statistics.median(values) * 1e6) if values else 0.0
+
+
+def _hidden_share(row: dict) -> float:
+    hidden = row["block_s"] + row["comm_s"] - row["both_s"]
+    return min(1.0, max(0.0, hidden / max(min(row["block_s"], row["comm_s"]), 1e-12)))
 
 
 def fit_overlap_fraction(row: dict | None) -> float:
     """The share of an all-reduce that a block's forward + backward hides when the all-reduce is
-    launched first: ``(t_block + t_comm − t_both) / min(t_block, t_comm)``, clipped to [0, 1]; 1 when
-    nothing was measured (one rank)."""
+    launched first: ``(t_block + t_comm − t_both) / min(t_block, t_comm)``, clipped to [0, 1], the
+    median over the row's paired ``rounds`` (:func:`_paired`; the row's own figures without rounds);
+    1 when nothing was measured (one rank)."""
     if not row:
         return 1.0
-    hidden = row["block_s"] + row["comm_s"] - row["both_s"]
-    return min(1.0, max(0.0, hidden / max(min(row["block_s"], row["comm_s"]), 1e-12)))
+    return statistics.median(_hidden_share(r) for r in (row.get("rounds") or [row]))
 
 
 def fit_colocated_slowdown(blocks: list[dict]) -> float:
