@@ -26,6 +26,9 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
 * **ranks sharing the host** (``colocated_slowdown``): the configured model's block forward + backward
   on one rank alone, then on k = 2…min(cores, N) ranks at once (the minimum over repeats, as above);
   the slowdown per extra busy rank is the least-squares slope of ``t_k / t_1 − 1`` over ``k − 1``;
+* **a collective launched ahead of its wait** (``ahead_call_us``): ZeRO-3's prefetched all-gather and
+  hook-launched reduce-scatter of one block, launched asynchronously before ≈ 1 ms of GEMMs and waited
+  for after them, less the GEMMs alone (paired rounds) and the bytes' time, averaged over both kinds;
 * **how much compute hides** (``overlap_fraction``): on every rank, the block, an all-reduce of its
   gradients, and the all-reduce launched asynchronously before the block; the share of the shorter
   one the overlap saved (on a CPU whose cores all run ranks, gloo's copies compete with the compute).
@@ -296,8 +299,51 @@ def _collectives_worker(
         out["overlap"] = {k: statistics.median(r[k] for r in rounds) for k in ("block_s", "comm_s", "both_s")}
         out["overlap"]["rounds"] = rounds
         dist.barrier()
+        out["ahead"] = _launched_ahead(gemms, numel, group, device)
+        dist.barrier()
     dist.destroy_process_group()
     return out
+
+
+def _launched_ahead(compute, numel: int, group, device: torch.device) -> dict:
+    """ZeRO-3's collectives as the engine issues them: an all-gather (a unit's parameters, prefetched)
+    and a reduce-scatter (a unit's gradients, from its backward hook) of one block's ``numel`` fp32
+    elements launched asynchronously, then ``compute`` (≈ :data:`COMPUTE_BEFORE_S` of GEMMs), then the
+    wait; paired rounds (:func:`_paired`) with ``compute`` alone. Every member of ``group`` calls."""
+    from parallel import comm
+
+    n = comm.group_size(group)
+    shard, full = torch.ones(-(-numel // n), device=device), torch.ones(n * -(-numel // n), device=device)
+
+    def gather():
+        work = comm.all_gather(full, shard, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    def scatter():
+        work = comm.reduce_scatter(shard, full, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    rounds = _paired(
+        {"compute_s": compute, "all_gather_s": gather, "reduce_scatter_s": scatter}, device, COLLECTIVE_REPS
+    )
+    return {"n": n, "payload_bytes": full.numel() * 4, "rounds": rounds}
+
+
+def fit_launched_ahead(row: dict | None, gbps: float) -> float:
+    """Microseconds one collective launched ahead of its wait costs beyond its bytes at ``gbps`` (GB/s
+    per rank, ring: ``(n−1)/n`` of the payload sent): the median over the paired rounds of
+    ``t(collective + compute) − t(compute)`` less the bytes' time, over both kinds, ≥ 1 µs; 0 (not
+    measured: the planner prices such calls at the ring's latency steps) without a row."""
+    if not row or not row.get("rounds"):
+        return 0.0
+    sent = (row["n"] - 1) / row["n"] * row["payload_bytes"] / (gbps * 1e9)
+    extra = [
+        statistics.median(r[f"{kind}_s"] - r["compute_s"] for r in row["rounds"]) - sent
+        for kind in ("all_gather", "reduce_scatter")
+    ]
+    return max(1.0, statistics.mean(extra) * 1e6)
 
 
 def fit_links(rows: list[dict]) -> tuple[float, float]:
@@ -395,6 +441,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "collective_overhead_us": fit_collective_overhead(links, latency_us),
         "colocated_slowdown": fit_colocated_slowdown(blocks),
         "overlap_fraction": fit_overlap_fraction(per_rank[0].get("overlap") if per_rank else None),
+        "ahead_call_us": fit_launched_ahead(per_rank[0].get("ahead") if per_rank else None, gbps),
     }
     fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
     fields["microbatch_overhead_us"], fields["step_overhead_us"] = host_overheads_us(rc, fields, device)
@@ -409,6 +456,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "allreduce": links,
         "block_busy_ranks": blocks,
         "overlap": per_rank[0].get("overlap") if per_rank else None,
+        "launched_ahead": per_rank[0].get("ahead") if per_rank else None,
         "ranks": n,
     }
     (out / "calibration.json").write_text(json.dumps(raw, indent=1))
@@ -430,6 +478,7 @@ def run_calibrate(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         f"latency {fields['latency_us']:.0f} µs + {fields['collective_overhead_us']:.0f} µs per collective, "
         f"slowdown {fields['colocated_slowdown']:.2f} per other busy rank, "
         f"{fields['overlap_fraction']:.0%} of an overlapped all-reduce hidden, "
+        f"{fields['ahead_call_us']:.0f} µs per collective launched ahead, "
         f"fixed costs {fields['block_overhead_us']:.0f} µs per block, "
         f"{fields['microbatch_overhead_us']:.0f} µs per micro-batch, {fields['step_overhead_us']:.0f} µs per step"
         f"\nuse it: mode=plan plan.hardware={path}"

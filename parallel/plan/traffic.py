@@ -82,10 +82,11 @@ class AxisTraffic:
     ) -> float:
         """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls``
         separate collectives (buckets, units) that split the payload; returns one's time: bytes at the
-        bandwidth, plus per call the ring's latency steps, plus the profile's ``collective_overhead_us``
-        for each of the ``blocking`` calls (default all) the rank waits for as soon as it issues them:
-        a collective launched ahead of its wait (prefetched, launched from a backward hook) meets its
-        peers' arrival and wake-up while this rank still computes."""
+        bandwidth, plus for each of the ``blocking`` calls (default all: the rank waits for them as soon
+        as it issues them) the ring's latency steps and the profile's ``collective_overhead_us``, for
+        each other call (launched ahead of its wait: prefetched, or from a backward hook; it meets its
+        peers' arrival and wake-up while this rank still computes) the profile's ``ahead_call_us``
+        (0: the ring's latency steps)."""
         n = self.group_size
         if n <= 1 or count == 0 or payload == 0:
             return 0.0
@@ -95,7 +96,9 @@ class AxisTraffic:
             sent, steps = SENT_FRACTION[kind](n) * payload, RING_STEPS[kind] * (n - 1)
         calls = max(1, calls)
         blocking = calls if blocking is None else min(calls, max(0, blocking))
-        fixed = calls * steps * hw.latency_us * 1e-6 + blocking * hw.collective_overhead_us * 1e-6
+        ring = steps * hw.latency_us * 1e-6
+        ahead = hw.ahead_call_us * 1e-6 if hw.ahead_call_us > 0 else ring
+        fixed = blocking * (ring + hw.collective_overhead_us * 1e-6) + (calls - blocking) * ahead
         one = sent / hw.bandwidth(self.crosses_node) + fixed
         self.bytes += count * sent
         self.time_s += count * one

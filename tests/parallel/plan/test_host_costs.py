@@ -56,6 +56,12 @@ def test_collectives_launched_ahead_skip_the_blocking_cost():
         assert b["param_fwd_per_mb"] - a["param_fwd_per_mb"] == pytest.approx(gathers * 1e-3)
         assert b["param_bwd_per_mb"] - a["param_bwd_per_mb"] == pytest.approx(gathers * 1e-3)
         assert b["grad_per_mb"] - a["grad_per_mb"] == pytest.approx(reductions * 1e-3)
+    # a measured cost per call launched ahead replaces their latency steps (0: latency steps)
+    measured = dataclasses.replace(costly, ahead_call_us=300.0)
+    c = dp_traffic(measured, AxisTraffic(2, False), **calls, **kw)
+    b = dp_traffic(costly, AxisTraffic(2, False), **calls, **kw)
+    assert c["param_fwd_per_mb"] - b["param_fwd_per_mb"] == pytest.approx((8 - 2) * (300e-6 - 10e-6))
+    assert c["grad_per_mb"] - b["grad_per_mb"] == pytest.approx((10 - 4) * (300e-6 - 10e-6))
     latency_only = dp_traffic(free, AxisTraffic(2, False), **calls, **kw)
     nothing = dp_traffic(dataclasses.replace(free, latency_us=0.0), AxisTraffic(2, False), **calls, **kw)
     assert latency_only["param_fwd_per_mb"] - nothing["param_fwd_per_mb"] == pytest.approx(8 * 10e-6)
@@ -130,6 +136,8 @@ def test_overlap_fraction_zero_exposes_what_overlap_would_hide():
         ("colocated_slowdown", float("inf")),
         ("overlap_fraction", 1.5),
         ("overlap_fraction", float("nan")),
+        ("ahead_call_us", -1.0),
+        ("ahead_call_us", float("inf")),
     ],
 )
 def test_bad_host_terms_are_refused(field, bad):
