@@ -21,10 +21,11 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
   tight loop: the rank that arrives first sleeps and is woken, and ``parallel.comm`` adds its Python.
   Measured on the same ranks: ≈ 1 ms of the model's GEMMs (:data:`COMPUTE_BEFORE_S`) followed by a
   4 KiB ``parallel.comm.all_reduce``, less the GEMMs alone and the ring's fitted latency steps (the
-  median of five rounds' means: the cost includes the ranks' arrival skew, which the luckiest round
-  hides; the ring's latency and bandwidth are the quietest round's, what other jobs disturbed least);
+  median over :data:`PAIRED_ROUNDS` rounds of the difference within each round, :func:`_paired`: the
+  cost includes the ranks' arrival skew, which the luckiest round hides; the ring's latency and
+  bandwidth are the quietest round's, what other jobs disturbed least);
 * **ranks sharing the host** (``colocated_slowdown``): the configured model's block forward + backward
-  on one rank alone, then on k = 2…min(cores, N) ranks at once (the minimum over repeats, as above);
+  on one rank alone, then on k = 2…min(cores, N) ranks at once (the median over repeats, as above);
   the slowdown per extra busy rank is the least-squares slope of ``t_k / t_1 − 1`` over ``k − 1``;
 * **a collective launched ahead of its wait** (``ahead_call_us``): ZeRO-3's prefetched all-gather and
   hook-launched reduce-scatter of one block, launched asynchronously before ≈ 1 ms of GEMMs and waited
@@ -57,10 +58,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # all-reduce payloads: latency, bandwidth
 
 
-def _time(fn, min_s: float = 0.1, device: torch.device | None = None, reps: int | None = None, stat=min) -> float:
-    """``stat`` (the minimum: the time with the core to itself, what a machine shared with other work
-    still shows) of the seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps``
-    (collectives, which take the median: every rank must call as often), after one warm-up."""
+def _time(
+    fn, min_s: float = 0.1, device: torch.device | None = None, reps: int | None = None, stat=statistics.median
+) -> float:
+    """``stat`` (the median: the typical time, what a training step that runs the op many times pays;
+    the minimum is the luckiest repeat, ≈ 15 % faster than the median for a block on a CPU, and hides
+    ranks slowing each other down: 1.13× by the minimum, 1.3–1.4× by the median for two ranks on two
+    cores) of the seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps`` (collectives:
+    every rank must call as often), after one warm-up. Measure on a quiet machine (``benchmarks/plan.py``
+    waits for one)."""
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     fn()
     sync()
@@ -211,7 +217,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
 #: and the first to arrive waits for the last): ≈ 1.5 ms after 1 ms, 1.2–3.3 ms after a 3 ms block on
 #: the 2-core VM this was written on, too noisy to fit a slope from (docs/planner.md)
 COMPUTE_BEFORE_S = 1e-3
-COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS = 20, 20, 10
+COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS = 20, 100, 10
 
 
 def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
