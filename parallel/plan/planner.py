@@ -271,6 +271,7 @@ def plan_layout(
             units=units,
             root_calls=root_calls,
             first_unit_calls=counts[0] if counts is not None and len(counts) > 1 else None,
+            unit_count=len(counts) - 1 if counts is not None and len(counts) > 1 else None,
             overlap=training.overlap,
         )
         edp_axis = dp_axis if L.ep == 1 else AxisTraffic(edp, group_crosses_node(t * L.ep, edp, gpn))

@@ -79,14 +79,17 @@ class AxisTraffic:
         what: str,
         calls: int = 1,
         blocking: int | None = None,
+        launches: int | None = None,
     ) -> float:
         """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls``
         separate collectives (buckets, units) that split the payload; returns one's time: bytes at the
         bandwidth, plus for each of the ``blocking`` calls (default all: the rank waits for them as soon
         as it issues them) the ring's latency steps and the profile's ``collective_overhead_us``, for
         each other call (launched ahead of its wait: prefetched, or from a backward hook; it meets its
-        peers' arrival and wake-up while this rank still computes) the profile's ``ahead_call_us``
-        (0: the ring's latency steps)."""
+        peers' arrival and wake-up while this rank still computes) the ring's latency steps, or where the
+        profile measured it the host's ``ahead_call_us`` once per ``launches`` (default: per call): the
+        buckets of one ZeRO unit are launched together and the transport's thread runs them back to
+        back, waking once."""
         n = self.group_size
         if n <= 1 or count == 0 or payload == 0:
             return 0.0
@@ -97,8 +100,12 @@ class AxisTraffic:
         calls = max(1, calls)
         blocking = calls if blocking is None else min(calls, max(0, blocking))
         ring = steps * hw.latency_us * 1e-6
-        ahead = hw.ahead_call_us * 1e-6 if hw.ahead_call_us > 0 else ring
-        fixed = blocking * (ring + hw.collective_overhead_us * 1e-6) + (calls - blocking) * ahead
+        n_ahead = calls - blocking
+        if hw.ahead_call_us > 0:  # measured on this host: once per launch of calls issued together
+            ahead = min(n_ahead, n_ahead if launches is None else max(0, launches)) * hw.ahead_call_us * 1e-6
+        else:
+            ahead = n_ahead * ring
+        fixed = blocking * (ring + hw.collective_overhead_us * 1e-6) + ahead
         one = sent / hw.bandwidth(self.crosses_node) + fixed
         self.bytes += count * sent
         self.time_s += count * one
@@ -129,6 +136,7 @@ def dp_traffic(
     units: int = 1,
     root_calls: int = 1,
     first_unit_calls: int | None = None,
+    unit_count: int | None = None,
     overlap: bool = True,
 ) -> dict[str, float]:
     """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
@@ -145,12 +153,14 @@ def dp_traffic(
     :mod:`parallel.overlap` says stage 3 launches them ahead of their wait (``ZERO3_GATHER``: prefetched;
     ``DP_REDUCTION`` with ``overlap``: from each unit's backward hook), only the first unit's gathers
     (``first_unit_calls``, default one) and the reductions launched when backward ends (the first
-    unit's and the rest's) block on issue (:meth:`AxisTraffic.add`'s ``blocking``):
+    unit's and the rest's) block on issue (:meth:`AxisTraffic.add`'s ``blocking``), and the others are
+    launched unit by unit (``unit_count`` blocks; default: each bucket apart):
     each pays the ring's latency and the profile's fixed cost per call. Returns the seconds of one of each kind
     (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
     ``param_bwd_per_mb``).
     """
     m, n = micro_batches, axis.group_size
+    other_units = None if unit_count is None else max(0, unit_count - 1)  # ZeRO-3: launched unit by unit
     out = dict.fromkeys(
         ("grad_per_mb", "grad_per_step", "param_after_step", "param_fwd_per_mb", "param_bwd_per_mb"), 0.0
     )
@@ -166,10 +176,12 @@ def dp_traffic(
         first = 1 if first_unit_calls is None else first_unit_calls
         ends_backward = first + root_calls if pol.gathers_per_unit and DP_REDUCTION.hidden(overlap) else None
         if grad_reductions_per_step(zero, m, accumulate) == 1:  # stages 0-1; ZeRO-2/3 accumulating unsharded
-            out["grad_per_step"] = axis.add(pol.reduce, psi * comm_bytes, 1, hw, "gradients", calls, ends_backward)
+            out["grad_per_step"] = axis.add(
+                pol.reduce, psi * comm_bytes, 1, hw, "gradients", calls, ends_backward, other_units
+            )
         else:
             out["grad_per_mb"] = axis.add(
-                pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch", calls, ends_backward
+                pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch", calls, ends_backward, other_units
             )
     if pol.gathers_after_step:
         out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters", buckets)
@@ -177,10 +189,10 @@ def dp_traffic(
         blocks = psi if regathered_psi is None else regathered_psi
         ahead = first if ZERO3_GATHER.hidden(overlap) else None  # prefetched: the first unit's block
         out["param_fwd_per_mb"] = axis.add(
-            "all_gather", blocks * param_bytes, m, hw, "block parameters before forward", units, ahead
+            "all_gather", blocks * param_bytes, m, hw, "block parameters before forward", units, ahead, other_units
         )
         out["param_bwd_per_mb"] = axis.add(
-            "all_gather", blocks * param_bytes, m, hw, "block parameters before backward", units, ahead
+            "all_gather", blocks * param_bytes, m, hw, "block parameters before backward", units, ahead, other_units
         )
         if psi > blocks:  # the rest (embedding, head) stays gathered from the first forward to the step
             out["param_after_step"] = axis.add(
