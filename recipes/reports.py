@@ -245,6 +245,7 @@ def predicted_parts(plan, stage: int = 0) -> dict:
         "dp_exposed_s": s["dp_exposed_s"],
         "optimizer_s": s.get("optimizer_s", 0.0),
         "step_overhead_s": s.get("step_overhead_s", 0.0),
+        "scalars_s": s.get("scalars_s", 0.0),
         "comm": comm,
     }
 
@@ -260,7 +261,8 @@ def format_breakdown(name: str, measured: dict, predicted: dict) -> str:
         f" (bubble {ms(predicted['bubble_s'])})",
         f"    compute          {ms(measured['compute_s'])}   predicted {ms(predicted['compute_s'])}",
         f"  optimizer step     {ms(measured['optimizer_step_s'])}   predicted optimizer {ms(predicted['optimizer_s'])}"
-        f" + overhead {ms(predicted['step_overhead_s'])} + dp exposed {ms(predicted['dp_exposed_s'])}",
+        f" + overhead {ms(predicted['step_overhead_s'])} + dp exposed {ms(predicted['dp_exposed_s'])}"
+        f" + tp/pp/embedding scalars {ms(predicted.get('scalars_s', 0.0))}",
         f"    without comm     {ms(measured['optimizer_s'])}",
         f"  rest               {ms(measured['rest_s'])}",
         "  collectives measured (blocked ms, calls):",

@@ -226,6 +226,7 @@ def plan_layout(
         makespan -= uneven_stages_saving([i[3] + i[4] for i in stage_info])
         bubble = 1 - m * (slow_f + slow_b) / makespan
     ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
+    scalars_tp_pp = 0.0  # the step's scalars on the tp and pp groups (the norm, the loss's broadcast)
     for s, (chunks, params, (tp_axis, cp_axis, ep_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
         params, experts = MoE.ep_split(params, L.ep)  # experts: E/ep per rank, ZeRO over edp = dp·cp/ep
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
@@ -242,7 +243,7 @@ def plan_layout(
         if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
             sp_shard = M.padded(params.replicated, dp) // (dp if policy(L.zero).shards_optimizer else 1)
             tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
-        tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
+        scalars = tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
         counts = M.zero_bucket_counts(params, training.bucket_mb * 2**20, e, per_unit)  # one collective each
         if counts is not None:  # the engine's buckets: per block (ZeRO-3), then the rest
@@ -305,8 +306,9 @@ def plan_layout(
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
         pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
-        pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
-        pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
+        scalars += pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
+        scalars += pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
+        scalars_tp_pp = max(scalars_tp_pp, STEP_SCALARS.exposed(scalars, 0.0))  # after backward: exposed
         emb_axis = AxisTraffic(2 if params.shared_embedding and pp > 1 else 1, pp_axis.crosses_node)
         emb_shard = M.padded(params.shared_embedding, dp) // (
             dp if policy(L.zero).shards_optimizer else 1
@@ -356,7 +358,7 @@ def plan_layout(
         offload_exposed = max(offload_exposed, offload_s["exposed_s"])
     emb_time = STEP_SCALARS.exposed(max(r.traffic["embedding"]["time_s"] for r in ranks), 0.0)  # after backward
     overhead_s = C.step_overhead_seconds(work_hw)  # the step's fixed host cost (0 on GPU profiles)
-    step_time = makespan + dp_exposed + emb_time + offload_exposed + optimizer_s + overhead_s  # offload: host Adam
+    step_time = makespan + dp_exposed + emb_time + scalars_tp_pp + offload_exposed + optimizer_s + overhead_s
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
@@ -368,6 +370,7 @@ def plan_layout(
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer_s,
         "step_overhead_s": overhead_s,
+        "scalars_s": emb_time + scalars_tp_pp,  # tp/pp norm, loss broadcast, tied embedding (dp's in dp_exposed)
         "colocated_factor": C.colocated_factor(hw, colocated),
         "offload_s": offload_exposed,
         "tokens_per_s": tokens_step / step_time,

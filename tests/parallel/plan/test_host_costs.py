@@ -147,3 +147,17 @@ def test_overlap_fraction_zero_exposes_what_overlap_would_hide():
 def test_bad_host_terms_are_refused(field, bad):
     with pytest.raises(PlanError, match=f"{field}="):
         hardware_profile("cpu", **{field: bad})
+
+
+def test_the_steps_tp_and_pp_scalars_are_exposed():
+    """After backward the step all-reduces the gradient norm over tp and pp and broadcasts the loss from
+    the last stage: nothing hides them, each pays its latency steps and the blocking cost."""
+    hw = dataclasses.replace(HW, latency_us=100.0, collective_overhead_us=1000.0)
+    pp = _plan(Layout(pp=2), hw)
+    bw = hw.bandwidth(False)
+    one = 1 * 100e-6 + 1e-3 + 1 / 2 * 4 / bw  # a 4-byte broadcast over 2 ranks: 1 ring step, half sent
+    two = 2 * 100e-6 + 1e-3 + 2 * 1 / 2 * 4 / bw  # a 4-byte all-reduce: 2 steps
+    emb = pp.ranks[0].traffic["embedding"]["time_s"]
+    assert pp.step["scalars_s"] == pytest.approx(emb + one + two, rel=1e-9)
+    tp = _plan(Layout(tp=2), hw)
+    assert tp.step["scalars_s"] == pytest.approx(two, rel=1e-9)
