@@ -154,7 +154,7 @@ def test_the_steps_tp_and_pp_scalars_are_exposed():
     the last stage: nothing hides them, each pays its latency steps and the blocking cost."""
     hw = dataclasses.replace(HW, latency_us=100.0, collective_overhead_us=1000.0)
     pp = _plan(Layout(pp=2), hw)
-    bw = hw.bandwidth(False)
+    bw = hw.bandwidth(True)  # the cpu profile: one rank per node, so every group crosses nodes
     one = 1 * 100e-6 + 1e-3 + 1 / 2 * 4 / bw  # a 4-byte broadcast over 2 ranks: 1 ring step, half sent
     two = 2 * 100e-6 + 1e-3 + 2 * 1 / 2 * 4 / bw  # a 4-byte all-reduce: 2 steps
     emb = pp.ranks[0].traffic["embedding"]["time_s"]
