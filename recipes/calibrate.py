@@ -62,9 +62,9 @@ def _time(
     fn, min_s: float = 0.1, device: torch.device | None = None, reps: int | None = None, stat=statistics.median
 ) -> float:
     """``stat`` (the median: the typical time, what a training step that runs the op many times pays;
-    the minimum is the luckiest repeat, ≈ 15 % faster than the median for a block on a CPU, and hides
-    ranks slowing each other down: 1.13× by the minimum, 1.3–1.4× by the median for two ranks on two
-    cores) of the seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps`` (collectives:
+    the minimum is the luckiest repeat, 7–15 % faster than the median for a block on a CPU, and hides
+    part of ranks slowing each other down: two processes on two cores 1.03–1.13× by the minimum,
+    1.10–1.4× by the median in two trials) of the seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps`` (collectives:
     every rank must call as often), after one warm-up. Measure on a quiet machine (``benchmarks/plan.py``
     waits for one)."""
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
