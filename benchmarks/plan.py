@@ -5,7 +5,7 @@ then trains a small GPT in each of :data:`LAYOUTS` (dp, tp, pp, ZeRO stages, acc
 recipe's own launcher and ``plan.hardware=<that file>``; the trainer's first-step report prints the
 planner's step time beside the measured one (:func:`recipes.reports.time_report`), which this collects.
 
-The measured time in ``plan.md`` / ``plan.json`` is the median over steps 3–8 of rank 0's wall time per
+The measured time in ``plan.md`` / ``plan.json`` is the median over steps 3–16 of rank 0's wall time per
 step *less the time its main thread waited, runnable, for a CPU* (``runqueue_s`` in ``metrics.jsonl``,
 :func:`recipes.reports.runqueue_seconds`): all ranks are one-thread CPU processes, and on a machine
 shared with other work (2 ranks on 2 cores beside other jobs) the wall time measures the load, not the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 MODEL = ["model.d_model=128", "model.seq_len=64", "train.precision=fp32", "train.threads=1"]
 TRAIN = [
-    "train.max_steps=8",
+    "train.max_steps=16",
     "train.eval_every=0",
     "train.log_every=1",
     "logger.progress=false",
@@ -127,7 +127,9 @@ def run(out: Path) -> list[dict]:
             attempts.append(_layout(name, args, hw, out, attempt))
             if attempts[-1]["other_cores"] <= QUIET_CORES:
                 break
-        rows.append({**min(attempts, key=lambda r: r["other_cores"]), "calibration_other_cores": other})
+        rows.append(
+            {**min(attempts, key=lambda r: r["other_cores"]), "calibration_other_cores": other, "hardware": str(hw)}
+        )
     return rows
 
 
@@ -170,16 +172,148 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(out: str | Path = "benchmarks/results") -> list[dict]:
+def _timed(fn, into: list[float]):
+    """``fn`` that appends each call's host seconds to ``into`` (a timing hook on one instance)."""
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    return wrapper
+
+
+def _breakdown_worker(rc, run_dir: str, steps: int, skip: int) -> dict:
+    """One spawned rank: train ``steps`` steps of ``rc`` with the recipe's :class:`~recipes.trainer.Trainer`
+    and, on the steps after the first ``skip``, time the step's parts on the host: the executor's run
+    (forwards, backwards, pipeline transfers, the collectives issued inside them), the ZeRO step
+    (reductions at the step, clipping's norm, the optimizer, the after-step gathers), the rest (the
+    loss's all-reduce, the loop); and inside them the time blocked in each collective kind
+    (``parallel.comm``'s counter: a blocking call's duration, an asynchronous handle's ``wait()``) per
+    group and operation, with its call count; and this process's wait for a CPU (``runqueue_s``).
+    Returns the medians over the timed steps of every figure (:func:`recipes.reports.measured_parts`)."""
+    from parallel import comm
+    from recipes.reports import measured_parts, runqueue_seconds
+    from recipes.trainer import Trainer
+
+    trainer = Trainer(rc, run_dir)
+    engine = trainer.engine
+    run_s: list[float] = []
+    opt_s: list[float] = []
+    engine.executor.run = _timed(engine.executor.run, run_s)
+    zero_step = engine.zero.step
+    opt_counter = comm.CommCounter()
+
+    def counted_step(*args, **kwargs):
+        with opt_counter:
+            return zero_step(*args, **kwargs)
+
+    engine.zero.step = _timed(counted_step, opt_s)
+    samples = []
+    for step in range(steps):
+        run_s.clear(), opt_s.clear(), opt_counter.reset()
+        rq0, t0 = runqueue_seconds(), time.perf_counter()
+        trainer.train_step(step, read=True)
+        wall, rq = time.perf_counter() - t0, runqueue_seconds() - rq0
+        if step >= skip:
+            samples.append(
+                dict(
+                    step_s=wall,
+                    runqueue_s=rq,
+                    run_s=sum(run_s),
+                    optimizer_step_s=sum(opt_s),
+                    comm=engine.last_comm.summary(),
+                    comm_in_optimizer_step=opt_counter.summary(),
+                )
+            )
+    comm.barrier()
+    return measured_parts(samples)
+
+
+def breakdown(name: str, args: list[str], hw: Path, out: Path, steps: int = 16, skip: int = 2) -> dict:
+    """The measured parts of one layout's step (:func:`_breakdown_worker`, rank 0's, and every
+    rank's step time) beside the planner's parts of the same layout (:func:`recipes.reports.predicted_parts`)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from launch.local import spawn_local
+    from recipes.main import register
+    from recipes.plan import plan_from_config
+    from recipes.validation import validate
+
+    register()
+    overrides = [*MODEL, *TRAIN, *args, f"plan.hardware={hw}", f"train.max_steps={steps}"]
+    with initialize_config_module("recipes.conf", version_base="1.3"):
+        rc = OmegaConf.to_object(compose("gpt_tiny", overrides=overrides))
+    from recipes.reports import predicted_parts
+
+    layout = validate(rc, world_size=None)
+    run_dir = out / ("breakdown_" + re.sub(r"\W+", "_", name))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    per_rank, other = _disturbance(
+        lambda: spawn_local(_breakdown_worker, layout.world_size, rc, str(run_dir), steps, skip)
+    )
+    plan = plan_from_config(rc)
+    last = (rc.parallel.pp - 1) * layout.world_size // rc.parallel.pp  # the last stage's first rank
+    return {
+        "layout": name,
+        "measured": per_rank[0],
+        "predicted": predicted_parts(plan),
+        "last_stage": None if last == 0 else {"measured": per_rank[last], "predicted": predicted_parts(plan, -1)},
+        "measured_step_s_per_rank": [per_rank[r]["step_s"] for r in sorted(per_rank)],
+        "other_cores": other,
+    }
+
+
+def format_layout_breakdown(part: dict) -> str:
+    """:func:`recipes.reports.format_breakdown` of rank 0 and, with pp > 1, of the last stage."""
+    from recipes.reports import format_breakdown
+
+    other = f" (other jobs {part['other_cores']:.2f} cores)" if "other_cores" in part else ""
+    text = format_breakdown(f"{part['layout']}, rank 0{other}", part["measured"], part["predicted"])
+    if part.get("last_stage"):
+        last = part["last_stage"]
+        text += "\n" + format_breakdown(f"{part['layout']}, last stage", last["measured"], last["predicted"])
+    return text
+
+
+def main(out: str | Path = "benchmarks/results", with_breakdown: bool = False) -> list[dict]:
+    """Calibrate, train every layout, write ``plan.md`` / ``plan.json``; ``with_breakdown``: also each
+    layout's measured parts beside the planner's (:func:`breakdown`), in both files."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = run(out / "plan_runs")
+    text = markdown(rows)
+    if with_breakdown:
+        hw = Path(rows[0]["hardware"])
+        parts = [breakdown(name, args, hw, out / "plan_runs") for name, args in LAYOUTS]
+        for row, part in zip(rows, parts):
+            row["breakdown"] = part
+        text += "\n\n```\n" + "\n\n".join(format_layout_breakdown(p) for p in parts)
+        text += "\n```"
     (out / "plan.json").write_text(json.dumps(rows, indent=1))
-    (out / "plan.md").write_text(markdown(rows) + "\n")
-    print(markdown(rows))
+    (out / "plan.md").write_text(text + "\n")
+    print(text)
     print(f"calibration: {rows[0]['calibration_other_cores']:.2f} cores used by other jobs meanwhile")
     return rows
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", nargs="?", default="benchmarks/results")
+    ap.add_argument("--breakdown", action="store_true", help="also each layout's measured parts beside the plan's")
+    ap.add_argument("--hardware", help="a calibrated hardware.json: skip calibrating and training, only break down")
+    ap.add_argument("--only", help="comma-separated substrings of layout names (with --hardware)")
+    a = ap.parse_args()
+    if a.hardware:
+        for name, args in LAYOUTS:
+            if a.only and not any(o in name for o in a.only.split(",")):
+                continue
+            p = breakdown(name, args, Path(a.hardware), Path(a.out) / "plan_runs")
+            print(format_layout_breakdown(p), flush=True)
+    else:
+        main(a.out, a.breakdown)

@@ -21,11 +21,15 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
   tight loop: the rank that arrives first sleeps and is woken, and ``parallel.comm`` adds its Python.
   Measured on the same ranks: ≈ 1 ms of the model's GEMMs (:data:`COMPUTE_BEFORE_S`) followed by a
   4 KiB ``parallel.comm.all_reduce``, less the GEMMs alone and the ring's fitted latency steps (the
-  median of five rounds' means: the cost includes the ranks' arrival skew, which the luckiest round
-  hides; the ring's latency and bandwidth are the quietest round's, what other jobs disturbed least);
+  median over :data:`PAIRED_ROUNDS` rounds of the difference within each round, :func:`_paired`: the
+  cost includes the ranks' arrival skew, which the luckiest round hides; the ring's latency and
+  bandwidth are the quietest round's, what other jobs disturbed least);
 * **ranks sharing the host** (``colocated_slowdown``): the configured model's block forward + backward
-  on one rank alone, then on k = 2…min(cores, N) ranks at once (the minimum over repeats, as above);
+  on one rank alone, then on k = 2…min(cores, N) ranks at once (the median over repeats, as above);
   the slowdown per extra busy rank is the least-squares slope of ``t_k / t_1 − 1`` over ``k − 1``;
+* **a collective launched ahead of its wait** (``ahead_call_us``): ZeRO-3's prefetched all-gather and
+  hook-launched reduce-scatter of one block, launched asynchronously before ≈ 1 ms of GEMMs and waited
+  for after them, less the GEMMs alone (paired rounds) and the bytes' time, averaged over both kinds;
 * **how much compute hides** (``overlap_fraction``): on every rank, the block, an all-reduce of its
   gradients, and the all-reduce launched asynchronously before the block; the share of the shorter
   one the overlap saved (on a CPU whose cores all run ranks, gloo's copies compete with the compute).
@@ -54,10 +58,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # all-reduce payloads: latency, bandwidth
 
 
-def _time(fn, min_s: float = 0.1, device: torch.device | None = None, reps: int | None = None, stat=min) -> float:
-    """``stat`` (the minimum: the time with the core to itself, what a machine shared with other work
-    still shows) of the seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps``
-    (collectives, which take the median: every rank must call as often), after one warm-up."""
+def _time(
+    fn, min_s: float = 0.1, device: torch.device | None = None, reps: int | None = None, stat=statistics.median
+) -> float:
+    """``stat`` (the median: the typical time, what a training step that runs the op many times pays;
+    the minimum is the luckiest repeat, 7–15 % faster than the median for a block on a CPU, and hides
+    part of ranks slowing each other down: two processes on two cores 1.03–1.13× by the minimum,
+    1.10–1.4× by the median in two trials) of the seconds of ``fn()`` over repeats filling ``min_s``, or exactly ``reps`` (collectives:
+    every rank must call as often), after one warm-up. Measure on a quiet machine (``benchmarks/plan.py``
+    waits for one)."""
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     fn()
     sync()
@@ -81,6 +90,21 @@ def _quietest(fn, device: torch.device, reps: int) -> float:
     hot, ≈ 1 ms when one has to be woken), the quietest round the one other jobs on a shared machine
     disturbed least. A fixed count: every member of a group calls it equally often."""
     return min(_time(fn, device=device, reps=reps, stat=statistics.mean) for _ in range(ROUNDS))
+
+
+#: rounds of the paired measurements (a collective's fixed cost, overlap): many, each short
+PAIRED_ROUNDS = 15
+
+
+def _paired(fns: dict, device: torch.device, reps: int, rounds: int = PAIRED_ROUNDS) -> list[dict[str, float]]:
+    """Per round, the mean seconds of ``reps`` calls of each of ``fns`` (by name), run one after the
+    other in the same round: a difference or ratio between them is taken within a round (the machine's
+    state drifts between rounds on a shared host: both sides of a difference see the same drift), and
+    its median over rounds is what counts (:func:`fit_collective_overhead`, :func:`fit_overlap_fraction`).
+    A fixed count: every member of a group calls each as often."""
+    return [
+        {k: _time(fn, device=device, reps=reps, stat=statistics.mean) for k, fn in fns.items()} for _ in range(rounds)
+    ]
 
 
 def _typical(fn, device: torch.device, reps: int) -> float:
@@ -193,7 +217,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
 #: and the first to arrive waits for the last): ≈ 1.5 ms after 1 ms, 1.2–3.3 ms after a 3 ms block on
 #: the 2-core VM this was written on, too noisy to fit a slope from (docs/planner.md)
 COMPUTE_BEFORE_S = 1e-3
-COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS = 20, 20, 10
+COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS = 20, 100, 10
 
 
 def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
@@ -253,8 +277,10 @@ def _collectives_worker(
         x = torch.ones(SMALL // 4, device=device)
         if rank < n:
             after = lambda: (gemms(), comm.all_reduce(x, group=group))  # noqa: B023, E731
-            row["compute_s"] = _typical(gemms, device, COLLECTIVE_REPS)
-            row["after_compute_s"] = _typical(after, device, COLLECTIVE_REPS)
+            rounds = _paired({"compute_s": gemms, "after_compute_s": after}, device, COLLECTIVE_REPS)
+            row["rounds"] = rounds
+            row["compute_s"] = statistics.median(r["compute_s"] for r in rounds)
+            row["after_compute_s"] = statistics.median(r["after_compute_s"] for r in rounds)
         dist.barrier()
         out["links"].append(row)
     if mc is not None:
@@ -271,14 +297,59 @@ def _collectives_worker(
             step()
             work.wait()
 
-        out["overlap"] = {
-            "block_s": _typical(step, device, OVERLAP_REPS),
-            "comm_s": _typical(lambda: comm.all_reduce(grads, group=group), device, OVERLAP_REPS),
-            "both_s": _typical(both, device, OVERLAP_REPS),
-        }
+        rounds = _paired(
+            {"block_s": step, "comm_s": lambda: comm.all_reduce(grads, group=group), "both_s": both},
+            device,
+            OVERLAP_REPS,
+        )
+        out["overlap"] = {k: statistics.median(r[k] for r in rounds) for k in ("block_s", "comm_s", "both_s")}
+        out["overlap"]["rounds"] = rounds
+        dist.barrier()
+        out["ahead"] = _launched_ahead(gemms, numel, group, device)
         dist.barrier()
     dist.destroy_process_group()
     return out
+
+
+def _launched_ahead(compute, numel: int, group, device: torch.device) -> dict:
+    """ZeRO-3's collectives as the engine issues them: an all-gather (a unit's parameters, prefetched)
+    and a reduce-scatter (a unit's gradients, from its backward hook) of one block's ``numel`` fp32
+    elements launched asynchronously, then ``compute`` (≈ :data:`COMPUTE_BEFORE_S` of GEMMs), then the
+    wait; paired rounds (:func:`_paired`) with ``compute`` alone. Every member of ``group`` calls."""
+    from parallel import comm
+
+    n = comm.group_size(group)
+    shard, full = torch.ones(-(-numel // n), device=device), torch.ones(n * -(-numel // n), device=device)
+
+    def gather():
+        work = comm.all_gather(full, shard, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    def scatter():
+        work = comm.reduce_scatter(shard, full, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    rounds = _paired(
+        {"compute_s": compute, "all_gather_s": gather, "reduce_scatter_s": scatter}, device, COLLECTIVE_REPS
+    )
+    return {"n": n, "payload_bytes": full.numel() * 4, "rounds": rounds}
+
+
+def fit_launched_ahead(row: dict | None, gbps: float) -> float:
+    """Microseconds one collective launched ahead of its wait costs beyond its bytes at ``gbps`` (GB/s
+    per rank, ring: ``(n−1)/n`` of the payload sent): the median over the paired rounds of
+    ``t(collective + compute) − t(compute)`` less the bytes' time, over both kinds, ≥ 1 µs; 0 (not
+    measured: the planner prices such calls at the ring's latency steps) without a row."""
+    if not row or not row.get("rounds"):
+        return 0.0
+    sent = (row["n"] - 1) / row["n"] * row["payload_bytes"] / (gbps * 1e9)
+    extra = [
+        statistics.median(r[f"{kind}_s"] - r["compute_s"] for r in row["rounds"]) - sent
+        for kind in ("all_gather", "reduce_scatter")
+    ]
+    return max(1.0, statistics.mean(extra) * 1e6)
 
 
 def fit_links(rows: list[dict]) -> tuple[float, float]:
@@ -292,20 +363,32 @@ def fit_links(rows: list[dict]) -> tuple[float, float]:
 
 def fit_collective_overhead(rows: list[dict], latency_us: float) -> float:
     """Microseconds a ``parallel.comm`` collective issued after compute takes beyond its ring latency
-    steps: the median over group sizes of ``after_compute_s − compute_s − 2(n−1)·latency``, ≥ 0
-    (each a quietest-round mean, :func:`_quietest`)."""
-    extra = [r["after_compute_s"] - r["compute_s"] - 2 * (r["n"] - 1) * latency_us * 1e-6 for r in rows]
-    return max(0.0, statistics.median(extra) * 1e6) if extra else 0.0
+    steps: over group sizes, the median of ``after_compute_s − compute_s − 2(n−1)·latency``, ≥ 0, each
+    the median over the row's paired ``rounds`` of the difference within a round (:func:`_paired`), or
+    of the row's own two figures where it has no rounds."""
+
+    def extra(r: dict) -> float:
+        steps = 2 * (r["n"] - 1) * latency_us * 1e-6
+        pairs = r.get("rounds") or [r]
+        return statistics.median(p["after_compute_s"] - p["compute_s"] for p in pairs) - steps
+
+    values = [extra(r) for r in rows]
+    return max(0.0, statistics.median(values) * 1e6) if values else 0.0
+
+
+def _hidden_share(row: dict) -> float:
+    hidden = row["block_s"] + row["comm_s"] - row["both_s"]
+    return min(1.0, max(0.0, hidden / max(min(row["block_s"], row["comm_s"]), 1e-12)))
 
 
 def fit_overlap_fraction(row: dict | None) -> float:
     """The share of an all-reduce that a block's forward + backward hides when the all-reduce is
-    launched first: ``(t_block + t_comm − t_both) / min(t_block, t_comm)``, clipped to [0, 1]; 1 when
-    nothing was measured (one rank)."""
+    launched first: ``(t_block + t_comm − t_both) / min(t_block, t_comm)``, clipped to [0, 1], the
+    median over the row's paired ``rounds`` (:func:`_paired`; the row's own figures without rounds);
+    1 when nothing was measured (one rank)."""
     if not row:
         return 1.0
-    hidden = row["block_s"] + row["comm_s"] - row["both_s"]
-    return min(1.0, max(0.0, hidden / max(min(row["block_s"], row["comm_s"]), 1e-12)))
+    return statistics.median(_hidden_share(r) for r in (row.get("rounds") or [row]))
 
 
 def fit_colocated_slowdown(blocks: list[dict]) -> float:
@@ -364,6 +447,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "collective_overhead_us": fit_collective_overhead(links, latency_us),
         "colocated_slowdown": fit_colocated_slowdown(blocks),
         "overlap_fraction": fit_overlap_fraction(per_rank[0].get("overlap") if per_rank else None),
+        "ahead_call_us": fit_launched_ahead(per_rank[0].get("ahead") if per_rank else None, gbps),
     }
     fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
     fields["microbatch_overhead_us"], fields["step_overhead_us"] = host_overheads_us(rc, fields, device)
@@ -378,6 +462,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "allreduce": links,
         "block_busy_ranks": blocks,
         "overlap": per_rank[0].get("overlap") if per_rank else None,
+        "launched_ahead": per_rank[0].get("ahead") if per_rank else None,
         "ranks": n,
     }
     (out / "calibration.json").write_text(json.dumps(raw, indent=1))
@@ -399,6 +484,7 @@ def run_calibrate(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         f"latency {fields['latency_us']:.0f} µs + {fields['collective_overhead_us']:.0f} µs per collective, "
         f"slowdown {fields['colocated_slowdown']:.2f} per other busy rank, "
         f"{fields['overlap_fraction']:.0%} of an overlapped all-reduce hidden, "
+        f"{fields['ahead_call_us']:.0f} µs per collective launched ahead, "
         f"fixed costs {fields['block_overhead_us']:.0f} µs per block, "
         f"{fields['microbatch_overhead_us']:.0f} µs per micro-batch, {fields['step_overhead_us']:.0f} µs per step"
         f"\nuse it: mode=plan plan.hardware={path}"

@@ -6,6 +6,7 @@ Each is collective (every rank calls it, in the same order); rank 0 gets the res
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 
 import torch
@@ -171,3 +172,108 @@ def runqueue_seconds() -> float:
             return int(f.read().split()[1]) * 1e-9
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def _comm_seconds(summary: dict) -> dict[str, dict[str, float]]:
+    """``{"<group> <op>": {"calls", "wait_s"}}`` of a :meth:`parallel.comm.CommCounter.summary`."""
+    return {
+        f"{g} {o}": {"calls": float(s["calls"]), "wait_s": float(s["wait_s"])}
+        for g, ops in summary.items()
+        for o, s in ops.items()
+    }
+
+
+def measured_parts(samples: list[dict]) -> dict:
+    """The medians over timed steps of one rank's step parts (``benchmarks/plan.py --breakdown``).
+
+    Each sample holds host seconds ``step_s`` (the trainer's step), ``runqueue_s`` (this thread's wait
+    for a CPU meanwhile), ``run_s`` (the executor: forwards, backwards, transfers), ``optimizer_step_s``
+    (ZeRO's step) and the counter summaries ``comm`` (the whole step) and ``comm_in_optimizer_step``.
+    Returns ``step_s``, ``runqueue_s``, ``forward_backward_s`` (the executor), ``compute_s`` (the
+    executor less the collectives blocked in it), ``optimizer_step_s``, ``optimizer_s`` (ZeRO's step
+    less its collectives), ``rest_s`` (the step less the executor and ZeRO's step: the loss's
+    all-reduce, the loop) and ``comm``: per ``"<group> <op>"`` the calls issued and the seconds blocked
+    per step, and of those the seconds blocked inside ZeRO's step (an asynchronous reduction launched
+    in backward is waited for there). ``p2p`` (batched pipeline transfers) has blocked time only: its
+    calls count as ``send`` and ``recv``."""
+    if not samples:
+        return {}
+    med = statistics.median
+    comm_all = [_comm_seconds(s["comm"]) for s in samples]
+    comm_opt = [_comm_seconds(s["comm_in_optimizer_step"]) for s in samples]
+    keys = sorted({k for c in comm_all for k in c})
+    comm: dict[str, dict] = {}
+    for k in keys:  # calls count where issued, blocked time where waited (an async handle's wait())
+        calls = med(a.get(k, {}).get("calls", 0.0) for a in comm_all)
+        wait = med(a.get(k, {}).get("wait_s", 0.0) for a in comm_all)
+        in_opt = med(o.get(k, {}).get("wait_s", 0.0) for o in comm_opt)
+        comm[k] = {"calls": calls, "wait_s": wait, "wait_in_optimizer_step_s": in_opt}
+    in_run = [
+        sum(v["wait_s"] for v in a.values()) - sum(v["wait_s"] for v in o.values()) for a, o in zip(comm_all, comm_opt)
+    ]
+    in_opt = [sum(v["wait_s"] for v in o.values()) for o in comm_opt]
+    return {
+        "step_s": med(s["step_s"] for s in samples),
+        "runqueue_s": med(s["runqueue_s"] for s in samples),
+        "forward_backward_s": med(s["run_s"] for s in samples),
+        "compute_s": med(s["run_s"] - c for s, c in zip(samples, in_run)),
+        "optimizer_step_s": med(s["optimizer_step_s"] for s in samples),
+        "optimizer_s": med(s["optimizer_step_s"] - c for s, c in zip(samples, in_opt)),
+        "rest_s": med(s["step_s"] - s["run_s"] - s["optimizer_step_s"] for s in samples),
+        "comm": comm,
+    }
+
+
+def predicted_parts(plan, stage: int = 0) -> dict:
+    """The planner's parts of one step for the ranks of pipeline ``stage`` (rank 0's: stage 0), in the
+    categories :func:`measured_parts` measures: ``step_s``, ``compute_s`` (matmuls, attention,
+    elementwise and fixed host costs of all micro-batches, without communication), ``pipeline_s``
+    (the schedule's makespan: compute, TP collectives, p2p, bubble), ``bubble_s``, ``dp_exposed_s``,
+    ``optimizer_s`` and ``step_overhead_s``; and ``comm``: per ``"<axis> <kind>"`` the calls and
+    seconds the planner gives every such collective of the step (exposed or not)."""
+    s, r = plan.step, plan.ranks[stage]
+    comm = {
+        f"{axis} {kind}": {"calls": v["calls"], "seconds": v["seconds"]}
+        for axis, t in r.traffic.items()
+        for kind, v in t.get("by_kind", {}).items()
+    }
+    return {
+        "step_s": s["step_time_s"],
+        "compute_s": r.compute_s,
+        "pipeline_s": s["pipeline_s"],
+        "bubble_s": s["pipeline_s"] * s["bubble_fraction"],
+        "dp_exposed_s": s["dp_exposed_s"],
+        "optimizer_s": s.get("optimizer_s", 0.0),
+        "step_overhead_s": s.get("step_overhead_s", 0.0),
+        "scalars_s": s.get("scalars_s", 0.0),
+        "comm": comm,
+    }
+
+
+def format_breakdown(name: str, measured: dict, predicted: dict) -> str:
+    """A text table of one rank's measured parts (medians over steady steps) beside the planner's."""
+    ms = lambda x: f"{x * 1e3:8.2f}"  # noqa: E731
+    lines = [
+        f"{name}: measured (median of steady steps) against predicted, ms",
+        f"  step               {ms(measured['step_s'])} (cpu wait {ms(measured['runqueue_s'])})  "
+        f"predicted {ms(predicted['step_s'])}",
+        f"  forward+backward   {ms(measured['forward_backward_s'])}   predicted pipeline {ms(predicted['pipeline_s'])}"
+        f" (bubble {ms(predicted['bubble_s'])})",
+        f"    compute          {ms(measured['compute_s'])}   predicted {ms(predicted['compute_s'])}",
+        f"  optimizer step     {ms(measured['optimizer_step_s'])}   predicted optimizer {ms(predicted['optimizer_s'])}"
+        f" + overhead {ms(predicted['step_overhead_s'])} + dp exposed {ms(predicted['dp_exposed_s'])}"
+        f" + tp/pp/embedding scalars {ms(predicted.get('scalars_s', 0.0))}",
+        f"    without comm     {ms(measured['optimizer_s'])}",
+        f"  rest               {ms(measured['rest_s'])}",
+        "  collectives measured (blocked ms, calls):",
+    ]
+    for k, v in measured["comm"].items():
+        per = f"{v['wait_s'] / v['calls'] * 1e6:7.0f} µs/call" if v["calls"] else " " * 15
+        lines.append(
+            f"    {k:<36} {ms(v['wait_s'])} {v['calls']:5.0f}  {per}  (in ZeRO's step {ms(v['wait_in_optimizer_step_s'])})"
+        )
+    lines.append("  collectives predicted (ms, calls):")
+    for k, v in predicted["comm"].items():
+        per = v["seconds"] / v["calls"] * 1e6 if v["calls"] else 0.0
+        lines.append(f"    {k:<36} {ms(v['seconds'])} {v['calls']:5.0f}  {per:7.0f} µs/call")
+    return "\n".join(lines)

@@ -40,6 +40,7 @@ _RANGES = {
     "collective_overhead_us": (0.0, True, math.inf),
     "colocated_slowdown": (0.0, True, math.inf),
     "overlap_fraction": (0.0, True, 1.0),
+    "ahead_call_us": (0.0, True, math.inf),
 }
 
 
@@ -81,6 +82,7 @@ class Hardware:
     collective_overhead_us: float = 0.0  # per collective or p2p message issued, beyond latency_us and bandwidth
     colocated_slowdown: float = 0.0  # a busy rank's slowdown per other busy rank on its host (plan.compute.colocated)
     overlap_fraction: float = 1.0  # of the communication parallel.overlap hides behind compute, the share really hidden
+    ahead_call_us: float = 0.0  # a collective launched ahead of its wait: its fixed cost; 0: its ring latency steps
     host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
 
@@ -130,7 +132,12 @@ class Hardware:
 # ``parallel.overlap`` calls hidden is hidden, up to the compute it hides behind); on a CPU whose cores
 # all run ranks, an asynchronous gloo collective's copies and reductions run on the same cores as the
 # compute, and ``mode=calibrate`` measures the share an all-reduce launched before a block's forward +
-# backward really hides (≈ 0.1–0.3 with 2 ranks on 2 cores). For the CPU profile, or any machine,
+# backward really hides (≈ 0.1–0.3 with 2 ranks on 2 cores). ``ahead_call_us``: 0 on the GPU profiles,
+# meaning a collective launched ahead of its wait (ZeRO-3's prefetched gathers, reductions launched from
+# backward hooks) costs its ring latency steps like any other (NCCL runs it on its own stream, the host
+# does not take part); on a CPU such a call's fixed cost is what the host's transport threads take from
+# the ranks' compute, which ``mode=calibrate`` measures directly (≈ 0.4–0.8 ms on the 2-core VM this was
+# written on, against 0.45–1 ms per ring step in a tight loop). For the CPU profile, or any machine,
 # ``mode=calibrate`` measures them all.
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312

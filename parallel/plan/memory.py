@@ -149,6 +149,21 @@ def zero_padded_numel(
     return total
 
 
+def zero_bucket_counts(
+    params: StageParams, bucket_bytes: float, element_size: int, per_unit: bool = True
+) -> tuple[int, ...] | None:
+    """ZeRO's buckets on this rank per unit (each block's, then the rest's; ``per_unit=False``: one
+    unit), packed as :func:`zero_padded_numel` packs them: every bucket is one collective, and each
+    weight-decay class of a unit is packed apart, so a block is gathered and reduced as two
+    collectives (weights; biases and norms). None when the classes are unknown."""
+    if not params.blocks and not any(params.root):
+        return None
+    units = params.blocks + (params.root,)
+    if not per_unit:
+        units = (tuple(tuple(n for unit in units for n in unit[c]) for c in range(2)),)
+    return tuple(sum(len(_bucket_sizes(g, bucket_bytes, element_size)) for g in unit if g) for unit in units)
+
+
 def optimizer_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:
     """K: 4 bytes per fp32 optimizer state tensor, plus a 4-byte fp32 master copy for 16-bit params."""
     if optimizer not in OPTIMIZER_STATES:

@@ -139,6 +139,16 @@ def closed_form(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float
     return None
 
 
+def uneven_stages_saving(stage_costs: list[float]) -> float:
+    """Seconds a GPipe or 1F1B step (one chunk per stage) takes less than :func:`closed_form` prices
+    it at the slowest stage's cost ``c_k`` (one micro-batch's forward + backward) on every stage: the
+    slowest stage works ``m · c_k`` without a break once its first micro-batch arrives, the others only
+    fill and drain the pipeline around it, so the makespan is ``m·c_k + Σ_{s≠k} c_s`` (plus the
+    transfers) instead of ``(m + pp − 1)·c_k``: the saving is ``Σ_s (c_k − c_s)``."""
+    slowest = max(stage_costs, default=0.0)
+    return sum(slowest - c for c in stage_costs)
+
+
 def pipeline_time(
     schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float
 ) -> tuple[float, float, tuple[int, ...]]:
@@ -201,8 +211,7 @@ def plan_layout(
         if key not in alike:
             alike[key] = _stage_numbers(shape, chunks, count_params, work_hw, training, L, m, peak_flops, moe)
         params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis = alike[key]
-        tp_axis = dataclasses.replace(tp_axis, items=list(tp_axis.items))
-        ep_axis = dataclasses.replace(ep_axis, items=list(ep_axis.items))
+        tp_axis, ep_axis = tp_axis.copy(), ep_axis.copy()  # stages alike share the numbers, not the ledger
         stage_info.append((chunks, params, (tp_axis, cp_axis, ep_axis), fwd, bwd, acts, flops_s))
     # the slowest stage paces the pipeline; p2p of one activation between stages
     p2p_axis_proto = AxisTraffic(pp, group_crosses_node(t * dp, pp, gpn))
@@ -213,7 +222,11 @@ def plan_layout(
     p2p_one = (act_msg / hw.bandwidth(p2p_axis_proto.crosses_node) + p2p_fixed) if pp > 1 else 0.0
     p2p_one = PIPELINE_P2P.exposed(p2p_one, slow_f)  # exposed: the executor awaits receives before computing
     makespan, bubble, peaks = pipeline_time(L.schedule, pp, m, vpp, slow_f, slow_b, p2p_one)
+    if vpp == 1 and L.schedule in ("gpipe", "1f1b"):  # faster stages fill and drain the pipeline faster
+        makespan -= uneven_stages_saving([i[3] + i[4] for i in stage_info])
+        bubble = 1 - m * (slow_f + slow_b) / makespan
     ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
+    scalars_tp_pp = 0.0  # the step's scalars on the tp and pp groups (the norm, the loss's broadcast)
     for s, (chunks, params, (tp_axis, cp_axis, ep_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
         params, experts = MoE.ep_split(params, L.ep)  # experts: E/ep per rank, ZeRO over edp = dp·cp/ep
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
@@ -230,11 +243,18 @@ def plan_layout(
         if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
             sp_shard = M.padded(params.replicated, dp) // (dp if policy(L.zero).shards_optimizer else 1)
             tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
-        tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
+        scalars = tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
-        buckets = max(1, -(-psi * e // int(training.bucket_mb * 2**20)))  # the engine's: one collective each
-        units = sum(len(r) for _, r in chunks)  # ZeRO-3 gathers (and reduces) each block apart
-        reductions = max(buckets, units) if policy(L.zero).gathers_per_unit else buckets
+        counts = M.zero_bucket_counts(params, training.bucket_mb * 2**20, e, per_unit)  # one collective each
+        if counts is not None:  # the engine's buckets: per block (ZeRO-3), then the rest
+            buckets, units, root_calls = sum(counts), max(1, sum(counts[:-1])), max(1, counts[-1])
+        else:  # classes unknown: the rank packed as one class, ZeRO-3's blocks one bucket each
+            buckets, units, root_calls = (
+                max(1, -(-psi * e // int(training.bucket_mb * 2**20))),
+                sum(len(r) for _, r in chunks),
+                1,
+            )
+        reductions = max(buckets, units) if per_unit else buckets
         root_psi = M.zero_padded_numel(M.StageParams(0, root=params.root), dp, training.bucket_mb * 2**20, e)
         dp_times = dp_traffic(
             hw,
@@ -250,6 +270,10 @@ def plan_layout(
             accumulate=training.zero_accumulate,
             buckets=buckets,
             units=units,
+            root_calls=root_calls,
+            first_unit_calls=counts[0] if counts is not None and len(counts) > 1 else None,
+            unit_count=len(counts) - 1 if counts is not None and len(counts) > 1 else None,
+            overlap=training.overlap,
         )
         edp_axis = dp_axis if L.ep == 1 else AxisTraffic(edp, group_crosses_node(t * L.ep, edp, gpn))
         if epsi:  # expert gradients (and stage-3 gathers) on edp, hidden behind the same backward
@@ -282,8 +306,9 @@ def plan_layout(
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
         pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
-        pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
-        pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
+        scalars += pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
+        scalars += pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
+        scalars_tp_pp = max(scalars_tp_pp, STEP_SCALARS.exposed(scalars, 0.0))  # after backward: exposed
         emb_axis = AxisTraffic(2 if params.shared_embedding and pp > 1 else 1, pp_axis.crosses_node)
         emb_shard = M.padded(params.shared_embedding, dp) // (
             dp if policy(L.zero).shards_optimizer else 1
@@ -333,7 +358,7 @@ def plan_layout(
         offload_exposed = max(offload_exposed, offload_s["exposed_s"])
     emb_time = STEP_SCALARS.exposed(max(r.traffic["embedding"]["time_s"] for r in ranks), 0.0)  # after backward
     overhead_s = C.step_overhead_seconds(work_hw)  # the step's fixed host cost (0 on GPU profiles)
-    step_time = makespan + dp_exposed + emb_time + offload_exposed + optimizer_s + overhead_s  # offload: host Adam
+    step_time = makespan + dp_exposed + emb_time + scalars_tp_pp + offload_exposed + optimizer_s + overhead_s
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
@@ -345,6 +370,7 @@ def plan_layout(
         "dp_exposed_s": dp_exposed,
         "optimizer_s": optimizer_s,
         "step_overhead_s": overhead_s,
+        "scalars_s": emb_time + scalars_tp_pp,  # tp/pp norm, loss broadcast, tied embedding (dp's in dp_exposed)
         "colocated_factor": C.colocated_factor(hw, colocated),
         "offload_s": offload_exposed,
         "tokens_per_s": tokens_step / step_time,

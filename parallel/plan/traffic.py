@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..comm.counter import SENT_FRACTION
 from ..layers.cross_entropy import CE_ALL_REDUCE_BYTES_PER_TOKEN
+from ..overlap import DP_REDUCTION, ZERO3_GATHER
 from ..zero.compression import INDEX_BYTES, topk_count
 from ..zero.policy import policy
 from ..zero.theory import grad_reductions_per_step
@@ -46,6 +47,7 @@ class AxisTraffic:
     bytes: float = 0.0
     time_s: float = 0.0
     items: list[str] = field(default_factory=list)
+    by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # kind → calls, seconds (all of them)
 
     def as_dict(self) -> dict:
         return {
@@ -54,12 +56,40 @@ class AxisTraffic:
             "bytes": self.bytes,
             "time_s": self.time_s,
             "items": list(self.items),
+            "by_kind": {k: dict(v) for k, v in self.by_kind.items()},
         }
 
-    def add(self, kind: str, payload: float, count: float, hw: Hardware, what: str, calls: int = 1) -> float:
+    def copy(self) -> AxisTraffic:
+        """An independent copy (its items and per-kind sums are not shared)."""
+        return AxisTraffic(
+            self.group_size,
+            self.crosses_node,
+            self.bytes,
+            self.time_s,
+            list(self.items),
+            {k: dict(v) for k, v in self.by_kind.items()},
+        )
+
+    def add(
+        self,
+        kind: str,
+        payload: float,
+        count: float,
+        hw: Hardware,
+        what: str,
+        calls: int = 1,
+        blocking: int | None = None,
+        launches: int | None = None,
+    ) -> float:
         """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls``
         separate collectives (buckets, units) that split the payload; returns one's time: bytes at the
-        bandwidth, plus per call the ring's latency steps and the profile's ``collective_overhead_us``."""
+        bandwidth, plus for each of the ``blocking`` calls (default all: the rank waits for them as soon
+        as it issues them) the ring's latency steps and the profile's ``collective_overhead_us``, for
+        each other call (launched ahead of its wait: prefetched, or from a backward hook; it meets its
+        peers' arrival and wake-up while this rank still computes) the ring's latency steps, or where the
+        profile measured it the host's ``ahead_call_us`` once per ``launches`` (default: per call): the
+        buckets of one ZeRO unit are launched together and the transport's thread runs them back to
+        back, waking once."""
         n = self.group_size
         if n <= 1 or count == 0 or payload == 0:
             return 0.0
@@ -67,10 +97,21 @@ class AxisTraffic:
             sent, steps = payload, 1
         else:
             sent, steps = SENT_FRACTION[kind](n) * payload, RING_STEPS[kind] * (n - 1)
-        fixed = steps * hw.latency_us * 1e-6 + hw.collective_overhead_us * 1e-6
-        one = sent / hw.bandwidth(self.crosses_node) + max(1, calls) * fixed
+        calls = max(1, calls)
+        blocking = calls if blocking is None else min(calls, max(0, blocking))
+        ring = steps * hw.latency_us * 1e-6
+        n_ahead = calls - blocking
+        if hw.ahead_call_us > 0:  # measured on this host: once per launch of calls issued together
+            ahead = min(n_ahead, n_ahead if launches is None else max(0, launches)) * hw.ahead_call_us * 1e-6
+        else:
+            ahead = n_ahead * ring
+        fixed = blocking * (ring + hw.collective_overhead_us * 1e-6) + ahead
+        one = sent / hw.bandwidth(self.crosses_node) + fixed
         self.bytes += count * sent
         self.time_s += count * one
+        kind_sum = self.by_kind.setdefault(kind, {"calls": 0.0, "seconds": 0.0})
+        kind_sum["calls"] += count * calls
+        kind_sum["seconds"] += count * one
         self.items.append(f"{what}: {count:g} × {kind} of {payload / 1e6:,.1f} MB")
         return one
 
@@ -93,6 +134,10 @@ def dp_traffic(
     accumulate: str = "sharded",
     buckets: int = 1,
     units: int = 1,
+    root_calls: int = 1,
+    first_unit_calls: int | None = None,
+    unit_count: int | None = None,
+    overlap: bool = True,
 ) -> dict[str, float]:
     """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
 
@@ -103,12 +148,19 @@ def dp_traffic(
     once per step (it stays gathered until the optimizer step). Top-K
     (stage 0) all-gathers ``k`` values + int32 indices per rank instead of the
     all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Each reduction and the after-step gather is issued as
-    ``buckets`` collectives, stage 3's per-unit gathers (and its reductions, at least) as ``units``:
+    ``buckets`` collectives, stage 3's per-unit gathers (and its reductions, at least) as ``units``
+    (the blocks' buckets), its once-per-step gather of the rest as ``root_calls``. Where
+    :mod:`parallel.overlap` says stage 3 launches them ahead of their wait (``ZERO3_GATHER``: prefetched;
+    ``DP_REDUCTION`` with ``overlap``: from each unit's backward hook), only the first unit's gathers
+    (``first_unit_calls``, default one) and the reductions launched when backward ends (the first
+    unit's and the rest's) block on issue (:meth:`AxisTraffic.add`'s ``blocking``), and the others are
+    launched unit by unit (``unit_count`` blocks; default: each bucket apart):
     each pays the ring's latency and the profile's fixed cost per call. Returns the seconds of one of each kind
     (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
     ``param_bwd_per_mb``).
     """
     m, n = micro_batches, axis.group_size
+    other_units = None if unit_count is None else max(0, unit_count - 1)  # ZeRO-3: launched unit by unit
     out = dict.fromkeys(
         ("grad_per_mb", "grad_per_step", "param_after_step", "param_fwd_per_mb", "param_bwd_per_mb"), 0.0
     )
@@ -121,23 +173,35 @@ def dp_traffic(
         out["grad_per_step"] = one
     else:
         calls = max(buckets, units) if pol.gathers_per_unit else buckets
+        first = 1 if first_unit_calls is None else first_unit_calls
+        ends_backward = first + root_calls if pol.gathers_per_unit and DP_REDUCTION.hidden(overlap) else None
         if grad_reductions_per_step(zero, m, accumulate) == 1:  # stages 0-1; ZeRO-2/3 accumulating unsharded
-            out["grad_per_step"] = axis.add(pol.reduce, psi * comm_bytes, 1, hw, "gradients", calls)
+            out["grad_per_step"] = axis.add(
+                pol.reduce, psi * comm_bytes, 1, hw, "gradients", calls, ends_backward, other_units
+            )
         else:
-            out["grad_per_mb"] = axis.add(pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch", calls)
+            out["grad_per_mb"] = axis.add(
+                pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch", calls, ends_backward, other_units
+            )
     if pol.gathers_after_step:
         out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters", buckets)
     if pol.gathers_per_unit:
         blocks = psi if regathered_psi is None else regathered_psi
+        ahead = first if ZERO3_GATHER.hidden(overlap) else None  # prefetched: the first unit's block
         out["param_fwd_per_mb"] = axis.add(
-            "all_gather", blocks * param_bytes, m, hw, "block parameters before forward", units
+            "all_gather", blocks * param_bytes, m, hw, "block parameters before forward", units, ahead, other_units
         )
         out["param_bwd_per_mb"] = axis.add(
-            "all_gather", blocks * param_bytes, m, hw, "block parameters before backward", units
+            "all_gather", blocks * param_bytes, m, hw, "block parameters before backward", units, ahead, other_units
         )
         if psi > blocks:  # the rest (embedding, head) stays gathered from the first forward to the step
             out["param_after_step"] = axis.add(
-                "all_gather", (psi - blocks) * param_bytes, 1, hw, "parameters outside the blocks, once per step"
+                "all_gather",
+                (psi - blocks) * param_bytes,
+                1,
+                hw,
+                "parameters outside the blocks, once per step",
+                root_calls,
             )
     return out
 

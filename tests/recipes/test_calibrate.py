@@ -10,6 +10,7 @@ from recipes.calibrate import (
     calibrate,
     fit_collective_overhead,
     fit_colocated_slowdown,
+    fit_launched_ahead,
     fit_links,
     fit_overlap_fraction,
 )
@@ -104,9 +105,24 @@ def test_host_term_fits_invert_their_models():
     assert fit_overlap_fraction({"block_s": 3.0, "comm_s": 1.0, "both_s": 3.25}) == pytest.approx(0.75)
     assert fit_overlap_fraction({"block_s": 3.0, "comm_s": 1.0, "both_s": 5.0}) == 0.0  # worse than serial
     assert fit_overlap_fraction(None) == 1.0
+    # paired rounds: the median of each round's own difference / share, not of the pooled figures
+    rounds = [{"compute_s": c, "after_compute_s": c + 2 * lat * 1e-6 + 500e-6} for c in (1e-3, 5e-3, 2e-3)]
+    assert fit_collective_overhead([{"n": 2, "rounds": rounds, "compute_s": 0, "after_compute_s": 0}], lat) == (
+        pytest.approx(500.0)
+    )
+    shares = [{"block_s": b, "comm_s": 1.0, "both_s": b + 0.5} for b in (3.0, 9.0, 4.0)]
+    assert fit_overlap_fraction({"rounds": shares, "block_s": 0, "comm_s": 0, "both_s": 0}) == pytest.approx(0.5)
+    # launched ahead: the mean over both kinds of (with − without compute) less the bytes at the ring's rate
+    sent_s = 1 / 2 * 4e6 / 2e9  # n = 2, 4 MB at 2 GB/s
+    ahead = [
+        {"compute_s": c, "all_gather_s": c + sent_s + 300e-6, "reduce_scatter_s": c + sent_s + 500e-6}
+        for c in (1e-3, 2e-3, 7e-3)
+    ]
+    assert fit_launched_ahead({"n": 2, "payload_bytes": 4e6, "rounds": ahead}, 2.0) == pytest.approx(400.0)
+    assert fit_launched_ahead(None, 2.0) == 0.0  # one rank: the planner uses the ring's latency steps
 
 
-@pytest.mark.parametrize("field", ["collective_overhead_us", "colocated_slowdown", "overlap_fraction"])
+@pytest.mark.parametrize("field", ["collective_overhead_us", "colocated_slowdown", "overlap_fraction", "ahead_call_us"])
 def test_host_terms_round_trip_through_the_profile_file_and_bad_ones_are_refused(tmp_path, field):
     good = dict(hardware_profile("cpu").__dict__)
     del good["name"]

@@ -33,10 +33,68 @@ def test_buckets_and_units_are_separate_calls():
     one = dp_traffic(hw, AxisTraffic(2, False), zero=0, **kw)
     four = dp_traffic(hw, AxisTraffic(2, False), zero=0, buckets=4, **kw)
     assert four["grad_per_step"] - one["grad_per_step"] == pytest.approx(3e-3)
-    z3 = dp_traffic(hw, AxisTraffic(2, False), zero=3, units=8, **kw)
-    z3_one = dp_traffic(hw, AxisTraffic(2, False), zero=3, **kw)
-    for key in ("param_fwd_per_mb", "param_bwd_per_mb", "grad_per_mb"):
-        assert z3[key] - z3_one[key] == pytest.approx(7e-3)
+    # ZeRO-3 without overlap: every reduction blocks on issue; the gathers are prefetched whatever
+    # comm.overlap (parallel.overlap.ZERO3_GATHER): only the first unit's block
+    z3 = dp_traffic(hw, AxisTraffic(2, False), zero=3, units=8, overlap=False, **kw)
+    z3_one = dp_traffic(hw, AxisTraffic(2, False), zero=3, overlap=False, **kw)
+    assert z3["grad_per_mb"] - z3_one["grad_per_mb"] == pytest.approx(7e-3)
+    for key in ("param_fwd_per_mb", "param_bwd_per_mb"):
+        assert z3[key] == pytest.approx(z3_one[key])
+
+
+def test_collectives_launched_ahead_skip_the_blocking_cost():
+    """ZeRO-3 with overlap: of a micro-batch's 8 unit buckets (2 per block: weights, and biases and
+    norms) and the rest's 2, only the first unit's gathers, and the reductions launched when backward
+    ends (the first unit's and the rest's) pay ``collective_overhead_us``; every call pays its latency."""
+    kw = dict(psi=10**6, micro_batches=2, param_bytes=4, comm_bytes=4, zero=3)
+    calls = dict(buckets=10, units=8, root_calls=2, first_unit_calls=2)
+    free = dataclasses.replace(HW, latency_us=10.0, collective_overhead_us=0.0)
+    costly = dataclasses.replace(free, collective_overhead_us=1000.0)
+    for overlap, gathers, reductions in ((True, 2, 4), (False, 2, 10)):
+        a = dp_traffic(free, AxisTraffic(2, False), overlap=overlap, **calls, **kw)
+        b = dp_traffic(costly, AxisTraffic(2, False), overlap=overlap, **calls, **kw)
+        assert b["param_fwd_per_mb"] - a["param_fwd_per_mb"] == pytest.approx(gathers * 1e-3)
+        assert b["param_bwd_per_mb"] - a["param_bwd_per_mb"] == pytest.approx(gathers * 1e-3)
+        assert b["grad_per_mb"] - a["grad_per_mb"] == pytest.approx(reductions * 1e-3)
+    # a measured cost per call launched ahead replaces their latency steps (0: latency steps)
+    measured = dataclasses.replace(costly, ahead_call_us=300.0)
+    c = dp_traffic(measured, AxisTraffic(2, False), **calls, **kw)
+    b = dp_traffic(costly, AxisTraffic(2, False), **calls, **kw)
+    assert c["param_fwd_per_mb"] - b["param_fwd_per_mb"] == pytest.approx((8 - 2) * (300e-6 - 10e-6))
+    assert c["grad_per_mb"] - b["grad_per_mb"] == pytest.approx((10 - 4) * (300e-6 - 10e-6))
+    # the buckets of one unit are launched together: the measured cost once per unit (4 blocks here)
+    d = dp_traffic(measured, AxisTraffic(2, False), unit_count=4, **calls, **kw)
+    assert d["param_fwd_per_mb"] - b["param_fwd_per_mb"] == pytest.approx((4 - 1) * 300e-6 - (8 - 2) * 10e-6)
+    assert d["grad_per_mb"] - b["grad_per_mb"] == pytest.approx((4 - 1) * 300e-6 - (10 - 4) * 10e-6)
+    latency_only = dp_traffic(free, AxisTraffic(2, False), **calls, **kw)
+    nothing = dp_traffic(dataclasses.replace(free, latency_us=0.0), AxisTraffic(2, False), **calls, **kw)
+    assert latency_only["param_fwd_per_mb"] - nothing["param_fwd_per_mb"] == pytest.approx(8 * 10e-6)
+
+
+def test_the_plan_counts_zero_buckets_as_the_engine_packs_them():
+    """A block's parameters are two buckets (with and without weight decay), the rest two more
+    (``parallel.zero.layout.plan_buckets``): ZeRO-0 reduces them as two all-reduces, ZeRO-3 gathers
+    each block as two all-gathers per micro-batch and direction and reduce-scatters every bucket."""
+    from parallel.plan.memory import StageParams, zero_bucket_counts
+
+    d, v = SHAPE.d_model, SHAPE.padded_vocab(1)
+    block = ((3 * d * d, d * d, 4 * d * d, 4 * d * d), (3 * d, d, 4 * d, d, 2 * d, 2 * d))  # weights; biases, norms
+
+    def classes(layers, has_embedding, has_head, tp):
+        p = count(layers, has_embedding, has_head, tp)
+        root = ((v * d,) if has_embedding else (), (2 * d,) if has_head else ())
+        return StageParams(p.numel, full=p.full, blocks=(block,) * len(layers), root=root)
+
+    params = classes(range(0, SHAPE.n_layers), True, True, 1)
+    assert zero_bucket_counts(params, 25 * 2**20, 4, per_unit=True) == (2,) * SHAPE.n_layers + (2,)
+    assert zero_bucket_counts(params, 25 * 2**20, 4, per_unit=False) == (2,)
+    assert zero_bucket_counts(count(range(0, 2), True, True, 1), 25 * 2**20, 4) is None  # classes unknown
+    tr = Training(global_batch=4, micro_batch=2)
+    z0 = plan_layout(SHAPE, Layout(dp=2), tr, HW, classes).ranks[0].traffic["dp"]["by_kind"]
+    assert z0["all_reduce"]["calls"] == 2 + 1  # two buckets + the loss
+    z3 = plan_layout(SHAPE, Layout(dp=2, zero=3), tr, HW, classes).ranks[0].traffic["dp"]["by_kind"]
+    assert z3["all_gather"]["calls"] == 2 * 2 * SHAPE.n_layers + 2  # m = 1: forward, backward; the rest once
+    assert z3["reduce_scatter"]["calls"] == 2 * SHAPE.n_layers + 2
 
 
 def _plan(layout, hw, **training):
@@ -82,8 +140,24 @@ def test_overlap_fraction_zero_exposes_what_overlap_would_hide():
         ("colocated_slowdown", float("inf")),
         ("overlap_fraction", 1.5),
         ("overlap_fraction", float("nan")),
+        ("ahead_call_us", -1.0),
+        ("ahead_call_us", float("inf")),
     ],
 )
 def test_bad_host_terms_are_refused(field, bad):
     with pytest.raises(PlanError, match=f"{field}="):
         hardware_profile("cpu", **{field: bad})
+
+
+def test_the_steps_tp_and_pp_scalars_are_exposed():
+    """After backward the step all-reduces the gradient norm over tp and pp and broadcasts the loss from
+    the last stage: nothing hides them, each pays its latency steps and the blocking cost."""
+    hw = dataclasses.replace(HW, latency_us=100.0, collective_overhead_us=1000.0)
+    pp = _plan(Layout(pp=2), hw)
+    bw = hw.bandwidth(True)  # the cpu profile: one rank per node, so every group crosses nodes
+    one = 1 * 100e-6 + 1e-3 + 1 / 2 * 4 / bw  # a 4-byte broadcast over 2 ranks: 1 ring step, half sent
+    two = 2 * 100e-6 + 1e-3 + 2 * 1 / 2 * 4 / bw  # a 4-byte all-reduce: 2 steps
+    emb = pp.ranks[0].traffic["embedding"]["time_s"]
+    assert pp.step["scalars_s"] == pytest.approx(emb + one + two, rel=1e-9)
+    tp = _plan(Layout(tp=2), hw)
+    assert tp.step["scalars_s"] == pytest.approx(two, rel=1e-9)
