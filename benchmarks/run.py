@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from parallel.pipeline.timeline import bubble_fraction
 from parallel.testing import run_ranks
@@ -109,10 +110,15 @@ def _section_rank(
     """This rank's measurements of every pair of a section at model ``size`` (run under run_ranks)."""
     contenders = {}
     for name, parallel, kind in pairs:
-        ours = Ours(suite_recipe(quick=quick, size=size, **parallel), record_timeline=parallel.get("pp", 1) > 1)
+        ours = Ours(suite_recipe(quick=quick, size=size, **parallel))
         contenders[f"{name}|ours"], contenders[f"{name}|theirs"] = ours, Theirs(kind, ours)
     cpu: dict[str, list[float]] = {}
     times = time_alternating({k: c.step for k, c in contenders.items()}, steps, warmup, cpu=cpu)
+    for name, parallel, _ in pairs:  # the bubble: one more step, recorded (the timed ones record nothing,
+        if parallel.get("pp", 1) > 1:  # as PyTorch's side); its stages start together, as in the rounds
+            dist.barrier()
+            with contenders[f"{name}|ours"].trainer.engine.recording_timeline():
+                contenders[f"{name}|ours"].step()
     out = []
     for name, parallel, kind in pairs:
         ours, theirs = contenders[f"{name}|ours"], contenders[f"{name}|theirs"]
