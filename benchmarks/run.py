@@ -1,6 +1,7 @@
 """The whole suite: each of our layouts next to PyTorch's own equivalent, on one small GPT.
 
     python -m benchmarks [--quick] [--out DIR] [--steps N] [--only dp,tp] [--sizes small,medium,large]
+                         [--rows "dp ZeRO-0,pp=2 1F1B"]
 
 Rows (all ranks are forked gloo CPU processes, one thread each):
 
@@ -37,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from parallel.pipeline.timeline import bubble_fraction
 from parallel.testing import run_ranks
@@ -108,10 +110,15 @@ def _section_rank(
     """This rank's measurements of every pair of a section at model ``size`` (run under run_ranks)."""
     contenders = {}
     for name, parallel, kind in pairs:
-        ours = Ours(suite_recipe(quick=quick, size=size, **parallel), record_timeline=parallel.get("pp", 1) > 1)
+        ours = Ours(suite_recipe(quick=quick, size=size, **parallel))
         contenders[f"{name}|ours"], contenders[f"{name}|theirs"] = ours, Theirs(kind, ours)
     cpu: dict[str, list[float]] = {}
     times = time_alternating({k: c.step for k, c in contenders.items()}, steps, warmup, cpu=cpu)
+    for name, parallel, _ in pairs:  # the bubble: one more step, recorded (the timed ones record nothing,
+        if parallel.get("pp", 1) > 1:  # as PyTorch's side); its stages start together, as in the rounds
+            dist.barrier()
+            with contenders[f"{name}|ours"].trainer.engine.recording_timeline():
+                contenders[f"{name}|ours"].step()
     out = []
     for name, parallel, kind in pairs:
         ours, theirs = contenders[f"{name}|ours"], contenders[f"{name}|theirs"]
@@ -166,12 +173,21 @@ def summarize(name: str, parallel: dict, kind: str, world: int, ranks: list[dict
 
 
 def run_suite(
-    sections: list[str], quick: bool, steps: int, warmup: int, sizes: tuple[str, ...] = ("small",)
+    sections: list[str],
+    quick: bool,
+    steps: int,
+    warmup: int,
+    sizes: tuple[str, ...] = ("small",),
+    rows_named: tuple[str, ...] = (),
 ) -> list[dict]:
+    """Every row of ``sections`` at every size; ``rows_named``: only the rows whose name is one of these."""
     rows = []
     for size in sizes:
         for section in sections:
             world, pairs = SECTIONS[section]
+            pairs = [p for p in pairs if not rows_named or p[0] in rows_named]
+            if not pairs:
+                continue
             t0 = time.perf_counter()
             per_rank = run_ranks(_section_rank, world, pairs, quick, steps, warmup, size, timeout=1800)
             for i, (name, parallel, kind) in enumerate(pairs):
@@ -257,6 +273,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", type=int, help="untimed rounds first (default 2, quick 1)")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}, or plan")
     ap.add_argument("--sizes", default="small", help=f"comma-separated model sizes of {list(SIZES)}")
+    ap.add_argument("--rows", default="", help="comma-separated row names (e.g. 'dp ZeRO-0'): only these rows")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     a = ap.parse_args(argv)
     sections = [s for s in a.only.split(",") if s]
@@ -277,8 +294,12 @@ def main(argv=None) -> list[dict]:
     warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     if steps < 1 or warmup < 0:
         ap.error(f"--steps must be ≥ 1 and --warmup ≥ 0, got {steps} and {warmup}")
+    names = tuple(r.strip() for r in a.rows.split(",") if r.strip())
+    known = {name for sec in sections for name, _, _ in SECTIONS[sec][1]}
+    if set(names) - known:
+        ap.error(f"--rows {sorted(set(names) - known)} are not rows of {sections}; they have {sorted(known)}")
     t0 = time.perf_counter()
-    rows = run_suite(sections, a.quick, steps, warmup, sizes)
+    rows = run_suite(sections, a.quick, steps, warmup, sizes, names)
     table = markdown(rows)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -288,6 +309,7 @@ def main(argv=None) -> list[dict]:
         "steps": steps,
         "warmup": warmup,
         "sizes": list(sizes),
+        "rows": list(names),
         "wall_s": time.perf_counter() - t0,
         "git_sha": git_sha(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -81,7 +81,7 @@ def tp_bytes(
 def pp_bytes(pp: int, m: int, micro_batch: int, seq: int, d_model: int, vpp: int = 1, act_bytes: int = 4) -> float:
     """Point-to-point traffic per rank of a pipeline of ``pp·vpp`` virtual stages:
     each of the ``pp·vpp − 1`` boundaries carries ``m`` activations forward and
-    ``m`` gradients back, spread over ``pp`` ranks (the 4-byte loss broadcast
-    left out)."""
+    ``m`` gradients back, spread over ``pp`` ranks (the suite's steps are unread:
+    no 4-byte loss broadcast, :class:`parallel.engine.PendingLoss`)."""
     a = micro_batch * seq * d_model * act_bytes
     return 2 * (pp * vpp - 1) * m * a / pp

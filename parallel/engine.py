@@ -11,7 +11,8 @@ clipping and the optimizer step (ZeRO's ``step``). Following one batch:
     loss function multiplies by the loss scale; ZeRO 0–1 accumulate under
     ``no_sync`` and reduce in each chunk's final backward) → ZeroDataParallel.step
     (unscale ÷ dp·scale, clip, optimizer, publish) → the loss, unscaled, averaged
-    over DP.
+    over DP when the step is read (:class:`PendingLoss`: an unread step issues no loss
+    collective).
 
 It takes process groups and modules as arguments and knows nothing of the
 models or the recipes (the dependency rule of ``docs/architecture.md``).
@@ -42,8 +43,64 @@ from .zero import ZeroDataParallel
 READ_KEYS = ("loss", "grad_norm", "skipped")  # the values a step leaves on the device unless read
 
 
+class PendingLoss:
+    """A step's loss before its reductions: what an unread step leaves in its record.
+
+    It holds this rank's mean micro-batch loss (meaningful on the last pipeline stage
+    only) and what turns it into the global-batch mean. :meth:`reduce` issues, once,
+    the collectives an unread step skipped: the ``broadcast`` of the last stage's
+    value over ``pp_group`` (:meth:`PipelineExecutor.share_loss
+    <parallel.pipeline.executor.PipelineExecutor.share_loss>`), then an ``all_reduce``
+    (sum) over ``dp_group``, divided by the loss scale and ``dp``: 4 bytes each, the
+    same as a read step sends. Every rank of both groups must reduce the same steps,
+    in the same order (the trainer decides which steps it reads from the step number
+    alone); the result is a device tensor, cached, so reading a record twice issues
+    nothing more. No host read here.
+    """
+
+    def __init__(
+        self,
+        local: torch.Tensor,
+        *,
+        share: Callable[[torch.Tensor], None],
+        dp_group: dist.ProcessGroup | None,
+        dp: int,
+        scale: float = 1.0,
+    ):
+        self._local, self._share, self._dp_group, self._dp, self._scale = local, share, dp_group, dp, scale
+        self._value: torch.Tensor | None = None
+
+    @property
+    def reduced(self) -> bool:
+        """Whether :meth:`reduce` has run (its collectives are issued)."""
+        return self._value is not None
+
+    def reduce(self) -> torch.Tensor:
+        """The global-batch mean loss (a 0-d fp32 device tensor); the collectives on the first call only."""
+        if self._value is None:
+            loss = self._local.detach().float()
+            self._share(loss)  # the last stage's value to every stage (in place)
+            if self._scale != 1.0:
+                loss = loss / self._scale
+            comm.all_reduce(loss, group=self._dp_group)  # sum over the DP replicas
+            self._value = loss / self._dp if self._dp > 1 else loss
+            self._local = self._share = None  # type: ignore[assignment]
+        return self._value
+
+
+def reduce_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` with a :class:`PendingLoss` replaced by its reduced device tensor: the read's
+    collectives without its host read (a dry run's values do not exist). Collective over the
+    step's DP and PP groups when the loss is pending (see :class:`PendingLoss`)."""
+    pending = {k: v.reduce() for k in READ_KEYS if isinstance(v := stats.get(k), PendingLoss)}
+    return dict(stats, **pending) if pending else stats
+
+
 def read_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    """``stats`` with its device values (:data:`READ_KEYS`) read as Python numbers: one host read."""
+    """``stats`` with its device values (:data:`READ_KEYS`) read as Python numbers: one host read.
+    A pending loss is reduced first (:func:`reduce_stats`: collective, on every rank of the step's
+    groups at the same step)."""
+    stats = reduce_stats(stats)
     keys = [k for k in READ_KEYS if torch.is_tensor(stats.get(k))]
     if not keys:
         return stats
@@ -219,13 +276,17 @@ class StepEngine:
     ) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches; the step's stats.
 
-        ``loss`` is the mean over the DP replicas (the global batch). ``read``: read
-        ``loss``, ``grad_norm``, ``skipped`` on the host (one device synchronisation,
-        inside the timed region, so ``step_time_s`` is device time); otherwise they stay
-        device tensors (:func:`read_stats` reads them) and ``step_time_s`` is host
-        (enqueueing) time, and ``grad_norm``/``skipped`` are None unless the step clips
-        or scales the loss (nothing needs the norm: it is not computed). ``measure_memory``: also record :attr:`activation_bytes`
-        (autograd's saved activations at the schedule's peak) and :attr:`model_state_bytes`.
+        ``loss`` is the mean over the DP replicas (the global batch). ``read``: reduce the
+        loss (a 4-byte ``broadcast`` over PP from the last stage, a 4-byte ``all_reduce``
+        over DP) and read ``loss``, ``grad_norm``, ``skipped`` on the host (one device
+        synchronisation, inside the timed region, so ``step_time_s`` is device time).
+        Otherwise the step issues no loss collective: ``loss`` is a :class:`PendingLoss`
+        (:func:`read_stats` reduces and reads it, :func:`reduce_stats` only reduces it; every
+        rank of the step's groups must then do so at the same step), ``grad_norm``/``skipped``
+        stay device tensors, None unless the step clips or scales the loss (nothing needs
+        the norm: it is not computed), and ``step_time_s`` is host (enqueueing) time.
+        ``measure_memory``: also record :attr:`activation_bytes` (autograd's saved activations
+        at the schedule's peak) and :attr:`model_state_bytes`.
         """
         scale = self.loss_scale
         counter = comm.CommCounter()
@@ -233,7 +294,7 @@ class StepEngine:
         t0, host_t0 = clock.mark(), time.perf_counter()
         meter = SavedActivationMeter(self.model.parameters()) if measure_memory else None
         with counter, self.zero.no_sync(), meter or contextlib.nullcontext():
-            loss = self.executor.run(inputs, targets)
+            loss = self.executor.run(inputs, targets, share_loss=False)  # shared when read (PendingLoss)
         if meter is not None:  # per (micro-batch, chunk) × the most the schedule held at once
             pairs = len(inputs or targets) * len(self.model.chunks)
             self.activation_bytes = meter.bytes / pairs * self.executor.peak_activations
@@ -241,16 +302,19 @@ class StepEngine:
             stats = self.zero.step(norm=read)  # an unread step needs no norm unless it clips or scales
         if measure_memory:  # after the step: the optimizer state exists from its first step
             self.model_state_bytes = self.zero.held_bytes()
-        loss = loss.detach().float() / scale
-        with counter:
-            comm.all_reduce(loss, group=self.dp_group)  # mean over DP replicas = the global batch
-        end = clock.mark()
+        # the mean over the DP replicas (the global batch), reduced only when read: an unread step
+        # issues no loss collective (torchtitan likewise reduces the loss on logged steps only)
+        pending = PendingLoss(loss, share=self.executor.share_loss, dp_group=self.dp_group, dp=self.dp, scale=scale)
         rec = {
-            "loss": loss / self.dp,
+            "loss": pending,
             "grad_norm": stats["grad_norm"],
             "skipped": stats["skipped"],
             "loss_scale": float(stats["loss_scale"]),
         }
+        if read:
+            with counter:
+                pending.reduce()
+        end = clock.mark()
         host_s = time.perf_counter() - host_t0
         if read:
             rec = read_stats(rec)  # waits for the device: the step's work is all in
@@ -267,8 +331,9 @@ class StepEngine:
         """Forward-only mean loss over ``batches`` (``(inputs, targets)`` per global batch),
         averaged over DP: a device tensor, unread."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for inputs, targets in batches:
-            total += self.executor.run(inputs, targets, forward_only=True).float() / self.loss_scale
+        for inputs, targets in batches:  # each batch's mean, summed on the last stage; shared once at the end
+            total += self.executor.run(inputs, targets, forward_only=True, share_loss=False).float() / self.loss_scale
+        self.executor.share_loss(total)
         comm.all_reduce(total, group=self.dp_group)
         return total / (len(batches) * self.dp)
 

@@ -7,7 +7,8 @@ at a time. The process joins torch's ``fake`` process group as that rank of the 
 world size and runs the **real** :class:`~recipes.trainer.Trainer`: config validation,
 creation of its process groups, its model chunks, ZeRO buckets, the pipeline executor,
 a warm-up training step (it allocates the optimizer state), one measured training step
-(every micro-batch's forward and backward, the DP reduction, the optimizer step), the
+(every micro-batch's forward and backward, the DP reduction, the optimizer step, and the
+loss reduction of a logged step: its collectives, without the host read), the
 validation forward, and the assembly of its checkpoint pieces (``Trainer.state_dict()``).
 Tensors live on the ``meta`` device: shapes, dtypes and every collective's size are
 real, no byte is allocated and no value exists (so the step must read none: issue 12 §2).
@@ -104,6 +105,7 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
 
     from parallel import comm
     from parallel.dryrun import FlashAttentionOnMeta, LiveMemory, init_fake_world
+    from parallel.engine import reduce_stats
 
     t0 = time.perf_counter()
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
@@ -127,8 +129,10 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
         t_warm = time.perf_counter()
         mem.new_window()
         counter, recorder = comm.CommCounter(), comm.CallRecorder()
-        with counter, recorder:
-            trainer.train_step(1, read=False)
+        with counter, recorder:  # the step the planner prices: with its loss reduction (a read's collectives,
+            # without the host read: meta tensors hold no values); an unread step sends 4 bytes less over
+            # DP (all-reduce) and over PP (broadcast): parallel.engine.PendingLoss
+            reduce_stats(trainer.train_step(1, read=False))
         t_step = time.perf_counter()
         held = trainer.engine.zero.held_bytes()
         peak, at_peak = mem.peak, dict(mem.at_peak)

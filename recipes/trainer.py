@@ -177,7 +177,9 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             checkpointing.fault_drill(t.fault, trainer.rank, step + 1)  # checkpoint: fault drills
             eval_due = bool(t.eval_every) and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps)
             save_due = checkpointing.save_due(step + 1, rc)
-            # the host reads the device (loss, norm) on logged steps only; a save reads it anyway
+            # the host reads the device (loss, norm) on logged steps only; a save reads it anyway. Every rank
+            # decides from the step number alone: a read reduces the loss over DP and PP (collective,
+            # parallel.engine.PendingLoss), which an unread step does not
             read = (step + 1) % t.log_every == 0 or step == first or step + 1 == t.max_steps or eval_due or save_due
             profiler.before(step + 1)  # logger.profile
             step_t0 = time.perf_counter()
@@ -224,7 +226,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                 )
                 log.info(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
             if preempted:
-                if not read:  # an unlogged step computed no norm: log what it has, no nulls
+                if not read:  # an unlogged step computed no norm: log what it has, no nulls. Every rank
+                    # reads (the loss's reduction is collective; `preempted` is agreed by all ranks)
                     log.log({k: v for k, v in read_stats(rec).items() if v is not None})
                 log.info(f"SIGTERM: stopped after step {trainer.step} with a checkpoint")
                 break
@@ -238,7 +241,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
         profiler.close()
         preemption.close()
         log.close()
-    last = read_stats(last)
+    last = read_stats(last)  # the last step was read, or reduced by the pre-emption log: no collective here
     finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/exits.py)
     return {
         "final_loss": last.get("loss"),

@@ -89,7 +89,9 @@ def vocab_parallel_cross_entropy(
     if vocab_size is not None and vocab_size > full_v:
         raise LayerConfigError(f"vocab_size {vocab_size} exceeds the {full_v} logits columns over all ranks")
     if comm.tp_world_size(tp_group) == 1:  # one rank holds every column: PyTorch's fused kernel
-        z = logits.float()[..., :vocab_size] if vocab_size is not None else logits.float()
+        z = logits.float()
+        if vocab_size is not None and vocab_size < z.shape[-1]:  # padding columns only: a full slice would
+            z = z[..., :vocab_size]  # still cost its backward a zero-filled copy of the logits' gradient
         loss = F.cross_entropy(
             z.reshape(-1, z.shape[-1]), targets.reshape(-1), ignore_index=ignore_index, reduction="none"
         )

@@ -28,7 +28,8 @@ Communication (all through :mod:`parallel.comm`):
   the gradient of every parameter marked
   :func:`parallel.params.mark_shared_embedding` (tied input embedding on the
   first stage, output head on the last), and a ``broadcast`` on ``pp_group``
-  of the step's loss (one float) from the last stage.
+  of the step's loss (one float) from the last stage (:meth:`~PipelineExecutor.share_loss`;
+  ``run(share_loss=False)`` leaves it to the caller, who issues it only when the loss is read).
 
 Zero-bubble lists split a backward into ``BackwardInput`` (B: the gradient
 w.r.t. the stage input, sent upstream at once) and ``BackwardWeight`` (W: the
@@ -223,11 +224,15 @@ class PipelineExecutor:
         microbatch_targets: Sequence[torch.Tensor] | None = None,
         *,
         forward_only: bool = False,
+        share_loss: bool = True,
     ) -> torch.Tensor:
         """One step: every action of this stage, then the tied-embedding
         all-reduce and the loss broadcast. Returns the mean micro-batch loss
         (a 0-d tensor) on every stage. Inputs are read on the first stage only,
         targets on the last only; each must hold one tensor per micro-batch.
+
+        ``share_loss=False``: no broadcast; the loss is meaningful on the last
+        stage only, and :meth:`share_loss` (on every stage) completes it later.
 
         ``forward_only=True`` (evaluation): the forwards and activation
         transfers of the same list under ``torch.no_grad()``; nothing is
@@ -285,10 +290,16 @@ class PipelineExecutor:
         if not forward_only:
             self._reduce_shared_embedding()
         loss = self._loss_sum / m  # meaningful on the last stage, which the broadcast copies
-        comm.broadcast(loss, src=self.stage_ranks[-1], group=self.pp_group)
+        if share_loss:
+            self.share_loss(loss)
         if clock:  # resolved once, after the step (on CUDA: one wait for the last event)
             self.timeline = [Span(label, clock.seconds(origin, a), clock.seconds(origin, b)) for label, a, b in marks]
         return loss
+
+    def share_loss(self, loss: torch.Tensor) -> None:
+        """Copy the last stage's ``loss`` (a 0-d fp32 tensor, in place) to every stage: a 4-byte
+        ``broadcast`` on ``pp_group``, nothing at pp=1. Collective: every stage calls it."""
+        comm.broadcast(loss, src=self.stage_ranks[-1], group=self.pp_group)
 
     def _forward(self, a: Forward) -> None:
         if self._is_first(a.chunk):

@@ -62,11 +62,13 @@ def test_model_state_per_rank_follows_the_zero_stage(two_rank_rows):
 
 def test_main_writes_table_json_history_and_chart(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"meta": {"old": 1}, "rows": []}))  # the one-run form
-    rows = run.main(["--only", "single", "--quick", "--steps", "2", "--warmup", "0", "--out", str(tmp_path)])
+    args = ["--only", "single", "--rows", "single process", "--quick", "--steps", "2", "--warmup", "0"]
+    rows = run.main([*args, "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [r["meta"].get("old") for r in saved["runs"]] == [1, None]  # appended to the history
     assert saved["runs"][-1]["rows"] == json.loads(json.dumps(rows))
     assert saved["runs"][-1]["meta"]["sizes"] == ["small"] and saved["runs"][-1]["meta"]["date"]
+    assert saved["runs"][-1]["meta"]["rows"] == ["single process"]
     (row,) = rows
     assert row["rounds"] == 2 and row["ours_sent_MB"] == 0 and row["theory_sent_MB"] == 0
     assert row["size"] == "small" and row["cpu_ratio"] > 0 and row["cpu_ours_ms"] > 0
@@ -82,3 +84,6 @@ def test_unknown_section_or_size_is_refused(capsys):
     with pytest.raises(SystemExit):
         run.main(["--only", "dp", "--sizes", "small,huge"])
     assert "huge" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a row of another section (or none) is refused before anything runs
+        run.main(["--only", "dp", "--rows", "dp ZeRO-0,pp=2 1F1B"])
+    assert "pp=2 1F1B" in capsys.readouterr().err

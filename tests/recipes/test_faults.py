@@ -124,12 +124,17 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
 
 
-def test_sigterm_on_one_rank_checkpoints_and_stops_every_rank(tmp_path):
-    rc = small_recipe(train__max_steps=6, train__fault="term@1:3")
+@pytest.mark.parametrize("log_every", [1, 5])
+def test_sigterm_on_one_rank_checkpoints_and_stops_every_rank(tmp_path, log_every):
+    rc = small_recipe(train__max_steps=6, train__fault="term@1:3", train__log_every=log_every)
     summaries = run_ranks(_train, 2, rc, str(tmp_path), timeout=120)
     # signalled as step 3 starts; the flag agreed at step 3's end is read (without a host wait) at step 4's
     assert [s["steps"] for s in summaries] == [4, 4] and all(s["preempted"] for s in summaries)
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
+    # log_every=5: step 4 was not read; the pre-emption logs it, every rank reducing its loss (collective)
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == ([1, 2, 3, 4] if log_every == 1 else [1, 4])
+    assert [s["final_loss"] for s in summaries] == [rows[-1]["loss"]] * 2
 
 
 def test_kill_while_saving_keeps_the_previous_checkpoint_for_resume(tmp_path):
