@@ -188,9 +188,9 @@ def _timed(fn, into: list[float]):
 def _breakdown_worker(rc, run_dir: str, steps: int, skip: int) -> dict:
     """One spawned rank: train ``steps`` steps of ``rc`` with the recipe's :class:`~recipes.trainer.Trainer`
     and, on the steps after the first ``skip``, time the step's parts on the host: the executor's run
-    (forwards, backwards, pipeline transfers, the collectives issued inside them), the ZeRO step
+    (forwards, backwards, pipeline transfers, the collectives issued and waited inside them), the ZeRO step
     (reductions at the step, clipping's norm, the optimizer, the after-step gathers), the rest (the
-    loss's all-reduce, the loop); and inside them the time blocked in each collective kind
+    loss's broadcast and all-reduce, the loop); and inside them the time blocked in each collective kind
     (``parallel.comm``'s counter: a blocking call's duration, an asynchronous handle's ``wait()``) per
     group and operation, with its call count; and this process's wait for a CPU (``runqueue_s``).
     Returns the medians over the timed steps of every figure (:func:`recipes.reports.measured_parts`)."""
@@ -202,7 +202,14 @@ def _breakdown_worker(rc, run_dir: str, steps: int, skip: int) -> dict:
     engine = trainer.engine
     run_s: list[float] = []
     opt_s: list[float] = []
-    engine.executor.run = _timed(engine.executor.run, run_s)
+    executor_run = engine.executor.run
+    run_counter = comm.CommCounter()  # the run's own waits: the loss's reduction comes after it
+
+    def counted_run(*args, **kwargs):
+        with run_counter:
+            return executor_run(*args, **kwargs)
+
+    engine.executor.run = _timed(counted_run, run_s)
     zero_step = engine.zero.step
     opt_counter = comm.CommCounter()
 
@@ -213,7 +220,7 @@ def _breakdown_worker(rc, run_dir: str, steps: int, skip: int) -> dict:
     engine.zero.step = _timed(counted_step, opt_s)
     samples = []
     for step in range(steps):
-        run_s.clear(), opt_s.clear(), opt_counter.reset()
+        run_s.clear(), opt_s.clear(), opt_counter.reset(), run_counter.reset()
         rq0, t0 = runqueue_seconds(), time.perf_counter()
         trainer.train_step(step, read=True)
         wall, rq = time.perf_counter() - t0, runqueue_seconds() - rq0
@@ -226,6 +233,7 @@ def _breakdown_worker(rc, run_dir: str, steps: int, skip: int) -> dict:
                     optimizer_step_s=sum(opt_s),
                     comm=engine.last_comm.summary(),
                     comm_in_optimizer_step=opt_counter.summary(),
+                    comm_in_run=run_counter.summary(),
                 )
             )
     comm.barrier()

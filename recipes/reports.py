@@ -192,7 +192,7 @@ def measured_parts(samples: list[dict]) -> dict:
     Returns ``step_s``, ``runqueue_s``, ``forward_backward_s`` (the executor), ``compute_s`` (the
     executor less the collectives blocked in it), ``optimizer_step_s``, ``optimizer_s`` (ZeRO's step
     less its collectives), ``rest_s`` (the step less the executor and ZeRO's step: the loss's
-    all-reduce, the loop) and ``comm``: per ``"<group> <op>"`` the calls issued and the seconds blocked
+    broadcast and all-reduce, the loop) and ``comm``: per ``"<group> <op>"`` the calls issued and the seconds blocked
     per step, and of those the seconds blocked inside ZeRO's step (an asynchronous reduction launched
     in backward is waited for there). ``p2p`` (batched pipeline transfers) has blocked time only: its
     calls count as ``send`` and ``recv``."""
@@ -208,8 +208,11 @@ def measured_parts(samples: list[dict]) -> dict:
         wait = med(a.get(k, {}).get("wait_s", 0.0) for a in comm_all)
         in_opt = med(o.get(k, {}).get("wait_s", 0.0) for o in comm_opt)
         comm[k] = {"calls": calls, "wait_s": wait, "wait_in_optimizer_step_s": in_opt}
-    in_run = [
-        sum(v["wait_s"] for v in a.values()) - sum(v["wait_s"] for v in o.values()) for a, o in zip(comm_all, comm_opt)
+    in_run = [  # the executor's own waits when counted apart (the loss's reduction runs after it)
+        sum(v["wait_s"] for v in _comm_seconds(s["comm_in_run"]).values())
+        if "comm_in_run" in s
+        else sum(v["wait_s"] for v in a.values()) - sum(v["wait_s"] for v in o.values())
+        for s, a, o in zip(samples, comm_all, comm_opt)
     ]
     in_opt = [sum(v["wait_s"] for v in o.values()) for o in comm_opt]
     return {

@@ -137,7 +137,8 @@ def test_cross_entropy_all_reduce_bytes_have_one_home():
     from parallel.layers import cross_entropy
     from parallel.plan import traffic
 
-    assert traffic.CE_ALL_REDUCE_BYTES_PER_TOKEN is cross_entropy.CE_ALL_REDUCE_BYTES_PER_TOKEN
+    assert traffic.CE_MAX_BYTES_PER_TOKEN is cross_entropy.CE_MAX_BYTES_PER_TOKEN
+    assert traffic.CE_SUMS_BYTES_PER_TOKEN is cross_entropy.CE_SUMS_BYTES_PER_TOKEN
     assert bench.CE_ALL_REDUCE_BYTES_PER_TOKEN is cross_entropy.CE_ALL_REDUCE_BYTES_PER_TOKEN
 
 

@@ -21,9 +21,12 @@ import torch.nn.functional as F
 from .. import comm
 from .linear import LayerConfigError
 
-CE_ALL_REDUCE_BYTES_PER_TOKEN = 12
-"""Payload of the vocabulary-parallel cross-entropy's forward all-reduces per token: the fp32 max
-(4 B, one call) and the fp32 sum of exponentials with the target logit (8 B, one call)."""
+CE_MAX_BYTES_PER_TOKEN = 4
+"""Payload per token of the vocabulary-parallel cross-entropy's first forward all-reduce: the fp32 max."""
+CE_SUMS_BYTES_PER_TOKEN = 8
+"""Payload per token of its second: the fp32 sum of exponentials with the target logit."""
+CE_ALL_REDUCE_BYTES_PER_TOKEN = CE_MAX_BYTES_PER_TOKEN + CE_SUMS_BYTES_PER_TOKEN
+"""Payload of both forward all-reduces per token (two calls per micro-batch)."""
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

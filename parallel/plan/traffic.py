@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..comm.counter import SENT_FRACTION
-from ..layers.cross_entropy import CE_ALL_REDUCE_BYTES_PER_TOKEN
+from ..layers.cross_entropy import CE_MAX_BYTES_PER_TOKEN, CE_SUMS_BYTES_PER_TOKEN
 from ..overlap import DP_REDUCTION, ZERO3_GATHER
 from ..zero.compression import INDEX_BYTES, topk_count
 from ..zero.policy import policy
@@ -250,5 +250,7 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
         fwd += op("all_gather", 1, "head forward") if sp else 0.0
         bwd += op("reduce_scatter" if sp else "all_reduce", 1, "head input gradient")
         bwd += op("all_gather", 1, "head backward (input, gathered again)") if sp else 0.0
-        fwd += op("all_reduce", 1, "cross-entropy max and sums", CE_ALL_REDUCE_BYTES_PER_TOKEN * mb * shape.seq_len)
+        tokens = mb * shape.seq_len  # two calls: the max, then the sums (parallel.layers.cross_entropy)
+        fwd += op("all_reduce", 1, "cross-entropy max", CE_MAX_BYTES_PER_TOKEN * tokens)
+        fwd += op("all_reduce", 1, "cross-entropy sums", CE_SUMS_BYTES_PER_TOKEN * tokens)
     return fwd, bwd, (regather, scatter)

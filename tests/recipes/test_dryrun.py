@@ -72,3 +72,19 @@ def test_gpt175b_default_ranks(tmp_path):
         assert res["max_rss_bytes"] < 2 * 2**30
         assert res["cpu_seconds"] < 30
     print(ratios)
+
+
+def test_the_planner_counts_the_collective_calls_the_engine_issues(tmp_path):
+    """Calls per group and kind, not only bytes: each call pays a latency (and on a CPU a fixed cost),
+    so a miscounted call is a wrong step time. tp=2 (the cross-entropy's two all-reduces per
+    micro-batch) and dp=2 ZeRO-3 (each unit's buckets, as the engine packs them)."""
+    for i, layout in enumerate(
+        (["parallel.tp=2", "train.global_batch=8"], ["parallel.dp=2", "parallel.zero=3", "train.global_batch=8"])
+    ):
+        rc = recipe("gpt_tiny", layout + ["train.micro_batch=4", "dryrun.ranks=[0]"])
+        dryrun.run_dryrun(rc, str(tmp_path / str(i)))
+        res = json.loads((tmp_path / str(i) / "dryrun.json").read_text())["ranks"]["0"]
+        traffic = plan_from_config(rc).ranks[0].traffic
+        calls = {(g, o): s["calls"] for g, ops in res["comm"].items() for o, s in ops.items()}
+        planned = {(g, o): traffic[g]["by_kind"][o]["calls"] for g, o in calls}
+        assert calls == planned, layout

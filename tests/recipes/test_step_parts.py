@@ -44,3 +44,11 @@ def test_predicted_parts_count_the_engines_calls_and_print_beside_the_measured()
     samples = [_sample(0.05, 0.04, 0.005, 0.001, 18, 0.003, 0.001)]
     text = format_breakdown("dp=2 ZeRO-3", measured_parts(samples), p)
     assert "dp all_gather" in text and "predicted" in text and "µs/call" in text
+
+
+def test_the_executors_own_waits_when_counted_apart():
+    """The loss's all-reduce (0.5 s here) is issued after the executor's run: with the run's waits
+    counted apart, compute is the run less only those (7 − 3), not less the loss's wait too."""
+    s = _sample(10.0, 7.0, 2.0, 0.1, 18, 3.0, 0.4)
+    s["comm_in_run"] = {"dp": {"all_gather": {"calls": 18, "wait_s": 3.0}}}
+    assert measured_parts([s])["compute_s"] == pytest.approx(4.0)
