@@ -273,6 +273,7 @@ class StepEngine:
         *,
         read: bool = True,
         measure_memory: bool = False,
+        norm: bool | None = None,
     ) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches; the step's stats.
 
@@ -286,7 +287,8 @@ class StepEngine:
         stay device tensors, None unless the step clips or scales the loss (nothing needs
         the norm: it is not computed), and ``step_time_s`` is host (enqueueing) time.
         ``measure_memory``: also record :attr:`activation_bytes` (autograd's saved activations
-        at the schedule's peak) and :attr:`model_state_bytes`.
+        at the schedule's peak) and :attr:`model_state_bytes`. ``norm``: compute the gradient
+        norm (its collectives) even unread; None: when read (a dry run of a logged step passes True).
         """
         scale = self.loss_scale
         counter = comm.CommCounter()
@@ -299,7 +301,7 @@ class StepEngine:
             pairs = len(inputs or targets) * len(self.model.chunks)
             self.activation_bytes = meter.bytes / pairs * self.executor.peak_activations
         with counter:
-            stats = self.zero.step(norm=read)  # an unread step needs no norm unless it clips or scales
+            stats = self.zero.step(norm=read if norm is None else norm)  # unread: no norm unless it clips or scales
         if measure_memory:  # after the step: the optimizer state exists from its first step
             self.model_state_bytes = self.zero.held_bytes()
         # the mean over the DP replicas (the global batch), reduced only when read: an unread step

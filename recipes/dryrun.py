@@ -132,7 +132,7 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
         with counter, recorder:  # the step the planner prices: with its loss reduction (a read's collectives,
             # without the host read: meta tensors hold no values); an unread step sends 4 bytes less over
             # DP (all-reduce) and over PP (broadcast): parallel.engine.PendingLoss
-            reduce_stats(trainer.train_step(1, read=False))
+            reduce_stats(trainer.train_step(1, read=False, norm=True))  # a logged step's norm, clipping or not
         t_step = time.perf_counter()
         held = trainer.engine.zero.held_bytes()
         peak, at_peak = mem.peak, dict(mem.at_peak)

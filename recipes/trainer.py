@@ -106,7 +106,9 @@ class Trainer:
         )
         return mean.item() if read else mean
 
-    def train_step(self, step: int, measure_memory: bool = False, read: bool = True) -> dict[str, Any]:
+    def train_step(
+        self, step: int, measure_memory: bool = False, read: bool = True, norm: bool | None = None
+    ) -> dict[str, Any]:
         """One optimizer step over the global batch of ``step`` at its learning rate; the record
         rank 0 logs (see :meth:`parallel.engine.StepEngine.step` for ``read`` and ``measure_memory``)."""
         o = self.rc.optim
@@ -120,7 +122,7 @@ class Trainer:
         )
         self.engine.set_lr(lr)
         inputs, targets = self.microbatches(step)
-        return {"lr": lr, **self.engine.step(inputs, targets, read=read, measure_memory=measure_memory)}
+        return {"lr": lr, **self.engine.step(inputs, targets, read=read, measure_memory=measure_memory, norm=norm)}
 
     # ------------------------------------------------------ checkpoint (recipes/checkpointing.py)
     def state_dict(self) -> dict:
