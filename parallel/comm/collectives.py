@@ -147,18 +147,27 @@ class _SumOfReceived:
     """The handle of :func:`_reduce_scatter_by_all_to_all`: ``wait()`` completes the exchange,
     then sums the received chunks into the output."""
 
-    def __init__(self, work, received: torch.Tensor, output: torch.Tensor, n: int):
-        self._work, self._received, self._output, self._n = work, received, output, n
+    def __init__(self, work, buffers: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor, n: int):
+        self._work, self._buffers, self._output, self._n = work, buffers, output, n
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's signature
         if self._work is not None:
             self._work.wait()
-            torch.sum(self._received.view(self._n, -1), dim=0, out=self._output.view(-1))
-            self._work = self._received = None
+            torch.sum(self._buffers[1].view(self._n, -1), dim=0, out=self._output.view(-1))
+            _A2A_BUFFERS.setdefault(_buffer_key(self._buffers[0]), []).append(self._buffers)
+            self._work = self._buffers = None
         return True
 
     def is_completed(self) -> bool:
         return self._work is None
+
+
+# buffers of completed gloo reduce-scatters, reused (fresh large host buffers cost page faults)
+_A2A_BUFFERS: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _buffer_key(t: torch.Tensor) -> tuple:
+    return (t.numel(), t.dtype, t.device)
 
 
 def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, *, op, group, async_op: bool):
@@ -170,9 +179,11 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, *, 
     before the wait (ZeRO 0-1 used without ``no_sync`` accumulates into the bucket it sent)."""
     del op  # SUM (the caller checks)
     n = group_size(group)
-    received = torch.empty(input.numel(), dtype=input.dtype, device=input.device)
-    work = dist.all_to_all_single(received, input.reshape(-1).clone(), group=group, async_op=True)
-    handle = _SumOfReceived(work, received, output, n)
+    free = _A2A_BUFFERS.get(_buffer_key(input))
+    sent, received = free.pop() if free else (torch.empty_like(input).view(-1), torch.empty_like(input).view(-1))
+    sent.copy_(input.reshape(-1))
+    work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+    handle = _SumOfReceived(work, (sent, received), output, n)
     if async_op:
         return handle
     handle.wait()

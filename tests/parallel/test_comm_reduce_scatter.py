@@ -28,6 +28,10 @@ def _rank():
             comm.reduce_scatter(max_out, x.clone(), op=dist.ReduceOp.MAX)  # not a sum: gloo's own
     finally:
         dist.all_to_all_single = original
+    from parallel.comm import collectives
+
+    pool = collectives._A2A_BUFFERS[(x.numel(), x.dtype, x.device)]
+    assert len(pool) == 1  # the second sum reused the first's buffers (fresh host buffers cost page faults)
     full = [torch.randn(n * 1000, generator=torch.Generator().manual_seed(r)) * (r + 1) for r in range(n)]
     want_max = torch.stack(full).amax(0).view(n, -1)[me]
     return native, sync, out, max_out, want_max, len(calls), counter.sent_bytes(op="reduce_scatter")
