@@ -41,7 +41,7 @@ def time_alternating(
     for i in range(steps + warmup):
         for name, step in order if i % 2 == 0 else order[::-1]:
             if barrier:
-                dist.barrier()
+                comm.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             step()
             if i >= warmup:

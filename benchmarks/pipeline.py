@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parallel import comm
 from parallel.pipeline.executor import PipelineExecutor
 from parallel.pipeline.partition import partition_layers
 from parallel.pipeline.schedules import one_f_one_b
@@ -164,7 +165,7 @@ def _zb_rank(pp: int, m: int, steps: int, kwargs: dict):
         for name in order if i % 2 == 0 else order[::-1]:
             engine = engines[name]
             meter = PeakSavedMeter(engine.model.parameters())
-            dist.barrier()
+            comm.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             with meter:
                 engine.step(xs if first else None, ys if last else None)

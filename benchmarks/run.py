@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from parallel import comm
 from parallel.pipeline.timeline import bubble_fraction
 from parallel.testing import run_ranks
 
@@ -116,7 +116,7 @@ def _section_rank(
     times = time_alternating({k: c.step for k, c in contenders.items()}, steps, warmup, cpu=cpu)
     for name, parallel, _ in pairs:  # the bubble: one more step, recorded (the timed ones record nothing,
         if parallel.get("pp", 1) > 1:  # as PyTorch's side); its stages start together, as in the rounds
-            dist.barrier()
+            comm.barrier()
             with contenders[f"{name}|ours"].trainer.engine.recording_timeline():
                 contenders[f"{name}|ours"].step()
     out = []

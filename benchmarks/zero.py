@@ -104,7 +104,7 @@ def _run(kinds, d, blocks, steps, batch):
         times, counter, held = [], comm.CommCounter(), 0
         for i, (x, y) in enumerate(data):
             x, y = x.chunk(dist.get_world_size())[rank], y.chunk(dist.get_world_size())[rank]
-            dist.barrier()
+            comm.barrier()
             t0 = time.perf_counter()
             with counter if i == len(data) - 1 else _nothing():
                 backward(nn.functional.mse_loss(model(x).squeeze(-1), y))

@@ -29,7 +29,7 @@ from parallel.layers import (
     gather_full_tensor,
     init_parameters_,
     mark_vocab_rows,
-    vocab_parallel_cross_entropy,
+    mean_token_cross_entropy,
 )
 from parallel.params import mark_init_key, mark_sequence_parallel, mark_shared_embedding
 
@@ -267,7 +267,7 @@ class TransformerStage(nn.Module):
         :func:`~parallel.layers.vocab_parallel_cross_entropy` for its communication)."""
         if not self.has_head:
             raise ModelConfigError("loss() needs the stage that holds the head (has_head=True)")
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, vocab_size=self.cfg.vocab_size).mean()
+        return mean_token_cross_entropy(logits, targets, self.tp_group, vocab_size=self.cfg.vocab_size)
 
 
 def init_rule(cfg: ModelConfig):

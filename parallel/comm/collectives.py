@@ -143,8 +143,66 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
     return _call(group_label(group), "all_reduce", async_op, (tensor,), dist.all_reduce, tensor, op=op, group=group)
 
 
+class _SumOfReceived:
+    """The handle of :func:`_reduce_scatter_by_all_to_all`: ``wait()`` completes the exchange,
+    then sums the received chunks into the output."""
+
+    def __init__(self, work, buffers: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor, n: int):
+        self._work, self._buffers, self._output, self._n = work, buffers, output, n
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's signature
+        if self._work is not None:
+            self._work.wait()
+            torch.sum(self._buffers[1].view(self._n, -1), dim=0, out=self._output.view(-1))
+            _A2A_BUFFERS.setdefault(_buffer_key(self._buffers[0]), []).append(self._buffers)
+            self._work = self._buffers = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None
+
+
+# buffers of completed gloo reduce-scatters, reused (fresh large host buffers cost page faults)
+_A2A_BUFFERS: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _buffer_key(t: torch.Tensor) -> tuple:
+    return (t.numel(), t.dtype, t.device)
+
+
+def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, *, op, group, async_op: bool):
+    """gloo's sum reduce-scatter as an all-to-all of the chunks, then a local sum: the same
+    (N-1)/N of ``input`` sent, and 2.5× less CPU than gloo's own reduce-scatter (12.8 M fp32
+    on 2 ranks: 23 vs 58–65 ms, 30 vs 75 ms wall; issue 17). Rank i receives every rank's
+    chunk i and adds them, so each output element is still computed by one rank only. ``input``
+    is copied at the call, as gloo's own reduce-scatter takes it: a caller may write into it
+    before the wait (ZeRO 0-1 used without ``no_sync`` accumulates into the bucket it sent)."""
+    del op  # SUM (the caller checks)
+    n = group_size(group)
+    free = _A2A_BUFFERS.get(_buffer_key(input))
+    sent, received = free.pop() if free else (torch.empty_like(input).view(-1), torch.empty_like(input).view(-1))
+    sent.copy_(input.reshape(-1))
+    work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+    handle = _SumOfReceived(work, (sent, received), output, n)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _gloo_sum(input: torch.Tensor, group, op) -> bool:
+    return (
+        op == ReduceOp.SUM
+        and input.device.type == "cpu"
+        and dist.is_initialized()
+        and "gloo" in str(dist.get_backend(group))
+    )
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
-    """Reduce ``input`` (N equal chunks along dim 0) over ``group``; rank i keeps chunk i."""
+    """Reduce ``input`` (N equal chunks along dim 0) over ``group``; rank i keeps chunk i.
+
+    A sum on gloo runs as :func:`_reduce_scatter_by_all_to_all` (same bytes, counted the same)."""
     n = group_size(group)
     if input.numel() != output.numel() * n:
         raise ValueError(
@@ -161,7 +219,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=Red
         "reduce_scatter",
         async_op,
         (output, input),
-        _reduce_scatter_tensor,
+        _reduce_scatter_by_all_to_all if _gloo_sum(input, group, op) else _reduce_scatter_tensor,
         output,
         input,
         op=op,

@@ -9,7 +9,7 @@ layout, and :func:`gather_full_tensor` reassembles a sharded one.
 """
 
 from .attention import ParallelSelfAttention, apply_rotary, check_heads, rotary_cos_sin
-from .cross_entropy import vocab_parallel_cross_entropy
+from .cross_entropy import mean_token_cross_entropy, vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding, mark_vocab_rows, padded_vocab_size
 from .init import gather_full_tensor, init_parameters_, init_tensor_shard_
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
@@ -59,5 +59,6 @@ __all__ = [
     "ring_attention",
     "rotary_cos_sin",
     "ulysses_attention",
+    "mean_token_cross_entropy",
     "vocab_parallel_cross_entropy",
 ]

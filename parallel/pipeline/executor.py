@@ -8,14 +8,25 @@ verdicts (deadlock-free, peak stored activations) hold for the real run.
 Communication (all through :mod:`parallel.comm`):
 
 * each batch of consecutive transfers is one ``comm.exchange`` (batched
-  ``isend``/``irecv``) on ``pp_group``. A batch with receives is awaited whole,
-  its sends too, before the next computation: the rendezvous under which the
-  simulator proves every schedule deadlock-free (NCCL gives one handle per batch;
-  on gloo, one per op, leaving the sends to the next batch made each later send
-  block in gloo: 2.6 vs 0.1 ms per send at 0.87 M, issue 17). A batch of sends
-  alone is awaited only when the next batch completes (as the simulator assumes),
-  so a sender computes on instead of idling until its peer posts the receive.
-  So a transfer is not hidden behind compute (:data:`parallel.overlap.PIPELINE_P2P`).
+  ``isend``/``irecv``) on ``pp_group``, posted where the list puts it. A received
+  tensor is awaited only by the computation that reads it, not at its batch: a
+  computation the list places between a batch and the reader of one of its receives
+  runs while that receive is in flight (interleaved lists: a forward of one chunk
+  under the gradient its other chunk awaits; torch's ``_PipelineScheduleRuntime``
+  likewise waits a receive just before its use). On gloo (one handle per op) the
+  sends of a batch with receives complete at the batch (leaving them to the next
+  batch made each later send block in gloo: 2.6 vs 0.1 ms per send at 0.87 M,
+  issue 17); on NCCL (one handle per batch) the whole batch is awaited by the first
+  reader of one of its receives. On gloo a batch also posts the next batch's
+  receives (in list order, so every send still meets the same receive): a gloo send
+  completes only once its receive is posted, and a peer's send no longer waits for
+  this stage to reach that batch. A batch of sends alone is awaited when the next
+  batch is posted, so a sender computes on instead of idling until its peer posts
+  the receive. Every post happens at or before its point in the list and every wait
+  at or after the simulator's (each batch complete before the next computation), so
+  every schedule the simulator proves deadlock-free stays so and its timeline is an
+  upper bound. In the 1F1B lists every receive is read by the very next computation: there
+  a transfer is not hidden behind compute (:data:`parallel.overlap.PIPELINE_P2P`).
   Shapes and dtype are fixed up front (``activation_shape``, ``dtype``): no
   shape messages. Per transfer, ``prod(activation_shape) · itemsize`` bytes,
   or ``1/tp`` of that with a ``tp_group`` (below).
@@ -58,7 +69,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,6 +98,24 @@ from .schedules import (
 )
 from .simulator import Span
 from .split_backward import SavedTensorStash, WeightGradWork, backward_input, backward_weight
+
+
+class _InFlight(NamedTuple):
+    """A posted receive: its buffer, the handles that complete it, and (NCCL: one handle for the
+    batch) the batch's sent tensors, kept alive until then."""
+
+    buffer: torch.Tensor
+    waits: list
+    sent: list[torch.Tensor]
+
+
+def _receives_ahead(items: Sequence[Compute | list[P2P]]) -> list[tuple[P2P, ...]]:
+    """Per item: for a batch, the receives of the next batch in the list (none for a computation)."""
+    out: list[tuple[P2P, ...]] = []
+    for i, item in enumerate(items):
+        later = next((b for b in items[i + 1 :] if isinstance(b, list)), []) if isinstance(item, list) else []
+        out.append(tuple(a for a in later if isinstance(a, (RecvActivation, RecvGrad))))
+    return out
 
 
 def _range_name(item: Compute | list[P2P]) -> str:
@@ -153,6 +182,12 @@ class PipelineExecutor:
         # removing waits from a deadlock-free list cannot create a deadlock
         backward_kinds = (Backward, BackwardInput, BackwardWeight, SendGrad, RecvGrad)
         self.forward_items = batches(a for a in actions if not isinstance(a, backward_kinds))
+        # gloo matches each posted op on its own: a batch also posts the next batch's receives, so that
+        # a peer's send lands without waiting for this stage to reach that batch. Not on NCCL, whose
+        # grouped p2p completes as a whole (an early receive would tie this batch to the next)
+        ahead = "gloo" in str(dist.get_backend(pp_group))
+        self._ahead = _receives_ahead(self.items) if ahead else [()] * len(self.items)
+        self._forward_ahead = _receives_ahead(self.forward_items) if ahead else [()] * len(self.forward_items)
         self.vpp = len(self.chunks)
         self.activation_shape = tuple(activation_shape)
         self.dtype = dtype
@@ -248,7 +283,7 @@ class PipelineExecutor:
         self.device = next((p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
         self._inputs = microbatch_inputs
         self._targets = microbatch_targets
-        self._received: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._received: dict[tuple[str, int, int], torch.Tensor | _InFlight] = {}
         self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._deferred: dict[tuple[int, int], WeightGradWork | None] = {}  # B done, W to come
         self._stashes: dict[tuple[int, int], SavedTensorStash | None] = {}
@@ -264,7 +299,10 @@ class PipelineExecutor:
         self.timeline_origin = origin if isinstance(origin, float) else time.perf_counter()
         self._forward_only = forward_only
         with torch.no_grad() if forward_only else contextlib.nullcontext():
-            for item in self.forward_items if forward_only else self.items:
+            items, ahead = (self.forward_items, self._forward_ahead) if forward_only else (self.items, self._ahead)
+            for item, next_recvs in zip(items, ahead):
+                if isinstance(item, Compute):
+                    self._await_input(item)  # its received tensor, if any (idle time: outside its span)
                 start = clock and clock.mark()
                 with named_range(lambda: _range_name(item)):  # noqa: B023 - called within this iteration
                     if isinstance(item, Forward):
@@ -276,16 +314,16 @@ class PipelineExecutor:
                     elif isinstance(item, BackwardWeight):
                         self._backward_weight(item)
                     else:
-                        self._transfer(item)
+                        self._transfer(item, next_recvs)
                 if clock:
                     marks.append((item if isinstance(item, Compute) else tuple(item), start, clock.mark()))
         for handle in self._pending_sends:
             handle.wait()
         self._pending_sends, self._send_buffers = [], []
-        if self._stored or self._outbox or self._deferred:
+        if self._stored or self._outbox or self._deferred or self._received:
             raise ScheduleError(
                 f"stage {self.stage}: step ended with unfinished micro-batches "
-                f"{sorted(self._stored)} / unsent {sorted(self._outbox)}"
+                f"{sorted(self._stored)} / unsent {sorted(self._outbox)} / unread {sorted(self._received)}"
             )
         if not forward_only:
             self._reduce_shared_embedding()
@@ -365,7 +403,9 @@ class PipelineExecutor:
         flat = t.contiguous().view(-1)
         return flat if self.tp == 1 else flat.chunk(self.tp)[self.tp_rank].contiguous()
 
-    def _transfer(self, batch: list[P2P]) -> None:
+    def _transfer(self, batch: list[P2P], ahead: Sequence[P2P] = ()) -> None:
+        """Post ``batch`` (its receives not posted yet), and with ``ahead`` (gloo) the next batch's
+        receives too, in list order (see the module docstring)."""
         sends, recvs, landing = [], [], []
         for a in batch:
             peer = self.stage_ranks[a.peer]
@@ -378,11 +418,16 @@ class PipelineExecutor:
                         f"{None if t is None else t.dtype}, expected {self.activation_shape} / {self.dtype}"
                     )
                 sends.append((self._slice(t), peer))
-            else:
-                kind = "act" if isinstance(a, RecvActivation) else "grad"
+        own_recvs = False
+        for a in (*batch, *ahead):
+            if isinstance(a, (RecvActivation, RecvGrad)):
+                key = ("act" if isinstance(a, RecvActivation) else "grad", a.mb, a.chunk)
+                own_recvs = own_recvs or a in batch
+                if key in self._received:
+                    continue  # posted ahead with the previous batch
                 buf = torch.empty(math.prod(self.activation_shape) // self.tp, dtype=self.dtype, device=self.device)
-                recvs.append((buf, peer))
-                landing.append(((kind, a.mb, a.chunk), buf))
+                recvs.append((buf, self.stage_ranks[a.peer]))
+                landing.append((key, buf))
         handles = comm.exchange(sends, recvs, group=self.pp_group)
         # the previous send-only batch: matched by now in the usual case; awaiting it here,
         # and not earlier, lets a sender compute instead of idling until its peer posts
@@ -390,16 +435,39 @@ class PipelineExecutor:
         for handle in self._pending_sends:
             handle.wait()
         self._pending_sends, self._send_buffers = [], []
-        if not recvs:  # a batch of sends alone: awaited with the next batch, as the simulator assumes
-            self._pending_sends, self._send_buffers, handles = handles, [t for t, _ in sends], []
-        for handle in handles:  # with receives: the whole batch (one handle on NCCL, one per op on gloo)
+        per_op = len(handles) == len(sends) + len(recvs)  # gloo: one handle per op, sends first
+        if not own_recvs:  # a batch of sends alone: awaited with the next batch, as the simulator assumes
+            self._pending_sends = handles[: len(sends)] if per_op else handles
+            self._send_buffers = [t for t, _ in sends]
+        elif per_op:
+            for handle in handles[: len(sends)]:  # see the module docstring
+                handle.wait()
+        kept = [t for t, _ in sends] if not per_op else []  # NCCL: alive until the batch is awaited
+        for i, (key, buf) in enumerate(landing):
+            waits = [handles[len(sends) + i]] if per_op else handles
+            self._received[key] = _InFlight(buf, waits, kept)
+
+    def _await_input(self, a: Compute) -> None:
+        """Complete the receive ``a`` reads (before its computation starts), rebuilding the
+        whole tensor from the TP shares (scatter-gather); nothing if it reads none."""
+        key = (
+            ("act", a.mb, a.chunk)
+            if isinstance(a, Forward) and not self._is_first(a.chunk)
+            else ("grad", a.mb, a.chunk)
+            if isinstance(a, (Backward, BackwardInput)) and not self._is_last(a.chunk)
+            else None
+        )
+        pending = self._received.get(key)
+        if not isinstance(pending, _InFlight):
+            return  # none, or already complete
+        for handle in pending.waits:
             handle.wait()
-        for key, buf in landing:
-            if self.tp > 1:
-                whole = torch.empty(buf.numel() * self.tp, dtype=self.dtype, device=self.device)
-                comm.all_gather(whole, buf, group=self.tp_group)
-                buf = whole
-            self._received[key] = buf.view(self.activation_shape)
+        buf = pending.buffer
+        if self.tp > 1:
+            whole = torch.empty(buf.numel() * self.tp, dtype=self.dtype, device=self.device)
+            comm.all_gather(whole, buf, group=self.tp_group)
+            buf = whole
+        self._received[key] = buf.view(self.activation_shape)
 
     def _reduce_shared_embedding(self) -> None:
         """Sum the tied-embedding gradients of the first and last stage (middle stages skip)."""

@@ -87,3 +87,16 @@ def test_unknown_section_or_size_is_refused(capsys):
     with pytest.raises(SystemExit):  # a row of another section (or none) is refused before anything runs
         run.main(["--only", "dp", "--rows", "dp ZeRO-0,pp=2 1F1B"])
     assert "pp=2 1F1B" in capsys.readouterr().err
+
+
+def test_timing_loops_synchronise_through_parallel_comm():
+    # NCCL rules: a host-synchronising barrier through parallel.comm (a device tensor, a host read),
+    # never torch's own dist.barrier, in the suite's timing loops
+    import inspect
+
+    from benchmarks import common, pipeline, zero
+
+    for module in (run, common, pipeline, zero):
+        src = inspect.getsource(module)
+        assert "dist.barrier(" not in src, module.__name__
+    assert "comm.barrier()" in inspect.getsource(common.time_alternating)

@@ -11,6 +11,7 @@ from parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     gather_full_tensor,
+    mean_token_cross_entropy,
     vocab_parallel_cross_entropy,
 )
 from parallel.params import tp_shard_dim
@@ -83,6 +84,26 @@ def test_vocab_parallel_cross_entropy_and_embedding_equal_torch(tp):
         torch.testing.assert_close(grad, ref_grad)
         if emb is not None:
             torch.testing.assert_close(emb, ref_emb)
+
+
+def test_mean_token_cross_entropy_is_the_per_token_mean_counting_ignored_tokens():
+    # tp=1 takes one fused sum / token count: the same value and gradient as the per-token loss's
+    # mean, an ignored token counting as a zero (F.cross_entropy's own mean divides by 14, not 15)
+    vocab, padded = 10, 16
+    logits = _ref(6, 3, 5, padded) * 3
+    logits[..., vocab:] = 50.0
+    targets = torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(8))
+    targets[0, 0] = -100
+    ref_logits, ours_logits = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    ref = vocab_parallel_cross_entropy(ref_logits, targets, vocab_size=vocab).mean()
+    ref.backward()
+    loss = mean_token_cross_entropy(ours_logits, targets, vocab_size=vocab)
+    loss.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(ours_logits.grad, ref_logits.grad)
+    assert ours_logits.grad[..., vocab:].abs().sum() == 0  # padding columns neither win nor count
+    torch_mean = F.cross_entropy(logits[..., :vocab].reshape(-1, vocab), targets.reshape(-1))
+    assert loss.item() == pytest.approx(torch_mean.item() * 14 / 15, rel=1e-6)
 
 
 def test_row_parallel_linear_without_group_is_torch_linear():

@@ -170,3 +170,70 @@ def test_bad_input_fails_on_every_rank_before_any_p2p(case, words):
     for r in results:
         assert r is not None and r[2] == 0, r
         assert all(w in r[1] for w in words), r[1]
+
+
+class _SlowOnce(torch.autograd.Function):
+    """Identity whose first backward sleeps (a slow stage)."""
+
+    slept = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not _SlowOnce.slept:
+            _SlowOnce.slept = True
+            import time
+
+            time.sleep(0.4)
+        return g
+
+
+def _slow_peer_rank():
+    n_layers, pp, vpp, m = 4, 2, 2, 4
+    topo, groups = make_groups(pp, 1)
+    stage = topo.coords(dist.get_rank()).pp
+    ranges = partition_layers(n_layers, pp, vpp=vpp)
+    chunks = [
+        Stage(n_layers, layers, first=(c * pp + stage == 0), last=(c * pp + stage == 3), tied=False)
+        for c, layers in enumerate(stage_chunks(ranges, pp, stage))
+    ]
+    if stage == 1:  # the last virtual stage's backward of micro-batch 0 is slow
+        head = chunks[1]
+        chunks[1] = torch.nn.Sequential(
+            head, type("Slow", (torch.nn.Module,), {"forward": lambda s, x: _SlowOnce.apply(x)})()
+        )
+    ex = PipelineExecutor(
+        chunks,
+        build_schedule("interleaved", pp, m, vpp)[stage],
+        pp_group=groups["pp"],
+        activation_shape=ACTIVATION_SHAPE,
+        dtype=torch.float32,
+        loss_fn=loss_fn,
+        record_timeline=True,
+    )
+    xs, ys = data(m)
+    comm.barrier()
+    ex.run(xs if stage == 0 else None, ys if stage == pp - 1 else None)
+    return {
+        (type(s.action).__name__, s.action.mb, s.action.chunk): (
+            s.start + ex.timeline_origin,
+            s.end + ex.timeline_origin,
+        )
+        for s in ex.timeline
+        if isinstance(s.action, Compute)
+    }
+
+
+def test_a_computation_does_not_wait_for_a_receive_it_does_not_read():
+    # interleaved, stage 0: [SendA(1,1), RecvG(0,1)] F(2,0) B(0,1). F(2,0) reads nothing from that batch, so it runs
+    # while stage 1's slow B(0,1) (0.4 s) still computes the gradient; awaiting the whole batch (the simulator's
+    # rendezvous, the executor before issue 17's fourth round) would start it only after. Stage 1 posts the
+    # receive of A(1,1) with its previous batch, so stage 0's send of it completes at once.
+    s0, s1 = run_ranks(_slow_peer_rank, 2, timeout=120)
+    slow_end = s1[("Backward", 0, 1)][1]
+    assert s1[("Backward", 0, 1)][1] - s1[("Backward", 0, 1)][0] >= 0.35
+    assert s0[("Forward", 2, 0)][0] < slow_end - 0.3
+    assert s0[("Backward", 0, 1)][0] >= slow_end  # what reads the gradient waits for it

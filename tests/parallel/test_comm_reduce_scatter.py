@@ -1,0 +1,47 @@
+"""A sum reduce-scatter on gloo runs as an all-to-all and a local sum: the same result as
+gloo's own reduce-scatter, the same bytes counted, and it is the path taken (issue 17)."""
+
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+from parallel.testing import run_ranks
+
+
+def _rank():
+    n, me = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(n * 1000, generator=torch.Generator().manual_seed(me)) * (me + 1)
+    native = torch.empty(1000)
+    dist.reduce_scatter_tensor(native, x.clone())
+    calls = []
+    original = dist.all_to_all_single
+    dist.all_to_all_single = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        counter = comm.CommCounter()
+        with counter:
+            sync = torch.empty(1000)
+            comm.reduce_scatter(sync, x.clone())
+            out = torch.empty(1000)
+            handle = comm.reduce_scatter(out, x.clone(), async_op=True)
+            handle.wait()
+            max_out = torch.empty(1000)
+            comm.reduce_scatter(max_out, x.clone(), op=dist.ReduceOp.MAX)  # not a sum: gloo's own
+    finally:
+        dist.all_to_all_single = original
+    from parallel.comm import collectives
+
+    pool = collectives._A2A_BUFFERS[(x.numel(), x.dtype, x.device)]
+    assert len(pool) == 1  # the second sum reused the first's buffers (fresh host buffers cost page faults)
+    full = [torch.randn(n * 1000, generator=torch.Generator().manual_seed(r)) * (r + 1) for r in range(n)]
+    want_max = torch.stack(full).amax(0).view(n, -1)[me]
+    return native, sync, out, max_out, want_max, len(calls), counter.sent_bytes(op="reduce_scatter")
+
+
+def test_gloo_sum_reduce_scatter_equals_gloos_own_and_counts_the_same_bytes():
+    n = 3
+    for native, sync, out, max_out, want_max, calls, sent in run_ranks(_rank, n, timeout=60):
+        torch.testing.assert_close(sync, native, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, native, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(max_out, want_max)
+        assert calls == 2  # the two sums went through the all-to-all, the max did not
+        assert sent == 3 * (n - 1) / n * n * 1000 * 4  # three reduce-scatters of n·1000 fp32 each
