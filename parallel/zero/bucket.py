@@ -112,6 +112,7 @@ class FlatBucket:
         self._written: list[bool] = []  # per slot: a gradient was copied into acc this step
         self.ready = 0  # parameters whose gradient has been accumulated in this backward
         self.reduced = False  # stages 0-1: this step's reduction was launched
+        self.arrived = bytearray(len(self.params))  # stages 0-1, per slot: reduced in a backward this step
         self._pending = None  # (handle, finish) of an in-flight collective
         self._gather = None  # stage 3: handle of an in-flight parameter all-gather
         self.gathered = not pol.shards_params
@@ -238,6 +239,7 @@ class FlatBucket:
         self._stage1_shard = None
         self.acc = None  # unsharded accumulation: a step abandoned mid-accumulation leaves nothing behind
         self.ready, self.reduced = 0, False
+        self.arrived = bytearray(len(self.params))
 
     # parameters --------------------------------------------------------------
     def publish_master(self) -> None:

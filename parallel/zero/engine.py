@@ -380,6 +380,19 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 if bucket.ready == len(bucket.params) and self._frees_after_backward(bucket):
                     bucket.free_params()
             return
+        if not self.policy.reduce_every_microbatch:  # stages 0-1: one reduction per step
+            slot = self._slot_index[param]
+            if bucket.reduced or bucket.arrived[slot]:
+                name = next(n for n, q in self.module.named_parameters() if q is param)
+                raise RuntimeError(
+                    f"ZeroDataParallel (stage {self.stage}): a second backward that communicates "
+                    f"before step(): the gradient of {name} arrived for a bucket "
+                    "already reduced over DP in this step (stages 0-1 reduce the accumulated gradient "
+                    "once per step; a gradient added after that reduction started would be lost or race "
+                    "with it). Run every backward but the last of an accumulation under "
+                    "`with zdp.no_sync():`, then step()"
+                )
+            bucket.arrived[slot] = 1
         bucket.ready += 1
         if self.overlap and bucket.ready == len(bucket.params):
             self._reduce(bucket, wait=False)

@@ -161,3 +161,23 @@ def test_reduce_scatter_temporaries_in_flight_are_capped(stage):
         assert 1 <= peak <= cap + 1 < old_peak
         for a, b in zip(ours, old):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _second_communicating_backward(stage, overlap):
+    import torch.distributed as dist
+
+    zdp = ZeroDataParallel(
+        make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, overlap=overlap
+    )
+    (x, y), *_ = batches(steps=1)
+    zdp.backward(((zdp(x) - y) ** 2).mean())  # communicates: this step's one reduction starts
+    with pytest.raises(RuntimeError, match="no_sync"):
+        zdp.backward(((zdp(x) - y) ** 2).mean())  # its gradients would race with that reduction
+    return True
+
+
+@pytest.mark.parametrize("stage,overlap", [(0, True), (1, False)])
+def test_a_second_communicating_backward_is_refused(stage, overlap):
+    """Stages 0-1 reduce once per step: a second backward outside ``no_sync`` before the step
+    is refused on every rank (it would add into a bucket whose reduction is in flight)."""
+    assert run_ranks(_second_communicating_backward, 2, stage, overlap, timeout=60) == [True, True]
