@@ -126,42 +126,48 @@ def _bucket_sizes(group: Group, bucket_bytes: float, element_size: int) -> list[
     return [sum(group[i] for i in bucket) for bucket in pack(group, element_size, bucket_bytes)]
 
 
+def zero_bucket_numels(
+    params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
+) -> tuple[tuple[int, ...], ...] | None:
+    """The padded elements of each of ZeRO's buckets on this rank, per unit (each block's, then the
+    rest's; ``per_unit=False``: one unit). None when the classes are unknown.
+
+    ZeRO (``parallel.zero.layout.plan_buckets``) packs the parameters of one bucket class
+    (:func:`parallel.zero.packing.bucket_class`), blocks first and the rest last, into buckets of at
+    most ``bucket_bytes`` (a larger parameter gets its own) and pads every bucket to a multiple of
+    ``dp``. At stage 3 (``per_unit``) a bucket never spans two units (each block, and the rest),
+    since they are gathered one at a time. Every bucket is one collective.
+    """
+    if not params.blocks and not any(params.root):
+        return None
+    units = params.blocks + (params.root,)
+    if not per_unit:  # one unit: each class in the engine's order
+        n_classes = max(len(unit) for unit in units)
+        units = (tuple(tuple(n for unit in units if c < len(unit) for n in unit[c]) for c in range(n_classes)),)
+    return tuple(
+        tuple(padded(n, dp) for group in unit for n in _bucket_sizes(group, bucket_bytes, element_size))
+        for unit in units
+    )
+
+
 def zero_padded_numel(
     params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> int:
-    """Elements of ZeRO's flat buffers on this rank, padding included.
-
-    ZeRO (``parallel.zero.layout.plan_buckets``) packs the parameters of one
-    weight-decay class, blocks first and the rest last, into buckets of at most
-    ``bucket_bytes`` (a larger parameter gets its own) and pads every bucket to a
-    multiple of ``dp``. At stage 3 (``per_unit``) a bucket never spans two units
-    (each block, and the rest), since they are gathered one at a time.
-    """
-    if not params.blocks and not any(params.root):
-        return padded(params.numel, dp)
-    units = params.blocks + (params.root,)
-    if not per_unit:  # one unit: each weight-decay class in the engine's order
-        units = (tuple(tuple(n for unit in units for n in unit[c]) for c in range(2)),)
-    total = 0
-    for unit in units:
-        for group in unit:
-            total += sum(padded(n, dp) for n in _bucket_sizes(group, bucket_bytes, element_size))
-    return total
+    """Elements of ZeRO's flat buffers on this rank, padding included: the sum of
+    :func:`zero_bucket_numels` (the whole rank padded when the classes are unknown)."""
+    numels = zero_bucket_numels(params, dp, bucket_bytes, element_size, per_unit)
+    return padded(params.numel, dp) if numels is None else sum(map(sum, numels))
 
 
 def zero_bucket_counts(
     params: StageParams, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> tuple[int, ...] | None:
     """ZeRO's buckets on this rank per unit (each block's, then the rest's; ``per_unit=False``: one
-    unit), packed as :func:`zero_padded_numel` packs them: every bucket is one collective, and each
-    weight-decay class of a unit is packed apart, so a block is gathered and reduced as two
-    collectives (weights; biases and norms). None when the classes are unknown."""
-    if not params.blocks and not any(params.root):
-        return None
-    units = params.blocks + (params.root,)
-    if not per_unit:
-        units = (tuple(tuple(n for unit in units for n in unit[c]) for c in range(2)),)
-    return tuple(sum(len(_bucket_sizes(g, bucket_bytes, element_size)) for g in unit if g) for unit in units)
+    unit), packed as :func:`zero_bucket_numels` packs them: every bucket is one collective, and each
+    class of a unit is packed apart, so a block is gathered and reduced as one collective per
+    class it holds (weights; biases and norms; sequence-parallel ones). None when the classes are unknown."""
+    numels = zero_bucket_numels(params, 1, bucket_bytes, element_size, per_unit)
+    return None if numels is None else tuple(map(len, numels))
 
 
 def optimizer_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:

@@ -36,8 +36,9 @@ from ..overlap import (
 from ..pipeline.schedules import ScheduleError, build_schedule, schedule_problem
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
+from ..zero.packing import reduction_buffer_bytes
 from ..zero.policy import policy
-from ..zero.theory import accumulation_grad_bytes
+from ..zero.theory import GRAD_BYTES, accumulation_grad_bytes
 from . import compute as C
 from . import memory as M
 from . import moe as MoE
@@ -322,7 +323,7 @@ def plan_layout(
         has_head = any(v == pp * vpp - 1 for v, _ in chunks)
         loss = M.loss_temporary_bytes(local, mb, tp=t, precision=training.precision) if has_head else 0.0
         activations = in_flight * max(acts) + max(recompute, loss)
-        buffers = _buffer_bytes(dataclasses.replace(L, dp=dp), training, params + experts, count_params, act_msg, e, c)
+        buffers = _buffer_bytes(dataclasses.replace(L, dp=dp), training, params, experts, count_params, act_msg, e, c)
         mem = {
             **{k: float(v) for k, v in states.items() if k != "total"},
             "model_states": float(states["total"]),
@@ -494,19 +495,41 @@ def _exposed_dp_time(
     return m * per_mb + once + PARAM_GATHER_AFTER_STEP.exposed(dp["param_after_step"], 0.0, overlap)
 
 
-def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg, e, c) -> float:
-    """Communication buffers: a bucket in flight (REDUCTIONS_IN_FLIGHT with overlap), stage 3's gathered
-    blocks (current + ZERO3_PREFETCH_UNITS prefetched), Top-K's fp32 residual and gathered values, four
-    p2p messages."""
-    bucket = tr.bucket_mb * 2**20 * (REDUCTIONS_IN_FLIGHT if tr.overlap else 1)
+def _buffer_bytes(
+    L: Layout, tr: Training, params: M.StageParams, experts: M.StageParams, count, act_msg, e, c
+) -> float:
+    """Communication buffers, as the engine allocates them: stages 2–3's gradient reductions in flight
+    (:func:`parallel.zero.packing.reduction_buffer_bytes`, of the rank's real buckets), stage 0–1's
+    16-bit copies of buckets in flight, stage 3's gathered units (the block whose forward or
+    backward runs and ZERO3_PREFETCH_UNITS prefetched, each its padded buckets; the rest, gathered
+    from the first forward to the optimizer step), Top-K's fp32 residual and gathered values, four
+    p2p messages, and unsharded accumulation's full fp32 gradient."""
+    pol, bucket_bytes = policy(L.zero), tr.bucket_mb * 2**20
+    edp = max(1, L.dp // L.ep)
+    dense = M.zero_bucket_numels(params, L.dp, bucket_bytes, e, pol.gathers_per_unit)
+    expert = M.zero_bucket_numels(experts, edp, bucket_bytes, e, pol.gathers_per_unit) if experts.numel else ()
     total = 0.0
-    if L.dp > 1 and (policy(L.zero).shards_grads or c != e):
-        total += bucket
-    if policy(L.zero).gathers_per_unit and L.dp > 1:
-        total += (1 + ZERO3_PREFETCH_UNITS) * e * MoE.at_ep(count(range(0, 1), False, False, L.tp), L.ep).numel
+    if L.dp > 1 and pol.shards_grads:
+        if dense is None:  # classes unknown: the rank as buckets of at most bucket_bytes
+            cap = M.padded(max(1, min(params.numel, int(bucket_bytes // e))), L.dp)
+            sizes = [cap] * min(REDUCTIONS_IN_FLIGHT, -(-params.numel // cap))
+        else:
+            sizes = [n for unit in dense + (expert or ()) for n in unit]
+        sends_acc = tr.zero_accumulate == "unsharded" and c == GRAD_BYTES
+        total += reduction_buffer_bytes(sizes, c, L.dp, sends_accumulator=sends_acc)
+    elif L.dp > 1 and c != e:
+        total += bucket_bytes * (REDUCTIONS_IN_FLIGHT if tr.overlap else 1)
+    if pol.gathers_per_unit and L.dp > 1:
+        if dense is None:
+            total += (1 + ZERO3_PREFETCH_UNITS) * e * MoE.at_ep(count(range(0, 1), False, False, L.tp), L.ep).numel
+        else:
+            per_unit = [sum(u) for u in dense[:-1]]
+            experts_unit = [sum(u) for u in expert[:-1]] if expert else [0]
+            total += e * (1 + ZERO3_PREFETCH_UNITS) * (max(per_unit, default=0) + max(experts_unit, default=0))
+            total += e * sum(dense[-1])  # the rest: gathered once per step, held until the optimizer step
     if tr.compression == "topk":
         total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
     if L.pp > 1:
         total += 4 * act_msg
-    total += accumulation_grad_bytes(params.numel, L.zero, tr.zero_accumulate)  # ZeRO-2/3: the full fp32 gradient
+    total += accumulation_grad_bytes((params + experts).numel, L.zero, tr.zero_accumulate)  # the full fp32 gradient
     return total
