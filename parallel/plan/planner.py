@@ -241,9 +241,17 @@ def plan_layout(
         shard = psi // dp if policy(L.zero).shards_optimizer else psi
         shard += epsi // edp if policy(L.zero).shards_optimizer else epsi
         offload_s = O.offload_seconds(shard, e, L.offload, hw, m, fwd, bwd)
+        extras = M.zero_extra_reduce_counts(params, training.bucket_mb * 2**20, e, per_unit)  # one call per bucket
         if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
             sp_shard = M.padded(params.replicated, dp) // (dp if policy(L.zero).shards_optimizer else 1)
-            tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
+            tp_axis.add(
+                "all_reduce",
+                sp_shard * 4,
+                1,
+                hw,
+                "sequence-parallel parameter gradients (fp32 shard)",
+                calls=extras["tp"],
+            )
         scalars = tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
         counts = M.zero_bucket_counts(params, training.bucket_mb * 2**20, e, per_unit)  # one collective each
@@ -314,7 +322,9 @@ def plan_layout(
         emb_shard = M.padded(params.shared_embedding, dp) // (
             dp if policy(L.zero).shards_optimizer else 1
         )  # as for SP: its fp32 shard
-        emb_axis.add("all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)")
+        emb_axis.add(
+            "all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)", calls=extras["embedding"]
+        )
         in_flight = peaks[s]
         # transients (they do not coincide: the loss's end before the recomputed layers' backward)
         recompute = M.recompute_peak_bytes(

@@ -30,22 +30,29 @@ EXTRA_REDUCE = ("", "embedding", "tp")  # the group a gradient is also summed ov
 CLASSES: tuple[tuple[bool, str], ...] = tuple((no_wd, extra) for no_wd in (False, True) for extra in EXTRA_REDUCE)
 
 
-def extra_reduce(p: nn.Parameter) -> str:
+def extra_reduce(p: nn.Parameter, sequence_parallel: bool | None = None) -> str:
     """The group ``p``'s gradient is also summed over after the DP reduction: ``"embedding"`` for a
     word embedding tied across pipeline stages, ``"tp"`` for a sequence-parallel parameter (norms,
-    row-parallel biases, replicated over TP), else ``""``."""
-    return "embedding" if is_shared_embedding(p) else "tp" if is_sequence_parallel(p) else ""
+    row-parallel biases, positions: replicated over TP), else ``""``.
+
+    ``sequence_parallel``: whether ``p`` is sequence-parallel; None reads its mark
+    (:func:`parallel.params.is_sequence_parallel`, the engine). The planner counts a model built
+    at tp = 1, where the layers mark nothing, and passes what tp > 1 with sequence parallelism marks:
+    every parameter replicated over TP (the layers mark exactly those; MoE, whose router is
+    replicated and unmarked, refuses sequence parallelism)."""
+    sp = is_sequence_parallel(p) if sequence_parallel is None else sequence_parallel
+    return "embedding" if is_shared_embedding(p) else "tp" if sp else ""
 
 
-def bucket_class(p: nn.Parameter) -> tuple[bool, str]:
+def bucket_class(p: nn.Parameter, sequence_parallel: bool | None = None) -> tuple[bool, str]:
     """``(no_weight_decay, extra_reduce)``: parameters share a bucket only within one class;
-    classes are packed in :data:`CLASSES` order."""
-    return (not wants_weight_decay(p), extra_reduce(p))
+    classes are packed in :data:`CLASSES` order (``sequence_parallel``: :func:`extra_reduce`)."""
+    return (not wants_weight_decay(p), extra_reduce(p, sequence_parallel))
 
 
-def class_index(p: nn.Parameter) -> int:
-    """The position of ``p``'s class in :data:`CLASSES`."""
-    return CLASSES.index(bucket_class(p))
+def class_index(no_weight_decay: bool, extra: str) -> int:
+    """The packing position of the class ``(no_weight_decay, extra)`` in :data:`CLASSES`."""
+    return CLASSES.index((no_weight_decay, extra))
 
 
 def reduction_buffer_bytes(
