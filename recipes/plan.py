@@ -105,6 +105,7 @@ def _training(rc: RecipeConfig, mc: ModelConfig) -> Training:
         topk_ratio=c.topk_ratio,
         bucket_mb=c.bucket_mb,
         zero_accumulate=rc.parallel.zero_accumulate,
+        grad_clip=t.grad_clip,
     )
 
 

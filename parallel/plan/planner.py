@@ -228,6 +228,8 @@ def plan_layout(
         bubble = 1 - m * (slow_f + slow_b) / makespan
     ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
     scalars_tp_pp = 0.0  # the step's scalars on the tp and pp groups (the norm, the loss's broadcast)
+    dp_exposed_unread = scalars_tp_pp_unread = 0.0  # the same for a step nobody reads
+    norm_always = norm_every_step(training.grad_clip, training.precision, L.offload)
     for s, (chunks, params, (tp_axis, cp_axis, ep_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
         params, experts = MoE.ep_split(params, L.ep)  # experts: E/ep per rank, ZeRO over edp = dp·cp/ep
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
@@ -302,22 +304,27 @@ def plan_layout(
                 scalars_ep = ep_axis.add("all_reduce", 4, 1, hw, "expert gradient norm (fp32 scalar)")
         # the step's scalars: the loss averaged over DP; the gradient norm summed over DP when sharded.
         # They follow backward, so nothing hides them.
+        # An unread step (parallel.engine.PendingLoss) issues no loss scalar, and no norm unless
+        # norm_every_step: read_only_s is what a logged step adds.
         n_scalars = 1 + policy(L.zero).shards_optimizer
-        scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
-        scalars_s += scalars_ep if epsi and not policy(L.zero).shards_optimizer else 0.0
-        scalars_s = STEP_SCALARS.exposed(scalars_s, 0.0)
-        dp_exposed = max(
-            dp_exposed,
-            _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap, reductions, hw.overlap_fraction) + scalars_s,
-        )
+        dp_one = dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
+        norm_dp = (n_scalars - 1) * dp_one + (scalars_ep if epsi and not policy(L.zero).shards_optimizer else 0.0)
+        scalars_s = STEP_SCALARS.exposed(dp_one + norm_dp, 0.0)
+        read_only_dp = STEP_SCALARS.exposed(dp_one + (0.0 if norm_always else norm_dp), 0.0)
+        exposed_dp = _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap, reductions, hw.overlap_fraction)
+        dp_exposed = max(dp_exposed, exposed_dp + scalars_s)
+        dp_exposed_unread = max(dp_exposed_unread, exposed_dp + scalars_s - read_only_dp)
         if L.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
             optimizer_s = max(optimizer_s, C.optimizer_seconds(shard, work_hw))
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
         pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
-        scalars += pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
-        scalars += pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
+        loss_pp = pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
+        scalars += pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")  # scalars: the norm's
+        read_only = loss_pp + (0.0 if norm_always else scalars)
+        scalars += loss_pp
         scalars_tp_pp = max(scalars_tp_pp, STEP_SCALARS.exposed(scalars, 0.0))  # after backward: exposed
+        scalars_tp_pp_unread = max(scalars_tp_pp_unread, STEP_SCALARS.exposed(scalars - read_only, 0.0))
         emb_axis = AxisTraffic(2 if params.shared_embedding and pp > 1 else 1, pp_axis.crosses_node)
         emb_shard = M.padded(params.shared_embedding, dp) // (
             dp if policy(L.zero).shards_optimizer else 1
@@ -370,12 +377,15 @@ def plan_layout(
     emb_time = STEP_SCALARS.exposed(max(r.traffic["embedding"]["time_s"] for r in ranks), 0.0)  # after backward
     overhead_s = C.step_overhead_seconds(work_hw)  # the step's fixed host cost (0 on GPU profiles)
     step_time = makespan + dp_exposed + emb_time + scalars_tp_pp + offload_exposed + optimizer_s + overhead_s
+    unread = makespan + dp_exposed_unread + emb_time + scalars_tp_pp_unread + offload_exposed + optimizer_s + overhead_s
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
     mfpt = MoE.flops_per_token(moe) if moe else model_flops_per_token(shape)  # MoE: active parameters
     step = {
-        "step_time_s": step_time,
+        "step_time_s": step_time,  # a logged step (read: the loss and norm scalars); the dry run's step
+        "unread_step_time_s": unread,  # a step nobody reads (recipes/trainer.py: most steps)
+        "read_extra_s": step_time - unread,  # what reading a step adds
         "pipeline_s": makespan,
         "bubble_fraction": bubble,
         "dp_exposed_s": dp_exposed,
@@ -472,6 +482,14 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, 
             + (n_moe and n_moe * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=L.ep))
         )
     return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis
+
+
+def norm_every_step(grad_clip: float, precision: str, offload: str) -> bool:
+    """Whether every step computes the gradient norm (its scalar collectives), read or not: the
+    engine (``parallel.zero.engine.ZeroDataParallel.step``) skips it on an unread step only without
+    clipping (``grad_clip`` 0), without fp16's loss scaler and without offload (its host step reads
+    the skip flag). A test holds this against the engine."""
+    return grad_clip > 0 or precision == "fp16" or offload != "none"
 
 
 def partly_hidden(comm_s: float, exposed_s: float, fraction: float) -> float:

@@ -1,0 +1,82 @@
+"""A logged step against an unread one (issue 16 §3): an unread step issues no loss scalar
+(``parallel.engine.PendingLoss``) and, without clipping, fp16 or offload, no gradient norm
+(``ZeroDataParallel.step(norm=False)``); the planner prices both steps and the first-step report
+compares like with like."""
+
+import pytest
+
+from parallel.plan.planner import norm_every_step
+from recipes.plan import plan_from_config
+from recipes.plan_scenarios import scenario_config
+from recipes.reports import format_time_comparison
+
+TINY = ["model.preset=gpt_tiny", "model.d_model=64", "model.seq_len=32", "train.precision=fp32", "plan.hardware=cpu"]
+
+
+def _plan(*overrides):
+    return plan_from_config(scenario_config(TINY + ["train.global_batch=8", "train.micro_batch=2", *overrides]))
+
+
+def _one_scalar(plan) -> float:
+    """One blocking 4-byte all-reduce over dp=2 on the profile: the ring's latency steps, the host's
+    fixed cost and its bytes."""
+    hw = plan.hardware
+    return 2 * hw["latency_us"] * 1e-6 + hw["collective_overhead_us"] * 1e-6 + 4 / 2 / (hw["intra_node_gbps"] * 1e9 / 8)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_a_logged_step_adds_the_loss_and_unless_clipping_the_norm(zero):
+    clip, no_clip = (
+        _plan("parallel.dp=2", f"parallel.zero={zero}"),
+        _plan("parallel.dp=2", f"parallel.zero={zero}", "train.grad_clip=0"),
+    )
+    one = _one_scalar(clip)
+    for p in (clip, no_clip):
+        s = p.step
+        assert s["read_extra_s"] == pytest.approx(s["step_time_s"] - s["unread_step_time_s"])
+    # clipping computes the norm every step: reading adds the loss's all-reduce only
+    assert clip.step["read_extra_s"] == pytest.approx(one, rel=1e-3)
+    # without clipping the norm is a logged step's too: over DP only when the optimizer is sharded
+    assert no_clip.step["read_extra_s"] == pytest.approx(one * (1 + zero), rel=1e-3)
+    assert no_clip.step["step_time_s"] == pytest.approx(clip.step["step_time_s"])  # the logged step is the same
+
+
+def test_pipeline_reading_adds_the_loss_broadcast_and_the_norm():
+    clip, no_clip = _plan("parallel.pp=2"), _plan("parallel.pp=2", "train.grad_clip=0")
+    hw = clip.hardware
+    assert hw["collective_overhead_us"] == 0  # the stock profile: a scalar costs its ring's latency steps
+    step = hw["latency_us"] * 1e-6
+    # the last stage's loss, broadcast over pp=2 (one step); without clipping + the norm's all-reduce (two)
+    assert clip.step["read_extra_s"] == pytest.approx(step, rel=1e-3)
+    assert no_clip.step["read_extra_s"] == pytest.approx(3 * step, rel=1e-3)
+
+
+def test_when_the_engine_computes_the_norm_unread():
+    assert norm_every_step(1.0, "fp32", "none") and norm_every_step(0.0, "fp16", "none")
+    assert norm_every_step(0.0, "bf16", "optimizer") and not norm_every_step(0.0, "bf16", "none")
+
+
+def test_the_first_step_report_compares_like_with_like():
+    plan = _plan("parallel.dp=2", "parallel.zero=1", "train.grad_clip=0")
+    logged, unread = plan.step["step_time_s"], plan.step["unread_step_time_s"]
+    assert unread < logged
+    assert f"(logged step): predicted {logged:.3f} s" in format_time_comparison(plan, logged)
+    text = format_time_comparison(plan, unread, read=False)
+    assert f"(unread step): predicted {unread:.3f} s" in text and "+0%" in text
+    assert "step scalars" in text  # the step's tp/pp scalars are a part too
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")])
+def test_a_bad_grad_clip_is_refused(bad):
+    import dataclasses
+
+    from parallel.plan import PlanError, hardware_profile, plan_layout
+    from parallel.plan.inputs import Layout
+    from recipes.config import model_config
+    from recipes.plan import _training, meta_param_counter
+
+    rc = scenario_config(TINY + ["train.global_batch=8", "train.micro_batch=2"])
+    mc = model_config(rc.model)
+    training = dataclasses.replace(_training(rc, mc), grad_clip=bad)
+    with pytest.raises(PlanError, match="grad_clip must be a finite number"):
+        plan_layout(mc, Layout(), training, hardware_profile("cpu"), meta_param_counter(mc))
