@@ -258,7 +258,7 @@ def plan_layout(
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
         counts = M.zero_bucket_counts(params, training.bucket_mb * 2**20, e, per_unit)  # one collective each
         if counts is not None:  # the engine's buckets: per block (ZeRO-3), then the rest
-            buckets, units, root_calls = sum(counts), max(1, sum(counts[:-1])), max(1, counts[-1])
+            buckets, units, root_calls = sum(counts), max(1, sum(counts[:-1])), counts[-1]  # a middle stage: no rest
         else:  # classes unknown: the rank packed as one class, ZeRO-3's blocks one bucket each
             buckets, units, root_calls = (
                 max(1, -(-psi * e // int(training.bucket_mb * 2**20))),

@@ -18,10 +18,10 @@ def _plan(*overrides):
 
 
 def _one_scalar(plan) -> float:
-    """One blocking 4-byte all-reduce over dp=2 on the profile: the ring's latency steps, the host's
-    fixed cost and its bytes."""
+    """One blocking 4-byte all-reduce over dp=2 on the profile: the ring's two latency steps and the
+    host's fixed cost (its 4 bytes take nanoseconds)."""
     hw = plan.hardware
-    return 2 * hw["latency_us"] * 1e-6 + hw["collective_overhead_us"] * 1e-6 + 4 / 2 / (hw["intra_node_gbps"] * 1e9 / 8)
+    return 2 * hw["latency_us"] * 1e-6 + hw["collective_overhead_us"] * 1e-6
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -80,3 +80,32 @@ def test_a_bad_grad_clip_is_refused(bad):
     training = dataclasses.replace(_training(rc, mc), grad_clip=bad)
     with pytest.raises(PlanError, match="grad_clip must be a finite number"):
         plan_layout(mc, Layout(), training, hardware_profile("cpu"), meta_param_counter(mc))
+
+
+def test_a_middle_zero3_stage_blocks_on_no_phantom_reduction():
+    """A pipeline stage holding blocks only has no rest unit: the reductions that block when its
+    backward ends are its first unit's buckets (weights; biases and norms), not one more."""
+    import dataclasses
+
+    from parallel.plan import hardware_profile, plan_layout
+    from parallel.plan.inputs import Layout
+    from recipes.config import model_config
+    from recipes.plan import _training, meta_param_counter
+
+    rc = scenario_config(TINY + ["model.n_layers=8", "train.global_batch=8", "train.micro_batch=2"])
+    mc = model_config(rc.model)  # pp=4: two blocks per stage, four buckets
+    # only the fixed cost of a blocking call is priced: 1 ms each, nothing else
+    hw = dataclasses.replace(
+        hardware_profile("cpu"),
+        latency_us=0.0,
+        collective_overhead_us=1000.0,
+        ahead_call_us=0.0,
+        intra_node_gbps=1e9,
+        inter_node_gbps=1e9,
+        colocated_slowdown=0.0,
+    )
+    plan = plan_layout(mc, Layout(dp=2, pp=4, zero=3), _training(rc, mc), hw, meta_param_counter(mc))
+    m = plan.grad_accum
+    middle = plan.ranks[1].traffic["dp"]["by_kind"]["reduce_scatter"]
+    assert middle["calls"] == m * 4
+    assert middle["seconds"] == pytest.approx(m * 2 * 1e-3, rel=1e-3)  # its first unit's two buckets block
