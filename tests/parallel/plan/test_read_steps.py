@@ -109,3 +109,30 @@ def test_a_middle_zero3_stage_blocks_on_no_phantom_reduction():
     middle = plan.ranks[1].traffic["dp"]["by_kind"]["reduce_scatter"]
     assert middle["calls"] == m * 4
     assert middle["seconds"] == pytest.approx(m * 2 * 1e-3, rel=1e-3)  # its first unit's two buckets block
+
+
+def test_tp_call_cost_enters_each_tp_collective_of_the_model():
+    """``tp_call_us`` (the in-situ cost of TP's collectives, ``mode=calibrate``): every TP collective
+    the model issues adds it to the step, the step's norm scalar does not (it is not inside the model),
+    and nothing at tp = 1; the collectives' own seconds (what the breakdown times) are unchanged."""
+    import dataclasses
+
+    from parallel.plan import hardware_profile, plan_layout
+    from parallel.plan.inputs import Layout
+    from recipes.config import model_config
+    from recipes.plan import _training, meta_param_counter
+
+    rc = scenario_config(TINY + ["train.global_batch=8", "train.micro_batch=2"])
+    mc = model_config(rc.model)
+    base = hardware_profile("cpu")
+    costly = dataclasses.replace(base, tp_call_us=250.0)
+
+    def plan(hw, tp):
+        return plan_layout(mc, Layout(tp=tp), _training(rc, mc), hw, meta_param_counter(mc))
+
+    a, b = plan(base, 2), plan(costly, 2)
+    model_calls = a.ranks[0].traffic["tp"]["by_kind"]["all_reduce"]["calls"] - 1  # less the norm's scalar
+    assert model_calls == a.grad_accum * (4 * mc.n_layers + 4)  # blocks, embedding, head, cross-entropy ×2
+    assert b.step["step_time_s"] - a.step["step_time_s"] == pytest.approx(model_calls * 250e-6, rel=1e-9)
+    assert b.ranks[0].traffic["tp"]["time_s"] == a.ranks[0].traffic["tp"]["time_s"]
+    assert plan(costly, 1).step["step_time_s"] == plan(base, 1).step["step_time_s"]
