@@ -55,7 +55,7 @@ LAYOUTS = [
 ]
 #: waiting for a quiet machine: at most this long, for other processes under this many cores
 QUIET_WAIT_S, QUIET_CORES, ATTEMPTS = 90.0, 0.3, 3
-LINE = re.compile(r"step time: predicted ([0-9.]+) s, measured ([0-9.]+) s")
+LINE = re.compile(r"step time(?: \([a-z ]+\))?: predicted ([0-9.]+) s, measured ([0-9.]+) s")
 TOKENS = 8 * 64  # global batch × sequence of every layout
 
 

@@ -12,7 +12,9 @@ backend: shapes and dtypes are exact, no byte is allocated), and measures:
   backward, and the rest (temporaries). Live means reachable: a storage counts
   from the op that created it until Python drops its last reference, which is
   when the caching allocator could reuse it (it does not see the allocator's
-  fragmentation or rounding).
+  fragmentation or rounding). A storage resized in place (ZeRO-3 gathering a unit
+  into its flat buffer and freeing it again, ``UntypedStorage.resize_``) counts at its
+  new size from then on, in the category it had.
 * :class:`parallel.comm.CommCounter` / :class:`parallel.comm.CallRecorder`: every
   collective and p2p, per group, and whether its tensors were on the rank's device.
 
@@ -52,8 +54,9 @@ class LiveMemory(TorchDispatchMode):
     ``with LiveMemory(device) as mem: ...``; then ``mem.peak`` (bytes) and
     ``mem.at_peak`` (``{"baseline", "activations", "temporaries"}`` at that moment).
     Call :meth:`new_window` to start measuring a fresh peak: what is alive then
-    becomes the baseline. Storage resizes (ZeRO-3 freeing a gathered unit in
-    place) are not seen: measure stages 0–2.
+    becomes the baseline. A storage resized in place (ZeRO-3's gathered units)
+    counts at its new size, in its category (a re-gathered unit that existed when the window
+    began is baseline: the planner's buffers).
     """
 
     def __init__(self, device: torch.device):
@@ -94,6 +97,17 @@ class LiveMemory(TorchDispatchMode):
         if total > self.peak:
             self.peak, self.at_peak = total, dict(self.current)
 
+    def _resized(self, st, nbytes: int) -> None:
+        key = id(st)
+        if key not in self._live:
+            return
+        n, cat = self._live[key]
+        self._live[key] = (nbytes, cat)
+        self.current[cat] += nbytes - n
+        total = self.live_bytes
+        if total > self.peak:
+            self.peak, self.at_peak = total, dict(self.current)
+
     def _free(self, key: int) -> None:
         n, cat = self._live.pop(key, (0, None))
         if cat is not None:
@@ -119,9 +133,22 @@ class LiveMemory(TorchDispatchMode):
     def __enter__(self) -> Self:
         super().__enter__()
         self._saved_hooks.__enter__()
+        # storage resizes bypass the dispatcher: see them by wrapping the method while active
+        self._resize = resize = torch.UntypedStorage.resize_
+        me = weakref.ref(self)
+
+        def tracked_resize(st, nbytes):
+            out = resize(st, nbytes)
+            mem = me()
+            if mem is not None and st.device == mem.device:
+                mem._resized(st, st.nbytes())
+            return out
+
+        torch.UntypedStorage.resize_ = tracked_resize
         return self
 
     def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self._resize
         self._saved_hooks.__exit__(*exc)
         super().__exit__(*exc)
 

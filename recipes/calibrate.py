@@ -30,6 +30,12 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
 * **a collective launched ahead of its wait** (``ahead_call_us``): ZeRO-3's prefetched all-gather and
   hook-launched reduce-scatter of one block, launched asynchronously before ≈ 1 ms of GEMMs and waited
   for after them, less the GEMMs alone (paired rounds) and the bytes' time, averaged over both kinds;
+* **a TP collective inside the model** (``tp_call_us``): one micro-batch through the configured
+  model built at tp = 2 on two ranks, forward + backward (paired rounds), less what the planner gives
+  it with the fields above (its work with both ranks busy, the fixed costs per block and micro-batch,
+  each TP call's latency, bytes and ``collective_overhead_us``), per TP call: what TP's collectives
+  cost in the model's real duty cycle (the autograd Function around each, the compute after its
+  wake-up resuming cold) beyond the GEMM loop behind ``collective_overhead_us``;
 * **how much compute hides** (``overlap_fraction``): on every rank, the block, an all-reduce of its
   gradients, and the all-reduce launched asynchronously before the block; the share of the shorter
   one the overlap saved (on a CPU whose cores all run ranks, gloo's copies compete with the compute).
@@ -217,7 +223,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
 #: and the first to arrive waits for the last): ≈ 1.5 ms after 1 ms, 1.2–3.3 ms after a 3 ms block on
 #: the 2-core VM this was written on, too noisy to fit a slope from (docs/planner.md)
 COMPUTE_BEFORE_S = 1e-3
-COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS = 20, 100, 10
+COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS, TP_REPS = 20, 100, 10, 10
 
 
 def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
@@ -307,8 +313,80 @@ def _collectives_worker(
         dist.barrier()
         out["ahead"] = _launched_ahead(gemms, numel, group, device)
         dist.barrier()
+        out["tp_block"] = _tp_block(mc, micro_batch, DTYPES.get(precision, torch.float32), device)
+        dist.barrier()
     dist.destroy_process_group()
     return out
+
+
+#: the tensor-parallel size the in-situ TP collective cost is measured at (``tp_call_us``)
+TP_CALIBRATION = 2
+
+
+def _tp_block(mc, micro_batch: int, dtype: torch.dtype, device: torch.device) -> dict | None:
+    """TP's collectives where and as often as training issues them: one micro-batch through the
+    configured model (embedding, blocks, head, cross-entropy; forward + backward) built at
+    tp = :data:`TP_CALIBRATION` over ranks 0–1, its blocking collectives inside the model's autograd
+    between the pieces of the compute; the median over paired rounds of its mean seconds, and the TP
+    calls one micro-batch issues (``parallel.comm``'s counter). Every rank creates the group; its
+    members time. None when the model does not split that way (``tp_call_us`` then stays 0)."""
+    import torch.distributed as dist
+
+    from models.config import ModelConfigError
+    from models.transformer import build_model
+    from parallel import comm
+
+    try:
+        mc.validate(tp=TP_CALIBRATION)
+    except ModelConfigError:
+        return None
+    group = dist.new_group(list(range(TP_CALIBRATION)))  # every rank, in the same order
+    if dist.get_rank() >= TP_CALIBRATION:
+        return None
+    model = build_model(mc, tp_group=group, device=device, dtype=dtype)
+    ids = torch.randint(mc.vocab_size, (micro_batch, mc.seq_len), device=device)
+
+    def step():
+        model.loss(model(ids), ids).backward()
+
+    counter = comm.CommCounter()
+    with counter:
+        step()
+    calls = sum(s["calls"] for ops in counter.summary().values() for s in ops.values())
+    rounds = _paired({"model_s": step}, device, TP_REPS, rounds=ROUNDS)
+    return {
+        "tp": TP_CALIBRATION,
+        "micro_batch": micro_batch,
+        "calls": calls,
+        "s": statistics.median(r["model_s"] for r in rounds),
+    }
+
+
+def fit_tp_call_us(row: dict | None, rc: RecipeConfig, fields: dict) -> float:
+    """Microseconds each TP collective inside the model costs beyond what the planner gives one
+    micro-batch's forward + backward with ``fields`` (the blocks' and head's work at tp with
+    ``colocated_slowdown`` for the tp ranks busy at once, ``block_overhead_us`` and
+    ``microbatch_overhead_us``, and every TP call's ring latency, bytes and ``collective_overhead_us``):
+    ``(t_measured − planned) / calls``, ≥ 0; 0 without a row (one rank, or a model tp = 2 cannot split)."""
+    if not row or not row.get("calls"):
+        return 0.0
+    from parallel.plan import ModelShape
+    from parallel.plan.compute import colocated, head_time, layer_time
+    from parallel.plan.hardware import Hardware
+    from parallel.plan.traffic import AxisTraffic, tp_traffic
+
+    mc = model_config(rc.model)
+    hw = Hardware("calibrating", **{**fields, "tp_call_us": 0.0})
+    tp, mb, precision = row["tp"], row["micro_batch"], rc.train.precision
+    shape, work_hw = ModelShape.of(mc), colocated(hw, tp)
+    layer, head = layer_time(shape, mb, tp, False, work_hw, precision), head_time(shape, mb, tp, work_hw, precision)
+    e = 4 if precision == "fp32" else 2
+    tf, tb, _ = tp_traffic(
+        shape, AxisTraffic(tp, False), hw, n_layers=mc.n_layers, has_embedding=True, has_head=True,
+        mb=mb, m=1, e=e, sp=False, ckpt="none",
+    )  # fmt: skip
+    planned = mc.n_layers * (layer.forward + layer.backward) + head.forward + head.backward + tf + tb
+    return max(0.0, (row["s"] - planned) / row["calls"]) * 1e6
 
 
 def _launched_ahead(compute, numel: int, group, device: torch.device) -> dict:
@@ -451,6 +529,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
     }
     fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
     fields["microbatch_overhead_us"], fields["step_overhead_us"] = host_overheads_us(rc, fields, device)
+    fields["tp_call_us"] = fit_tp_call_us(per_rank[0].get("tp_block") if per_rank else None, rc, fields)
     hardware_profile("calibrated", {"calibrated": fields})  # refuse what the planner would refuse
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -463,6 +542,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "block_busy_ranks": blocks,
         "overlap": per_rank[0].get("overlap") if per_rank else None,
         "launched_ahead": per_rank[0].get("ahead") if per_rank else None,
+        "tp_block": per_rank[0].get("tp_block") if per_rank else None,
         "ranks": n,
     }
     (out / "calibration.json").write_text(json.dumps(raw, indent=1))
@@ -485,6 +565,7 @@ def run_calibrate(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         f"slowdown {fields['colocated_slowdown']:.2f} per other busy rank, "
         f"{fields['overlap_fraction']:.0%} of an overlapped all-reduce hidden, "
         f"{fields['ahead_call_us']:.0f} µs per collective launched ahead, "
+        f"{fields['tp_call_us']:.0f} µs more per TP collective in the model, "
         f"fixed costs {fields['block_overhead_us']:.0f} µs per block, "
         f"{fields['microbatch_overhead_us']:.0f} µs per micro-batch, {fields['step_overhead_us']:.0f} µs per step"
         f"\nuse it: mode=plan plan.hardware={path}"

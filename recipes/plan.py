@@ -17,18 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from models.config import ModelConfig, ModelConfigError
-from parallel.params import init_key, is_expert, is_shared_embedding, tp_shard_dim, wants_weight_decay
+from parallel.params import init_key, is_expert, is_shared_embedding, tp_shard_dim
 from parallel.plan import Layout, Plan, PlanError, StageParams, Training, hardware_profile, plan_layout, recommend
+from parallel.zero.packing import CLASSES, bucket_class, class_index
 
 from .config import ConfigError, RecipeConfig, model_config
 
 GB = 1e9
 
 
-def _count_module(module, tp: int, *, is_block: bool) -> StageParams:
+def _count_module(module, tp: int, *, is_block: bool, sequence_parallel: bool = False) -> StageParams:
     numel = replicated = full = tied = shared = expert = 0
-    groups: tuple[list[int], list[int]] = ([], [])  # ZeRO's bucket classes: with / without weight decay
-    experts: tuple[list[int], list[int]] = ([], [])  # MoE experts: their own buckets (over edp)
+    groups: list[list[int]] = [[] for _ in CLASSES]  # ZeRO's bucket classes (parallel/zero/packing.py)
+    experts: list[list[int]] = [[] for _ in CLASSES]  # MoE experts: their own buckets (over edp)
     for p in module.parameters():
         n = p.numel()
         sharded = tp_shard_dim(p) is not None
@@ -39,8 +40,10 @@ def _count_module(module, tp: int, *, is_block: bool) -> StageParams:
         tied += n if init_key(p) is not None else 0  # the head's copy of a tied embedding
         shared += local if is_shared_embedding(p) else 0
         expert += local if is_expert(p) else 0
-        (experts if is_expert(p) else groups)[int(not wants_weight_decay(p))].append(local)
-    classes = (tuple(groups[0]), tuple(groups[1]))
+        # built at tp=1, the layers mark nothing sequence-parallel: what tp > 1 marks (packing.extra_reduce)
+        kind = class_index(*bucket_class(p, sequence_parallel=sequence_parallel and tp > 1 and not sharded))
+        (experts if is_expert(p) else groups)[kind].append(local)
+    classes = tuple(map(tuple, groups))
     return StageParams(
         numel,
         replicated,
@@ -48,13 +51,13 @@ def _count_module(module, tp: int, *, is_block: bool) -> StageParams:
         tied,
         shared,
         blocks=(classes,) if is_block else (),
-        root=((), ()) if is_block else classes,
+        root=((),) * len(CLASSES) if is_block else classes,
         expert=expert,
-        expert_blocks=((tuple(experts[0]), tuple(experts[1])),) if expert else (),
+        expert_blocks=(tuple(map(tuple, experts)),) if expert else (),
     )
 
 
-def meta_param_counter(cfg: ModelConfig):
+def meta_param_counter(cfg: ModelConfig, sequence_parallel: bool = False):
     """``count(layers, has_embedding, has_head, tp)`` → :class:`StageParams` of that chunk.
 
     Counts the modules of :func:`models.transformer.build_model` on ``meta``: one
@@ -62,7 +65,8 @@ def meta_param_counter(cfg: ModelConfig):
     part built alone (ZeRO's units: each block, and the rest). The model is built at tp=1 with the vocabulary padded as
     for ``tp`` (``vocab_multiple · tp``); a parameter marked ``tp_shard_dim``
     holds ``1/tp`` of its elements per rank, others are replicated, exactly as
-    the tensor-parallel layers split them.
+    the tensor-parallel layers split them. ``sequence_parallel``: at tp > 1 the replicated ones are
+    sequence-parallel, a ZeRO bucket class of their own (:func:`parallel.zero.packing.extra_reduce`).
     """
     from models.transformer import build_model
 
@@ -74,7 +78,7 @@ def meta_param_counter(cfg: ModelConfig):
             raise PlanError(str(e)) from None
         padded = cfg.replace(vocab_multiple=cfg.vocab_multiple * tp)
         stage = build_model(padded, layers=layers, has_embedding=has_embedding, has_head=has_head, device="meta")
-        return _count_module(stage, tp, is_block=len(layers) == 1)
+        return _count_module(stage, tp, is_block=len(layers) == 1, sequence_parallel=sequence_parallel)
 
     def count(layers: range, has_embedding: bool, has_head: bool, tp: int) -> StageParams:
         moe = [i for i in layers if cfg.is_moe_layer(i)]  # MoE blocks (experts) differ from dense ones
@@ -101,6 +105,7 @@ def _training(rc: RecipeConfig, mc: ModelConfig) -> Training:
         topk_ratio=c.topk_ratio,
         bucket_mb=c.bucket_mb,
         zero_accumulate=rc.parallel.zero_accumulate,
+        grad_clip=t.grad_clip,
     )
 
 
@@ -185,7 +190,7 @@ def plan_from_config(rc: RecipeConfig) -> Plan:
             _layout(rc),
             _training(rc, mc),
             _hardware(rc),
-            meta_param_counter(mc),
+            meta_param_counter(mc, rc.parallel.sequence_parallel),
             world_size=world if rc.parallel.dp not in (None, "auto") else None,
         )
     except PlanError as e:
@@ -197,7 +202,9 @@ def recommend_from_config(rc: RecipeConfig) -> list[Plan]:
         mc = model_config(rc.model)
         hw = _hardware(rc)
         world = _world(rc) or rc.parallel.gpus_per_node
-        return recommend(mc, world, _training(rc, mc), hw, meta_param_counter(mc), top=rc.plan.top)
+        return recommend(
+            mc, world, _training(rc, mc), hw, meta_param_counter(mc, rc.parallel.sequence_parallel), top=rc.plan.top
+        )
     except PlanError as e:
         raise ConfigError(f"recommend: {e}") from None
 

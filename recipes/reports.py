@@ -110,10 +110,12 @@ def timeline_step(trainer, step: int, path: str | Path) -> dict:
     return rec
 
 
-def time_report(trainer, measured_s: float) -> str | None:
+def time_report(trainer, measured_s: float, read: bool = True) -> str | None:
     """Rank 0: the planner's step time for this layout beside the measured one, and its parts.
 
-    ``measured_s``: this rank's wall time of one steady step (the device synchronised). Not collective.
+    ``measured_s``: this rank's wall time of one steady step (the device synchronised); ``read``:
+    whether the trainer read that step (a logged step: the loss and norm scalars), so that it is
+    compared with the planner's step of the same kind. Not collective.
     The parts say where a difference can come from: compute (matmuls, attention, elementwise work),
     the pipeline bubble, tensor-parallel collectives on the critical path, data-parallel traffic
     backward cannot hide, the optimizer step."""
@@ -125,11 +127,15 @@ def time_report(trainer, measured_s: float) -> str | None:
         plan = plan_from_config(trainer.rc)
     except (ValueError, KeyError) as e:
         return f"step time: measured {measured_s:.3f} s (no prediction: {e})"
-    return format_time_comparison(plan, measured_s)
+    return format_time_comparison(plan, measured_s, read)
 
 
-def format_time_comparison(plan, measured_s: float) -> str:
-    """Predicted vs measured step time, the predicted parts and the part the gap is largest against."""
+def format_time_comparison(plan, measured_s: float, read: bool = True) -> str:
+    """Predicted vs measured step time, the predicted parts and the part the gap is largest against.
+
+    ``read``: the measured step was read (logged): compare with the planner's logged step
+    (``step_time_s``), else with its unread step (``unread_step_time_s``, without the loss scalars
+    and, unless clipping or fp16 computes it anyway, the gradient norm's)."""
     s = plan.step
     worst = max(plan.ranks, key=lambda r: r.compute_s)
     parts = {
@@ -139,13 +145,16 @@ def format_time_comparison(plan, measured_s: float) -> str:
         "dp exposed": s["dp_exposed_s"],
         "optimizer": s.get("optimizer_s", 0.0),
         "step overhead": s.get("step_overhead_s", 0.0),
+        "step scalars": s.get("scalars_s", 0.0),
     }
-    predicted = s["step_time_s"]
+    predicted = s["step_time_s"] if read else s.get("unread_step_time_s", s["step_time_s"])
+    kind = "logged step" if read else "unread step"
     gap = measured_s - predicted
     main = max(parts, key=parts.get)
     lines = [
-        f"step time: predicted {predicted:.3f} s, measured {measured_s:.3f} s ({measured_s / predicted - 1:+.0%}; "
-        f"hardware profile {plan.hardware['name']})",
+        f"step time ({kind}): predicted {predicted:.3f} s, measured {measured_s:.3f} s "
+        f"({measured_s / predicted - 1:+.0%}; hardware profile {plan.hardware['name']}; reading a step adds "
+        f"{s.get('read_extra_s', 0.0) * 1e3:.2f} ms)",
         "  predicted parts: " + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()),
     ]
     if abs(gap) > 0.2 * predicted:

@@ -197,7 +197,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             if step == first + 1:  # a steady step against the planner's time (reports.time_report)
                 if trainer.device.type == "cuda":
                     torch.cuda.synchronize(trainer.device)
-                report = time_report(trainer, time.perf_counter() - step_t0)
+                report = time_report(trainer, time.perf_counter() - step_t0, read)  # like with like
                 if report:
                     log.info(report)
             rec["step"] = step + 1

@@ -41,6 +41,7 @@ _RANGES = {
     "colocated_slowdown": (0.0, True, math.inf),
     "overlap_fraction": (0.0, True, 1.0),
     "ahead_call_us": (0.0, True, math.inf),
+    "tp_call_us": (0.0, True, math.inf),
 }
 
 
@@ -83,6 +84,7 @@ class Hardware:
     colocated_slowdown: float = 0.0  # a busy rank's slowdown per other busy rank on its host (plan.compute.colocated)
     overlap_fraction: float = 1.0  # of the communication parallel.overlap hides behind compute, the share really hidden
     ahead_call_us: float = 0.0  # a collective launched ahead of its wait: its fixed cost; 0: its ring latency steps
+    tp_call_us: float = 0.0  # a TP collective inside the model's autograd, beyond collective_overhead_us: resuming
     host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
 
@@ -138,7 +140,15 @@ class Hardware:
 # does not take part); on a CPU such a call's fixed cost is what the host's transport threads take from
 # the ranks' compute, which ``mode=calibrate`` measures directly (≈ 0.4–0.8 ms on the 2-core VM this was
 # written on, against 0.45–1 ms per ring step in a tight loop). For the CPU profile, or any machine,
-# ``mode=calibrate`` measures them all.
+# ``mode=calibrate`` measures them all. ``tp_call_us``: 0 on the GPU profiles (the host enqueues a TP
+# collective and the compute after it ahead of the device; what the device pays per call is
+# ``latency_us``); on a CPU each of TP's blocking collectives sits inside the model's autograd between
+# two pieces of a block's compute, and costs more than the same call after a tight GEMM loop
+# (``collective_overhead_us``): the autograd Function around it, and the compute after the wake-up
+# resuming with the block's weights and activations out of the core's caches. ``mode=calibrate``
+# measures it in situ: the configured model's block at tp = 2 on two ranks, forward + backward, less
+# what the planner gives that block with the other fields, per TP collective (≈ 0.1–0.4 ms on the
+# 2-core VM this was written on).
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
     # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU

@@ -50,6 +50,7 @@ class Training:
     bucket_mb: float = 25.0
     attention: str = "flash"  # flash (the engine's SDPA) | unfused (scores materialised; plan.compute)
     zero_accumulate: str = "sharded"  # parallel.zero.theory.ZERO_ACCUMULATE (stages 2-3)
+    grad_clip: float = 1.0  # train.grad_clip (0: off); clipping computes the norm on every step, read or not
 
 
 def _positive(name: str, v) -> int:
@@ -90,6 +91,8 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
         raise PlanError(f"precision {training.precision!r} not in {sorted(M.PRECISION_BYTES)}")
     if layout.sequence_parallel and (layout.tp == 1 or shape.seq_len // layout.cp % layout.tp):
         raise PlanError(f"sequence parallelism needs tp > 1 dividing seq_len {shape.seq_len}; got tp={layout.tp}")
+    if not training.grad_clip >= 0 or training.grad_clip == float("inf"):
+        raise PlanError(f"grad_clip must be a finite number ≥ 0 (0 disables clipping), got {training.grad_clip!r}")
     if training.attention not in ATTENTION:
         raise PlanError(f"attention {training.attention!r} not in {ATTENTION}")
     if training.compression not in ("none", "topk"):

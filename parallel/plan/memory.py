@@ -60,9 +60,11 @@ paper's 107.0 MB.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import zip_longest
 
 from ..zero import theory as zero_theory
 from ..zero.layout import pack, padded
+from ..zero.packing import CLASSES, EXTRA_REDUCE
 from ..zero.policy import ZERO_STAGES
 from .hardware import PlanError
 
@@ -87,8 +89,9 @@ class StageParams:
 
     ``blocks`` and ``root`` say how ZeRO packs them (:func:`zero_padded_numel`): per
     transformer block (a ZeRO unit) and for the rank's other parameters (one more
-    unit), the per-rank sizes of the parameters with and without weight decay, in
-    ``named_parameters`` order. Empty when unknown: the whole rank is padded instead.
+    unit), the per-rank sizes of the parameters of each bucket class
+    (:data:`parallel.zero.packing.CLASSES`: with and without weight decay, tied embedding,
+    sequence parallel), in ``named_parameters`` order. Empty when unknown: the whole rank is padded instead.
 
     MoE (:mod:`parallel.plan.moe`): ``expert`` of ``numel`` are expert parameters (at ep = 1;
     :func:`~parallel.plan.moe.ep_split` divides them by ep), in ZeRO units ``expert_blocks``
@@ -100,14 +103,14 @@ class StageParams:
     full: int = 0
     tied_copy: int = 0
     shared_embedding: int = 0
-    blocks: tuple[tuple[Group, Group], ...] = ()
-    root: tuple[Group, Group] = ((), ())
+    blocks: tuple[tuple[Group, ...], ...] = ()
+    root: tuple[Group, ...] = ((), ())
     expert: int = 0
-    expert_blocks: tuple[tuple[Group, Group], ...] = ()
+    expert_blocks: tuple[tuple[Group, ...], ...] = ()
 
     def __add__(self, other: StageParams) -> StageParams:
         counts = (a + b for a, b in zip(self.counts(), other.counts()))
-        root = (self.root[0] + other.root[0], self.root[1] + other.root[1])
+        root = tuple(a + b for a, b in zip_longest(self.root, other.root, fillvalue=()))
         experts = dict(expert=self.expert + other.expert, expert_blocks=self.expert_blocks + other.expert_blocks)
         return StageParams(*counts, blocks=self.blocks + other.blocks, root=root, **experts)
 
@@ -126,42 +129,66 @@ def _bucket_sizes(group: Group, bucket_bytes: float, element_size: int) -> list[
     return [sum(group[i] for i in bucket) for bucket in pack(group, element_size, bucket_bytes)]
 
 
+def zero_bucket_numels(
+    params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
+) -> tuple[tuple[int, ...], ...] | None:
+    """The padded elements of each of ZeRO's buckets on this rank, per unit (each block's, then the
+    rest's; ``per_unit=False``: one unit). None when the classes are unknown.
+
+    ZeRO (``parallel.zero.layout.plan_buckets``) packs the parameters of one bucket class
+    (:func:`parallel.zero.packing.bucket_class`), blocks first and the rest last, into buckets of at
+    most ``bucket_bytes`` (a larger parameter gets its own) and pads every bucket to a multiple of
+    ``dp``. At stage 3 (``per_unit``) a bucket never spans two units (each block, and the rest),
+    since they are gathered one at a time. Every bucket is one collective.
+    """
+    if not params.blocks and not any(params.root):
+        return None
+    units = params.blocks + (params.root,)
+    if not per_unit:  # one unit: each class in the engine's order
+        n_classes = max(len(unit) for unit in units)
+        units = (tuple(tuple(n for unit in units if c < len(unit) for n in unit[c]) for c in range(n_classes)),)
+    return tuple(
+        tuple(padded(n, dp) for group in unit for n in _bucket_sizes(group, bucket_bytes, element_size))
+        for unit in units
+    )
+
+
 def zero_padded_numel(
     params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> int:
-    """Elements of ZeRO's flat buffers on this rank, padding included.
-
-    ZeRO (``parallel.zero.layout.plan_buckets``) packs the parameters of one
-    weight-decay class, blocks first and the rest last, into buckets of at most
-    ``bucket_bytes`` (a larger parameter gets its own) and pads every bucket to a
-    multiple of ``dp``. At stage 3 (``per_unit``) a bucket never spans two units
-    (each block, and the rest), since they are gathered one at a time.
-    """
-    if not params.blocks and not any(params.root):
-        return padded(params.numel, dp)
-    units = params.blocks + (params.root,)
-    if not per_unit:  # one unit: each weight-decay class in the engine's order
-        units = (tuple(tuple(n for unit in units for n in unit[c]) for c in range(2)),)
-    total = 0
-    for unit in units:
-        for group in unit:
-            total += sum(padded(n, dp) for n in _bucket_sizes(group, bucket_bytes, element_size))
-    return total
+    """Elements of ZeRO's flat buffers on this rank, padding included: the sum of
+    :func:`zero_bucket_numels` (the whole rank padded when the classes are unknown)."""
+    numels = zero_bucket_numels(params, dp, bucket_bytes, element_size, per_unit)
+    return padded(params.numel, dp) if numels is None else sum(map(sum, numels))
 
 
 def zero_bucket_counts(
     params: StageParams, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> tuple[int, ...] | None:
     """ZeRO's buckets on this rank per unit (each block's, then the rest's; ``per_unit=False``: one
-    unit), packed as :func:`zero_padded_numel` packs them: every bucket is one collective, and each
-    weight-decay class of a unit is packed apart, so a block is gathered and reduced as two
-    collectives (weights; biases and norms). None when the classes are unknown."""
-    if not params.blocks and not any(params.root):
-        return None
-    units = params.blocks + (params.root,)
-    if not per_unit:
-        units = (tuple(tuple(n for unit in units for n in unit[c]) for c in range(2)),)
-    return tuple(sum(len(_bucket_sizes(g, bucket_bytes, element_size)) for g in unit if g) for unit in units)
+    unit), packed as :func:`zero_bucket_numels` packs them: every bucket is one collective, and each
+    class of a unit is packed apart, so a block is gathered and reduced as one collective per
+    class it holds (weights; biases and norms; sequence-parallel ones). None when the classes are unknown."""
+    numels = zero_bucket_numels(params, 1, bucket_bytes, element_size, per_unit)
+    return None if numels is None else tuple(map(len, numels))
+
+
+def zero_extra_reduce_counts(
+    params: StageParams, bucket_bytes: float, element_size: int, per_unit: bool = True
+) -> dict[str, int]:
+    """ZeRO's buckets on this rank whose gradient is also all-reduced over another group, per group
+    (``"tp"``: sequence-parallel; ``"embedding"``: a tied embedding): the engine all-reduces each
+    such bucket's shard apart, one collective per bucket. Units whose groups are the classes of
+    :data:`parallel.zero.packing.CLASSES` (a unit of two groups, weight decay or not, has none)."""
+    units = [u for u in params.blocks + (params.root,) if len(u) == len(CLASSES)]
+    if not per_unit:  # one unit: each class packed across units
+        units = [tuple(tuple(n for u in units for n in u[c]) for c in range(len(CLASSES)))] if units else []
+    out = {extra: 0 for extra in EXTRA_REDUCE if extra}
+    for unit in units:
+        for (_, extra), group in zip(CLASSES, unit):
+            if extra:
+                out[extra] += len(_bucket_sizes(group, bucket_bytes, element_size))
+    return out
 
 
 def optimizer_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:

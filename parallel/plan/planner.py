@@ -36,8 +36,9 @@ from ..overlap import (
 from ..pipeline.schedules import ScheduleError, build_schedule, schedule_problem
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
+from ..zero.packing import reduction_buffer_bytes
 from ..zero.policy import policy
-from ..zero.theory import accumulation_grad_bytes
+from ..zero.theory import GRAD_BYTES, accumulation_grad_bytes
 from . import compute as C
 from . import memory as M
 from . import moe as MoE
@@ -227,6 +228,8 @@ def plan_layout(
         bubble = 1 - m * (slow_f + slow_b) / makespan
     ranks, dp_exposed, offload_exposed, optimizer_s = [], 0.0, 0.0, 0.0
     scalars_tp_pp = 0.0  # the step's scalars on the tp and pp groups (the norm, the loss's broadcast)
+    dp_exposed_unread = scalars_tp_pp_unread = 0.0  # the same for a step nobody reads
+    norm_always = norm_every_step(training.grad_clip, training.precision, L.offload)
     for s, (chunks, params, (tp_axis, cp_axis, ep_axis), fwd, bwd, acts, flops_s) in enumerate(stage_info):
         params, experts = MoE.ep_split(params, L.ep)  # experts: E/ep per rank, ZeRO over edp = dp·cp/ep
         psi = M.zero_padded_numel(params, dp, training.bucket_mb * 2**20, e, per_unit=policy(L.zero).gathers_per_unit)
@@ -240,14 +243,22 @@ def plan_layout(
         shard = psi // dp if policy(L.zero).shards_optimizer else psi
         shard += epsi // edp if policy(L.zero).shards_optimizer else epsi
         offload_s = O.offload_seconds(shard, e, L.offload, hw, m, fwd, bwd)
+        extras = M.zero_extra_reduce_counts(params, training.bucket_mb * 2**20, e, per_unit)  # one call per bucket
         if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
             sp_shard = M.padded(params.replicated, dp) // (dp if policy(L.zero).shards_optimizer else 1)
-            tp_axis.add("all_reduce", sp_shard * 4, 1, hw, "sequence-parallel parameter gradients (fp32 shard)")
+            tp_axis.add(
+                "all_reduce",
+                sp_shard * 4,
+                1,
+                hw,
+                "sequence-parallel parameter gradients (fp32 shard)",
+                calls=extras["tp"],
+            )
         scalars = tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
         dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
         counts = M.zero_bucket_counts(params, training.bucket_mb * 2**20, e, per_unit)  # one collective each
         if counts is not None:  # the engine's buckets: per block (ZeRO-3), then the rest
-            buckets, units, root_calls = sum(counts), max(1, sum(counts[:-1])), max(1, counts[-1])
+            buckets, units, root_calls = sum(counts), max(1, sum(counts[:-1])), counts[-1]  # a middle stage: no rest
         else:  # classes unknown: the rank packed as one class, ZeRO-3's blocks one bucket each
             buckets, units, root_calls = (
                 max(1, -(-psi * e // int(training.bucket_mb * 2**20))),
@@ -293,27 +304,34 @@ def plan_layout(
                 scalars_ep = ep_axis.add("all_reduce", 4, 1, hw, "expert gradient norm (fp32 scalar)")
         # the step's scalars: the loss averaged over DP; the gradient norm summed over DP when sharded.
         # They follow backward, so nothing hides them.
+        # An unread step (parallel.engine.PendingLoss) issues no loss scalar, and no norm unless
+        # norm_every_step: read_only_s is what a logged step adds.
         n_scalars = 1 + policy(L.zero).shards_optimizer
-        scalars_s = n_scalars * dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
-        scalars_s += scalars_ep if epsi and not policy(L.zero).shards_optimizer else 0.0
-        scalars_s = STEP_SCALARS.exposed(scalars_s, 0.0)
-        dp_exposed = max(
-            dp_exposed,
-            _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap, reductions, hw.overlap_fraction) + scalars_s,
-        )
+        dp_one = dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
+        norm_dp = (n_scalars - 1) * dp_one + (scalars_ep if epsi and not policy(L.zero).shards_optimizer else 0.0)
+        scalars_s = STEP_SCALARS.exposed(dp_one + norm_dp, 0.0)
+        read_only_dp = STEP_SCALARS.exposed(dp_one + (0.0 if norm_always else norm_dp), 0.0)
+        exposed_dp = _exposed_dp_time(dp_times, m, fwd, bwd, training.overlap, reductions, hw.overlap_fraction)
+        dp_exposed = max(dp_exposed, exposed_dp + scalars_s)
+        dp_exposed_unread = max(dp_exposed_unread, exposed_dp + scalars_s - read_only_dp)
         if L.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
             optimizer_s = max(optimizer_s, C.optimizer_seconds(shard, work_hw))
         pp_axis = AxisTraffic(pp, p2p_axis_proto.crosses_node)
         sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in chunks)
         pp_axis.add("p2p", act_msg, sends * m, hw, "activations and gradients to neighbour stages")
-        scalars += pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
-        scalars += pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
+        loss_pp = pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
+        scalars += pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")  # scalars: the norm's
+        read_only = loss_pp + (0.0 if norm_always else scalars)
+        scalars += loss_pp
         scalars_tp_pp = max(scalars_tp_pp, STEP_SCALARS.exposed(scalars, 0.0))  # after backward: exposed
+        scalars_tp_pp_unread = max(scalars_tp_pp_unread, STEP_SCALARS.exposed(scalars - read_only, 0.0))
         emb_axis = AxisTraffic(2 if params.shared_embedding and pp > 1 else 1, pp_axis.crosses_node)
         emb_shard = M.padded(params.shared_embedding, dp) // (
             dp if policy(L.zero).shards_optimizer else 1
         )  # as for SP: its fp32 shard
-        emb_axis.add("all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)")
+        emb_axis.add(
+            "all_reduce", emb_shard * 4, 1, hw, "tied embedding gradient (fp32 shard)", calls=extras["embedding"]
+        )
         in_flight = peaks[s]
         # transients (they do not coincide: the loss's end before the recomputed layers' backward)
         recompute = M.recompute_peak_bytes(
@@ -322,7 +340,7 @@ def plan_layout(
         has_head = any(v == pp * vpp - 1 for v, _ in chunks)
         loss = M.loss_temporary_bytes(local, mb, tp=t, precision=training.precision) if has_head else 0.0
         activations = in_flight * max(acts) + max(recompute, loss)
-        buffers = _buffer_bytes(dataclasses.replace(L, dp=dp), training, params + experts, count_params, act_msg, e, c)
+        buffers = _buffer_bytes(dataclasses.replace(L, dp=dp), training, params, experts, count_params, act_msg, e, c)
         mem = {
             **{k: float(v) for k, v in states.items() if k != "total"},
             "model_states": float(states["total"]),
@@ -359,12 +377,15 @@ def plan_layout(
     emb_time = STEP_SCALARS.exposed(max(r.traffic["embedding"]["time_s"] for r in ranks), 0.0)  # after backward
     overhead_s = C.step_overhead_seconds(work_hw)  # the step's fixed host cost (0 on GPU profiles)
     step_time = makespan + dp_exposed + emb_time + scalars_tp_pp + offload_exposed + optimizer_s + overhead_s
+    unread = makespan + dp_exposed_unread + emb_time + scalars_tp_pp_unread + offload_exposed + optimizer_s + overhead_s
     compute = max(r.compute_s for r in ranks)
     comm_total = max(sum(a["time_s"] for a in r.traffic.values()) for r in ranks)
     tokens_step = training.global_batch * shape.seq_len
     mfpt = MoE.flops_per_token(moe) if moe else model_flops_per_token(shape)  # MoE: active parameters
     step = {
-        "step_time_s": step_time,
+        "step_time_s": step_time,  # a logged step (read: the loss and norm scalars); the dry run's step
+        "unread_step_time_s": unread,  # a step nobody reads (recipes/trainer.py: most steps)
+        "read_extra_s": step_time - unread,  # what reading a step adds
         "pipeline_s": makespan,
         "bubble_fraction": bubble,
         "dp_exposed_s": dp_exposed,
@@ -463,6 +484,14 @@ def _stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, 
     return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis
 
 
+def norm_every_step(grad_clip: float, precision: str, offload: str) -> bool:
+    """Whether every step computes the gradient norm (its scalar collectives), read or not: the
+    engine (``parallel.zero.engine.ZeroDataParallel.step``) skips it on an unread step only without
+    clipping (``grad_clip`` 0), without fp16's loss scaler and without offload (its host step reads
+    the skip flag). A test holds this against the engine."""
+    return grad_clip > 0 or precision == "fp16" or offload != "none"
+
+
 def partly_hidden(comm_s: float, exposed_s: float, fraction: float) -> float:
     """Seconds exposed when compute hides only ``fraction`` of what the overlap table hides
     (``Hardware.overlap_fraction``): ``exposed + (1 − fraction)·(comm − exposed)``."""
@@ -494,19 +523,41 @@ def _exposed_dp_time(
     return m * per_mb + once + PARAM_GATHER_AFTER_STEP.exposed(dp["param_after_step"], 0.0, overlap)
 
 
-def _buffer_bytes(L: Layout, tr: Training, params: M.StageParams, count, act_msg, e, c) -> float:
-    """Communication buffers: a bucket in flight (REDUCTIONS_IN_FLIGHT with overlap), stage 3's gathered
-    blocks (current + ZERO3_PREFETCH_UNITS prefetched), Top-K's fp32 residual and gathered values, four
-    p2p messages."""
-    bucket = tr.bucket_mb * 2**20 * (REDUCTIONS_IN_FLIGHT if tr.overlap else 1)
+def _buffer_bytes(
+    L: Layout, tr: Training, params: M.StageParams, experts: M.StageParams, count, act_msg, e, c
+) -> float:
+    """Communication buffers, as the engine allocates them: stages 2–3's gradient reductions in flight
+    (:func:`parallel.zero.packing.reduction_buffer_bytes`, of the rank's real buckets), stage 0–1's
+    16-bit copies of buckets in flight, stage 3's gathered units (the block whose forward or
+    backward runs and ZERO3_PREFETCH_UNITS prefetched, each its padded buckets; the rest, gathered
+    from the first forward to the optimizer step), Top-K's fp32 residual and gathered values, four
+    p2p messages, and unsharded accumulation's full fp32 gradient."""
+    pol, bucket_bytes = policy(L.zero), tr.bucket_mb * 2**20
+    edp = max(1, L.dp // L.ep)
+    dense = M.zero_bucket_numels(params, L.dp, bucket_bytes, e, pol.gathers_per_unit)
+    expert = M.zero_bucket_numels(experts, edp, bucket_bytes, e, pol.gathers_per_unit) if experts.numel else ()
     total = 0.0
-    if L.dp > 1 and (policy(L.zero).shards_grads or c != e):
-        total += bucket
-    if policy(L.zero).gathers_per_unit and L.dp > 1:
-        total += (1 + ZERO3_PREFETCH_UNITS) * e * MoE.at_ep(count(range(0, 1), False, False, L.tp), L.ep).numel
+    if L.dp > 1 and pol.shards_grads:
+        if dense is None:  # classes unknown: the rank as buckets of at most bucket_bytes
+            cap = M.padded(max(1, min(params.numel, int(bucket_bytes // e))), L.dp)
+            sizes = [cap] * min(REDUCTIONS_IN_FLIGHT, -(-params.numel // cap))
+        else:
+            sizes = [n for unit in dense + (expert or ()) for n in unit]
+        sends_acc = tr.zero_accumulate == "unsharded" and c == GRAD_BYTES
+        total += reduction_buffer_bytes(sizes, c, L.dp, sends_accumulator=sends_acc)
+    elif L.dp > 1 and c != e:
+        total += bucket_bytes * (REDUCTIONS_IN_FLIGHT if tr.overlap else 1)
+    if pol.gathers_per_unit and L.dp > 1:
+        if dense is None:
+            total += (1 + ZERO3_PREFETCH_UNITS) * e * MoE.at_ep(count(range(0, 1), False, False, L.tp), L.ep).numel
+        else:
+            per_unit = [sum(u) for u in dense[:-1]]
+            experts_unit = [sum(u) for u in expert[:-1]] if expert else [0]
+            total += e * (1 + ZERO3_PREFETCH_UNITS) * (max(per_unit, default=0) + max(experts_unit, default=0))
+            total += e * sum(dense[-1])  # the rest: gathered once per step, held until the optimizer step
     if tr.compression == "topk":
         total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
     if L.pp > 1:
         total += 4 * act_msg
-    total += accumulation_grad_bytes(params.numel, L.zero, tr.zero_accumulate)  # ZeRO-2/3: the full fp32 gradient
+    total += accumulation_grad_bytes((params + experts).numel, L.zero, tr.zero_accumulate)  # the full fp32 gradient
     return total

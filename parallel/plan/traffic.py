@@ -214,11 +214,17 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
     ``[b, s, d]`` activation forward and two backward (sequence parallel: each an
     all-gather + a reduce-scatter, the same bytes, and two more all-gathers in backward:
     ``ColumnParallelLinear`` saves its input's sequence chunk and gathers it again); full recomputation redoes all but
-    the last (one all-reduce, or two all-gathers and a reduce-scatter, per block)."""
+    the last (one all-reduce, or two all-gathers and a reduce-scatter, per block). Every call also
+    costs the profile's ``tp_call_us`` (its autograd Function, the compute after it resuming cold;
+    0 on GPU profiles), in the returned seconds but not in ``axis``'s."""
     act = e * mb * shape.seq_len * shape.d_model
 
     def op(kind, count, what, payload=act):
-        return count * axis.add(kind, payload, count * m, hw, what) if count else 0.0
+        # each call also pays hw.tp_call_us in the compute around it (inside the model's autograd):
+        # step time, not the collective's own (the breakdown times the collective's wait apart)
+        if not count or axis.group_size <= 1:
+            return 0.0
+        return count * (axis.add(kind, payload, count * m, hw, what) + hw.tp_call_us * 1e-6)
 
     def pair(count, what):
         if sp:

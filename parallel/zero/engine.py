@@ -81,13 +81,14 @@ from torch import nn
 
 from .. import comm
 from ..overlap import REDUCTIONS_IN_FLIGHT
-from ..params import is_expert, is_sequence_parallel, is_shared_embedding, wants_weight_decay
+from ..params import is_expert, wants_weight_decay
 from ..precision import TORCH_DTYPES
 from .bucket import FlatBucket
 from .compression import COMPRESSIONS, TopKCompressor, topk_count
 from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
 from .offload import HostCopier, check_offload, host_step
+from .packing import extra_reduce as packing_extra_reduce
 from .policy import ZERO_STAGES, policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
@@ -107,7 +108,7 @@ def _dtype(name, what: str) -> torch.dtype:
 
 def _extra_reduce(name: str, p: nn.Parameter, zdp) -> str:
     """The group a parameter's gradient is also summed over, refused if that group was not given."""
-    extra = "embedding" if is_shared_embedding(p) else "tp" if is_sequence_parallel(p) else ""
+    extra = packing_extra_reduce(p)  # the bucket class's rule: parallel/zero/packing.py
     if extra and zdp.extra_groups[extra] is None:
         what = "a tied embedding" if extra == "embedding" else "sequence-parallel"
         raise ZeroConfigError(

@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .packing import class_index
+
 
 class ZeroConfigError(ValueError):
     """A ZeRO setting that cannot work; the message names the numbers and the fix."""
@@ -116,8 +118,8 @@ def plan_buckets(
 
     ``params``: ``(name, shape, wants_weight_decay, unit, extra_reduce)`` in the
     order to pack them (the model's ``named_parameters`` order, grouped by unit).
-    Buckets come out ordered by unit, then weight decay before no weight decay,
-    then ``extra_reduce`` ("" first), then position.
+    Buckets come out ordered by unit, then class (:data:`parallel.zero.packing.CLASSES`: weight
+    decay before no weight decay, then ``extra_reduce``), then position.
     """
     if dp < 1:
         raise ZeroConfigError(f"dp must be ≥ 1, got {dp}")
@@ -127,7 +129,7 @@ def plan_buckets(
     for name, shape, wd, unit, extra in params:
         by_class.setdefault((unit, not wd, extra), []).append((name, tuple(shape)))
     buckets: list[BucketLayout] = []
-    for (unit, no_wd, extra), members in sorted(by_class.items()):
+    for (unit, no_wd, extra), members in sorted(by_class.items(), key=lambda kv: (kv[0][0], class_index(*kv[0][1:]))):
         numels = [math.prod(shape) for _, shape in members]
         for indices in pack(numels, element_size, bucket_bytes):
             slots, offset = [], 0

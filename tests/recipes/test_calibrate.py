@@ -122,7 +122,9 @@ def test_host_term_fits_invert_their_models():
     assert fit_launched_ahead(None, 2.0) == 0.0  # one rank: the planner uses the ring's latency steps
 
 
-@pytest.mark.parametrize("field", ["collective_overhead_us", "colocated_slowdown", "overlap_fraction", "ahead_call_us"])
+@pytest.mark.parametrize(
+    "field", ["collective_overhead_us", "colocated_slowdown", "overlap_fraction", "ahead_call_us", "tp_call_us"]
+)
 def test_host_terms_round_trip_through_the_profile_file_and_bad_ones_are_refused(tmp_path, field):
     good = dict(hardware_profile("cpu").__dict__)
     del good["name"]
@@ -133,3 +135,18 @@ def test_host_terms_round_trip_through_the_profile_file_and_bad_ones_are_refused
         path.write_text(json.dumps({**good, field: bad}))
         with pytest.raises(PlanError, match=f"{field}="):
             hardware_profile(str(path))
+
+
+def test_tp_call_cost_is_the_in_situ_residual_per_tp_call():
+    """``tp_call_us``: a micro-batch through the model at tp = 2 measured ``δ`` slower than another
+    gives ``δ / calls`` more per call; nothing measured (one rank) gives 0, never negative."""
+    from recipes.calibrate import fit_tp_call_us
+
+    rc = scenario_config(TINY)
+    fields = dict(hardware_profile("cpu").__dict__)
+    del fields["name"]
+    row = {"tp": 2, "micro_batch": 2, "calls": 20, "s": 1.0}
+    slower = {**row, "s": 1.0 + 20 * 150e-6}
+    assert fit_tp_call_us(slower, rc, fields) - fit_tp_call_us(row, rc, fields) == pytest.approx(150.0)
+    assert fit_tp_call_us({**row, "s": 0.0}, rc, fields) == 0.0
+    assert fit_tp_call_us(None, rc, fields) == 0.0

@@ -142,6 +142,8 @@ def test_overlap_fraction_zero_exposes_what_overlap_would_hide():
         ("overlap_fraction", float("nan")),
         ("ahead_call_us", -1.0),
         ("ahead_call_us", float("inf")),
+        ("tp_call_us", -1.0),
+        ("tp_call_us", float("nan")),
     ],
 )
 def test_bad_host_terms_are_refused(field, bad):
