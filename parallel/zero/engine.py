@@ -367,10 +367,13 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
             _remove_hooks(self._hooks)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        bucket = self._param_bucket[param]
+        once = not self.policy.reduce_every_microbatch and self._communicates_now()  # stages 0-1, this backward
+        if once and self.dp_size > 1:  # before the gradient is taken in: a refusal leaves the buffer as it was
+            self._check_first_reduction(bucket, param)
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        bucket = self._param_bucket[param]
         if bucket.flat_grad is not None:
             bucket.take_grad(param, self._slot_index[param])
         elif self.keep_full:
@@ -381,24 +384,31 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                 if bucket.ready == len(bucket.params) and self._frees_after_backward(bucket):
                     bucket.free_params()
             return
-        if not self.policy.reduce_every_microbatch:  # stages 0-1: one reduction per step
-            slot = self._slot_index[param]
-            if bucket.reduced or bucket.arrived[slot]:
-                name = next(n for n, q in self.module.named_parameters() if q is param)
-                raise RuntimeError(
-                    f"ZeroDataParallel (stage {self.stage}): a second backward that communicates "
-                    f"before step(): the gradient of {name} arrived for a bucket "
-                    "already reduced over DP in this step (stages 0-1 reduce the accumulated gradient "
-                    "once per step; a gradient added after that reduction started would be lost or race "
-                    "with it). Run every backward but the last of an accumulation under "
-                    "`with zdp.no_sync():`, then step()"
-                )
-            bucket.arrived[slot] = 1
+        if once and self.dp_size == 1:
+            return  # one rank (16-bit hooks): nothing to overlap, the step reduces the accumulated gradient once
         bucket.ready += 1
         if self.overlap and bucket.ready == len(bucket.params):
             self._reduce(bucket, wait=False)
             if self._frees_after_backward(bucket):
                 bucket.free_params()  # this micro-batch's backward of its unit is over
+
+    def _check_first_reduction(self, bucket: FlatBucket, param: torch.Tensor) -> None:
+        """Stages 0-1 reduce the accumulated gradient once per step: refuse (on every rank, as
+        every rank runs the same backwards) a gradient that arrives in a communicating backward
+        after its bucket's reduction started, or a second time in this step."""
+        slot = self._slot_index[param]
+        if bucket.reduced or bucket.arrived[slot]:
+            name = next(n for n, q in self.module.named_parameters() if q is param)
+            self._callback_queued = False  # an aborted backward runs no callback: the next one queues its own
+            raise RuntimeError(
+                f"ZeroDataParallel (stage {self.stage}): a second backward that communicates "
+                f"before step(): the gradient of {name} arrived for a bucket "
+                "already reduced over DP in this step (stages 0-1 reduce the accumulated gradient "
+                "once per step; a gradient added after that reduction started would be lost or race "
+                "with it). Run every backward but the last of an accumulation under "
+                "`with zdp.no_sync():`, then step()"
+            )
+        bucket.arrived[slot] = 1
 
     def _reduce(self, bucket: FlatBucket, wait: bool) -> None:
         bucket.launch_reduction()

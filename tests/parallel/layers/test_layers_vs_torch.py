@@ -104,6 +104,12 @@ def test_mean_token_cross_entropy_is_the_per_token_mean_counting_ignored_tokens(
     assert ours_logits.grad[..., vocab:].abs().sum() == 0  # padding columns neither win nor count
     torch_mean = F.cross_entropy(logits[..., :vocab].reshape(-1, vocab), targets.reshape(-1))
     assert loss.item() == pytest.approx(torch_mean.item() * 14 / 15, rel=1e-6)
+    from parallel.layers import LayerConfigError
+
+    with pytest.raises(LayerConfigError, match="vocab_size 17 exceeds the 16 logits columns"):
+        mean_token_cross_entropy(logits, targets, vocab_size=17)  # the fused path checks as the per-token one
+    with pytest.raises(LayerConfigError, match="disagree"):
+        mean_token_cross_entropy(logits, targets[:, :4], vocab_size=vocab)
 
 
 def test_row_parallel_linear_without_group_is_torch_linear():

@@ -1,6 +1,8 @@
 """The step does only the work it must (issue 17 item 2): no per-parameter hooks where no
 reduction can launch, the norm only when something needs it, as one fused reduction."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -181,3 +183,29 @@ def test_a_second_communicating_backward_is_refused(stage, overlap):
     """Stages 0-1 reduce once per step: a second backward outside ``no_sync`` before the step
     is refused on every rank (it would add into a bucket whose reduction is in flight)."""
     assert run_ranks(_second_communicating_backward, 2, stage, overlap, timeout=60) == [True, True]
+
+
+def _one_rank_accumulates_without_no_sync(stage):
+    import torch.distributed as dist
+
+    def run(use_no_sync):
+        zdp = ZeroDataParallel(
+            make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, precision="bf16"
+        )
+        (x, y), *_ = batches(steps=1)
+        for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):
+            with zdp.no_sync() if use_no_sync and i == 0 else contextlib.nullcontext():
+                zdp.backward(((zdp(xm) - ym) ** 2).mean())
+        zdp.step()
+        return [p.detach().clone() for p in zdp.module.parameters()]
+
+    for a, b in zip(run(False), run(True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_one_rank_needs_no_no_sync(stage):
+    """dp=1 (16-bit: hooks on every backward): nothing is reduced before the step, so backwards
+    outside ``no_sync`` accumulate exactly as inside it (not refused, not lost)."""
+    assert run_ranks(_one_rank_accumulates_without_no_sync, 1, stage, timeout=60) == [True]
