@@ -35,6 +35,7 @@ from .collectives import (
     group_size,
     recv,
     reduce_scatter,
+    runs_on_gloo,
     send,
 )
 from .counter import SENT_FRACTION, CommCounter, record
@@ -63,6 +64,7 @@ __all__ = [
     "record",
     "recv",
     "reduce_scatter",
+    "runs_on_gloo",
     "send",
     # autograd-aware tensor-parallel regions
     "SplitError",

@@ -23,6 +23,7 @@ Conventions:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -61,6 +62,13 @@ def device_for(group: dist.ProcessGroup | None = None) -> torch.device:
     if "nccl" in backend and "cpu:" not in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def runs_on_gloo(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether tensors on ``device`` travel through ``group`` by gloo: CPU tensors under a gloo
+    backend or a mixed one (``"cpu:gloo,cuda:nccl"``). gloo completes each posted operation on
+    its own; NCCL completes a batch of point-to-point operations as a whole."""
+    return dist.is_initialized() and torch.device(device).type == "cpu" and "gloo" in str(dist.get_backend(group))
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -154,7 +162,7 @@ class _SumOfReceived:
         if self._work is not None:
             self._work.wait()
             torch.sum(self._buffers[1].view(self._n, -1), dim=0, out=self._output.view(-1))
-            _A2A_BUFFERS.setdefault(_buffer_key(self._buffers[0]), []).append(self._buffers)
+            _return_buffers(self._buffers)
             self._work = self._buffers = None
         return True
 
@@ -162,8 +170,19 @@ class _SumOfReceived:
         return self._work is None
 
 
-# buffers of completed gloo reduce-scatters, reused (fresh large host buffers cost page faults)
-_A2A_BUFFERS: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+# buffers of completed gloo reduce-scatters, reused (fresh large host buffers cost page faults), per
+# (numel, dtype, device) as many pairs as were once in flight together; only the A2A_POOL_SIZES sizes
+# used last are kept (ZeRO's buckets come in one or two sizes), so a sweep over sizes does not grow it
+A2A_POOL_SIZES = 4
+_A2A_BUFFERS: OrderedDict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+
+
+def _return_buffers(buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
+    key = _buffer_key(buffers[0])
+    _A2A_BUFFERS.setdefault(key, []).append(buffers)
+    _A2A_BUFFERS.move_to_end(key)
+    while len(_A2A_BUFFERS) > A2A_POOL_SIZES:
+        _A2A_BUFFERS.popitem(last=False)
 
 
 def _buffer_key(t: torch.Tensor) -> tuple:
@@ -176,10 +195,15 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, *, 
     on 2 ranks: 23 vs 58–65 ms, 30 vs 75 ms wall; issue 17). Rank i receives every rank's
     chunk i and adds them, so each output element is still computed by one rank only. ``input``
     is copied at the call, as gloo's own reduce-scatter takes it: a caller may write into it
-    before the wait (ZeRO 0-1 used without ``no_sync`` accumulates into the bucket it sent)."""
+    before the wait. Host memory: the two buffers (2 × ``input``) per call in flight, kept for
+    reuse after the wait for the :data:`A2A_POOL_SIZES` sizes used last (ZeRO-0/1 with overlap:
+    twice the gradient in the comm dtype, held between steps; not on GPUs)."""
     del op  # SUM (the caller checks)
     n = group_size(group)
-    free = _A2A_BUFFERS.get(_buffer_key(input))
+    key = _buffer_key(input)
+    free = _A2A_BUFFERS.get(key)
+    if free:
+        _A2A_BUFFERS.move_to_end(key)
     sent, received = free.pop() if free else (torch.empty_like(input).view(-1), torch.empty_like(input).view(-1))
     sent.copy_(input.reshape(-1))
     work = dist.all_to_all_single(received, sent, group=group, async_op=True)
@@ -191,12 +215,7 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, *, 
 
 
 def _gloo_sum(input: torch.Tensor, group, op) -> bool:
-    return (
-        op == ReduceOp.SUM
-        and input.device.type == "cpu"
-        and dist.is_initialized()
-        and "gloo" in str(dist.get_backend(group))
-    )
+    return op == ReduceOp.SUM and runs_on_gloo(group, input.device)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):

@@ -25,7 +25,8 @@ Communication (all through :mod:`parallel.comm`):
   the receive. Every post happens at or before its point in the list and every wait
   at or after the simulator's (each batch complete before the next computation), so
   every schedule the simulator proves deadlock-free stays so and its timeline is an
-  upper bound. In the 1F1B lists every receive is read by the very next computation: there
+  upper bound. A step that raises leaves receives posted ahead in gloo's queues: its process
+  groups are not reused for another step (the trainer ends the job on any error). In the 1F1B lists every receive is read by the very next computation: there
   a transfer is not hidden behind compute (:data:`parallel.overlap.PIPELINE_P2P`).
   Shapes and dtype are fixed up front (``activation_shape``, ``dtype``): no
   shape messages. Per transfer, ``prod(activation_shape) · itemsize`` bytes,
@@ -185,7 +186,8 @@ class PipelineExecutor:
         # gloo matches each posted op on its own: a batch also posts the next batch's receives, so that
         # a peer's send lands without waiting for this stage to reach that batch. Not on NCCL, whose
         # grouped p2p completes as a whole (an early receive would tie this batch to the next)
-        ahead = "gloo" in str(dist.get_backend(pp_group))
+        device = next((p.device for c in self.chunks for p in c.parameters()), comm.device_for(pp_group))
+        ahead = comm.runs_on_gloo(pp_group, device)
         self._ahead = _receives_ahead(self.items) if ahead else [()] * len(self.items)
         self._forward_ahead = _receives_ahead(self.forward_items) if ahead else [()] * len(self.forward_items)
         self.vpp = len(self.chunks)

@@ -32,6 +32,11 @@ def _rank():
 
     pool = collectives._A2A_BUFFERS[(x.numel(), x.dtype, x.device)]
     assert len(pool) == 1  # the second sum reused the first's buffers (fresh host buffers cost page faults)
+    for size in range(1, collectives.A2A_POOL_SIZES + 2):  # a sweep over sizes keeps the last ones only
+        comm.reduce_scatter(torch.empty(size), torch.ones(n * size))
+    assert len(collectives._A2A_BUFFERS) == collectives.A2A_POOL_SIZES
+    assert (x.numel(), x.dtype, x.device) not in collectives._A2A_BUFFERS
+    assert comm.runs_on_gloo(None, torch.device("cpu")) and not comm.runs_on_gloo(None, torch.device("meta"))
     full = [torch.randn(n * 1000, generator=torch.Generator().manual_seed(r)) * (r + 1) for r in range(n)]
     want_max = torch.stack(full).amax(0).view(n, -1)[me]
     return native, sync, out, max_out, want_max, len(calls), counter.sent_bytes(op="reduce_scatter")
