@@ -246,8 +246,48 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=Red
     )
 
 
+class _AllOf:
+    """One handle for several: ``wait()`` waits for each."""
+
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's signature
+        for w in self._works:
+            w.wait()
+        self._works = []
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+# from this size of ``output`` on, gloo's all-gather runs as broadcasts (below it the n calls' latency
+# outweighs the gain: 2 ranks, 16 KiB: 0.6 vs 0.4 ms wall; 1 MiB: 0.8 vs 1.4 ms; 8 MiB: 2.8 vs 4.5 ms)
+GLOO_GATHER_BY_BROADCAST_BYTES = 1 << 20
+
+
+def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool):
+    """gloo's all-gather as one broadcast per rank of its chunk, straight into ``output``: every
+    rank receives each other rank's chunk once, the same (N-1)/N of ``output`` per rank summed
+    over the N broadcasts as a ring all-gather, at a third of gloo's own all-gather's CPU time
+    (12.8 M fp32: 2 ranks 13 vs 41–49 ms CPU, 18 vs 60 ms wall; 4 ranks 17 vs 56 ms CPU; issue 17).
+    ``input`` is copied into this rank's chunk at the call."""
+    n = group_size(group)
+    chunks = output.view(-1).chunk(n)
+    me = dist.get_rank(group)
+    chunks[me].copy_(input.reshape(-1))
+    handle = _AllOf([dist.broadcast(chunks[r], group=group, group_src=r, async_op=True) for r in range(n)])
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Concatenate every rank's ``input`` along dim 0 into ``output``."""
+    """Concatenate every rank's ``input`` along dim 0 into ``output``.
+
+    Large on gloo (``GLOO_GATHER_BY_BROADCAST_BYTES``): :func:`_all_gather_by_broadcasts` (counted the same)."""
     n = group_size(group)
     if output.numel() != input.numel() * n:
         raise ValueError(
@@ -260,7 +300,22 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     record(group_label(group), "all_gather", _nbytes(output), n)
     note(group_label(group), group, "all_gather", output, also=(input,))
     return _call(
-        group_label(group), "all_gather", async_op, (output, input), _all_gather_tensor, output, input, group=group
+        group_label(group),
+        "all_gather",
+        async_op,
+        (output, input),
+        _all_gather_by_broadcasts if _gloo_broadcasts(output, group) else _all_gather_tensor,
+        output,
+        input,
+        group=group,
+    )
+
+
+def _gloo_broadcasts(output: torch.Tensor, group) -> bool:
+    return (
+        _nbytes(output) >= GLOO_GATHER_BY_BROADCAST_BYTES
+        and output.is_contiguous()
+        and runs_on_gloo(group, output.device)
     )
 
 

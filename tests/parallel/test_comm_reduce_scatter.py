@@ -1,6 +1,7 @@
 """A sum reduce-scatter on gloo runs as an all-to-all and a local sum: the same result as
 gloo's own reduce-scatter, the same bytes counted, and it is the path taken (issue 17)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -50,3 +51,43 @@ def test_gloo_sum_reduce_scatter_equals_gloos_own_and_counts_the_same_bytes():
         torch.testing.assert_close(max_out, want_max)
         assert calls == 2  # the two sums went through the all-to-all, the max did not
         assert sent == 3 * (n - 1) / n * n * 1000 * 4  # three reduce-scatters of n·1000 fp32 each
+
+
+def _gather_rank():
+    from parallel.comm import collectives
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    big = collectives.GLOO_GATHER_BY_BROADCAST_BYTES // 4 // n + 7  # output just over the threshold
+    results = []
+    calls = []
+    original = dist.broadcast
+    dist.broadcast = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        counter = comm.CommCounter()
+        with counter:
+            for size, dtype in [(big, torch.float32), (2 * big, torch.bfloat16), (5, torch.float32)]:
+                shard = (torch.arange(size) + 1000 * me).to(dtype)
+                native = torch.empty(n * size, dtype=dtype)
+                dist.all_gather_into_tensor(native, shard)
+                ours = torch.empty(n * size, dtype=dtype)
+                handle = comm.all_gather(ours, shard, async_op=True)
+                handle.wait()
+                sync = torch.empty(n * size, dtype=dtype)
+                comm.all_gather(sync, shard)
+                results.append((native, ours, sync))
+    finally:
+        dist.broadcast = original
+    return results, len(calls), counter.sent_bytes(op="all_gather")
+
+
+def test_gloo_large_all_gather_by_broadcasts_equals_gloos_own_and_counts_the_same_bytes():
+    from parallel.comm import collectives
+
+    n = 3
+    big = collectives.GLOO_GATHER_BY_BROADCAST_BYTES // 4 // n + 7
+    for results, calls, sent in run_ranks(_gather_rank, n, timeout=60):
+        for native, ours, sync in results:
+            assert torch.equal(ours, native) and torch.equal(sync, native)
+        assert calls == 2 * 2 * n  # the large fp32 and bf16 gathers (async and blocking): n broadcasts each
+        per_call = [n * big * 4] * 2 + [n * 2 * big * 2] * 2 + [n * 5 * 4] * 2  # async and blocking
+        assert sent == pytest.approx(sum(per_call) * (n - 1) / n)
