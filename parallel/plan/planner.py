@@ -540,7 +540,7 @@ def _buffer_bytes(
     if L.dp > 1 and pol.shards_grads:
         if dense is None:  # classes unknown: the rank as buckets of at most bucket_bytes
             cap = M.padded(max(1, min(params.numel, int(bucket_bytes // e))), L.dp)
-            sizes = [cap] * min(REDUCTIONS_IN_FLIGHT, -(-params.numel // cap))
+            sizes = [cap] * min(REDUCTIONS_IN_FLIGHT + 1, -(-params.numel // cap))
         else:
             sizes = [n for unit in dense + (expert or ()) for n in unit]
         sends_acc = tr.zero_accumulate == "unsharded" and c == GRAD_BYTES

@@ -12,8 +12,9 @@ buckets, hence the same collectives.
 
 :func:`reduction_buffer_bytes` is what stages 2–3 hold for gradients in flight: the engine keeps
 at most :data:`~parallel.overlap.REDUCTIONS_IN_FLIGHT` bucket reduce-scatters in flight
-(``ZeroDataParallel._reduce``), each holding its full gradient in the wire dtype and the reduced
-shard it lands in.
+(``ZeroDataParallel._reduce``), but launches the new one before waiting for the oldest, so
+``REDUCTIONS_IN_FLIGHT + 1`` are pending right after a launch, each holding its full gradient in the
+wire dtype and the reduced shard it lands in.
 """
 
 from __future__ import annotations
@@ -59,11 +60,12 @@ def reduction_buffer_bytes(
     padded_numels: Sequence[int], comm_bytes: int, dp: int, sends_accumulator: bool = False
 ) -> int:
     """Bytes stages 2–3 hold for gradient reductions in flight: the largest
-    :data:`REDUCTIONS_IN_FLIGHT` of the buckets (``padded_numels``), each as its full gradient in the
+    ``REDUCTIONS_IN_FLIGHT + 1`` of the buckets (``padded_numels``: the engine launches a bucket's
+    reduce-scatter before it waits for the oldest of the :data:`REDUCTIONS_IN_FLIGHT` pending), each as its full gradient in the
     wire dtype (``comm_bytes`` per element) plus the shard the reduce-scatter writes (``1/dp`` of it).
     ``sends_accumulator``: the full gradient sent is the fp32 accumulation buffer itself (unsharded
     accumulation in an fp32 wire dtype, counted apart by
     :func:`parallel.zero.theory.accumulation_grad_bytes`): only the shard is extra.
     An upper bound: the engine launches buckets in backward order and waits for the oldest."""
-    largest = sorted(padded_numels, reverse=True)[:REDUCTIONS_IN_FLIGHT]
+    largest = sorted(padded_numels, reverse=True)[: REDUCTIONS_IN_FLIGHT + 1]
     return sum((0 if sends_accumulator else n * comm_bytes) + n // dp * comm_bytes for n in largest)
