@@ -36,7 +36,7 @@ from ..overlap import (
 from ..pipeline.schedules import ScheduleError, build_schedule, schedule_problem
 from ..pipeline.simulator import simulate
 from ..zero.compression import INDEX_BYTES
-from ..zero.packing import reduction_buffer_bytes
+from ..zero.packing import comm_copy_bytes, reduction_buffer_bytes
 from ..zero.policy import policy
 from ..zero.theory import GRAD_BYTES, accumulation_grad_bytes
 from . import compute as C
@@ -528,7 +528,8 @@ def _buffer_bytes(
 ) -> float:
     """Communication buffers, as the engine allocates them: stages 2–3's gradient reductions in flight
     (:func:`parallel.zero.packing.reduction_buffer_bytes`, of the rank's real buckets), stage 0–1's
-    16-bit copies of buckets in flight, stage 3's gathered units (the block whose forward or
+    wire copies of every bucket in a 16-bit wire dtype
+    (:func:`parallel.zero.packing.comm_copy_bytes`), stage 3's gathered units (the block whose forward or
     backward runs and ZERO3_PREFETCH_UNITS prefetched, each its padded buckets; the rest, gathered
     from the first forward to the optimizer step), Top-K's fp32 residual and gathered values, four
     p2p messages, and unsharded accumulation's full fp32 gradient."""
@@ -545,8 +546,12 @@ def _buffer_bytes(
             sizes = [n for unit in dense + (expert or ()) for n in unit]
         sends_acc = tr.zero_accumulate == "unsharded" and c == GRAD_BYTES
         total += reduction_buffer_bytes(sizes, c, L.dp, sends_accumulator=sends_acc)
-    elif L.dp > 1 and c != e:
-        total += bucket_bytes * (REDUCTIONS_IN_FLIGHT if tr.overlap else 1)
+    elif L.dp > 1 and tr.compression != "topk":  # stages 0-1: every bucket's wire copy until step()
+        if dense is None:
+            sizes = [M.padded(params.numel, L.dp), M.padded(experts.numel, edp) if experts.numel else 0]
+        else:
+            sizes = [n for unit in dense + (expert or ()) for n in unit]
+        total += comm_copy_bytes(sizes, c)
     if pol.gathers_per_unit and L.dp > 1:
         if dense is None:
             total += (1 + ZERO3_PREFETCH_UNITS) * e * MoE.at_ep(count(range(0, 1), False, False, L.tp), L.ep).numel

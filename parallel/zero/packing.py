@@ -25,6 +25,7 @@ from torch import nn
 
 from ..overlap import REDUCTIONS_IN_FLIGHT
 from ..params import is_sequence_parallel, is_shared_embedding, wants_weight_decay
+from ..precision import DTYPE_BYTES
 
 EXTRA_REDUCE = ("", "embedding", "tp")  # the group a gradient is also summed over ("" = none)
 # every class, in the order the engine packs them inside a unit: weight decay first, then extra_reduce
@@ -69,3 +70,12 @@ def reduction_buffer_bytes(
     An upper bound: the engine launches buckets in backward order and waits for the oldest."""
     largest = sorted(padded_numels, reverse=True)[: REDUCTIONS_IN_FLIGHT + 1]
     return sum((0 if sends_accumulator else n * comm_bytes) + n // dp * comm_bytes for n in largest)
+
+
+def comm_copy_bytes(padded_numels: Sequence[int], comm_bytes: int) -> int:
+    """Bytes stages 0–1 hold for their gradients' wire copies: the engine
+    (:meth:`parallel.zero.bucket.FlatBucket.launch_reduction`) sends a bucket's fp32 gradient
+    (``flat_grad``) as is when the wire dtype is fp32, else a copy in the wire dtype; stages 0–1
+    launch every bucket at the last backward and wait only in ``step()`` (no in-flight cap), so
+    every bucket's copy (``padded_numels``, ``comm_bytes`` per element) lives until then."""
+    return 0 if comm_bytes == DTYPE_BYTES["fp32"] else sum(padded_numels) * comm_bytes
