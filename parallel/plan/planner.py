@@ -25,7 +25,6 @@ from ..overlap import (
     DP_REDUCTION,
     PARAM_GATHER_AFTER_STEP,
     PIPELINE_P2P,
-    REDUCTIONS_IN_FLIGHT,
     STEP_SCALARS,
     TP_COLLECTIVES,
     TP_SP_BACKWARD,
@@ -541,11 +540,11 @@ def _buffer_bytes(
     if L.dp > 1 and pol.shards_grads:
         if dense is None:  # classes unknown: the rank as buckets of at most bucket_bytes
             cap = M.padded(max(1, min(params.numel, int(bucket_bytes // e))), L.dp)
-            sizes = [cap] * min(REDUCTIONS_IN_FLIGHT + 1, -(-params.numel // cap))
+            sizes = [cap] * -(-params.numel // cap)
         else:
             sizes = [n for unit in dense + (expert or ()) for n in unit]
         sends_acc = tr.zero_accumulate == "unsharded" and c == GRAD_BYTES
-        total += reduction_buffer_bytes(sizes, c, L.dp, sends_accumulator=sends_acc)
+        total += reduction_buffer_bytes(sizes, c, L.dp, sends_accumulator=sends_acc, overlap=tr.overlap)
     elif L.dp > 1 and tr.compression != "topk":  # stages 0-1: every bucket's wire copy until step()
         if dense is None:
             sizes = [M.padded(params.numel, L.dp), M.padded(experts.numel, edp) if experts.numel else 0]
@@ -558,7 +557,10 @@ def _buffer_bytes(
         else:
             per_unit = [sum(u) for u in dense[:-1]]
             experts_unit = [sum(u) for u in expert[:-1]] if expert else [0]
-            total += e * (1 + ZERO3_PREFETCH_UNITS) * (max(per_unit, default=0) + max(experts_unit, default=0))
+            if tr.overlap:  # the block computing and the prefetched ones
+                total += e * (1 + ZERO3_PREFETCH_UNITS) * (max(per_unit, default=0) + max(experts_unit, default=0))
+            else:  # a block is freed only when backward ends (ZeroDataParallel._end_of_backward): all gathered
+                total += e * (sum(per_unit) + sum(experts_unit))
             total += e * sum(dense[-1])  # the rest: gathered once per step, held until the optimizer step
     if tr.compression == "topk":
         total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)

@@ -58,7 +58,7 @@ def class_index(no_weight_decay: bool, extra: str) -> int:
 
 
 def reduction_buffer_bytes(
-    padded_numels: Sequence[int], comm_bytes: int, dp: int, sends_accumulator: bool = False
+    padded_numels: Sequence[int], comm_bytes: int, dp: int, sends_accumulator: bool = False, overlap: bool = True
 ) -> int:
     """Bytes stages 2–3 hold for gradient reductions in flight: the largest
     ``REDUCTIONS_IN_FLIGHT + 1`` of the buckets (``padded_numels``: the engine launches a bucket's
@@ -67,8 +67,10 @@ def reduction_buffer_bytes(
     ``sends_accumulator``: the full gradient sent is the fp32 accumulation buffer itself (unsharded
     accumulation in an fp32 wire dtype, counted apart by
     :func:`parallel.zero.theory.accumulation_grad_bytes`): only the shard is extra.
-    An upper bound: the engine launches buckets in backward order and waits for the oldest."""
-    largest = sorted(padded_numels, reverse=True)[: REDUCTIONS_IN_FLIGHT + 1]
+    An upper bound: the engine launches buckets in backward order and waits for the oldest.
+    ``overlap=False``: the engine launches every bucket at the end of backward before it waits for
+    any (``ZeroDataParallel._end_of_backward``): all of them are in flight."""
+    largest = sorted(padded_numels, reverse=True)[: REDUCTIONS_IN_FLIGHT + 1 if overlap else None]
     return sum((0 if sends_accumulator else n * comm_bytes) + n // dp * comm_bytes for n in largest)
 
 
