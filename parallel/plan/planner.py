@@ -540,11 +540,12 @@ def _buffer_bytes(
     if L.dp > 1 and pol.shards_grads:
         if dense is None:  # classes unknown: the rank as buckets of at most bucket_bytes
             cap = M.padded(max(1, min(params.numel, int(bucket_bytes // e))), L.dp)
-            sizes = [cap] * -(-params.numel // cap)
-        else:
-            sizes = [n for unit in dense + (expert or ()) for n in unit]
+            sizes, groups = [cap] * -(-params.numel // cap), L.dp
+        else:  # dense buckets sharded over DP, experts' over expert DP
+            sizes = [n for unit in dense for n in unit] + [n for unit in expert or () for n in unit]
+            groups = [L.dp] * sum(map(len, dense)) + [edp] * sum(map(len, expert or ()))
         sends_acc = tr.zero_accumulate == "unsharded" and c == GRAD_BYTES
-        total += reduction_buffer_bytes(sizes, c, L.dp, sends_accumulator=sends_acc, overlap=tr.overlap)
+        total += reduction_buffer_bytes(sizes, c, groups, sends_accumulator=sends_acc, overlap=tr.overlap)
     elif L.dp > 1 and tr.compression != "topk":  # stages 0-1: every bucket's wire copy until step()
         if dense is None:
             sizes = [M.padded(params.numel, L.dp), M.padded(experts.numel, edp) if experts.numel else 0]

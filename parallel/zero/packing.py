@@ -58,7 +58,11 @@ def class_index(no_weight_decay: bool, extra: str) -> int:
 
 
 def reduction_buffer_bytes(
-    padded_numels: Sequence[int], comm_bytes: int, dp: int, sends_accumulator: bool = False, overlap: bool = True
+    padded_numels: Sequence[int],
+    comm_bytes: int,
+    dp: int | Sequence[int],
+    sends_accumulator: bool = False,
+    overlap: bool = True,
 ) -> int:
     """Bytes stages 2–3 hold for gradient reductions in flight: the largest
     ``REDUCTIONS_IN_FLIGHT + 1`` of the buckets (``padded_numels``: the engine launches a bucket's
@@ -69,9 +73,12 @@ def reduction_buffer_bytes(
     :func:`parallel.zero.theory.accumulation_grad_bytes`): only the shard is extra.
     An upper bound: the engine launches buckets in backward order and waits for the oldest.
     ``overlap=False``: the engine launches every bucket at the end of backward before it waits for
-    any (``ZeroDataParallel._end_of_backward``): all of them are in flight."""
-    largest = sorted(padded_numels, reverse=True)[: REDUCTIONS_IN_FLIGHT + 1 if overlap else None]
-    return sum((0 if sends_accumulator else n * comm_bytes) + n // dp * comm_bytes for n in largest)
+    any (``ZeroDataParallel._end_of_backward``): all of them are in flight.
+    ``dp``: the group each bucket is reduce-scattered over, one for all or one per bucket (an MoE
+    expert's bucket is padded over and sharded by expert DP, ``dp / ep``)."""
+    groups = [dp] * len(padded_numels) if isinstance(dp, int) else list(dp)
+    held = [(0 if sends_accumulator else n * comm_bytes) + n // g * comm_bytes for n, g in zip(padded_numels, groups)]
+    return sum(sorted(held, reverse=True)[: REDUCTIONS_IN_FLIGHT + 1 if overlap else None])
 
 
 def comm_copy_bytes(padded_numels: Sequence[int], comm_bytes: int) -> int:

@@ -125,3 +125,12 @@ def test_planner_prices_stage1_wire_copies(comm_dtype):
     numels = zero_bucket_numels(count(range(0, 4), True, True, 1), 2, rc.comm.bucket_mb * 2**20, 2)
     expected = comm_copy_bytes([n for unit in numels for n in unit], DTYPE_BYTES[comm_dtype])
     assert plan_from_config(rc).ranks[0].memory["buffers"] == expected
+
+
+def test_expert_buckets_are_sharded_over_expert_dp():
+    """An MoE expert's bucket is reduce-scattered over expert DP (dp / ep): its shard is n / edp,
+    not n / dp; the in-flight bound takes each bucket's own group."""
+    dense, expert = 1024, 512
+    got = reduction_buffer_bytes([dense, expert], 4, [8, 2])
+    assert got == 4 * (dense + dense // 8) + 4 * (expert + expert // 2)
+    assert got > reduction_buffer_bytes([dense, expert], 4, 8)
