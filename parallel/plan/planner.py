@@ -487,7 +487,7 @@ def norm_every_step(grad_clip: float, precision: str, offload: str) -> bool:
     """Whether every step computes the gradient norm (its scalar collectives), read or not: the
     engine (``parallel.zero.engine.ZeroDataParallel.step``) skips it on an unread step only without
     clipping (``grad_clip`` 0), without fp16's loss scaler and without offload (its host step reads
-    the skip flag). A test holds this against the engine."""
+    the skip flag). tests/parallel/plan/test_engine_buffers.py holds this against a real engine."""
     return grad_clip > 0 or precision == "fp16" or offload != "none"
 
 

@@ -134,3 +134,37 @@ def test_expert_buckets_are_sharded_over_expert_dp():
     got = reduction_buffer_bytes([dense, expert], 4, [8, 2])
     assert got == 4 * (dense + dense // 8) + 4 * (expert + expert // 2)
     assert got > reduction_buffer_bytes([dense, expert], 4, 8)
+
+
+def _norm_on_unread_steps():
+    import itertools
+
+    import torch.distributed as dist
+
+    from parallel.zero.scaler import DynamicLossScaler
+
+    out = []
+    for clip, precision, offload in itertools.product((0.0, 1.0), ("bf16", "fp16"), ("none", "optimizer")):
+        zdp = ZeroDataParallel(
+            make_model(),
+            dp_group=dist.group.WORLD,
+            stage=1,
+            optimizer_factory=adamw,
+            precision=precision,
+            grad_clip=clip or None,
+            loss_scaler=DynamicLossScaler() if precision == "fp16" else None,
+            offload=offload,
+        )
+        x, y = next(iter(batches(steps=1)))
+        zdp.backward(((zdp(x) - y) ** 2).mean())
+        out.append(((clip, precision, offload), zdp.step(norm=False)["grad_norm"] is not None))
+    return out
+
+
+def test_norm_every_step_is_the_engines_condition():
+    """planner.norm_every_step against a real ZeroDataParallel (dp = 1): an unread step
+    (step(norm=False)) computes the norm exactly when the planner says every step does."""
+    from parallel.plan.planner import norm_every_step
+
+    for (clip, precision, offload), computed in run_ranks(_norm_on_unread_steps, 1, timeout=90)[0]:
+        assert computed == norm_every_step(clip, precision, offload), (clip, precision, offload)
