@@ -66,8 +66,8 @@ def reduction_buffer_bytes(
 ) -> int:
     """Bytes stages 2–3 hold for gradient reductions in flight: the largest
     ``REDUCTIONS_IN_FLIGHT + 1`` of the buckets (``padded_numels``: the engine launches a bucket's
-    reduce-scatter before it waits for the oldest of the :data:`REDUCTIONS_IN_FLIGHT` pending), each as its full gradient in the
-    wire dtype (``comm_bytes`` per element) plus the shard the reduce-scatter writes (``1/dp`` of it).
+    reduce-scatter before it waits for the oldest of the :data:`REDUCTIONS_IN_FLIGHT` pending), each
+    as its full gradient in the wire dtype (``comm_bytes`` per element) plus the shard the reduce-scatter writes (``1/dp`` of it).
     ``sends_accumulator``: the full gradient sent is the fp32 accumulation buffer itself (unsharded
     accumulation in an fp32 wire dtype, counted apart by
     :func:`parallel.zero.theory.accumulation_grad_bytes`): only the shard is extra.
