@@ -89,15 +89,17 @@ def gather_timeline(spans: list[Span], topology, device: torch.device) -> list[l
     return timeline
 
 
-def timeline_step(trainer, step: int, path: str | Path) -> dict:
+def timeline_step(trainer, step: int, path: str | Path, read: bool = True) -> dict:
     """Train ``step`` while recording every stage's actions; rank 0 draws ``path`` (PNG).
+    ``read``: as :meth:`Trainer.train_step`'s (the loop's decision for this step, so that the
+    step and :func:`time_report` agree on its kind).
 
     Collective. Stages start together (a host-synchronising barrier), so the per-rank
     clocks are aligned to within its skew. Returns the step's record with ``bubble``
     (measured, from the recorded timeline) added."""
     comm.barrier()  # host-synchronising: a queued all-reduce would not align the clocks on NCCL
     with trainer.engine.recording_timeline():
-        rec = trainer.train_step(step)
+        rec = trainer.train_step(step, read=read)
     timeline = gather_timeline(trainer.engine.timeline, trainer.topology, trainer.device)
     rec["bubble"] = bubble_fraction(timeline)
     if trainer.rank == 0:

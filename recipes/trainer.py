@@ -186,7 +186,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             profiler.before(step + 1)  # logger.profile
             step_t0 = time.perf_counter()
             if rc.logger.timeline and step == first + 1:  # a steady step (the first warms up, measures memory)
-                rec = timeline_step(trainer, step, Path(run_dir) / "timeline.png")
+                rec = timeline_step(trainer, step, Path(run_dir) / "timeline.png", read=read)
             else:
                 rec = trainer.train_step(step, measure_memory=step == first, read=read)
             profiler.after(step + 1)

@@ -162,7 +162,9 @@ def test_overlap_facts_have_one_home():
     import parallel.zero.units as units
 
     assert zero_theory.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
-    assert zero_engine.REDUCTIONS_IN_FLIGHT is planner.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
+    import parallel.zero.packing as packing  # the planner's in-flight count is packing.reduction_buffer_bytes
+
+    assert zero_engine.REDUCTIONS_IN_FLIGHT is packing.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
     assert units.ZERO3_PREFETCH_UNITS is planner.ZERO3_PREFETCH_UNITS is overlap.ZERO3_PREFETCH_UNITS
     rows = (
         "DP_REDUCTION",

@@ -216,15 +216,24 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
     ``ColumnParallelLinear`` saves its input's sequence chunk and gathers it again); full recomputation redoes all but
     the last (one all-reduce, or two all-gathers and a reduce-scatter, per block). Every call also
     costs the profile's ``tp_call_us`` (its autograd Function, the compute after it resuming cold;
-    0 on GPU profiles), in the returned seconds but not in ``axis``'s."""
+    0 on GPU profiles), in the returned seconds but not in ``axis``'s: for sequence parallelism's
+    asynchronous backward collectives (``(regather, scatter)``, which the planner lets column
+    compute hide) it is in ``bwd``, as compute cannot hide it."""
     act = e * mb * shape.seq_len * shape.d_model
 
-    def op(kind, count, what, payload=act):
+    calls_apart = [0.0]  # the calls of the collectives backward can hide: their cost cannot hide
+
+    def op(kind, count, what, payload=act, hidable=False):
         # each call also pays hw.tp_call_us in the compute around it (inside the model's autograd):
-        # step time, not the collective's own (the breakdown times the collective's wait apart)
+        # step time, not the collective's own (the breakdown times the collective's wait apart).
+        # hidable: the seconds returned are the collective's alone, its calls' cost goes to bwd
         if not count or axis.group_size <= 1:
             return 0.0
-        return count * (axis.add(kind, payload, count * m, hw, what) + hw.tp_call_us * 1e-6)
+        wire, calls = count * axis.add(kind, payload, count * m, hw, what), count * hw.tp_call_us * 1e-6
+        if hidable:
+            calls_apart[0] += calls
+            return wire
+        return wire + calls
 
     def pair(count, what):
         if sp:
@@ -237,9 +246,10 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
     regather = scatter = 0.0
     if sp:  # the row layers' all-gathers block; the column layers' input-gradient reduce-scatters do not
         bwd = op("all_gather", 2 * n_layers, "block backward (all-gather)")
-        scatter = op("reduce_scatter", 2 * n_layers, "block backward (reduce-scatter)")
+        scatter = op("reduce_scatter", 2 * n_layers, "block backward (reduce-scatter)", hidable=True)
         # the column layers saved their input's sequence chunk: gathered again in backward
-        regather = op("all_gather", 2 * n_layers, "block backward (column inputs, gathered again)")
+        regather = op("all_gather", 2 * n_layers, "block backward (column inputs, gathered again)", hidable=True)
+        bwd += calls_apart[0]  # compute-side cost: what TP_SP_BACKWARD hides is the collectives' wait only
     else:
         bwd = pair(2 * n_layers, "block backward")
     if ckpt == "full":  # recomputation stops early (torch's non-reentrant checkpoint): the block's last

@@ -12,8 +12,9 @@ buckets, hence the same collectives.
 
 :func:`reduction_buffer_bytes` is what stages 2–3 hold for gradients in flight: the engine keeps
 at most :data:`~parallel.overlap.REDUCTIONS_IN_FLIGHT` bucket reduce-scatters in flight
-(``ZeroDataParallel._reduce``), each holding its full gradient in the wire dtype and the reduced
-shard it lands in.
+(``ZeroDataParallel._reduce``), but launches the new one before waiting for the oldest, so
+``REDUCTIONS_IN_FLIGHT + 1`` are pending right after a launch, each holding its full gradient in the
+wire dtype and the reduced shard it lands in.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from ..overlap import REDUCTIONS_IN_FLIGHT
 from ..params import is_sequence_parallel, is_shared_embedding, wants_weight_decay
+from ..precision import DTYPE_BYTES
 
 EXTRA_REDUCE = ("", "embedding", "tp")  # the group a gradient is also summed over ("" = none)
 # every class, in the order the engine packs them inside a unit: weight decay first, then extra_reduce
@@ -56,14 +58,33 @@ def class_index(no_weight_decay: bool, extra: str) -> int:
 
 
 def reduction_buffer_bytes(
-    padded_numels: Sequence[int], comm_bytes: int, dp: int, sends_accumulator: bool = False
+    padded_numels: Sequence[int],
+    comm_bytes: int,
+    dp: int | Sequence[int],
+    sends_accumulator: bool = False,
+    overlap: bool = True,
 ) -> int:
     """Bytes stages 2–3 hold for gradient reductions in flight: the largest
-    :data:`REDUCTIONS_IN_FLIGHT` of the buckets (``padded_numels``), each as its full gradient in the
-    wire dtype (``comm_bytes`` per element) plus the shard the reduce-scatter writes (``1/dp`` of it).
+    ``REDUCTIONS_IN_FLIGHT + 1`` of the buckets (``padded_numels``: the engine launches a bucket's
+    reduce-scatter before it waits for the oldest of the :data:`REDUCTIONS_IN_FLIGHT` pending), each
+    as its full gradient in the wire dtype (``comm_bytes`` per element) plus the shard the reduce-scatter writes (``1/dp`` of it).
     ``sends_accumulator``: the full gradient sent is the fp32 accumulation buffer itself (unsharded
     accumulation in an fp32 wire dtype, counted apart by
     :func:`parallel.zero.theory.accumulation_grad_bytes`): only the shard is extra.
-    An upper bound: the engine launches buckets in backward order and waits for the oldest."""
-    largest = sorted(padded_numels, reverse=True)[:REDUCTIONS_IN_FLIGHT]
-    return sum((0 if sends_accumulator else n * comm_bytes) + n // dp * comm_bytes for n in largest)
+    An upper bound: the engine launches buckets in backward order and waits for the oldest.
+    ``overlap=False``: the engine launches every bucket at the end of backward before it waits for
+    any (``ZeroDataParallel._end_of_backward``): all of them are in flight.
+    ``dp``: the group each bucket is reduce-scattered over, one for all or one per bucket (an MoE
+    expert's bucket is padded over and sharded by expert DP, ``dp / ep``)."""
+    groups = [dp] * len(padded_numels) if isinstance(dp, int) else list(dp)
+    held = [(0 if sends_accumulator else n * comm_bytes) + n // g * comm_bytes for n, g in zip(padded_numels, groups)]
+    return sum(sorted(held, reverse=True)[: REDUCTIONS_IN_FLIGHT + 1 if overlap else None])
+
+
+def comm_copy_bytes(padded_numels: Sequence[int], comm_bytes: int) -> int:
+    """Bytes stages 0–1 hold for their gradients' wire copies: the engine
+    (:meth:`parallel.zero.bucket.FlatBucket.launch_reduction`) sends a bucket's fp32 gradient
+    (``flat_grad``) as is when the wire dtype is fp32, else a copy in the wire dtype; stages 0–1
+    launch every bucket at the last backward and wait only in ``step()`` (no in-flight cap), so
+    every bucket's copy (``padded_numels``, ``comm_bytes`` per element) lives until then."""
+    return 0 if comm_bytes == DTYPE_BYTES["fp32"] else sum(padded_numels) * comm_bytes

@@ -163,3 +163,17 @@ def test_the_steps_tp_and_pp_scalars_are_exposed():
     assert pp.step["scalars_s"] == pytest.approx(emb + one + two, rel=1e-9)
     tp = _plan(Layout(tp=2), hw)
     assert tp.step["scalars_s"] == pytest.approx(two, rel=1e-9)
+
+
+def test_tp_call_cost_of_hidable_collectives_is_not_hidden():
+    """``tp_call_us`` is compute-side (the autograd Function around each call): for sequence
+    parallelism's asynchronous backward collectives, which column compute may hide
+    (TP_SP_BACKWARD), it goes to the exposed backward, not into the seconds that can hide."""
+    from parallel.plan.traffic import tp_traffic
+
+    kw = dict(n_layers=2, has_embedding=False, has_head=False, mb=1, m=1, e=2, sp=True, ckpt=None)
+    free = tp_traffic(SHAPE, AxisTraffic(2, False), HW, **kw)
+    costly = tp_traffic(SHAPE, AxisTraffic(2, False), dataclasses.replace(HW, tp_call_us=1000.0), **kw)
+    assert costly[2] == free[2]  # the hidable collectives: their wire time only
+    calls = 2 * 2 * 2 + 3 * 2 * 2  # forward: 2 pairs per block; backward: all-gathers, scatters, re-gathers
+    assert (costly[0] + costly[1]) - (free[0] + free[1]) == pytest.approx(calls * 1e-3)
