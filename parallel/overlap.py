@@ -6,9 +6,10 @@ Each :class:`Overlap` row names one kind of communication, the compute it runs u
 constants that drive the engine's behaviour live here and are imported by it:
 
 * :data:`REDUCTIONS_IN_FLIGHT` — with overlap, ZeRO 2–3 keep at most this many bucket
-  reduce-scatters (each from a temporary full gradient) in flight; the engine waits for the
-  oldest before launching more (``parallel.zero.engine``), and the planner counts that many
-  buckets of communication buffer;
+  reduce-scatters (each from a temporary full gradient) in flight between launches: the engine
+  launches a bucket's, then waits for the oldest beyond this many (``parallel.zero.engine``), so
+  one more is pending right after a launch, and the planner counts this many + 1 buckets of
+  communication buffer;
 * :data:`ZERO3_PREFETCH_UNITS` — ZeRO-3 launches the all-gather of the unit this many units
   ahead of the one about to compute, in forward (``u + 1 …``) and backward (``u − 1 …``)
   (``parallel.zero.units``); the planner counts ``1 +`` that many gathered units of buffer.
@@ -61,7 +62,7 @@ DP_REDUCTION = Overlap(
     "backward: stages 0-1 the step's last backward, stages 2-3 every micro-batch's",
     True,
     "zero/engine.py: a bucket's collective is launched from its last gradient's hook "
-    f"(at most {REDUCTIONS_IN_FLIGHT} reduce-scatters in flight); overlap=false: after backward",
+    f"(at most {REDUCTIONS_IN_FLIGHT} reduce-scatters in flight, + 1 just after a launch); overlap=false: after backward",
     "what exceeds that backward (shared with ZeRO-3's backward gathers)",
 )
 ZERO3_GATHER = Overlap(
