@@ -265,6 +265,9 @@ class _AllOf:
 # from this size of ``output`` on, gloo's all-gather runs as broadcasts (below it the n calls' latency
 # outweighs the gain: 2 ranks, 16 KiB: 0.6 vs 0.4 ms wall; 1 MiB: 0.8 vs 1.4 ms; 8 MiB: 2.8 vs 4.5 ms)
 GLOO_GATHER_BY_BROADCAST_BYTES = 1 << 20
+# and only in groups of at most this many ranks (measured at 2 and 4; gloo's broadcast is a tree, so
+# n broadcasts may lose to its ring all-gather in larger groups)
+GLOO_GATHER_BY_BROADCAST_MAX_RANKS = 4
 
 
 def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool):
@@ -287,13 +290,16 @@ def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, *, grou
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate every rank's ``input`` along dim 0 into ``output``.
 
-    Large on gloo (``GLOO_GATHER_BY_BROADCAST_BYTES``): :func:`_all_gather_by_broadcasts` (counted the same)."""
+    Large on gloo (``GLOO_GATHER_BY_BROADCAST_BYTES``, at most ``GLOO_GATHER_BY_BROADCAST_MAX_RANKS``
+    ranks): :func:`_all_gather_by_broadcasts` (counted the same)."""
     n = group_size(group)
     if output.numel() != input.numel() * n:
         raise ValueError(
             f"all_gather: output has {output.numel()} elements, expected input "
             f"{input.numel()} × group size {n} = {input.numel() * n}"
         )
+    if input.dtype != output.dtype:  # as torch's own all-gather refuses (the broadcast path would convert)
+        raise ValueError(f"all_gather: input {input.dtype} and output {output.dtype} differ; use one dtype")
     if n == 1:
         output.copy_(input.view_as(output))
         return _Done() if async_op else None
@@ -314,6 +320,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
 def _gloo_broadcasts(output: torch.Tensor, group) -> bool:
     return (
         _nbytes(output) >= GLOO_GATHER_BY_BROADCAST_BYTES
+        and group_size(group) <= GLOO_GATHER_BY_BROADCAST_MAX_RANKS
         and output.is_contiguous()
         and runs_on_gloo(group, output.device)
     )

@@ -186,10 +186,8 @@ class PipelineExecutor:
         # gloo matches each posted op on its own: a batch also posts the next batch's receives, so that
         # a peer's send lands without waiting for this stage to reach that batch. Not on NCCL, whose
         # grouped p2p completes as a whole (an early receive would tie this batch to the next)
-        device = next((p.device for c in self.chunks for p in c.parameters()), comm.device_for(pp_group))
-        ahead = comm.runs_on_gloo(pp_group, device)
-        self._ahead = _receives_ahead(self.items) if ahead else [()] * len(self.items)
-        self._forward_ahead = _receives_ahead(self.forward_items) if ahead else [()] * len(self.forward_items)
+        # (used only where the transfers run on gloo: decided per run from the device they run on)
+        self._ahead, self._forward_ahead = _receives_ahead(self.items), _receives_ahead(self.forward_items)
         self.vpp = len(self.chunks)
         self.activation_shape = tuple(activation_shape)
         self.dtype = dtype
@@ -302,6 +300,8 @@ class PipelineExecutor:
         self._forward_only = forward_only
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             items, ahead = (self.forward_items, self._forward_ahead) if forward_only else (self.items, self._ahead)
+            if not comm.runs_on_gloo(self.pp_group, self.device):
+                ahead = [()] * len(items)  # NCCL completes a batch as a whole: no receive posted early
             for item, next_recvs in zip(items, ahead):
                 if isinstance(item, Compute):
                     self._await_input(item)  # its received tensor, if any (idle time: outside its span)

@@ -72,8 +72,11 @@ def reduction_buffer_bytes(
     accumulation in an fp32 wire dtype, counted apart by
     :func:`parallel.zero.theory.accumulation_grad_bytes`): only the shard is extra.
     An upper bound: the engine launches buckets in backward order and waits for the oldest.
-    ``overlap=False``: the engine launches every bucket at the end of backward before it waits for
-    any (``ZeroDataParallel._end_of_backward``): all of them are in flight.
+    ``overlap=False``: every bucket's full gradient is held until the end of backward (the ``.grad``
+    the hooks leave, then each bucket's wire copy as ``ZeroDataParallel._end_of_backward`` launches
+    it; the reductions themselves stay capped at ``REDUCTIONS_IN_FLIGHT + 1``): counted as every
+    bucket's held bytes, which stands in for those gradients (equal when the wire dtype is the
+    parameters').
     ``dp``: the group each bucket is reduce-scattered over, one for all or one per bucket (an MoE
     expert's bucket is padded over and sharded by expert DP, ``dp / ep``)."""
     groups = [dp] * len(padded_numels) if isinstance(dp, int) else list(dp)

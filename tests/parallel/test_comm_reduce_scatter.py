@@ -77,6 +77,8 @@ def _gather_rank():
                 results.append((native, ours, sync))
     finally:
         dist.broadcast = original
+    with pytest.raises(ValueError, match="differ"):  # as gloo's own refuses; the broadcasts would convert
+        comm.all_gather(torch.empty(n * big), torch.ones(big, dtype=torch.bfloat16))
     return results, len(calls), counter.sent_bytes(op="all_gather")
 
 
