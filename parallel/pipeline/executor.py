@@ -300,8 +300,7 @@ class PipelineExecutor:
         self._forward_only = forward_only
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             items, ahead = (self.forward_items, self._forward_ahead) if forward_only else (self.items, self._ahead)
-            if not comm.runs_on_gloo(self.pp_group, self.device):
-                ahead = [()] * len(items)  # NCCL completes a batch as a whole: no receive posted early
+            post_ahead = comm.runs_on_gloo(self.pp_group, self.device)  # NCCL completes a batch as a whole
             for item, next_recvs in zip(items, ahead):
                 if isinstance(item, Compute):
                     self._await_input(item)  # its received tensor, if any (idle time: outside its span)
@@ -316,7 +315,7 @@ class PipelineExecutor:
                     elif isinstance(item, BackwardWeight):
                         self._backward_weight(item)
                     else:
-                        self._transfer(item, next_recvs)
+                        self._transfer(item, next_recvs if post_ahead else ())
                 if clock:
                     marks.append((item if isinstance(item, Compute) else tuple(item), start, clock.mark()))
         for handle in self._pending_sends:
