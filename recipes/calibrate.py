@@ -235,6 +235,30 @@ def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
     return lambda: block(x).float().sum().backward(), sum(p.numel() for p in block.parameters())
 
 
+#: seconds :func:`speed_probe` times for (a few hundred block steps at the benchmark's size)
+PROBE_S = 1.0
+
+
+def speed_probe(rc: RecipeConfig, device: torch.device | None = None, min_s: float = PROBE_S) -> dict[str, float]:
+    """This machine's speed now, at the configured model's shapes: ``block_s``, the median seconds of
+    one forward + backward of the model's first block at its micro-batch (its GEMMs, attention,
+    elementwise work and the host's cost per op: what most of a step is made of on a CPU) over
+    ``min_s`` seconds of repeats, in the run's precision and this process's threads. :func:`calibrate`
+    records it (``calibration.json``'s ``probe``) beside the profile it measures; the same probe taken
+    later, over the calibration's, is how much slower the machine has become since
+    (:func:`probe_factor`; ``benchmarks/plan.py`` takes it just before each layout)."""
+    device = device or torch.device("cpu")
+    mc = model_config(rc.model)
+    step, _ = _block_step(mc, rc.train.micro_batch, DTYPES.get(rc.train.precision, torch.float32), device)
+    return {"block_s": _time(step, min_s=min_s, device=device)}
+
+
+def probe_factor(calibration: dict[str, float], now: dict[str, float]) -> float:
+    """How many times slower the machine runs now than during the calibration: the ratio of the two
+    probes' block times (:func:`speed_probe`); > 1 slower, < 1 faster."""
+    return now["block_s"] / calibration["block_s"]
+
+
 def _collectives_worker(
     sizes: tuple[int, ...],
     threads: int,
@@ -492,6 +516,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
     n = ranks or rc.plan.world_size or (torch.cuda.device_count() if cuda else min(4, os.cpu_count() or 2))
     threads = rc.train.threads or 1
     torch.set_num_threads(threads)
+    probes = [speed_probe(rc, device)]  # the machine's speed as the profile measures it: before and after
     hbm = memory_bandwidth(device)
     shapes = model_gemms(rc)
     low_name = rc.train.precision if rc.train.precision in DTYPES else "fp32"
@@ -530,6 +555,8 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
     fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
     fields["microbatch_overhead_us"], fields["step_overhead_us"] = host_overheads_us(rc, fields, device)
     fields["tp_call_us"] = fit_tp_call_us(per_rank[0].get("tp_block") if per_rank else None, rc, fields)
+    probes.append(speed_probe(rc, device))
+    probe = {"block_s": statistics.mean(p["block_s"] for p in probes), "before_after_s": [p["block_s"] for p in probes]}
     hardware_profile("calibrated", {"calibrated": fields})  # refuse what the planner would refuse
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -544,6 +571,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "launched_ahead": per_rank[0].get("ahead") if per_rank else None,
         "tp_block": per_rank[0].get("tp_block") if per_rank else None,
         "ranks": n,
+        "probe": probe,
     }
     (out / "calibration.json").write_text(json.dumps(raw, indent=1))
     return fields

@@ -108,6 +108,43 @@ class Hardware:
     def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
 
+    def time_scaled(self, factor: float) -> Hardware:
+        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1) at everything: every
+        rate (:data:`RATE_FIELDS`) divided by ``factor``, every fixed time (:data:`TIME_FIELDS`)
+        multiplied by it, the rest (sizes, fractions, counts) kept. Every time the planner derives is a
+        sum or maximum of ``work / rate`` and fixed times, so a plan's every time with the result is
+        exactly ``factor`` times this profile's (``benchmarks/plan.py`` rescales a calibration by a
+        speed probe taken just before each layout)."""
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise PlanError(f"hardware {self.name!r}: time scale factor={factor!r} must be a finite number > 0")
+        changes = {k: getattr(self, k) / factor for k in RATE_FIELDS}
+        changes.update({k: getattr(self, k) * factor for k in TIME_FIELDS})
+        return self.replace(**changes)
+
+
+#: the fields that are rates (FLOP/s, bytes/s) and fixed times (µs): what :meth:`Hardware.time_scaled`
+#: divides and multiplies; every other field is a size, a fraction or a count (a test holds that the
+#: three sets cover every field)
+RATE_FIELDS = ("peak_tflops_16", "peak_tflops_32", "intra_node_gbps", "inter_node_gbps", "hbm_gbps", "host_link_gbps")
+TIME_FIELDS = (
+    "latency_us",
+    "block_overhead_us",
+    "microbatch_overhead_us",
+    "step_overhead_us",
+    "collective_overhead_us",
+    "ahead_call_us",
+    "tp_call_us",
+)
+SCALE_FREE_FIELDS = (
+    "memory_bytes",
+    "gpus_per_node",
+    "efficiency",
+    "attention_efficiency",
+    "colocated_slowdown",
+    "overlap_fraction",
+    "host_ram_gb",
+)
+
 
 # Compute constants (parallel/plan/compute.py): ``efficiency`` is the fraction of peak large GEMMs reach.
 # A100: 0.78 (243 TFLOP/s), the one value that puts all ten rows of Narayanan et al. 2021 Table 1 within

@@ -31,7 +31,8 @@ def test_calibrated_profile_round_trips_and_plans(tmp_path):
     assert (fields["collective_overhead_us"], fields["colocated_slowdown"], fields["overlap_fraction"]) == (0, 0, 1)
     plan = plan_from_config(scenario_config(TINY + [f"plan.hardware={path}"]))
     assert plan.step["step_time_s"] > 0
-    json.loads((tmp_path / "calibration.json").read_text())["gemm_fp32"]  # the raw measurements are kept
+    raw = json.loads((tmp_path / "calibration.json").read_text())
+    assert raw["gemm_fp32"] and raw["probe"]["block_s"] > 0  # the raw measurements and the speed probe are kept
 
 
 def test_a_bad_profile_file_is_refused(tmp_path):
