@@ -85,6 +85,8 @@ class Hardware:
     overlap_fraction: float = 1.0  # of the communication parallel.overlap hides behind compute, the share really hidden
     ahead_call_us: float = 0.0  # a collective launched ahead of its wait: its fixed cost; 0: its ring latency steps
     tp_call_us: float = 0.0  # a TP collective inside the model's autograd, beyond collective_overhead_us: resuming
+    all_gather_bw_scale: float = 1.0  # an all-gather's bandwidth over the ring's (the all-reduce's): 1 on GPUs
+    reduce_scatter_bw_scale: float = 1.0  # a reduce-scatter's likewise
     host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
 
@@ -100,6 +102,13 @@ class Hardware:
     def bandwidth(self, crosses_node: bool) -> float:
         """Bytes per second one rank sends at in a ring inside a node or across nodes."""
         return 1e9 * (self.inter_node_gbps if crosses_node else self.intra_node_gbps)
+
+    def kind_bandwidth(self, kind: str, crosses_node: bool) -> float:
+        """Bytes per second one rank sends at in a collective of ``kind``: the ring's
+        (:meth:`bandwidth`) times the profile's measured scale for all-gathers and reduce-scatters
+        (1 on the GPU profiles: NCCL runs every kind as a ring at the link's rate)."""
+        scale = {"all_gather": self.all_gather_bw_scale, "reduce_scatter": self.reduce_scatter_bw_scale}.get(kind, 1.0)
+        return self.bandwidth(crosses_node) * scale
 
     @property
     def hbm_bytes_per_s(self) -> float:
@@ -143,6 +152,8 @@ SCALE_FREE_FIELDS = (
     "colocated_slowdown",
     "overlap_fraction",
     "host_ram_gb",
+    "all_gather_bw_scale",
+    "reduce_scatter_bw_scale",
 )
 
 
@@ -185,7 +196,11 @@ SCALE_FREE_FIELDS = (
 # resuming with the block's weights and activations out of the core's caches. ``mode=calibrate``
 # measures it in situ: the configured model's block at tp = 2 on two ranks, forward + backward, less
 # what the planner gives that block with the other fields, per TP collective (≈ 0.1–0.4 ms on the
-# 2-core VM this was written on).
+# 2-core VM this was written on). ``all_gather_bw_scale`` / ``reduce_scatter_bw_scale``: 1 on the GPU
+# profiles (NCCL runs both as rings at the link's rate: the ring formulas of ``.traffic``); on gloo
+# ``parallel.comm`` runs a sum reduce-scatter as an all-to-all and a large all-gather as broadcasts,
+# and gloo's own all-gather is slower than its all-reduce at a ZeRO unit's size, so ``mode=calibrate``
+# measures each kind through ``parallel.comm`` at the configured model's unit payload.
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
     # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU
