@@ -9,7 +9,8 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
   shapes is its "large-GEMM" rate);
 * **flash attention** (SDPA, causal) on the model's heads: ``attention_efficiency`` against ``R``;
 * **fixed host costs** (what a CPU pays per op, launch and Python line; 0 on GPU profiles): one
-  block's forward + backward beyond its work (``block_overhead_us``), one micro-batch through the
+  block's forward + backward beyond its work (``block_overhead_us``; the block timed by the speed
+  probe, :func:`speed_probe`, one second before the other measurements and one after the ranks), one micro-batch through the
   whole model and its loss beyond its blocks' and head's work (``microbatch_overhead_us``), one
   step's clip + optimizer + zero_grad beyond the optimizer's memory-bound work (``step_overhead_us``);
 * **memory bandwidth**: a copy of a 64 MiB tensor (read + write);
@@ -171,22 +172,19 @@ def attention_fraction(rc: RecipeConfig, dtype: torch.dtype, rate: float, device
     return min(1.0, max(1e-6, 2.0 * b * h * s * s * hd / sec / rate))
 
 
-def block_overhead_us(rc: RecipeConfig, fields: dict, device: torch.device) -> float:
+def block_overhead_us(rc: RecipeConfig, fields: dict, block_s: float) -> float:
     """Microseconds one block's forward + backward takes beyond what the planner's work model gives
-    it with ``fields`` (launches, Python, autograd): measured on the configured model's block."""
-    from models.transformer import build_model
+    it with ``fields`` (launches, Python, autograd), from ``block_s``, the configured model's block
+    measured at its micro-batch (:func:`speed_probe`: the same measurement, so the profile and the
+    probe that later rescales it agree on what the block costs)."""
     from parallel.plan import ModelShape
     from parallel.plan.compute import layer_time
     from parallel.plan.hardware import Hardware
 
     mc = model_config(rc.model)
-    dtype = DTYPES.get(rc.train.precision, torch.float32)
-    block = build_model(mc, layers=range(0, 1), has_embedding=False, has_head=False, device=device, dtype=dtype)
-    x = torch.randn(rc.train.micro_batch, mc.seq_len, mc.d_model, device=device, dtype=dtype, requires_grad=True)
-    sec = _time(lambda: block(x).float().sum().backward(), device=device)
     hw = Hardware("calibrating", **{**fields, "block_overhead_us": 0.0})
     work = layer_time(ModelShape.of(mc), rc.train.micro_batch, 1, False, hw, rc.train.precision)
-    return max(0.0, sec - work.forward - work.backward) * 1e6
+    return max(0.0, block_s - work.forward - work.backward) * 1e6
 
 
 def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> tuple[float, float]:
@@ -634,11 +632,11 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
     }
     fields.update(fit_kind_scales(per_rank[0].get("kinds") if per_rank else None, gbps))
     fields["ahead_call_us"] = fit_launched_ahead(per_rank[0].get("ahead") if per_rank else None, gbps, fields)
-    fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
+    probes.append(speed_probe(rc, device))  # after the ranks: the block's time is the two probes' mean
+    probe = {"block_s": statistics.mean(p["block_s"] for p in probes), "before_after_s": [p["block_s"] for p in probes]}
+    fields["block_overhead_us"] = block_overhead_us(rc, fields, probe["block_s"])
     fields["microbatch_overhead_us"], fields["step_overhead_us"] = host_overheads_us(rc, fields, device)
     fields["tp_call_us"] = fit_tp_call_us(per_rank[0].get("tp_block") if per_rank else None, rc, fields)
-    probes.append(speed_probe(rc, device))
-    probe = {"block_s": statistics.mean(p["block_s"] for p in probes), "before_after_s": [p["block_s"] for p in probes]}
     hardware_profile("calibrated", {"calibrated": fields})  # refuse what the planner would refuse
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
