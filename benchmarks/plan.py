@@ -12,8 +12,9 @@ in :data:`ROUNDS` rounds, the layout order reversed in every other round (:func:
 right before each measurement (not during it) a speed probe runs in this process
 (:func:`recipes.calibrate.speed_probe`: the model's block forward + backward at the calibration's
 micro-batch, one second; the calibration took the same probe before and after measuring). The
-layout is then predicted with the calibrated profile rescaled by the probe's factor, the probe's
-time over the calibration's (:meth:`parallel.plan.Hardware.time_scaled`: every rate divided, every
+layout is then predicted with the calibrated profile rescaled by the median of the last
+:data:`PROBE_WINDOW` probes' factors (the probe's time over the calibration's; the median, as one
+probe moves ±5 % within seconds) (:meth:`parallel.plan.Hardware.time_scaled`: every rate divided, every
 fixed time multiplied by it; so the plan's step is exactly that factor times the calibration's).
 The prediction never sees the layout's own step. The table gives per layout the rounds' mean
 predicted over their mean measured, each round's ratio, the ratio with the profile as calibrated
@@ -130,6 +131,10 @@ def _recipe(args: list[str], out: Path, timeout: int = 600) -> str:
 CALIBRATE = ["mode=calibrate", "plan.world_size=2", "train.micro_batch=2"]
 #: every layout is measured in this many rounds, the layout order reversed in every other round
 ROUNDS = 2
+#: a layout is predicted at the median of the last this many speed probes (its own included), taken
+#: before it: the probe moves ±5 % within seconds on a quiet machine (three 1 s probes in a row:
+#: 2.91–3.20 ms), faster than a layout's run, and one probe once read 1.6× during a transient
+PROBE_WINDOW = 5
 
 
 def _config(overrides: list[str]):
@@ -189,9 +194,9 @@ def combine(name: str, measurements: list[dict]) -> dict:
 
 def run(out: Path, rounds: int = ROUNDS) -> list[dict]:
     """Calibrate, then train every layout in ``rounds`` rounds (:func:`round_orders`), each right after
-    a speed probe (:func:`recipes.calibrate.speed_probe`) that rescales the calibrated profile to the
-    machine's speed at that moment (:meth:`parallel.plan.Hardware.time_scaled`); return one row per
-    layout (:func:`combine`)."""
+    a speed probe (:func:`recipes.calibrate.speed_probe`); the calibrated profile is rescaled
+    (:meth:`parallel.plan.Hardware.time_scaled`) by the median factor of the last
+    :data:`PROBE_WINDOW` probes, all taken before the layout; return one row per layout (:func:`combine`)."""
     import torch
 
     from parallel.plan import hardware_profile
@@ -202,18 +207,22 @@ def run(out: Path, rounds: int = ROUNDS) -> list[dict]:
     probe_rc = _config([a for a in CALIBRATE if not a.startswith(("mode=", "plan."))])
     torch.set_num_threads(probe_rc.train.threads or 1)  # as the calibration's probe ran
     measured: dict[int, list[dict]] = {i: [] for i in range(len(LAYOUTS))}
+    probes: list[float] = []
     for r, order in enumerate(round_orders(len(LAYOUTS), rounds)):
         for i in order:
             name, args = LAYOUTS[i]
             attempts = []
             for attempt in range(ATTEMPTS):  # again when other jobs disturbed it
                 wait_for_quiet()
-                factor = probe_factor(cal_probe, speed_probe(probe_rc))
+                probes.append(probe_factor(cal_probe, speed_probe(probe_rc)))
+                factor = statistics.median(probes[-PROBE_WINDOW:])
                 scaled = out / f"hardware_round{r}_{i}_{attempt}.json"
                 fields = {k: v for k, v in dataclasses.asdict(profile.time_scaled(factor)).items() if k != "name"}
                 scaled.write_text(json.dumps(fields, indent=1))
                 row = _layout(name, args, scaled, out, f"_r{r}" + (f"_{attempt}" if attempt else ""))
-                attempts.append({**row, "speed_factor": factor, "raw_predicted_s": row["predicted_s"] / factor})
+                attempts.append(
+                    {**row, "speed_factor": factor, "probe": probes[-1], "raw_predicted_s": row["predicted_s"] / factor}
+                )
                 if attempts[-1]["other_cores"] <= QUIET_CORES:
                     break
             measured[i].append({**min(attempts, key=lambda a: a["other_cores"]), "round": r})
