@@ -187,15 +187,21 @@ def block_overhead_us(rc: RecipeConfig, fields: dict, block_s: float) -> float:
     return max(0.0, block_s - work.forward - work.backward) * 1e6
 
 
+#: repeats per paired round of a micro-batch and a block (``microbatch_overhead_us``)
+MB_REPS = 3
+
+
 def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> tuple[float, float]:
     """(``microbatch_overhead_us``, ``step_overhead_us``): what one micro-batch through the whole
     configured model (embedding, blocks, head, cross-entropy; forward + backward) and one step
     (gradient clipping's norm, the recipe's optimizer step, zero_grad) take beyond what the planner's
-    work model gives them with ``fields`` (which hold the measured ``block_overhead_us``). Measured on
-    the model's own modules and the recipe's own optimizer in this process."""
+    work model gives them with ``fields``; the micro-batch's is the median over paired rounds of the
+    micro-batch less the model's blocks at the first block's time in the same round (what the planner
+    gives them, ``block_overhead_us`` included) and the head's work. Measured on the model's own
+    modules and the recipe's own optimizer in this process."""
     from models.transformer import build_model
     from parallel.plan import ModelShape
-    from parallel.plan.compute import head_time, layer_time, optimizer_seconds
+    from parallel.plan.compute import head_time, optimizer_seconds
     from parallel.plan.hardware import Hardware
 
     from .gpt_engine import optimizer_factory
@@ -205,11 +211,14 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     b = rc.train.micro_batch
     model = build_model(mc, device=device, dtype=dtype)
     ids = torch.randint(mc.vocab_size, (b, mc.seq_len), device=device)
-    sec_mb = _time(lambda: model.loss(model(ids), ids).backward(), min_s=0.5, device=device)  # ≈ 15 ms each
+    block, _ = _block_step(mc, b, dtype, device)
+    # paired rounds (≈ 1 s): the micro-batch and one block timed in the same round, so the residual
+    # (a few % of the micro-batch) is taken where both saw the same machine speed
+    rounds = _paired({"mb_s": lambda: model.loss(model(ids), ids).backward(), "block_s": block}, device, MB_REPS)
     hw = Hardware("calibrating", **{**fields, "microbatch_overhead_us": 0.0, "step_overhead_us": 0.0})
-    shape = ModelShape.of(mc)
-    layer, head = layer_time(shape, b, 1, False, hw, rc.train.precision), head_time(shape, b, 1, hw, rc.train.precision)
-    work = mc.n_layers * (layer.forward + layer.backward) + head.forward + head.backward
+    head = head_time(ModelShape.of(mc), b, 1, hw, rc.train.precision)
+    # the planner's blocks (work + block_overhead_us, the probe's block time) at the round's block time
+    residual = statistics.median(r["mb_s"] - mc.n_layers * r["block_s"] for r in rounds)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer_factory(rc, device)([{"params": params}])
 
@@ -220,7 +229,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
 
     sec_step = _time(step, min_s=0.3, device=device)
     opt_work = optimizer_seconds(sum(p.numel() for p in params), hw)
-    return max(0.0, sec_mb - work) * 1e6, max(0.0, sec_step - opt_work) * 1e6
+    return max(0.0, residual - head.forward - head.backward) * 1e6, max(0.0, sec_step - opt_work) * 1e6
 
 
 #: seconds of compute before each collective when measuring its fixed cost: ≈ the compute between a
@@ -442,43 +451,40 @@ def fit_tp_call_us(row: dict | None, rc: RecipeConfig, fields: dict) -> float:
 def _unit_kinds(numel: int, group, device: torch.device) -> dict:
     """What each kind costs through ``parallel.comm`` (the engine's paths: on gloo a sum
     reduce-scatter as an all-to-all, an all-gather of ≥ 1 MiB as broadcasts) on ``numel`` fp32
-    elements, a ZeRO unit's parameters, and on :data:`SMALL` bytes (the kind's own fixed cost): the
-    quietest of :data:`ROUNDS` rounds' mean of blocking calls (as the all-reduce's bandwidth is
-    measured). Every member of ``group`` calls."""
+    elements, a ZeRO unit's parameters, and on :data:`SMALL` bytes (the kind's own fixed cost):
+    blocking calls, both sizes of both kinds in each of :data:`PAIRED_ROUNDS` rounds (:func:`_paired`;
+    a single call's cost is bimodal here, so differences are taken within a round). Every member of
+    ``group`` calls."""
     from parallel import comm
 
     n = comm.group_size(group)
     row: dict = {"n": n}
+    fns = {}
     for size, suffix in ((numel, ""), (SMALL // 4, "_small")):
         shard, full = torch.ones(-(-size // n), device=device), torch.ones(n * -(-size // n), device=device)
         row["payload_bytes" + suffix] = full.numel() * 4
-        row["all_gather_s" + suffix] = _quietest(
-            lambda: comm.all_gather(full, shard, group=group),  # noqa: B023
-            device,
-            COLLECTIVE_REPS,
-        )
-        row["reduce_scatter_s" + suffix] = _quietest(
-            lambda: comm.reduce_scatter(shard, full, group=group),  # noqa: B023
-            device,
-            COLLECTIVE_REPS,
-        )
+        fns["all_gather_s" + suffix] = lambda f=full, s=shard: comm.all_gather(f, s, group=group)
+        fns["reduce_scatter_s" + suffix] = lambda f=full, s=shard: comm.reduce_scatter(s, f, group=group)
+    row["rounds"] = _paired(fns, device, COLLECTIVE_REPS // 2)
     return row
 
 
 def fit_kind_scales(row: dict | None, gbps: float) -> dict[str, float]:
     """``all_gather_bw_scale`` and ``reduce_scatter_bw_scale``: per kind, the rate its bytes move at
-    (``(n−1)/n`` of the unit's payload sent, over the unit's time less the same kind's time on
-    :data:`SMALL` bytes: the kind's own fixed cost, so the all-reduce's bimodal latency fit does not
-    enter), over the all-reduce's ``gbps``; the difference floored at a twentieth of the unit's time,
-    the scale clipped to [0.01, 100]; 1 (the ring's) without a row (one rank)."""
+    (``(n−1)/n`` of the unit's payload less the small one sent, over the unit's time less the same
+    kind's time on :data:`SMALL` bytes: the kind's own fixed cost, so the all-reduce's bimodal latency
+    fit does not enter; the median over the row's paired ``rounds`` of the difference within a round,
+    or the row's own figures without rounds), over the all-reduce's ``gbps``; the difference floored
+    at a twentieth of the unit's time, the scale clipped to [0.01, 100]; 1 (the ring's) without a row."""
     scales = {}
     for kind in ("all_gather", "reduce_scatter"):
-        if not row or f"{kind}_s" not in row:
+        if not row or not (row.get("rounds") or f"{kind}_s" in row):
             scales[f"{kind}_bw_scale"] = 1.0
             continue
-        n, t = row["n"], row[f"{kind}_s"]
+        n, pairs = row["n"], row.get("rounds") or [row]
         sent = (n - 1) / n * (row["payload_bytes"] - row.get("payload_bytes_small", 0))
-        rest = max(t - row.get(f"{kind}_s_small", 0.0), t / 20)
+        t = statistics.median(p[f"{kind}_s"] for p in pairs)
+        rest = max(statistics.median(p[f"{kind}_s"] - p.get(f"{kind}_s_small", 0.0) for p in pairs), t / 20)
         scales[f"{kind}_bw_scale"] = min(100.0, max(0.01, sent / (gbps * 1e9) / rest))
     return scales
 

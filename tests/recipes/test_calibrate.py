@@ -175,6 +175,9 @@ def test_kind_scales_take_each_kinds_bytes_rate_and_price_the_planners_calls():
     scales = fit_kind_scales(row, gbps)
     assert scales == pytest.approx({"all_gather_bw_scale": 0.25, "reduce_scatter_bw_scale": 1.6})
     assert fit_kind_scales(None, gbps) == {"all_gather_bw_scale": 1.0, "reduce_scatter_bw_scale": 1.0}
+    # paired rounds: the difference within each round counts, whatever the round's fixed cost
+    drift = [{k: v + d for k, v in row.items() if k.endswith(("_s", "_s_small"))} for d in (0.0, 2e-3, 5e-4)]
+    assert fit_kind_scales({**row, "rounds": drift}, gbps) == pytest.approx(scales)
     hw = hardware_profile("cpu", intra_node_gbps=gbps, latency_us=100.0, collective_overhead_us=0.0, **scales)
     for kind, scale in (("all_gather", 0.25), ("reduce_scatter", 1.6)):  # the planner's call at that rate
         assert AxisTraffic(n, False).add(kind, payload, 1, hw, "x") == pytest.approx(
