@@ -193,3 +193,32 @@ def test_kind_scales_take_each_kinds_bytes_rate_and_price_the_planners_calls():
     assert fit_launched_ahead({"n": n, "payload_bytes": payload, "rounds": ahead}, gbps, scales) == pytest.approx(
         expected
     )
+
+
+def _unit_rank():
+    import torch
+    import torch.distributed as dist
+
+    from recipes.calibrate import _block, _launched_ahead, _unit_kinds, unit_buckets
+    from recipes.config import model_config
+
+    torch.set_num_threads(1)
+    mc = model_config(scenario_config(TINY).model)
+    block, x = _block(mc, 1, torch.float32, torch.device("cpu"))
+    numel = sum(p.numel() for p in block.parameters())
+    kinds = _unit_kinds(numel, dist.group.WORLD, torch.device("cpu"))
+    ahead = _launched_ahead(block, x, dist.group.WORLD, torch.device("cpu"))
+    return numel, unit_buckets(block), kinds, ahead
+
+
+def test_unit_collectives_are_measured_as_the_engine_packs_a_unit():
+    from parallel.testing import run_ranks
+    from recipes.calibrate import fit_kind_scales
+
+    numel, buckets, kinds, ahead = run_ranks(_unit_rank, 2, timeout=120)[0]
+    assert len(buckets) == 2 and sum(buckets) == numel  # weights; biases and norms (packing.bucket_class)
+    assert ahead["buckets"] == buckets and ahead["payload_bytes"] >= 4 * numel and len(ahead["rounds"]) > 1
+    assert kinds["payload_bytes"] >= 4 * numel and kinds["payload_bytes_small"] == 4096
+    assert all(r["all_gather_s"] > 0 and r["reduce_scatter_s_small"] > 0 for r in kinds["rounds"])
+    scales = fit_kind_scales(kinds, 1.0)
+    assert all(0.01 <= v <= 100 for v in scales.values()) and fit_launched_ahead(ahead, 1.0, scales) >= 1.0
