@@ -5,13 +5,32 @@ then trains a small GPT in each of :data:`LAYOUTS` (dp, tp, pp, ZeRO stages, acc
 recipe's own launcher and ``plan.hardware=<that file>``; the trainer's first-step report prints the
 planner's step time beside the measured one (:func:`recipes.reports.time_report`), which this collects.
 
+**The machine's speed at the time.** This CPU's speed drifts by up to ≈ 20 % over minutes (one run's
+GEMM rate 94 GFLOP/s against 112–115 in the others; the same layout 40 ms in one measurement and
+66 ms a minute later), as much as the planner's error being measured. So every layout is measured
+in :data:`ROUNDS` rounds, the layout order reversed in every other round (:func:`round_orders`), and
+right before each measurement (not during it) a speed probe runs in this process
+(:func:`recipes.calibrate.speed_probe`: the model's block forward + backward at the calibration's
+micro-batch, one second; the calibration took the same probe before and after measuring). The
+layout is then predicted with the calibrated profile rescaled by the median of the last
+:data:`PROBE_WINDOW` probes' factors (the probe's time over the calibration's; the median, as one
+probe moves ±5 % within seconds) (:meth:`parallel.plan.Hardware.time_scaled`: every rate divided, every
+fixed time multiplied by it; so the plan's step is exactly that factor times the calibration's).
+The prediction never sees the layout's own step. The table gives per layout the rounds' mean
+predicted over their mean measured, each round's ratio, the ratio with the profile as calibrated
+(``raw``, not rescaled) and the mean factor.
+
 The measured time in ``plan.md`` / ``plan.json`` is the median over steps 3–16 of rank 0's wall time per
-step *less the time its main thread waited, runnable, for a CPU* (``runqueue_s`` in ``metrics.jsonl``,
-:func:`recipes.reports.runqueue_seconds`): all ranks are one-thread CPU processes, and on a machine
-shared with other work (2 ranks on 2 cores beside other jobs) the wall time measures the load, not the
-layout; the calibration's single-process timings are medians of short repeats, which the load barely
-touches. Waits for the other ranks (the pipeline bubble, collectives) stay in. The wall time and the
-load average during each layout are reported beside it.
+step less the part of its main thread's wait for a CPU (``runqueue_s`` in ``metrics.jsonl``,
+:func:`recipes.reports.runqueue_seconds`) that other jobs can account for (:func:`step_seconds`: at
+most the cores they used during the run times the step). Until this round all of that wait was
+subtracted, to keep other jobs' load out; but with the machine quiet (other jobs ≤ 0.02 cores under
+the shared CPU lock) the wait is the layout's own: on 2 cores its two ranks' main threads compete
+with gloo's transport threads, which run the collectives launched ahead (ZeRO-3's main thread waited
+≈ 11 ms of a 55 ms step, the single process none), and the calibration's measurements of those
+collectives (``ahead_call_us``, wall time with the threads competing) include it. The old figure
+(``wall − all CPU wait``) and the wall time are reported beside it. Waits for the other ranks (the
+pipeline bubble, collectives) stay in.
 
 Other jobs on the machine: before calibrating and before each layout the benchmark waits (up to
 :data:`QUIET_WAIT_S`) until the machine's other processes use under :data:`QUIET_CORES` of a core
@@ -23,6 +42,7 @@ least disturbed attempt; ``other_cores`` in the table says how disturbed it was.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -107,35 +127,125 @@ def _recipe(args: list[str], out: Path, timeout: int = 600) -> str:
     return done.stdout + done.stderr
 
 
-def run(out: Path) -> list[dict]:
-    """Calibrate, train every layout, return predicted/measured per layout."""
+#: the calibration's own arguments (its model, two ranks, its micro-batch; the speed probe uses the same)
+CALIBRATE = ["mode=calibrate", "plan.world_size=2", "train.micro_batch=2"]
+#: every layout is measured in this many rounds, the layout order reversed in every other round
+ROUNDS = 2
+#: a layout is predicted at the median of the last this many speed probes (its own included), taken
+#: before it: the probe moves ±5 % within seconds on a quiet machine (three 1 s probes in a row:
+#: 2.91–3.20 ms), faster than a layout's run, and one probe once read 1.6× during a transient
+PROBE_WINDOW = 5
+
+
+def _config(overrides: list[str]):
+    """The recipe's config (``gpt_tiny`` with the benchmark's model and ``overrides``), as it composes it."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from recipes.main import register
+
+    register()
+    with initialize_config_module("recipes.conf", version_base="1.3"):
+        return OmegaConf.to_object(compose("gpt_tiny", overrides=[*MODEL, *overrides]))
+
+
+def _calibrate(out: Path) -> tuple[Path, float, dict]:
+    """Calibrate (again when other jobs disturbed it, up to :data:`ATTEMPTS` times, keeping the least
+    disturbed); (its ``hardware.json``, the other jobs' cores meanwhile, its speed probe)."""
     calibrations = []
-    for attempt in range(ATTEMPTS):  # the calibration, like each layout, again when other jobs disturbed it
+    for attempt in range(ATTEMPTS):
         cal = out / ("calibrated" + (f"_{attempt}" if attempt else ""))
-        other = _disturbance(lambda c=cal: _recipe(["mode=calibrate", "plan.world_size=2", "train.micro_batch=2"], c))[
-            1
-        ]
-        calibrations.append((other, cal))
+        other = _disturbance(lambda c=cal: _recipe(CALIBRATE, c))[1]
+        calibrations.append((other, str(cal)))
         if other <= QUIET_CORES:
             break
     other, cal = min(calibrations)
-    hw = cal / "hardware.json"
-    rows = []
-    for name, args in LAYOUTS:
-        attempts = []
-        for attempt in range(ATTEMPTS):
-            attempts.append(_layout(name, args, hw, out, attempt))
-            if attempts[-1]["other_cores"] <= QUIET_CORES:
-                break
-        rows.append(
-            {**min(attempts, key=lambda r: r["other_cores"]), "calibration_other_cores": other, "hardware": str(hw)}
-        )
-    return rows
+    probe = json.loads((Path(cal) / "calibration.json").read_text())["probe"]
+    return Path(cal) / "hardware.json", other, probe
 
 
-def _layout(name: str, args: list[str], hw: Path, out: Path, attempt: int = 0) -> dict:
-    """Train one layout after waiting for a quiet machine; its predicted and measured step time."""
-    run_dir = out / (re.sub(r"\W+", "_", name) + (f"_{attempt}" if attempt else ""))
+def round_orders(n: int, rounds: int = ROUNDS) -> list[list[int]]:
+    """The layouts' order in each round: as listed, then reversed, alternating (a drift of the
+    machine's speed during a run then weighs on every layout alike over two rounds)."""
+    return [list(range(n)) if r % 2 == 0 else list(range(n))[::-1] for r in range(rounds)]
+
+
+def combine(name: str, measurements: list[dict]) -> dict:
+    """One layout's row from its rounds: the rounds' mean predicted (rescaled by each round's probe)
+    over their mean measured (``ratio``), and the same with the calibration's profile as written
+    (``raw_ratio``); each round's figures under ``rounds``."""
+    mean = lambda key: statistics.mean(r[key] for r in measurements)  # noqa: E731
+    predicted, raw, measured = mean("predicted_s"), mean("raw_predicted_s"), mean("measured_s")
+    return dict(
+        layout=name,
+        predicted_s=predicted,
+        raw_predicted_s=raw,
+        measured_s=measured,
+        wall_s=mean("wall_s"),
+        less_all_cpu_wait_s=mean("less_all_cpu_wait_s"),
+        ratio=predicted / measured,
+        raw_ratio=raw / measured,
+        speed_factor=mean("speed_factor"),
+        load=max(r["load"] for r in measurements),
+        other_cores=max(r["other_cores"] for r in measurements),
+        rounds=measurements,
+    )
+
+
+def run(out: Path, rounds: int = ROUNDS) -> list[dict]:
+    """Calibrate, then train every layout in ``rounds`` rounds (:func:`round_orders`), each right after
+    a speed probe (:func:`recipes.calibrate.speed_probe`); the calibrated profile is rescaled
+    (:meth:`parallel.plan.Hardware.time_scaled`) by the median factor of the last
+    :data:`PROBE_WINDOW` probes, all taken before the layout; return one row per layout (:func:`combine`)."""
+    import torch
+
+    from parallel.plan import hardware_profile
+    from recipes.calibrate import probe_factor, speed_probe
+
+    hw, cal_other, cal_probe = _calibrate(out)
+    profile = hardware_profile(str(hw))
+    probe_rc = _config([a for a in CALIBRATE if not a.startswith(("mode=", "plan."))])
+    torch.set_num_threads(probe_rc.train.threads or 1)  # as the calibration's probe ran
+    measured: dict[int, list[dict]] = {i: [] for i in range(len(LAYOUTS))}
+    probes: list[float] = []
+    for r, order in enumerate(round_orders(len(LAYOUTS), rounds)):
+        for i in order:
+            name, args = LAYOUTS[i]
+            attempts = []
+            for attempt in range(ATTEMPTS):  # again when other jobs disturbed it
+                wait_for_quiet()
+                probes.append(probe_factor(cal_probe, speed_probe(probe_rc)))
+                factor = statistics.median(probes[-PROBE_WINDOW:])
+                scaled = out / f"hardware_round{r}_{i}_{attempt}.json"
+                fields = {k: v for k, v in dataclasses.asdict(profile.time_scaled(factor)).items() if k != "name"}
+                scaled.write_text(json.dumps(fields, indent=1))
+                row = _layout(name, args, scaled, out, f"_r{r}" + (f"_{attempt}" if attempt else ""))
+                attempts.append(
+                    {**row, "speed_factor": factor, "probe": probes[-1], "raw_predicted_s": row["predicted_s"] / factor}
+                )
+                if attempts[-1]["other_cores"] <= QUIET_CORES:
+                    break
+            measured[i].append({**min(attempts, key=lambda a: a["other_cores"]), "round": r})
+    return [
+        {**combine(name, measured[i]), "calibration_other_cores": cal_other, "hardware": str(hw)}
+        for i, (name, _) in enumerate(LAYOUTS)
+    ]
+
+
+def step_seconds(wall_s: float, runqueue_s: float, other_cores: float) -> float:
+    """A step's time: its wall time less the part of rank 0's wait for a CPU (``runqueue_s``) that
+    other jobs can account for. They used ``other_cores`` cores on average during the run, so at most
+    ``other_cores × wall_s`` of the step's wait was for them; the rest was for this layout's own
+    threads on the same cores (the other rank, gloo's transport threads running the collectives
+    launched ahead), which is part of the step (ZeRO-3 on 2 cores: ≈ 11 ms of a 55 ms step while
+    other jobs used 0.02 cores, ≤ 1.1 ms)."""
+    return wall_s - min(runqueue_s, max(0.0, other_cores) * wall_s)
+
+
+def _layout(name: str, args: list[str], hw: Path, out: Path, suffix: str = "") -> dict:
+    """Train one layout with the profile ``hw`` (the caller waited for a quiet machine); its predicted
+    and measured step time."""
+    run_dir = out / (re.sub(r"\W+", "_", name) + suffix)
     text, other = _disturbance(lambda: _recipe([*TRAIN, *args, f"plan.hardware={hw}"], run_dir))
     m = LINE.search(text)
     if m is None:
@@ -144,31 +254,36 @@ def _layout(name: str, args: list[str], hw: Path, out: Path, attempt: int = 0) -
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     steady = [r for r in steps if r.get("step", 0) > 2 and "tokens_per_s" in r]  # past warm-up
     wall = statistics.median(TOKENS / r["tokens_per_s"] for r in steady) if steady else first
-    cpu_wait = [TOKENS / r["tokens_per_s"] - r.get("runqueue_s", 0.0) for r in steady]
-    measured = statistics.median(cpu_wait) if cpu_wait else wall
+    less_all_wait = [TOKENS / r["tokens_per_s"] - r.get("runqueue_s", 0.0) for r in steady]
+    less_others = [step_seconds(TOKENS / r["tokens_per_s"], r.get("runqueue_s", 0.0), other) for r in steady]
     return dict(
         layout=name,
         predicted_s=predicted,
-        measured_s=measured,
+        measured_s=statistics.median(less_others) if less_others else wall,
+        less_all_cpu_wait_s=statistics.median(less_all_wait) if less_all_wait else wall,
         wall_s=wall,
         report_step_s=first,
-        ratio=predicted / measured,
         load=round(os.getloadavg()[0], 2),
         other_cores=other,
     )
 
 
 def markdown(rows: list[dict]) -> str:
+    """The table: per layout the rounds' mean predicted (rescaled to the probe) and measured step, their
+    ratio, each round's ratio, the ratio with the calibration's profile as written, the probe's factor."""
     lines = [
-        "| layout | predicted s | measured s (wall − CPU wait) | wall s | predicted / measured | load (1 min) "
-        "| other jobs (cores) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| layout | predicted s | measured s | wall s | wall − all CPU wait s | predicted / measured | per round "
+        "| raw (unrescaled) | speed probe (× calibration) | load (1 min) | other jobs (cores) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    lines += [
-        f"| {r['layout']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {r['wall_s']:.3f} | {r['ratio']:.2f} "
-        f"| {r['load']:.2f} | {r.get('other_cores', float('nan')):.2f} |"
-        for r in rows
-    ]
+    for r in rows:
+        per_round = " / ".join(f"{m['predicted_s'] / m['measured_s']:.2f}" for m in r.get("rounds", []))
+        lines.append(
+            f"| {r['layout']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {r['wall_s']:.3f} "
+            f"| {r.get('less_all_cpu_wait_s', r['measured_s']):.3f} | {r['ratio']:.2f} "
+            f"| {per_round} | {r.get('raw_ratio', r['ratio']):.2f} | {r.get('speed_factor', 1.0):.2f} "
+            f"| {r['load']:.2f} | {r.get('other_cores', float('nan')):.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -243,19 +358,12 @@ def _breakdown_worker(rc, run_dir: str, steps: int, skip: int) -> dict:
 def breakdown(name: str, args: list[str], hw: Path, out: Path, steps: int = 16, skip: int = 2) -> dict:
     """The measured parts of one layout's step (:func:`_breakdown_worker`, rank 0's, and every
     rank's step time) beside the planner's parts of the same layout (:func:`recipes.reports.predicted_parts`)."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-
     from launch.local import spawn_local
-    from recipes.main import register
     from recipes.plan import plan_from_config
+    from recipes.reports import predicted_parts
     from recipes.validation import validate
 
-    register()
-    overrides = [*MODEL, *TRAIN, *args, f"plan.hardware={hw}", f"train.max_steps={steps}"]
-    with initialize_config_module("recipes.conf", version_base="1.3"):
-        rc = OmegaConf.to_object(compose("gpt_tiny", overrides=overrides))
-    from recipes.reports import predicted_parts
+    rc = _config([*TRAIN, *args, f"plan.hardware={hw}", f"train.max_steps={steps}"])
 
     layout = validate(rc, world_size=None)
     run_dir = out / ("breakdown_" + re.sub(r"\W+", "_", name))

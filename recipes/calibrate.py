@@ -9,7 +9,8 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
   shapes is its "large-GEMM" rate);
 * **flash attention** (SDPA, causal) on the model's heads: ``attention_efficiency`` against ``R``;
 * **fixed host costs** (what a CPU pays per op, launch and Python line; 0 on GPU profiles): one
-  block's forward + backward beyond its work (``block_overhead_us``), one micro-batch through the
+  block's forward + backward beyond its work (``block_overhead_us``; the block timed by the speed
+  probe, :func:`speed_probe`, one second before the other measurements and one after the ranks), one micro-batch through the
   whole model and its loss beyond its blocks' and head's work (``microbatch_overhead_us``), one
   step's clip + optimizer + zero_grad beyond the optimizer's memory-bound work (``step_overhead_us``);
 * **memory bandwidth**: a copy of a 64 MiB tensor (read + write);
@@ -27,9 +28,16 @@ Measured, in well under a minute (the numbers the planner's time model uses, ``p
 * **ranks sharing the host** (``colocated_slowdown``): the configured model's block forward + backward
   on one rank alone, then on k = 2…min(cores, N) ranks at once (the median over repeats, as above);
   the slowdown per extra busy rank is the least-squares slope of ``t_k / t_1 − 1`` over ``k − 1``;
-* **a collective launched ahead of its wait** (``ahead_call_us``): ZeRO-3's prefetched all-gather and
-  hook-launched reduce-scatter of one block, launched asynchronously before ≈ 1 ms of GEMMs and waited
-  for after them, less the GEMMs alone (paired rounds) and the bytes' time, averaged over both kinds;
+* **each collective kind** (``all_gather_bw_scale``, ``reduce_scatter_bw_scale``): blocking
+  ``parallel.comm`` all-gathers and reduce-scatters of one block's parameters (a ZeRO-3 unit), so the
+  engine's own paths (on gloo: a sum reduce-scatter as an all-to-all, an all-gather of ≥ 1 MiB as
+  broadcasts, a smaller one gloo's own), less the same kind on 4 KiB: the rate each kind's bytes
+  move at, over the all-reduce's (1: the ring's, what NCCL runs);
+* **a collective launched ahead of its wait** (``ahead_call_us``): ZeRO-3's prefetched all-gathers and
+  hook-launched reduce-scatters of one unit as the engine issues them (the block's buckets, packed by
+  class, launched together), asynchronously before the block's own forward and waited for after it,
+  less the forward alone (paired rounds) and the bytes' time at the kind's bandwidth, averaged over
+  both kinds;
 * **a TP collective inside the model** (``tp_call_us``): one micro-batch through the configured
   model built at tp = 2 on two ranks, forward + backward (paired rounds), less what the planner gives
   it with the fields above (its work with both ranks busy, the fixed costs per block and micro-batch,
@@ -164,33 +172,36 @@ def attention_fraction(rc: RecipeConfig, dtype: torch.dtype, rate: float, device
     return min(1.0, max(1e-6, 2.0 * b * h * s * s * hd / sec / rate))
 
 
-def block_overhead_us(rc: RecipeConfig, fields: dict, device: torch.device) -> float:
+def block_overhead_us(rc: RecipeConfig, fields: dict, block_s: float) -> float:
     """Microseconds one block's forward + backward takes beyond what the planner's work model gives
-    it with ``fields`` (launches, Python, autograd): measured on the configured model's block."""
-    from models.transformer import build_model
+    it with ``fields`` (launches, Python, autograd), from ``block_s``, the configured model's block
+    measured at its micro-batch (:func:`speed_probe`: the same measurement, so the profile and the
+    probe that later rescales it agree on what the block costs)."""
     from parallel.plan import ModelShape
     from parallel.plan.compute import layer_time
     from parallel.plan.hardware import Hardware
 
     mc = model_config(rc.model)
-    dtype = DTYPES.get(rc.train.precision, torch.float32)
-    block = build_model(mc, layers=range(0, 1), has_embedding=False, has_head=False, device=device, dtype=dtype)
-    x = torch.randn(rc.train.micro_batch, mc.seq_len, mc.d_model, device=device, dtype=dtype, requires_grad=True)
-    sec = _time(lambda: block(x).float().sum().backward(), device=device)
     hw = Hardware("calibrating", **{**fields, "block_overhead_us": 0.0})
     work = layer_time(ModelShape.of(mc), rc.train.micro_batch, 1, False, hw, rc.train.precision)
-    return max(0.0, sec - work.forward - work.backward) * 1e6
+    return max(0.0, block_s - work.forward - work.backward) * 1e6
+
+
+#: repeats per paired round of a micro-batch and a block (``microbatch_overhead_us``)
+MB_REPS = 3
 
 
 def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> tuple[float, float]:
     """(``microbatch_overhead_us``, ``step_overhead_us``): what one micro-batch through the whole
     configured model (embedding, blocks, head, cross-entropy; forward + backward) and one step
     (gradient clipping's norm, the recipe's optimizer step, zero_grad) take beyond what the planner's
-    work model gives them with ``fields`` (which hold the measured ``block_overhead_us``). Measured on
-    the model's own modules and the recipe's own optimizer in this process."""
+    work model gives them with ``fields``; the micro-batch's is the median over paired rounds of the
+    micro-batch less the model's blocks at the first block's time in the same round (what the planner
+    gives them, ``block_overhead_us`` included) and the head's work. Measured on the model's own
+    modules and the recipe's own optimizer in this process."""
     from models.transformer import build_model
     from parallel.plan import ModelShape
-    from parallel.plan.compute import head_time, layer_time, optimizer_seconds
+    from parallel.plan.compute import head_time, optimizer_seconds
     from parallel.plan.hardware import Hardware
 
     from .gpt_engine import optimizer_factory
@@ -200,11 +211,14 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     b = rc.train.micro_batch
     model = build_model(mc, device=device, dtype=dtype)
     ids = torch.randint(mc.vocab_size, (b, mc.seq_len), device=device)
-    sec_mb = _time(lambda: model.loss(model(ids), ids).backward(), min_s=0.5, device=device)  # ≈ 15 ms each
+    block, _ = _block_step(mc, b, dtype, device)
+    # paired rounds (≈ 1 s): the micro-batch and one block timed in the same round, so the residual
+    # (a few % of the micro-batch) is taken where both saw the same machine speed
+    rounds = _paired({"mb_s": lambda: model.loss(model(ids), ids).backward(), "block_s": block}, device, MB_REPS)
     hw = Hardware("calibrating", **{**fields, "microbatch_overhead_us": 0.0, "step_overhead_us": 0.0})
-    shape = ModelShape.of(mc)
-    layer, head = layer_time(shape, b, 1, False, hw, rc.train.precision), head_time(shape, b, 1, hw, rc.train.precision)
-    work = mc.n_layers * (layer.forward + layer.backward) + head.forward + head.backward
+    head = head_time(ModelShape.of(mc), b, 1, hw, rc.train.precision)
+    # the planner's blocks (work + block_overhead_us, the probe's block time) at the round's block time
+    residual = statistics.median(r["mb_s"] - mc.n_layers * r["block_s"] for r in rounds)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer_factory(rc, device)([{"params": params}])
 
@@ -215,7 +229,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
 
     sec_step = _time(step, min_s=0.3, device=device)
     opt_work = optimizer_seconds(sum(p.numel() for p in params), hw)
-    return max(0.0, sec_mb - work) * 1e6, max(0.0, sec_step - opt_work) * 1e6
+    return max(0.0, residual - head.forward - head.backward) * 1e6, max(0.0, sec_step - opt_work) * 1e6
 
 
 #: seconds of compute before each collective when measuring its fixed cost: ≈ the compute between a
@@ -226,13 +240,55 @@ COMPUTE_BEFORE_S = 1e-3
 COLLECTIVE_REPS, BLOCK_REPS, OVERLAP_REPS, TP_REPS = 20, 100, 10, 10
 
 
-def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
-    """A function running one forward + backward of the configured model's first block."""
+def _block(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
+    """The configured model's first block and an input for it at ``micro_batch``."""
     from models.transformer import build_model
 
     block = build_model(mc, layers=range(0, 1), has_embedding=False, has_head=False, device=device, dtype=dtype)
     x = torch.randn(micro_batch, mc.seq_len, mc.d_model, device=device, dtype=dtype, requires_grad=True)
+    return block, x
+
+
+def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
+    """A function running one forward + backward of the configured model's first block."""
+    block, x = _block(mc, micro_batch, dtype, device)
     return lambda: block(x).float().sum().backward(), sum(p.numel() for p in block.parameters())
+
+
+def unit_buckets(module: torch.nn.Module) -> list[int]:
+    """The element counts of the buckets ZeRO packs ``module``'s parameters into as one unit: one per
+    bucket class (:func:`parallel.zero.packing.bucket_class`: weight decay or not, …), in packing order."""
+    from parallel.zero.packing import CLASSES, bucket_class
+
+    sizes: dict = {}
+    for p in module.parameters():
+        key = bucket_class(p)
+        sizes[key] = sizes.get(key, 0) + p.numel()
+    return [sizes[c] for c in CLASSES if c in sizes]
+
+
+#: seconds :func:`speed_probe` times for (a few hundred block steps at the benchmark's size)
+PROBE_S = 1.0
+
+
+def speed_probe(rc: RecipeConfig, device: torch.device | None = None, min_s: float = PROBE_S) -> dict[str, float]:
+    """This machine's speed now, at the configured model's shapes: ``block_s``, the median seconds of
+    one forward + backward of the model's first block at its micro-batch (its GEMMs, attention,
+    elementwise work and the host's cost per op: what most of a step is made of on a CPU) over
+    ``min_s`` seconds of repeats, in the run's precision and this process's threads. :func:`calibrate`
+    records it (``calibration.json``'s ``probe``) beside the profile it measures; the same probe taken
+    later, over the calibration's, is how much slower the machine has become since
+    (:func:`probe_factor`; ``benchmarks/plan.py`` takes it just before each layout)."""
+    device = device or torch.device("cpu")
+    mc = model_config(rc.model)
+    step, _ = _block_step(mc, rc.train.micro_batch, DTYPES.get(rc.train.precision, torch.float32), device)
+    return {"block_s": _time(step, min_s=min_s, device=device)}
+
+
+def probe_factor(calibration: dict[str, float], now: dict[str, float]) -> float:
+    """How many times slower the machine runs now than during the calibration: the ratio of the two
+    probes' block times (:func:`speed_probe`); > 1 slower, < 1 faster."""
+    return now["block_s"] / calibration["block_s"]
 
 
 def _collectives_worker(
@@ -311,7 +367,10 @@ def _collectives_worker(
         out["overlap"] = {k: statistics.median(r[k] for r in rounds) for k in ("block_s", "comm_s", "both_s")}
         out["overlap"]["rounds"] = rounds
         dist.barrier()
-        out["ahead"] = _launched_ahead(gemms, numel, group, device)
+        unit, x_unit = _block(mc, micro_batch, DTYPES.get(precision, torch.float32), device)
+        out["kinds"] = _unit_kinds(numel, group, device)
+        dist.barrier()
+        out["ahead"] = _launched_ahead(unit, x_unit, group, device)
         dist.barrier()
         out["tp_block"] = _tp_block(mc, micro_batch, DTYPES.get(precision, torch.float32), device)
         dist.barrier()
@@ -389,44 +448,94 @@ def fit_tp_call_us(row: dict | None, rc: RecipeConfig, fields: dict) -> float:
     return max(0.0, (row["s"] - planned) / row["calls"]) * 1e6
 
 
-def _launched_ahead(compute, numel: int, group, device: torch.device) -> dict:
-    """ZeRO-3's collectives as the engine issues them: an all-gather (a unit's parameters, prefetched)
-    and a reduce-scatter (a unit's gradients, from its backward hook) of one block's ``numel`` fp32
-    elements launched asynchronously, then ``compute`` (≈ :data:`COMPUTE_BEFORE_S` of GEMMs), then the
-    wait; paired rounds (:func:`_paired`) with ``compute`` alone. Every member of ``group`` calls."""
+def _unit_kinds(numel: int, group, device: torch.device) -> dict:
+    """What each kind costs through ``parallel.comm`` (the engine's paths: on gloo a sum
+    reduce-scatter as an all-to-all, an all-gather of ≥ 1 MiB as broadcasts) on ``numel`` fp32
+    elements, a ZeRO unit's parameters, and on :data:`SMALL` bytes (the kind's own fixed cost):
+    blocking calls, both sizes of both kinds in each of :data:`PAIRED_ROUNDS` rounds (:func:`_paired`;
+    a single call's cost is bimodal here, so differences are taken within a round). Every member of
+    ``group`` calls."""
     from parallel import comm
 
     n = comm.group_size(group)
-    shard, full = torch.ones(-(-numel // n), device=device), torch.ones(n * -(-numel // n), device=device)
+    row: dict = {"n": n}
+    fns = {}
+    for size, suffix in ((numel, ""), (SMALL // 4, "_small")):
+        shard, full = torch.ones(-(-size // n), device=device), torch.ones(n * -(-size // n), device=device)
+        row["payload_bytes" + suffix] = full.numel() * 4
+        fns["all_gather_s" + suffix] = lambda f=full, s=shard: comm.all_gather(f, s, group=group)
+        fns["reduce_scatter_s" + suffix] = lambda f=full, s=shard: comm.reduce_scatter(s, f, group=group)
+    row["rounds"] = _paired(fns, device, COLLECTIVE_REPS // 2)
+    return row
+
+
+def fit_kind_scales(row: dict | None, gbps: float) -> dict[str, float]:
+    """``all_gather_bw_scale`` and ``reduce_scatter_bw_scale``: per kind, the rate its bytes move at
+    (``(n−1)/n`` of the unit's payload less the small one sent, over the unit's time less the same
+    kind's time on :data:`SMALL` bytes: the kind's own fixed cost, so the all-reduce's bimodal latency
+    fit does not enter; the median over the row's paired ``rounds`` of the difference within a round,
+    or the row's own figures without rounds), over the all-reduce's ``gbps``; the difference floored
+    at a twentieth of the unit's time, the scale clipped to [0.01, 100]; 1 (the ring's) without a row."""
+    scales = {}
+    for kind in ("all_gather", "reduce_scatter"):
+        if not row or not (row.get("rounds") or f"{kind}_s" in row):
+            scales[f"{kind}_bw_scale"] = 1.0
+            continue
+        n, pairs = row["n"], row.get("rounds") or [row]
+        sent = (n - 1) / n * (row["payload_bytes"] - row.get("payload_bytes_small", 0))
+        t = statistics.median(p[f"{kind}_s"] for p in pairs)
+        rest = max(statistics.median(p[f"{kind}_s"] - p.get(f"{kind}_s_small", 0.0) for p in pairs), t / 20)
+        scales[f"{kind}_bw_scale"] = min(100.0, max(0.01, sent / (gbps * 1e9) / rest))
+    return scales
+
+
+def _launched_ahead(block: torch.nn.Module, x: torch.Tensor, group, device: torch.device) -> dict:
+    """ZeRO-3's collectives as the engine issues them: a unit's buckets (:func:`unit_buckets`, the
+    block's parameters packed by class, fp32) launched together asynchronously, all-gathers (the
+    prefetch) or reduce-scatters (from the unit's backward hook), then the block's own forward (the
+    compute a prefetch hides behind; ≈ 1 ms at the benchmark's size), then the waits; paired rounds
+    (:func:`_paired`) with the forward alone. Every member of ``group`` calls."""
+    from parallel import comm
+
+    n = comm.group_size(group)
+    sizes = unit_buckets(block)
+    bufs = [(torch.ones(-(-s // n), device=device), torch.ones(n * -(-s // n), device=device)) for s in sizes]
+
+    def compute():
+        block(x)
 
     def gather():
-        work = comm.all_gather(full, shard, group=group, async_op=True)
+        works = [comm.all_gather(full, shard, group=group, async_op=True) for shard, full in bufs]
         compute()
-        work.wait()
+        for w in works:
+            w.wait()
 
     def scatter():
-        work = comm.reduce_scatter(shard, full, group=group, async_op=True)
+        works = [comm.reduce_scatter(shard, full, group=group, async_op=True) for shard, full in bufs]
         compute()
-        work.wait()
+        for w in works:
+            w.wait()
 
     rounds = _paired(
         {"compute_s": compute, "all_gather_s": gather, "reduce_scatter_s": scatter}, device, COLLECTIVE_REPS
     )
-    return {"n": n, "payload_bytes": full.numel() * 4, "rounds": rounds}
+    return {"n": n, "payload_bytes": sum(full.numel() for _, full in bufs) * 4, "buckets": sizes, "rounds": rounds}
 
 
-def fit_launched_ahead(row: dict | None, gbps: float) -> float:
-    """Microseconds one collective launched ahead of its wait costs beyond its bytes at ``gbps`` (GB/s
-    per rank, ring: ``(n−1)/n`` of the payload sent): the median over the paired rounds of
-    ``t(collective + compute) − t(compute)`` less the bytes' time, over both kinds, ≥ 1 µs; 0 (not
-    measured: the planner prices such calls at the ring's latency steps) without a row."""
+def fit_launched_ahead(row: dict | None, gbps: float, scales: dict[str, float] | None = None) -> float:
+    """Microseconds one unit's collectives launched ahead of their wait cost beyond their bytes at
+    ``gbps`` (GB/s per rank, ring: ``(n−1)/n`` of the payload sent) times the kind's measured scale
+    (``scales``: :func:`fit_kind_scales`; 1 without): the median over the paired rounds of
+    ``t(collectives + compute) − t(compute)`` less the bytes' time, the mean over both kinds,
+    ≥ 1 µs; 0 (not measured: the planner prices such calls at the ring's latency steps) without a row."""
     if not row or not row.get("rounds"):
         return 0.0
-    sent = (row["n"] - 1) / row["n"] * row["payload_bytes"] / (gbps * 1e9)
-    extra = [
-        statistics.median(r[f"{kind}_s"] - r["compute_s"] for r in row["rounds"]) - sent
-        for kind in ("all_gather", "reduce_scatter")
-    ]
+    scales = scales or {}
+    extra = []
+    for kind in ("all_gather", "reduce_scatter"):
+        rate = gbps * 1e9 * scales.get(f"{kind}_bw_scale", 1.0)
+        sent = (row["n"] - 1) / row["n"] * row["payload_bytes"] / rate
+        extra.append(statistics.median(r[f"{kind}_s"] - r["compute_s"] for r in row["rounds"]) - sent)
     return max(1.0, statistics.mean(extra) * 1e6)
 
 
@@ -492,6 +601,7 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
     n = ranks or rc.plan.world_size or (torch.cuda.device_count() if cuda else min(4, os.cpu_count() or 2))
     threads = rc.train.threads or 1
     torch.set_num_threads(threads)
+    probes = [speed_probe(rc, device)]  # the machine's speed as the profile measures it: before and after
     hbm = memory_bandwidth(device)
     shapes = model_gemms(rc)
     low_name = rc.train.precision if rc.train.precision in DTYPES else "fp32"
@@ -525,9 +635,12 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "collective_overhead_us": fit_collective_overhead(links, latency_us),
         "colocated_slowdown": fit_colocated_slowdown(blocks),
         "overlap_fraction": fit_overlap_fraction(per_rank[0].get("overlap") if per_rank else None),
-        "ahead_call_us": fit_launched_ahead(per_rank[0].get("ahead") if per_rank else None, gbps),
     }
-    fields["block_overhead_us"] = block_overhead_us(rc, fields, device)
+    fields.update(fit_kind_scales(per_rank[0].get("kinds") if per_rank else None, gbps))
+    fields["ahead_call_us"] = fit_launched_ahead(per_rank[0].get("ahead") if per_rank else None, gbps, fields)
+    probes.append(speed_probe(rc, device))  # after the ranks: the block's time is the two probes' mean
+    probe = {"block_s": statistics.mean(p["block_s"] for p in probes), "before_after_s": [p["block_s"] for p in probes]}
+    fields["block_overhead_us"] = block_overhead_us(rc, fields, probe["block_s"])
     fields["microbatch_overhead_us"], fields["step_overhead_us"] = host_overheads_us(rc, fields, device)
     fields["tp_call_us"] = fit_tp_call_us(per_rank[0].get("tp_block") if per_rank else None, rc, fields)
     hardware_profile("calibrated", {"calibrated": fields})  # refuse what the planner would refuse
@@ -542,8 +655,10 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
         "block_busy_ranks": blocks,
         "overlap": per_rank[0].get("overlap") if per_rank else None,
         "launched_ahead": per_rank[0].get("ahead") if per_rank else None,
+        "kinds": per_rank[0].get("kinds") if per_rank else None,
         "tp_block": per_rank[0].get("tp_block") if per_rank else None,
         "ranks": n,
+        "probe": probe,
     }
     (out / "calibration.json").write_text(json.dumps(raw, indent=1))
     return fields
@@ -565,6 +680,8 @@ def run_calibrate(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
         f"slowdown {fields['colocated_slowdown']:.2f} per other busy rank, "
         f"{fields['overlap_fraction']:.0%} of an overlapped all-reduce hidden, "
         f"{fields['ahead_call_us']:.0f} µs per collective launched ahead, "
+        f"all-gather / reduce-scatter at {fields['all_gather_bw_scale']:.2f} / "
+        f"{fields['reduce_scatter_bw_scale']:.2f} × the all-reduce's bandwidth, "
         f"{fields['tp_call_us']:.0f} µs more per TP collective in the model, "
         f"fixed costs {fields['block_overhead_us']:.0f} µs per block, "
         f"{fields['microbatch_overhead_us']:.0f} µs per micro-batch, {fields['step_overhead_us']:.0f} µs per step"

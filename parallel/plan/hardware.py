@@ -85,6 +85,8 @@ class Hardware:
     overlap_fraction: float = 1.0  # of the communication parallel.overlap hides behind compute, the share really hidden
     ahead_call_us: float = 0.0  # a collective launched ahead of its wait: its fixed cost; 0: its ring latency steps
     tp_call_us: float = 0.0  # a TP collective inside the model's autograd, beyond collective_overhead_us: resuming
+    all_gather_bw_scale: float = 1.0  # an all-gather's bandwidth over the ring's (the all-reduce's): 1 on GPUs
+    reduce_scatter_bw_scale: float = 1.0  # a reduce-scatter's likewise
     host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
 
@@ -101,12 +103,58 @@ class Hardware:
         """Bytes per second one rank sends at in a ring inside a node or across nodes."""
         return 1e9 * (self.inter_node_gbps if crosses_node else self.intra_node_gbps)
 
+    def kind_bandwidth(self, kind: str, crosses_node: bool) -> float:
+        """Bytes per second one rank sends at in a collective of ``kind``: the ring's
+        (:meth:`bandwidth`) times the profile's measured scale for all-gathers and reduce-scatters
+        (1 on the GPU profiles: NCCL runs every kind as a ring at the link's rate)."""
+        scale = {"all_gather": self.all_gather_bw_scale, "reduce_scatter": self.reduce_scatter_bw_scale}.get(kind, 1.0)
+        return self.bandwidth(crosses_node) * scale
+
     @property
     def hbm_bytes_per_s(self) -> float:
         return 1e9 * self.hbm_gbps
 
     def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
+
+    def time_scaled(self, factor: float) -> Hardware:
+        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1) at everything: every
+        rate (:data:`RATE_FIELDS`) divided by ``factor``, every fixed time (:data:`TIME_FIELDS`)
+        multiplied by it, the rest (sizes, fractions, counts) kept. Every time the planner derives is a
+        sum or maximum of ``work / rate`` and fixed times, so a plan's every time with the result is
+        exactly ``factor`` times this profile's (``benchmarks/plan.py`` rescales a calibration by a
+        speed probe taken just before each layout)."""
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise PlanError(f"hardware {self.name!r}: time scale factor={factor!r} must be a finite number > 0")
+        changes = {k: getattr(self, k) / factor for k in RATE_FIELDS}
+        changes.update({k: getattr(self, k) * factor for k in TIME_FIELDS})
+        return self.replace(**changes)
+
+
+#: the fields that are rates (FLOP/s, bytes/s) and fixed times (µs): what :meth:`Hardware.time_scaled`
+#: divides and multiplies; every other field is a size, a fraction or a count (a test holds that the
+#: three sets cover every field)
+RATE_FIELDS = ("peak_tflops_16", "peak_tflops_32", "intra_node_gbps", "inter_node_gbps", "hbm_gbps", "host_link_gbps")
+TIME_FIELDS = (
+    "latency_us",
+    "block_overhead_us",
+    "microbatch_overhead_us",
+    "step_overhead_us",
+    "collective_overhead_us",
+    "ahead_call_us",
+    "tp_call_us",
+)
+SCALE_FREE_FIELDS = (
+    "memory_bytes",
+    "gpus_per_node",
+    "efficiency",
+    "attention_efficiency",
+    "colocated_slowdown",
+    "overlap_fraction",
+    "host_ram_gb",
+    "all_gather_bw_scale",
+    "reduce_scatter_bw_scale",
+)
 
 
 # Compute constants (parallel/plan/compute.py): ``efficiency`` is the fraction of peak large GEMMs reach.
@@ -148,7 +196,11 @@ class Hardware:
 # resuming with the block's weights and activations out of the core's caches. ``mode=calibrate``
 # measures it in situ: the configured model's block at tp = 2 on two ranks, forward + backward, less
 # what the planner gives that block with the other fields, per TP collective (≈ 0.1–0.4 ms on the
-# 2-core VM this was written on).
+# 2-core VM this was written on). ``all_gather_bw_scale`` / ``reduce_scatter_bw_scale``: 1 on the GPU
+# profiles (NCCL runs both as rings at the link's rate: the ring formulas of ``.traffic``); on gloo
+# ``parallel.comm`` runs a sum reduce-scatter as an all-to-all and a large all-gather as broadcasts,
+# and gloo's own all-gather is slower than its all-reduce at a ZeRO unit's size, so ``mode=calibrate``
+# measures each kind through ``parallel.comm`` at the configured model's unit payload.
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
     # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU

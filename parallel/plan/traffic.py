@@ -3,7 +3,7 @@
 Ring algorithms: over N ranks and a payload of B bytes, an all-reduce sends
 ``2(N−1)/N·B`` bytes per rank in ``2(N−1)`` steps, a reduce-scatter or an
 all-gather (B = the full, gathered size) ``(N−1)/N·B`` in ``N−1`` steps. Time
-= sent / bandwidth + steps × latency + the profile's fixed ``collective_overhead_us`` per collective
+= sent / bandwidth (the profile's per-kind scale on it: ``Hardware.kind_bandwidth``) + steps × latency + the profile's fixed ``collective_overhead_us`` per collective
 issued, with the hardware's intra-node bandwidth
 when the group sits inside one node and its inter-node bandwidth otherwise.
 
@@ -106,7 +106,7 @@ class AxisTraffic:
         else:
             ahead = n_ahead * ring
         fixed = blocking * (ring + hw.collective_overhead_us * 1e-6) + ahead
-        one = sent / hw.bandwidth(self.crosses_node) + fixed
+        one = sent / hw.kind_bandwidth(kind, self.crosses_node) + fixed
         self.bytes += count * sent
         self.time_s += count * one
         kind_sum = self.by_kind.setdefault(kind, {"calls": 0.0, "seconds": 0.0})

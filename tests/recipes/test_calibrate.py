@@ -31,7 +31,8 @@ def test_calibrated_profile_round_trips_and_plans(tmp_path):
     assert (fields["collective_overhead_us"], fields["colocated_slowdown"], fields["overlap_fraction"]) == (0, 0, 1)
     plan = plan_from_config(scenario_config(TINY + [f"plan.hardware={path}"]))
     assert plan.step["step_time_s"] > 0
-    json.loads((tmp_path / "calibration.json").read_text())["gemm_fp32"]  # the raw measurements are kept
+    raw = json.loads((tmp_path / "calibration.json").read_text())
+    assert raw["gemm_fp32"] and raw["probe"]["block_s"] > 0  # the raw measurements and the speed probe are kept
 
 
 def test_a_bad_profile_file_is_refused(tmp_path):
@@ -123,7 +124,16 @@ def test_host_term_fits_invert_their_models():
 
 
 @pytest.mark.parametrize(
-    "field", ["collective_overhead_us", "colocated_slowdown", "overlap_fraction", "ahead_call_us", "tp_call_us"]
+    "field",
+    [
+        "collective_overhead_us",
+        "colocated_slowdown",
+        "overlap_fraction",
+        "ahead_call_us",
+        "tp_call_us",
+        "all_gather_bw_scale",
+        "reduce_scatter_bw_scale",
+    ],
 )
 def test_host_terms_round_trip_through_the_profile_file_and_bad_ones_are_refused(tmp_path, field):
     good = dict(hardware_profile("cpu").__dict__)
@@ -150,3 +160,65 @@ def test_tp_call_cost_is_the_in_situ_residual_per_tp_call():
     assert fit_tp_call_us(slower, rc, fields) - fit_tp_call_us(row, rc, fields) == pytest.approx(150.0)
     assert fit_tp_call_us({**row, "s": 0.0}, rc, fields) == 0.0
     assert fit_tp_call_us(None, rc, fields) == 0.0
+
+
+def test_kind_scales_take_each_kinds_bytes_rate_and_price_the_planners_calls():
+    from parallel.plan.traffic import AxisTraffic
+    from recipes.calibrate import fit_kind_scales
+
+    gbps, n, payload, small = 2.0, 2, 8e5, 4096
+    sent = (n - 1) / n * (payload - small)
+    row = {"n": n, "payload_bytes": payload, "payload_bytes_small": small}
+    for kind, scale, fixed in (("all_gather", 0.25, 900e-6), ("reduce_scatter", 1.6, 300e-6)):
+        row[f"{kind}_s_small"] = fixed  # the kind's own fixed cost, whatever the all-reduce's latency
+        row[f"{kind}_s"] = fixed + sent / (scale * gbps * 1e9)
+    scales = fit_kind_scales(row, gbps)
+    assert scales == pytest.approx({"all_gather_bw_scale": 0.25, "reduce_scatter_bw_scale": 1.6})
+    assert fit_kind_scales(None, gbps) == {"all_gather_bw_scale": 1.0, "reduce_scatter_bw_scale": 1.0}
+    # paired rounds: the difference within each round counts, whatever the round's fixed cost
+    drift = [{k: v + d for k, v in row.items() if k.endswith(("_s", "_s_small"))} for d in (0.0, 2e-3, 5e-4)]
+    assert fit_kind_scales({**row, "rounds": drift}, gbps) == pytest.approx(scales)
+    hw = hardware_profile("cpu", intra_node_gbps=gbps, latency_us=100.0, collective_overhead_us=0.0, **scales)
+    for kind, scale in (("all_gather", 0.25), ("reduce_scatter", 1.6)):  # the planner's call at that rate
+        assert AxisTraffic(n, False).add(kind, payload, 1, hw, "x") == pytest.approx(
+            (n - 1) / n * payload / (scale * gbps * 1e9) + 100e-6, rel=1e-12
+        )
+    # an all-reduce keeps the link's rate; the ahead fit takes each kind's bytes at its own rate
+    assert AxisTraffic(n, False).add("all_reduce", payload, 1, hw, "x") == pytest.approx(
+        2 * (n - 1) / n * payload / (gbps * 1e9) + 200e-6, rel=1e-12
+    )
+    ahead = [{"compute_s": c, "all_gather_s": c + 2e-3, "reduce_scatter_s": c + 5e-4} for c in (1e-3, 2e-3, 4e-3)]
+    bytes_s = {k: (n - 1) / n * payload / (s * gbps * 1e9) for k, s in (("ag", 0.25), ("rs", 1.6))}
+    expected = ((2e-3 - bytes_s["ag"]) + (5e-4 - bytes_s["rs"])) / 2 * 1e6
+    assert fit_launched_ahead({"n": n, "payload_bytes": payload, "rounds": ahead}, gbps, scales) == pytest.approx(
+        expected
+    )
+
+
+def _unit_rank():
+    import torch
+    import torch.distributed as dist
+
+    from recipes.calibrate import _block, _launched_ahead, _unit_kinds, unit_buckets
+    from recipes.config import model_config
+
+    torch.set_num_threads(1)
+    mc = model_config(scenario_config(TINY).model)
+    block, x = _block(mc, 1, torch.float32, torch.device("cpu"))
+    numel = sum(p.numel() for p in block.parameters())
+    kinds = _unit_kinds(numel, dist.group.WORLD, torch.device("cpu"))
+    ahead = _launched_ahead(block, x, dist.group.WORLD, torch.device("cpu"))
+    return numel, unit_buckets(block), kinds, ahead
+
+
+def test_unit_collectives_are_measured_as_the_engine_packs_a_unit():
+    from parallel.testing import run_ranks
+    from recipes.calibrate import fit_kind_scales
+
+    numel, buckets, kinds, ahead = run_ranks(_unit_rank, 2, timeout=120)[0]
+    assert len(buckets) == 2 and sum(buckets) == numel  # weights; biases and norms (packing.bucket_class)
+    assert ahead["buckets"] == buckets and ahead["payload_bytes"] >= 4 * numel and len(ahead["rounds"]) > 1
+    assert kinds["payload_bytes"] >= 4 * numel and kinds["payload_bytes_small"] == 4096
+    assert all(r["all_gather_s"] > 0 and r["reduce_scatter_s_small"] > 0 for r in kinds["rounds"])
+    scales = fit_kind_scales(kinds, 1.0)
+    assert all(0.01 <= v <= 100 for v in scales.values()) and fit_launched_ahead(ahead, 1.0, scales) >= 1.0
