@@ -295,9 +295,12 @@ class _AllOf:
 # from this size of ``output`` on, gloo's all-gather runs as broadcasts (below it the n calls' latency
 # outweighs the gain: 2 ranks, 16 KiB: 0.6 vs 0.4 ms wall; 1 MiB: 0.8 vs 1.4 ms; 8 MiB: 2.8 vs 4.5 ms)
 GLOO_GATHER_BY_BROADCAST_BYTES = 1 << 20
-# and only in groups of at most this many ranks (measured at 2 and 4; gloo's broadcast is a tree, so
-# n broadcasts may lose to its ring all-gather in larger groups)
-GLOO_GATHER_BY_BROADCAST_MAX_RANKS = 4
+# and only in groups of at most this many ranks, where it was measured (gloo's broadcast is a tree, so
+# n broadcasts may lose to its ring all-gather in larger groups). 8 ranks on 2 shared cores, slowest
+# rank, median of 5-7 (issue 17, sixth round), gloo's all-gather vs the broadcasts, wall / CPU ms:
+# 1 MiB 19.4 / 9.0 vs 12.3 / 6.4; 4 MiB 18.6 / 5.5 vs 14.1 / 4.3; 16 MiB 36.8 / 10.8 vs 27.4 / 7.9;
+# 64 MiB 252 / 60 vs 102 / 25 (2 and 4 ranks: see _all_gather_by_broadcasts)
+GLOO_GATHER_BY_BROADCAST_MAX_RANKS = 8
 
 
 def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool):
