@@ -31,9 +31,10 @@ Collectives, all on the DP group through :mod:`parallel.comm`, gradients in
 
 * stage 0: ``all_reduce`` of the bucket's gradient (n · c bytes payload), or
   with top-k compression an ``all_gather`` of values + indices;
-* stages 1–3: ``reduce_scatter`` of the gradient (n · c payload) into the shard (stage 1 with
-  an fp32 ``comm_dtype``: in place, into this rank's range of ``flat_grad``, which holds the
-  reduced shard from then until the step's :meth:`zero_grad`);
+* stages 1–3: ``reduce_scatter`` of the gradient (n · c payload), in place into this rank's
+  range of the buffer sent (stage 1 with an fp32 ``comm_dtype``: of ``flat_grad``, which holds
+  the reduced shard from then until the step's :meth:`zero_grad`; otherwise of the transient
+  n · c buffer, whose range stage 1 keeps until the step and stages 2–3 add into ``grad_shard``);
 * stages 1–2 after the step, stage 3 before forward and backward:
   ``all_gather`` of the parameters (n · b payload; stages 1–2 in place, from this rank's range
   of ``flat_param``).
@@ -134,10 +135,9 @@ class FlatBucket:
             self._pending = (handle, (lambda: None) if buf is self.flat_grad else (lambda: self.flat_grad.copy_(buf)))
         else:
             full = self._full_grad_for_comm()
-            if full is self.flat_grad:  # stage 1 in fp32: in place, into this rank's range of flat_grad
-                out = self.flat_grad[self.lo : self.hi]  # (a fresh buffer costs page faults on the host)
-            else:
-                out = torch.empty(self.hi - self.lo, dtype=self.comm_dtype, device=full.device)
+            # in place, into this rank's range of what is sent (flat_grad at stage 1 in fp32, else a
+            # buffer alive until the wait anyway): no fresh output buffer (page faults on the host)
+            out = full[self.lo : self.hi]
             handle = comm.reduce_scatter(out, full, group=self.group, async_op=True)
             self._pending = (handle, lambda: self._keep_shard(out))
         self.reduced = True
