@@ -155,31 +155,39 @@ class _SumOfReceived:
     """The handle of :func:`_reduce_scatter_by_all_to_all`: ``wait()`` completes the exchange,
     then sums the received chunks into the output."""
 
-    def __init__(self, work, buffers: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor, n: int):
-        self._work, self._buffers, self._output, self._n = work, buffers, output, n
+    def __init__(self, work, received: torch.Tensor, input: torch.Tensor, output: torch.Tensor, n: int):
+        self._work, self._received, self._input, self._output, self._n = work, received, input, output, n
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's signature
         if self._work is not None:
             self._work.wait()
-            torch.sum(self._buffers[1].view(self._n, -1), dim=0, out=self._output.view(-1))
-            _return_buffers(self._buffers)
-            self._work = self._buffers = None
+            _sum_chunks(self._received.view(self._n, -1), self._output.view(-1))
+            _return_buffer(self._received)
+            self._work = self._received = self._input = None
         return True
 
     def is_completed(self) -> bool:
         return self._work is None
 
 
-# buffers of completed gloo reduce-scatters, reused (fresh large host buffers cost page faults), per
-# (numel, dtype, device) as many pairs as were once in flight together; only the A2A_POOL_SIZES sizes
+def _sum_chunks(chunks: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = chunks[0] + chunks[1] + ...`` in rank order, written once: no zero fill first (torch.sum
+    over dim 0 fills its output before adding: one more pass over it)."""
+    torch.add(chunks[0], chunks[1], out=out)
+    for i in range(2, chunks.shape[0]):
+        out.add_(chunks[i])
+
+
+# receive buffers of completed gloo reduce-scatters, reused (fresh large host buffers cost page faults),
+# per (numel, dtype, device) as many as were once in flight together; only the A2A_POOL_SIZES sizes
 # used last are kept (ZeRO's buckets come in one or two sizes), so a sweep over sizes does not grow it
 A2A_POOL_SIZES = 4
-_A2A_BUFFERS: OrderedDict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+_A2A_BUFFERS: OrderedDict[tuple, list[torch.Tensor]] = OrderedDict()
 
 
-def _return_buffers(buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
-    key = _buffer_key(buffers[0])
-    _A2A_BUFFERS.setdefault(key, []).append(buffers)
+def _return_buffer(buffer: torch.Tensor) -> None:
+    key = _buffer_key(buffer)
+    _A2A_BUFFERS.setdefault(key, []).append(buffer)
     _A2A_BUFFERS.move_to_end(key)
     while len(_A2A_BUFFERS) > A2A_POOL_SIZES:
         _A2A_BUFFERS.popitem(last=False)
@@ -193,21 +201,23 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, *, 
     """gloo's sum reduce-scatter as an all-to-all of the chunks, then a local sum: the same
     (N-1)/N of ``input`` sent, and 2.5× less CPU than gloo's own reduce-scatter (12.8 M fp32
     on 2 ranks: 23 vs 58–65 ms, 30 vs 75 ms wall; issue 17). Rank i receives every rank's
-    chunk i and adds them, so each output element is still computed by one rank only. ``input``
-    is copied at the call, as gloo's own reduce-scatter takes it: a caller may write into it
-    before the wait. Host memory: the two buffers (2 × ``input``) per call in flight, kept for
-    reuse after the wait for the :data:`A2A_POOL_SIZES` sizes used last (ZeRO-0/1 with overlap:
-    twice the gradient in the comm dtype, held between steps; not on GPUs)."""
+    chunk i and adds them, so each output element is still computed by one rank only.
+
+    ``input`` is sent from where it lies, as NCCL's reduce-scatter reads it: the caller leaves it
+    unchanged until the wait (the NCCL rule). ``output`` may be ``input``'s own chunk (in place, as
+    NCCL allows): it is written only at the wait, after the exchange. Host memory: one receive
+    buffer (``input``'s size) per call in flight, kept for reuse after the wait for the
+    :data:`A2A_POOL_SIZES` sizes used last (ZeRO-0/1 with overlap: the gradient in the comm dtype,
+    held between steps; not on GPUs)."""
     del op  # SUM (the caller checks)
     n = group_size(group)
     key = _buffer_key(input)
     free = _A2A_BUFFERS.get(key)
     if free:
         _A2A_BUFFERS.move_to_end(key)
-    sent, received = free.pop() if free else (torch.empty_like(input).view(-1), torch.empty_like(input).view(-1))
-    sent.copy_(input.reshape(-1))
-    work = dist.all_to_all_single(received, sent, group=group, async_op=True)
-    handle = _SumOfReceived(work, (sent, received), output, n)
+    received = free.pop() if free else torch.empty(input.numel(), dtype=input.dtype, device=input.device)
+    work = dist.all_to_all_single(received, input.reshape(-1), group=group, async_op=True)
+    handle = _SumOfReceived(work, received, input, output, n)
     if async_op:
         return handle
     handle.wait()
@@ -218,10 +228,26 @@ def _gloo_sum(input: torch.Tensor, group, op) -> bool:
     return op == ReduceOp.SUM and runs_on_gloo(group, input.device)
 
 
+def _own_chunk(part: torch.Tensor, whole: torch.Tensor, group) -> bool:
+    """Whether ``part`` is this rank's chunk of ``whole`` itself (a collective in place), not a copy."""
+    return (
+        part.untyped_storage() is whole.untyped_storage()
+        and part.is_contiguous()
+        and whole.is_contiguous()
+        and part.storage_offset() == whole.storage_offset() + dist.get_rank(group) * part.numel()
+    )
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage() is b.untyped_storage()
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
     """Reduce ``input`` (N equal chunks along dim 0) over ``group``; rank i keeps chunk i.
 
-    A sum on gloo runs as :func:`_reduce_scatter_by_all_to_all` (same bytes, counted the same)."""
+    In place when ``output`` is this rank's chunk of ``input`` (NCCL's in-place form; no buffer
+    for the output). ``input`` is read until the collective completes: leave it unchanged until
+    then. A sum on gloo runs as :func:`_reduce_scatter_by_all_to_all` (same bytes, counted the same)."""
     n = group_size(group)
     if input.numel() != output.numel() * n:
         raise ValueError(
@@ -229,16 +255,20 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=Red
             f"{output.numel()} × group size {n} = {output.numel() * n}"
         )
     if n == 1:
-        output.copy_(input.view_as(output))
+        if not _own_chunk(output, input, group):
+            output.copy_(input.view_as(output))
         return _Done() if async_op else None
     record(group_label(group), "reduce_scatter", _nbytes(input), n)
     note(group_label(group), group, "reduce_scatter", input, also=(output,))
+    by_all_to_all = _gloo_sum(input, group, op)
+    if not by_all_to_all and runs_on_gloo(group, input.device) and _shares_memory(output, input):
+        input = input.clone()  # gloo's own reduce-scatter is not documented to run in place
     return _call(
         group_label(group),
         "reduce_scatter",
         async_op,
         (output, input),
-        _reduce_scatter_by_all_to_all if _gloo_sum(input, group, op) else _reduce_scatter_tensor,
+        _reduce_scatter_by_all_to_all if by_all_to_all else _reduce_scatter_tensor,
         output,
         input,
         op=op,
@@ -265,9 +295,12 @@ class _AllOf:
 # from this size of ``output`` on, gloo's all-gather runs as broadcasts (below it the n calls' latency
 # outweighs the gain: 2 ranks, 16 KiB: 0.6 vs 0.4 ms wall; 1 MiB: 0.8 vs 1.4 ms; 8 MiB: 2.8 vs 4.5 ms)
 GLOO_GATHER_BY_BROADCAST_BYTES = 1 << 20
-# and only in groups of at most this many ranks (measured at 2 and 4; gloo's broadcast is a tree, so
-# n broadcasts may lose to its ring all-gather in larger groups)
-GLOO_GATHER_BY_BROADCAST_MAX_RANKS = 4
+# and only in groups of at most this many ranks, where it was measured (gloo's broadcast is a tree, so
+# n broadcasts may lose to its ring all-gather in larger groups). 8 ranks on 2 shared cores, slowest
+# rank, median of 5-7 (issue 17, sixth round), gloo's all-gather vs the broadcasts, wall / CPU ms:
+# 1 MiB 19.4 / 9.0 vs 12.3 / 6.4; 4 MiB 18.6 / 5.5 vs 14.1 / 4.3; 16 MiB 36.8 / 10.8 vs 27.4 / 7.9;
+# 64 MiB 252 / 60 vs 102 / 25 (2 and 4 ranks: see _all_gather_by_broadcasts)
+GLOO_GATHER_BY_BROADCAST_MAX_RANKS = 8
 
 
 def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool):
@@ -275,11 +308,12 @@ def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, *, grou
     rank receives each other rank's chunk once, the same (N-1)/N of ``output`` per rank summed
     over the N broadcasts as a ring all-gather, at a third of gloo's own all-gather's CPU time
     (12.8 M fp32: 2 ranks 13 vs 41–49 ms CPU, 18 vs 60 ms wall; 4 ranks 17 vs 56 ms CPU; issue 17).
-    ``input`` is copied into this rank's chunk at the call."""
+    ``input`` is copied into this rank's chunk at the call, unless it is that chunk (in place)."""
     n = group_size(group)
     chunks = output.view(-1).chunk(n)
     me = dist.get_rank(group)
-    chunks[me].copy_(input.reshape(-1))
+    if not _own_chunk(input, output, group):  # in place: this rank's chunk is there already
+        chunks[me].copy_(input.reshape(-1))
     handle = _AllOf([dist.broadcast(chunks[r], group=group, group_src=r, async_op=True) for r in range(n)])
     if async_op:
         return handle
@@ -290,8 +324,9 @@ def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, *, grou
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate every rank's ``input`` along dim 0 into ``output``.
 
-    Large on gloo (``GLOO_GATHER_BY_BROADCAST_BYTES``, at most ``GLOO_GATHER_BY_BROADCAST_MAX_RANKS``
-    ranks): :func:`_all_gather_by_broadcasts` (counted the same)."""
+    In place when ``input`` is this rank's chunk of ``output`` (NCCL's in-place form: no copy of the
+    input first). Large on gloo (``GLOO_GATHER_BY_BROADCAST_BYTES``, at most
+    ``GLOO_GATHER_BY_BROADCAST_MAX_RANKS`` ranks): :func:`_all_gather_by_broadcasts` (counted the same)."""
     n = group_size(group)
     if output.numel() != input.numel() * n:
         raise ValueError(
@@ -301,16 +336,20 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     if input.dtype != output.dtype:  # as torch's own all-gather refuses (the broadcast path would convert)
         raise ValueError(f"all_gather: input {input.dtype} and output {output.dtype} differ; use one dtype")
     if n == 1:
-        output.copy_(input.view_as(output))
+        if not _own_chunk(input, output, group):
+            output.copy_(input.view_as(output))
         return _Done() if async_op else None
     record(group_label(group), "all_gather", _nbytes(output), n)
     note(group_label(group), group, "all_gather", output, also=(input,))
+    by_broadcasts = _gloo_broadcasts(output, group)
+    if not by_broadcasts and runs_on_gloo(group, output.device) and _shares_memory(output, input):
+        input = input.clone()  # gloo's own all-gather is not documented to run in place
     return _call(
         group_label(group),
         "all_gather",
         async_op,
         (output, input),
-        _all_gather_by_broadcasts if _gloo_broadcasts(output, group) else _all_gather_tensor,
+        _all_gather_by_broadcasts if by_broadcasts else _all_gather_tensor,
         output,
         input,
         group=group,

@@ -31,9 +31,13 @@ Collectives, all on the DP group through :mod:`parallel.comm`, gradients in
 
 * stage 0: ``all_reduce`` of the bucket's gradient (n · c bytes payload), or
   with top-k compression an ``all_gather`` of values + indices;
-* stages 1–3: ``reduce_scatter`` of the gradient (n · c payload) into the shard;
+* stages 1–3: ``reduce_scatter`` of the gradient (n · c payload), in place into this rank's
+  range of the buffer sent (stage 1 with an fp32 ``comm_dtype``: of ``flat_grad``, which holds
+  the reduced shard from then until the step's :meth:`zero_grad`; otherwise of the transient
+  n · c buffer, whose range stage 1 keeps until the step and stages 2–3 add into ``grad_shard``);
 * stages 1–2 after the step, stage 3 before forward and backward:
-  ``all_gather`` of the parameters (n · b payload).
+  ``all_gather`` of the parameters (n · b payload; stages 1–2 in place, from this rank's range
+  of ``flat_param``).
 """
 
 from __future__ import annotations
@@ -131,7 +135,9 @@ class FlatBucket:
             self._pending = (handle, (lambda: None) if buf is self.flat_grad else (lambda: self.flat_grad.copy_(buf)))
         else:
             full = self._full_grad_for_comm()
-            out = torch.empty(self.hi - self.lo, dtype=self.comm_dtype, device=full.device)
+            # in place, into this rank's range of what is sent (flat_grad at stage 1 in fp32, else a
+            # buffer alive until the wait anyway): no fresh output buffer (page faults on the host)
+            out = full[self.lo : self.hi]
             handle = comm.reduce_scatter(out, full, group=self.group, async_op=True)
             self._pending = (handle, lambda: self._keep_shard(out))
         self.reduced = True
@@ -247,8 +253,8 @@ class FlatBucket:
         home = self.param_shard if self.policy.shards_params else self.flat_param[self.lo : self.hi]
         if self.master_is_separate:  # offload: host -> device, asynchronous from pinned memory
             home.copy_(self.master, non_blocking=self.master.is_pinned())
-        if self.policy.gathers_after_step:
-            comm.all_gather(self.flat_param, home.clone(), group=self.group)
+        if self.policy.gathers_after_step:  # in place: home is this rank's range of flat_param
+            comm.all_gather(self.flat_param, home, group=self.group)
         elif self.policy.gathers_per_unit:
             self.free_params()
 

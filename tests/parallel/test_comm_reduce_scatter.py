@@ -93,3 +93,41 @@ def test_gloo_large_all_gather_by_broadcasts_equals_gloos_own_and_counts_the_sam
         assert calls == 2 * 2 * n  # the large fp32 and bf16 gathers (async and blocking): n broadcasts each
         per_call = [n * big * 4] * 2 + [n * 2 * big * 2] * 2 + [n * 5 * 4] * 2  # async and blocking
         assert sent == pytest.approx(sum(per_call) * (n - 1) / n)
+
+
+def _in_place_rank():
+    from parallel.comm import collectives
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    results = []
+    big = collectives.GLOO_GATHER_BY_BROADCAST_BYTES // 4 // n + 7  # the broadcast path; 5: gloo's own
+    for size in (big, 5):
+        x = torch.randn(n * size, generator=torch.Generator().manual_seed(me))
+        want = torch.empty(size)
+        dist.reduce_scatter_tensor(want, x.clone())
+        buf = x.clone()
+        handle = comm.reduce_scatter(buf[me * size : (me + 1) * size], buf, async_op=True)  # in place
+        handle.wait()
+        got = buf[me * size : (me + 1) * size].clone()
+        buf = x.clone()  # a max on gloo runs gloo's own, in place too
+        comm.reduce_scatter(buf[me * size : (me + 1) * size], buf, op=dist.ReduceOp.MAX)
+        want_max = torch.empty(size)
+        dist.reduce_scatter_tensor(want_max, x.clone(), op=dist.ReduceOp.MAX)
+        gathered = torch.full((n * size,), -1.0)
+        gathered[me * size : (me + 1) * size] = me + torch.arange(size) / size
+        native = torch.empty(n * size)
+        dist.all_gather_into_tensor(native, gathered[me * size : (me + 1) * size].clone())
+        comm.all_gather(gathered, gathered[me * size : (me + 1) * size])  # in place
+        results.append((want, got, want_max, buf[me * size : (me + 1) * size], native, gathered))
+    return results
+
+
+def test_reduce_scatter_and_all_gather_in_place_equal_the_out_of_place_ones():
+    """ZeRO-1 reduce-scatters into its own range of the gradient buffer and gathers from its own
+    range of the parameters (no fresh host buffer, no copy; issue 17): both paths of each, in place,
+    equal gloo's own out of place."""
+    for results in run_ranks(_in_place_rank, 2, timeout=60):
+        for want, got, want_max, got_max, native, gathered in results:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            assert torch.equal(got_max, want_max)
+            assert torch.equal(gathered, native)

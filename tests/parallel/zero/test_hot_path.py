@@ -209,3 +209,33 @@ def test_one_rank_needs_no_no_sync(stage):
     """dp=1 (16-bit: hooks on every backward): nothing is reduced before the step, so backwards
     outside ``no_sync`` accumulate exactly as inside it (not refused, not lost)."""
     assert run_ranks(_one_rank_accumulates_without_no_sync, 1, stage, timeout=60) == [True]
+
+
+def _stage1_in_place():
+    import torch.distributed as dist
+
+    from parallel.comm import collectives
+
+    collectives.GLOO_GATHER_BY_BROADCAST_BYTES = 0  # the path of large buckets (gloo's own is not in place)
+    zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw)
+    fresh = []
+    original, clone = torch.empty, torch.Tensor.clone
+    x, y = batches(steps=1)[0]
+    zdp.backward(((zdp(x) - y) ** 2).mean())
+    torch.empty = lambda *a, **k: fresh.append(a) or original(*a, **k)  # no buffer for a shard
+    torch.Tensor.clone = lambda t, *a, **k: fresh.append(t.shape) or clone(t, *a, **k)  # nor a copy of it
+    try:
+        shards = [(b, b.main_grad()) for b in zdp.buckets if b.finish_reduction() is None]
+        zdp.step(norm=False)
+    finally:
+        torch.empty, torch.Tensor.clone = original, clone
+    return [(g.untyped_storage() is b.flat_grad.untyped_storage(), g.storage_offset() - b.lo) for b, g in shards], fresh
+
+
+def test_stage1_reduces_and_gathers_in_place():
+    """ZeRO-1 in fp32 reduce-scatters into this rank's range of the gradient buffer and gathers the
+    parameters from this rank's range of the flat parameters: no fresh host buffer (page faults at
+    every step: 3-5 % of a 25.6 M step on CPU, issue 17) and no copy of the shard."""
+    for views, fresh in run_ranks(_stage1_in_place, 2, timeout=60):
+        assert views and all(same and offset == 0 for same, offset in views)
+        assert fresh == []
