@@ -239,7 +239,23 @@ def _own_chunk(part: torch.Tensor, whole: torch.Tensor, group) -> bool:
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage() is b.untyped_storage()
+    """Whether ``a`` and ``b`` (contiguous) overlap in memory."""
+    if a.untyped_storage() is not b.untyped_storage():
+        return False
+    a0, b0 = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _check_in_place(kind: str, part: torch.Tensor, whole: torch.Tensor, group) -> None:
+    """Refuse ``part`` overlapping ``whole`` anywhere but as this rank's chunk of it: the one
+    in-place form NCCL allows (elsewhere it would silently read what it already wrote); refused
+    on every backend alike, so that a CPU run catches what would corrupt a GPU run."""
+    if _shares_memory(part, whole) and not _own_chunk(part, whole, group):
+        raise ValueError(
+            f"{kind}: the per-rank buffer overlaps the full one at an element offset "
+            f"{part.storage_offset() - whole.storage_offset()}, not this rank's chunk "
+            f"(rank {dist.get_rank(group)} × {part.numel()}); pass separate buffers or this rank's chunk"
+        )
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False):
@@ -254,6 +270,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=Red
             f"reduce_scatter: input has {input.numel()} elements, expected output "
             f"{output.numel()} × group size {n} = {output.numel() * n}"
         )
+    _check_in_place("reduce_scatter", output, input, group)
     if n == 1:
         if not _own_chunk(output, input, group):
             output.copy_(input.view_as(output))
@@ -335,6 +352,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         )
     if input.dtype != output.dtype:  # as torch's own all-gather refuses (the broadcast path would convert)
         raise ValueError(f"all_gather: input {input.dtype} and output {output.dtype} differ; use one dtype")
+    _check_in_place("all_gather", input, output, group)
     if n == 1:
         if not _own_chunk(input, output, group):
             output.copy_(input.view_as(output))

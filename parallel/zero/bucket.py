@@ -184,7 +184,10 @@ class FlatBucket:
 
     def _keep_shard(self, out: torch.Tensor) -> None:
         if self.grad_shard is None:  # stage 1: the shard lives only until the step
-            self._stage1_shard = out
+            # fp32: a view of flat_grad, no copy; a 16-bit wire: a copy of the shard, so that the
+            # transient wire copy of the whole bucket (``out``'s base) is freed now, not at the step
+            in_flat = self.flat_grad is not None and out.untyped_storage() is self.flat_grad.untyped_storage()
+            self._stage1_shard = out if in_flat else out.clone()
         else:
             self.grad_shard.add_(out.to(self.grad_shard.dtype))
 
@@ -236,6 +239,13 @@ class FlatBucket:
         return g if g.dtype == torch.float32 else g.float()
 
     def zero_grad(self) -> None:
+        """Forget this step's gradients; a reduction still in flight (a step abandoned between a
+        communicating backward and :meth:`step`) is waited for first, so that it cannot write into
+        the zeroed buffer afterwards (on NCCL the in-place reduce-scatter writes ``flat_grad``'s
+        range), and its result is dropped."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
         if self.flat_grad is not None:
             self.flat_grad.zero_()
         if self.grad_shard is not None:

@@ -369,7 +369,9 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket = self._param_bucket[param]
         once = not self.policy.reduce_every_microbatch and self._communicates_now()  # stages 0-1, this backward
-        if once and self.dp_size > 1:  # before the gradient is taken in: a refusal leaves the buffer as it was
+        # before the gradient is taken in (a 16-bit gradient is then not added; an fp32 view of flat_grad
+        # already was, by autograd: the step must not be taken after the refusal either way)
+        if once and self.dp_size > 1:
             self._check_first_reduction(bucket, param)
         if not self._callback_queued:
             self._callback_queued = True

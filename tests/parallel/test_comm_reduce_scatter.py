@@ -131,3 +131,23 @@ def test_reduce_scatter_and_all_gather_in_place_equal_the_out_of_place_ones():
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
             assert torch.equal(got_max, want_max)
             assert torch.equal(gathered, native)
+
+
+def _misplaced_rank():
+    me = dist.get_rank()
+    errors = []
+    buf = torch.ones(2 * 64)
+    other = buf[(1 - me) * 64 : (2 - me) * 64]  # the OTHER rank's chunk: NCCL would read what it wrote
+    for call in (lambda: comm.reduce_scatter(other, buf), lambda: comm.all_gather(buf, other)):
+        with pytest.raises(ValueError, match="not this rank's chunk"):
+            call()
+        errors.append(True)
+    disjoint = torch.ones(3 * 64)  # one storage, no overlap: allowed
+    comm.reduce_scatter(disjoint[128:], disjoint[:128])
+    return errors, disjoint[128:].tolist() == [2.0] * 64
+
+
+def test_an_overlapping_buffer_that_is_not_this_ranks_chunk_is_refused():
+    """The one in-place form is this rank's chunk (NCCL's rule); any other overlap of the two
+    buffers is refused on every backend, before any collective, so a CPU run catches it."""
+    assert run_ranks(_misplaced_rank, 2, timeout=60) == [([True, True], True)] * 2

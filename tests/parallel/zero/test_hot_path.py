@@ -239,3 +239,33 @@ def test_stage1_reduces_and_gathers_in_place():
     for views, fresh in run_ranks(_stage1_in_place, 2, timeout=60):
         assert views and all(same and offset == 0 for same, offset in views)
         assert fresh == []
+
+
+def _abandoned_step(comm_dtype):
+    import torch.distributed as dist
+
+    zdp = ZeroDataParallel(
+        make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw, comm_dtype=comm_dtype
+    )
+    x, y = batches(steps=1)[0]
+    zdp.backward(((zdp(x) - y) ** 2).mean())  # communicating: reductions in flight
+    pending = sum(b._pending is not None for b in zdp.buckets)
+    zdp.zero_grad()  # the step is abandoned: what is in flight is waited for and dropped
+    left = sum(b._pending is not None for b in zdp.buckets)
+    zeroed = all(float(b.flat_grad.abs().sum()) == 0.0 for b in zdp.buckets)
+    zdp.backward(((zdp(x) - y) ** 2).mean())
+    for b in zdp.buckets:
+        b.finish_reduction()
+    own = [b._stage1_shard.untyped_storage() is b.flat_grad.untyped_storage() for b in zdp.buckets]
+    return pending, left, zeroed, own
+
+
+@pytest.mark.parametrize("comm_dtype", [torch.float32, torch.bfloat16])
+def test_zero_grad_waits_for_reductions_in_flight_and_a_16bit_shard_is_its_own(comm_dtype):
+    """zero_grad() between a communicating backward and the step waits for the reductions in flight
+    (on NCCL the in-place reduce-scatter would otherwise write into the zeroed buffer later); the
+    stage-1 shard is a view of flat_grad in fp32 and its own copy with a 16-bit wire (the wire copy
+    of the whole bucket is then freed at the wait, as the planner counts)."""
+    for pending, left, zeroed, own in run_ranks(_abandoned_step, 2, comm_dtype, timeout=60):
+        assert pending > 0 and left == 0 and zeroed
+        assert all(own) if comm_dtype == torch.float32 else not any(own)
