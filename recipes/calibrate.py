@@ -110,14 +110,19 @@ def _quietest(fn, device: torch.device, reps: int) -> float:
 PAIRED_ROUNDS = 15
 
 
-def _paired(fns: dict, device: torch.device, reps: int, rounds: int = PAIRED_ROUNDS) -> list[dict[str, float]]:
-    """Per round, the mean seconds of ``reps`` calls of each of ``fns`` (by name), run one after the
+def _paired(
+    fns: dict, device: torch.device, reps: int, rounds: int = PAIRED_ROUNDS, stats: dict | None = None
+) -> list[dict[str, float]]:
+    """Per round, the mean seconds (or ``stats[name]`` of them) of ``reps`` calls of each of ``fns``
+    (by name), run one after the
     other in the same round: a difference or ratio between them is taken within a round (the machine's
     state drifts between rounds on a shared host: both sides of a difference see the same drift), and
     its median over rounds is what counts (:func:`fit_collective_overhead`, :func:`fit_overlap_fraction`).
     A fixed count: every member of a group calls each as often."""
+    stats = stats or {}
     return [
-        {k: _time(fn, device=device, reps=reps, stat=statistics.mean) for k, fn in fns.items()} for _ in range(rounds)
+        {k: _time(fn, device=device, reps=reps, stat=stats.get(k, statistics.mean)) for k, fn in fns.items()}
+        for _ in range(rounds)
     ]
 
 
@@ -196,8 +201,9 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     configured model (embedding, blocks, head, cross-entropy; forward + backward) and one step
     (gradient clipping's norm, the recipe's optimizer step, zero_grad) take beyond what the planner's
     work model gives them with ``fields``; the micro-batch's is the median over paired rounds of the
-    micro-batch less the model's blocks at the first block's time in the same round (what the planner
-    gives them, ``block_overhead_us`` included) and the head's work. Measured on the model's own
+    micro-batch less the model's blocks at the first block's time in the same round (the median of its
+    calls, as the planner's block time is the probe's median; ``block_overhead_us`` included) and the
+    head's work. Measured on the model's own
     modules and the recipe's own optimizer in this process."""
     from models.transformer import build_model
     from parallel.plan import ModelShape
@@ -214,7 +220,9 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     block, _ = _block_step(mc, b, dtype, device)
     # paired rounds (≈ 1 s): the micro-batch and one block timed in the same round, so the residual
     # (a few % of the micro-batch) is taken where both saw the same machine speed
-    rounds = _paired({"mb_s": lambda: model.loss(model(ids), ids).backward(), "block_s": block}, device, MB_REPS)
+    # the block as the planner's block time is taken: the median of its calls (speed_probe, _time)
+    fns = {"mb_s": lambda: model.loss(model(ids), ids).backward(), "block_s": block}
+    rounds = _paired(fns, device, MB_REPS, stats={"block_s": statistics.median})
     hw = Hardware("calibrating", **{**fields, "microbatch_overhead_us": 0.0, "step_overhead_us": 0.0})
     head = head_time(ModelShape.of(mc), b, 1, hw, rc.train.precision)
     # the planner's blocks (work + block_overhead_us, the probe's block time) at the round's block time
