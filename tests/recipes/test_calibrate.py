@@ -254,3 +254,18 @@ def test_the_microbatch_residual_takes_the_block_as_the_planner_does(monkeypatch
         time.sleep(next(ticks))
 
     assert paired({"x": step}, torch.device("cpu"), 3, rounds=1, stats={"x": statistics.median})[0]["x"] < 0.05
+
+
+def test_a_unit_is_split_into_buckets_above_bucket_mb_as_the_engine_packs_it():
+    import torch
+
+    from recipes.calibrate import _block, unit_buckets
+    from recipes.config import model_config
+
+    block, _ = _block(model_config(scenario_config(TINY).model), 1, torch.float32, torch.device("cpu"))
+    numels = [p.numel() for p in block.parameters()]
+    assert len(unit_buckets(block)) == 2  # 25 MB: one bucket per class (weights; biases and norms)
+    cap = 0.02 * 2**20 / 4  # elements of a 20 KiB fp32 bucket
+    small = unit_buckets(block, bucket_mb=0.02)
+    assert sum(small) == sum(numels) and len(small) > 2
+    assert all(n <= cap or n in numels for n in small)  # a parameter above the cap gets its own bucket
