@@ -29,7 +29,7 @@ most the cores they used during the run times the step). Until this round all of
 subtracted, to keep other jobs' load out; but with the machine quiet (other jobs ≤ 0.02 cores under
 the shared CPU lock) the wait is the layout's own: on 2 cores its two ranks' main threads compete
 with gloo's transport threads, which run the collectives launched ahead (ZeRO-3's main thread waited
-≈ 11 ms of a 55 ms step, the single process none), and the calibration's measurements of those
+7–10 ms of a 48–49 ms step in runs 5–8, the single process none), and the calibration's measurements of those
 collectives (``ahead_call_us``, wall time with the threads competing) include it. The old figure
 (``wall − all CPU wait``) and the wall time are reported beside it. Waits for the other ranks (the
 pipeline bubble, collectives) stay in.
