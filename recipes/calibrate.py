@@ -110,14 +110,19 @@ def _quietest(fn, device: torch.device, reps: int) -> float:
 PAIRED_ROUNDS = 15
 
 
-def _paired(fns: dict, device: torch.device, reps: int, rounds: int = PAIRED_ROUNDS) -> list[dict[str, float]]:
-    """Per round, the mean seconds of ``reps`` calls of each of ``fns`` (by name), run one after the
+def _paired(
+    fns: dict, device: torch.device, reps: int, rounds: int = PAIRED_ROUNDS, stats: dict | None = None
+) -> list[dict[str, float]]:
+    """Per round, the mean seconds (or ``stats[name]`` of them) of ``reps`` calls of each of ``fns``
+    (by name), run one after the
     other in the same round: a difference or ratio between them is taken within a round (the machine's
     state drifts between rounds on a shared host: both sides of a difference see the same drift), and
     its median over rounds is what counts (:func:`fit_collective_overhead`, :func:`fit_overlap_fraction`).
     A fixed count: every member of a group calls each as often."""
+    stats = stats or {}
     return [
-        {k: _time(fn, device=device, reps=reps, stat=statistics.mean) for k, fn in fns.items()} for _ in range(rounds)
+        {k: _time(fn, device=device, reps=reps, stat=stats.get(k, statistics.mean)) for k, fn in fns.items()}
+        for _ in range(rounds)
     ]
 
 
@@ -196,8 +201,9 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     configured model (embedding, blocks, head, cross-entropy; forward + backward) and one step
     (gradient clipping's norm, the recipe's optimizer step, zero_grad) take beyond what the planner's
     work model gives them with ``fields``; the micro-batch's is the median over paired rounds of the
-    micro-batch less the model's blocks at the first block's time in the same round (what the planner
-    gives them, ``block_overhead_us`` included) and the head's work. Measured on the model's own
+    micro-batch less the model's blocks at the first block's time in the same round (the median of its
+    calls, as the planner's block time is the probe's median; ``block_overhead_us`` included) and the
+    head's work. Measured on the model's own
     modules and the recipe's own optimizer in this process."""
     from models.transformer import build_model
     from parallel.plan import ModelShape
@@ -214,7 +220,9 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     block, _ = _block_step(mc, b, dtype, device)
     # paired rounds (≈ 1 s): the micro-batch and one block timed in the same round, so the residual
     # (a few % of the micro-batch) is taken where both saw the same machine speed
-    rounds = _paired({"mb_s": lambda: model.loss(model(ids), ids).backward(), "block_s": block}, device, MB_REPS)
+    # the block as the planner's block time is taken: the median of its calls (speed_probe, _time)
+    fns = {"mb_s": lambda: model.loss(model(ids), ids).backward(), "block_s": block}
+    rounds = _paired(fns, device, MB_REPS, stats={"block_s": statistics.median})
     hw = Hardware("calibrating", **{**fields, "microbatch_overhead_us": 0.0, "step_overhead_us": 0.0})
     head = head_time(ModelShape.of(mc), b, 1, hw, rc.train.precision)
     # the planner's blocks (work + block_overhead_us, the probe's block time) at the round's block time
@@ -255,16 +263,22 @@ def _block_step(mc, micro_batch: int, dtype: torch.dtype, device: torch.device):
     return lambda: block(x).float().sum().backward(), sum(p.numel() for p in block.parameters())
 
 
-def unit_buckets(module: torch.nn.Module) -> list[int]:
-    """The element counts of the buckets ZeRO packs ``module``'s parameters into as one unit: one per
-    bucket class (:func:`parallel.zero.packing.bucket_class`: weight decay or not, …), in packing order."""
-    from parallel.zero.packing import CLASSES, bucket_class
+def unit_buckets(module: torch.nn.Module, bucket_mb: float = 25.0) -> list[int]:
+    """The element counts of the buckets ZeRO packs ``module``'s parameters into as one unit, by the
+    engine's own rule (:func:`parallel.zero.layout.plan_buckets`): per bucket class
+    (:func:`parallel.zero.packing.bucket_class`: weight decay or not, …) in packing order, a class
+    above ``bucket_mb`` (``comm.bucket_mb``) at the parameters' element size split into several buckets."""
+    from parallel.params import wants_weight_decay
+    from parallel.zero.layout import plan_buckets
+    from parallel.zero.packing import extra_reduce
 
-    sizes: dict = {}
-    for p in module.parameters():
-        key = bucket_class(p)
-        sizes[key] = sizes.get(key, 0) + p.numel()
-    return [sizes[c] for c in CLASSES if c in sizes]
+    params = [
+        (n, tuple(p.shape), wants_weight_decay(p), 0, extra_reduce(p))
+        for n, p in module.named_parameters()
+        if p.requires_grad
+    ]
+    elem = next(module.parameters()).element_size()
+    return [b.numel for b in plan_buckets(params, dp=1, bucket_bytes=int(bucket_mb * 2**20), element_size=elem)]
 
 
 #: seconds :func:`speed_probe` times for (a few hundred block steps at the benchmark's size)
@@ -299,6 +313,7 @@ def _collectives_worker(
     micro_batch: int = 1,
     busy: int = 1,
     precision: str = "fp32",
+    bucket_mb: float = 25.0,
 ) -> dict:
     """One spawned rank: all-reduces of ``SMALL`` and ``LARGE`` bytes in groups of the first n ranks
     (``torch.distributed`` directly: the ring's latency and bandwidth), a ``SMALL`` all-reduce through
@@ -370,7 +385,7 @@ def _collectives_worker(
         unit, x_unit = _block(mc, micro_batch, DTYPES.get(precision, torch.float32), device)
         out["kinds"] = _unit_kinds(numel, group, device)
         dist.barrier()
-        out["ahead"] = _launched_ahead(unit, x_unit, group, device)
+        out["ahead"] = _launched_ahead(unit, x_unit, group, device, bucket_mb)
         dist.barrier()
         out["tp_block"] = _tp_block(mc, micro_batch, DTYPES.get(precision, torch.float32), device)
         dist.barrier()
@@ -489,16 +504,18 @@ def fit_kind_scales(row: dict | None, gbps: float) -> dict[str, float]:
     return scales
 
 
-def _launched_ahead(block: torch.nn.Module, x: torch.Tensor, group, device: torch.device) -> dict:
+def _launched_ahead(
+    block: torch.nn.Module, x: torch.Tensor, group, device: torch.device, bucket_mb: float = 25.0
+) -> dict:
     """ZeRO-3's collectives as the engine issues them: a unit's buckets (:func:`unit_buckets`, the
-    block's parameters packed by class, fp32) launched together asynchronously, all-gathers (the
+    block's parameters packed by class and split above ``bucket_mb`` as the engine packs them; fp32 buffers) launched together asynchronously, all-gathers (the
     prefetch) or reduce-scatters (from the unit's backward hook), then the block's own forward (the
     compute a prefetch hides behind; ≈ 1 ms at the benchmark's size), then the waits; paired rounds
     (:func:`_paired`) with the forward alone. Every member of ``group`` calls."""
     from parallel import comm
 
     n = comm.group_size(group)
-    sizes = unit_buckets(block)
+    sizes = unit_buckets(block, bucket_mb)
     bufs = [(torch.ones(-(-s // n), device=device), torch.ones(n * -(-s // n), device=device)) for s in sizes]
 
     def compute():
@@ -613,7 +630,16 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
     busy = n if cuda else min(n, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     per_rank = (
         spawn_local(
-            _collectives_worker, n, tuple(range(2, n + 1)), threads, shapes[0], mc, rc.train.micro_batch, busy, low_name
+            _collectives_worker,
+            n,
+            tuple(range(2, n + 1)),
+            threads,
+            shapes[0],
+            mc,
+            rc.train.micro_batch,
+            busy,
+            low_name,
+            rc.comm.bucket_mb,
         )
         if n > 1
         else {}

@@ -89,6 +89,7 @@ class Hardware:
     reduce_scatter_bw_scale: float = 1.0  # a reduce-scatter's likewise
     host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
+    host_memory_gbps: float = 51.2  # GB/s host memory per GPU: bounds the host AdamW (plan.offload); DGX A100
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -124,7 +125,7 @@ class Hardware:
         sum or maximum of ``work / rate`` and fixed times, so a plan's every time with the result is
         exactly ``factor`` times this profile's (``benchmarks/plan.py`` rescales a calibration by a
         speed probe taken just before each layout)."""
-        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+        if isinstance(factor, bool) or not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
             raise PlanError(f"hardware {self.name!r}: time scale factor={factor!r} must be a finite number > 0")
         changes = {k: getattr(self, k) / factor for k in RATE_FIELDS}
         changes.update({k: getattr(self, k) * factor for k in TIME_FIELDS})
@@ -134,7 +135,15 @@ class Hardware:
 #: the fields that are rates (FLOP/s, bytes/s) and fixed times (µs): what :meth:`Hardware.time_scaled`
 #: divides and multiplies; every other field is a size, a fraction or a count (a test holds that the
 #: three sets cover every field)
-RATE_FIELDS = ("peak_tflops_16", "peak_tflops_32", "intra_node_gbps", "inter_node_gbps", "hbm_gbps", "host_link_gbps")
+RATE_FIELDS = (
+    "peak_tflops_16",
+    "peak_tflops_32",
+    "intra_node_gbps",
+    "inter_node_gbps",
+    "hbm_gbps",
+    "host_link_gbps",
+    "host_memory_gbps",
+)
 TIME_FIELDS = (
     "latency_us",
     "block_overhead_us",

@@ -9,7 +9,8 @@ Time, per step, added to the pipeline's makespan (nothing of it overlaps compute
 gridtrain's implementation, except stage 3's parameter pages, which ride the prefetch:
 :data:`parallel.overlap.OFFLOAD_STEP`, :data:`~parallel.overlap.OFFLOAD_PARAM_PAGING`):
 
-* the host AdamW over the rank's shard, at :data:`HOST_ADAM_PARAMS_PER_S` per GPU;
+* the host AdamW over the rank's shard, at :func:`host_adam_params_per_s` per GPU (the profile's
+  ``host_memory_gbps``; :data:`HOST_ADAM_PARAMS_PER_S` with its default);
 * the reduced gradient shard device → host (4 B per shard element) and the updated
   parameters host → device (``b`` B per element), over ``Hardware.host_link_gbps``;
 * ``optimizer+params``: each micro-batch's two gathers (forward, backward) first page
@@ -31,14 +32,20 @@ from ..overlap import OFFLOAD_PARAM_PAGING, OFFLOAD_STEP
 from .hardware import GiB, Hardware
 
 HOST_ADAM_BYTES_PER_PARAM = 28  # fp32 p, g, m, v read; p, m, v written
-HOST_MEMORY_GBPS_PER_GPU = 51.2  # DGX A100: 2 × 204.8 GB/s DDR4-3200 over 8 GPUs
+HOST_MEMORY_GBPS_PER_GPU = Hardware.host_memory_gbps  # the profile's default: DGX A100, 2 × 204.8 GB/s over 8 GPUs
 HOST_ADAM_PARAMS_PER_S = HOST_MEMORY_GBPS_PER_GPU * 1e9 / HOST_ADAM_BYTES_PER_PARAM
 MEASURED_FUSED_ADAMW_PER_CORE = 0.69e9  # elements/s, one core of this CPU (benchmarks/offload.py)
 
 
-def host_adam_seconds(shard_numel: int) -> float:
+def host_adam_params_per_s(hw: Hardware) -> float:
+    """Elements per second the host AdamW updates per GPU: ``hw.host_memory_gbps`` over
+    :data:`HOST_ADAM_BYTES_PER_PARAM` (a rate of the profile, so ``Hardware.time_scaled`` scales it)."""
+    return hw.host_memory_gbps * 1e9 / HOST_ADAM_BYTES_PER_PARAM
+
+
+def host_adam_seconds(shard_numel: int, hw: Hardware) -> float:
     """Seconds of the host AdamW step over ``shard_numel`` fp32 elements."""
-    return shard_numel / HOST_ADAM_PARAMS_PER_S
+    return shard_numel / host_adam_params_per_s(hw)
 
 
 def offload_seconds(
@@ -51,7 +58,7 @@ def offload_seconds(
     step_copies = shard_numel * (4 + param_bytes) / link  # gradient out, parameters back
     paging = 2 * micro_batches * shard_numel * param_bytes / link if offload == "optimizer+params" else 0.0
     hidden = micro_batches * (fwd + bwd) if paging else 0.0
-    adam = host_adam_seconds(shard_numel)
+    adam = host_adam_seconds(shard_numel, hw)
     return {
         "host_adam_s": adam,
         "pcie_s": step_copies + paging,

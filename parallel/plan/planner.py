@@ -497,6 +497,14 @@ def partly_hidden(comm_s: float, exposed_s: float, fraction: float) -> float:
     return exposed_s + (1.0 - fraction) * max(0.0, comm_s - exposed_s)
 
 
+def _unmeasured(fraction: float, measured_s: float, comm_s: float) -> float:
+    """``fraction`` of the hideable seconds that compute hides when ``measured_s`` of ``comm_s`` were
+    measured net of overlap already (hidden: none of them): ``fraction · (1 − measured/comm)``."""
+    if comm_s <= 0.0 or measured_s <= 0.0:
+        return fraction
+    return fraction * max(0.0, 1.0 - measured_s / comm_s)
+
+
 def _exposed_dp_time(
     dp: dict, m: int, fwd: float, bwd: float, overlap: bool, reductions: int = 1, fraction: float = 1.0
 ) -> float:
@@ -508,7 +516,11 @@ def _exposed_dp_time(
     ``reductions`` collectives (buckets; ZeRO-3's units), each launched when its last gradient is
     ready: the last one's starts when backward ends, so at least that ``1/reductions`` share is
     exposed whatever the overlap (one bucket: all of it). Compute hides only ``fraction`` of the rest
-    (:func:`partly_hidden`)."""
+    (:func:`partly_hidden`), and none of the seconds priced with a measured ``ahead_call_us``
+    (``measured_per_mb``, ``measured_per_step``: stage 3's calls launched ahead of their wait,
+    :meth:`parallel.plan.traffic.AxisTraffic.add`): calibration measured those as what is left exposed
+    after overlap (``recipes.calibrate.fit_launched_ahead``), so their share of what the overlap table
+    hides stays exposed; with no measured cost (the GPU profiles) nothing changes."""
     last = 1.0 / max(1, reductions)
     per_mb = max(
         exposed_sharing(
@@ -516,9 +528,11 @@ def _exposed_dp_time(
         ),
         last * dp["grad_per_mb"],
     ) + ZERO3_GATHER.exposed(dp["param_fwd_per_mb"], fwd, overlap)
-    per_mb = partly_hidden(dp["grad_per_mb"] + dp["param_bwd_per_mb"] + dp["param_fwd_per_mb"], per_mb, fraction)
+    comm = dp["grad_per_mb"] + dp["param_bwd_per_mb"] + dp["param_fwd_per_mb"]
+    per_mb = partly_hidden(comm, per_mb, _unmeasured(fraction, dp.get("measured_per_mb", 0.0), comm))
     once = max(DP_REDUCTION.exposed(dp["grad_per_step"], bwd, overlap), last * dp["grad_per_step"])
-    once = partly_hidden(dp["grad_per_step"], once, fraction)
+    step_fraction = _unmeasured(fraction, dp.get("measured_per_step", 0.0), dp["grad_per_step"])
+    once = partly_hidden(dp["grad_per_step"], once, step_fraction)
     return m * per_mb + once + PARAM_GATHER_AFTER_STEP.exposed(dp["param_after_step"], 0.0, overlap)
 
 

@@ -48,6 +48,7 @@ class AxisTraffic:
     time_s: float = 0.0
     items: list[str] = field(default_factory=list)
     by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # kind → calls, seconds (all of them)
+    measured_s: float = 0.0  # of the last add()'s time, the part priced with a measured ahead_call_us
 
     def as_dict(self) -> dict:
         return {
@@ -89,8 +90,11 @@ class AxisTraffic:
         peers' arrival and wake-up while this rank still computes) the ring's latency steps, or where the
         profile measured it the host's ``ahead_call_us`` once per ``launches`` (default: per call): the
         buckets of one ZeRO unit are launched together and the transport's thread runs them back to
-        back, waking once."""
+        back, waking once. Afterwards :attr:`measured_s` holds the part of the returned time priced
+        with the measured ``ahead_call_us`` (those calls' share of the bytes and their fixed cost; 0
+        where the profile has none): seconds the planner must not hide behind compute again."""
         n = self.group_size
+        self.measured_s = 0.0
         if n <= 1 or count == 0 or payload == 0:
             return 0.0
         if kind == "p2p":
@@ -106,7 +110,11 @@ class AxisTraffic:
         else:
             ahead = n_ahead * ring
         fixed = blocking * (ring + hw.collective_overhead_us * 1e-6) + ahead
-        one = sent / hw.kind_bandwidth(kind, self.crosses_node) + fixed
+        wire = sent / hw.kind_bandwidth(kind, self.crosses_node)
+        one = wire + fixed
+        # calibrate measured ahead_call_us as what a unit's calls launched ahead leave exposed, their
+        # bytes included (recipes.calibrate.fit_launched_ahead): those seconds are already net of overlap
+        self.measured_s = (wire * n_ahead / calls + ahead) if hw.ahead_call_us > 0 and n_ahead else 0.0
         self.bytes += count * sent
         self.time_s += count * one
         kind_sum = self.by_kind.setdefault(kind, {"calls": 0.0, "seconds": 0.0})
@@ -157,12 +165,23 @@ def dp_traffic(
     launched unit by unit (``unit_count`` blocks; default: each bucket apart):
     each pays the ring's latency and the profile's fixed cost per call. Returns the seconds of one of each kind
     (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
-    ``param_bwd_per_mb``).
+    ``param_bwd_per_mb``), and of those the seconds priced with the profile's measured ``ahead_call_us``
+    (:attr:`AxisTraffic.measured_s`), which compute does not hide again: ``measured_per_mb`` (of the
+    three per-micro-batch kinds) and ``measured_per_step`` (of ``grad_per_step``).
     """
     m, n = micro_batches, axis.group_size
     other_units = None if unit_count is None else max(0, unit_count - 1)  # ZeRO-3: launched unit by unit
     out = dict.fromkeys(
-        ("grad_per_mb", "grad_per_step", "param_after_step", "param_fwd_per_mb", "param_bwd_per_mb"), 0.0
+        (
+            "grad_per_mb",
+            "grad_per_step",
+            "param_after_step",
+            "param_fwd_per_mb",
+            "param_bwd_per_mb",
+            "measured_per_mb",
+            "measured_per_step",
+        ),
+        0.0,
     )
     pol = policy(zero)  # what the engine does at this stage (parallel/zero/policy.py)
     if pol.reduce == "all_reduce" and compression == "topk":
@@ -179,10 +198,12 @@ def dp_traffic(
             out["grad_per_step"] = axis.add(
                 pol.reduce, psi * comm_bytes, 1, hw, "gradients", calls, ends_backward, other_units
             )
+            out["measured_per_step"] = axis.measured_s
         else:
             out["grad_per_mb"] = axis.add(
                 pol.reduce, psi * comm_bytes, m, hw, "gradients, every micro-batch", calls, ends_backward, other_units
             )
+            out["measured_per_mb"] = axis.measured_s
     if pol.gathers_after_step:
         out["param_after_step"] = axis.add("all_gather", psi * param_bytes, 1, hw, "updated parameters", buckets)
     if pol.gathers_per_unit:
@@ -191,9 +212,11 @@ def dp_traffic(
         out["param_fwd_per_mb"] = axis.add(
             "all_gather", blocks * param_bytes, m, hw, "block parameters before forward", units, ahead, other_units
         )
+        out["measured_per_mb"] += axis.measured_s
         out["param_bwd_per_mb"] = axis.add(
             "all_gather", blocks * param_bytes, m, hw, "block parameters before backward", units, ahead, other_units
         )
+        out["measured_per_mb"] += axis.measured_s
         if psi > blocks:  # the rest (embedding, head) stays gathered from the first forward to the step
             out["param_after_step"] = axis.add(
                 "all_gather",

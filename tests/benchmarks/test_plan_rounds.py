@@ -30,3 +30,22 @@ def test_a_steps_cpu_wait_is_subtracted_only_as_far_as_other_jobs_account_for_it
     assert step_seconds(0.055, 0.011, 0.02) == pytest.approx(0.055 - 0.02 * 0.055)  # the rest: the layout's own
     assert step_seconds(0.055, 0.0005, 0.5) == pytest.approx(0.0545)  # a busy machine: all of a small wait
     assert step_seconds(0.055, 0.011, 0.0) == 0.055
+
+
+def test_a_disturbed_measurement_is_retaken_and_the_least_disturbed_kept():
+    from benchmarks.plan import ATTEMPTS, QUIET_CORES, least_disturbed
+
+    def fake(others):
+        seq = iter(others)
+        calls = []
+
+        def disturbance(fn):
+            calls.append(1)
+            return fn(), next(seq)
+
+        return disturbance, calls
+
+    d, calls = fake([QUIET_CORES + 1, QUIET_CORES / 2, 0.0])
+    assert least_disturbed(lambda: len(calls), disturbance=d) == (2, QUIET_CORES / 2) and len(calls) == 2
+    d, calls = fake([2.0, 1.0, 1.5, 0.0])
+    assert least_disturbed(lambda: len(calls), disturbance=d) == (2, 1.0) and len(calls) == ATTEMPTS

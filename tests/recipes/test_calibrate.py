@@ -1,5 +1,6 @@
 """mode=calibrate: the profile file round-trips through plan.hardware=<file> and is validated."""
 
+import dataclasses
 import json
 
 import pytest
@@ -222,3 +223,49 @@ def test_unit_collectives_are_measured_as_the_engine_packs_a_unit():
     assert all(r["all_gather_s"] > 0 and r["reduce_scatter_s_small"] > 0 for r in kinds["rounds"])
     scales = fit_kind_scales(kinds, 1.0)
     assert all(0.01 <= v <= 100 for v in scales.values()) and fit_launched_ahead(ahead, 1.0, scales) >= 1.0
+
+
+def test_the_microbatch_residual_takes_the_block_as_the_planner_does(monkeypatch):
+    """host_overheads_us subtracts n_layers × the round's block time: the median of its calls, as the
+    planner's block time is the speed probe's median (``_time``), not their mean."""
+    import statistics
+
+    import torch
+
+    import recipes.calibrate as cal
+
+    seen, paired = {}, cal._paired
+
+    def spy(fns, device, reps, rounds=cal.PAIRED_ROUNDS, stats=None):
+        seen.update(stats or {})
+        return [{"mb_s": 0.01, "block_s": 0.001}]
+
+    monkeypatch.setattr(cal, "_paired", spy)
+    rc = scenario_config(TINY)
+    fields = dataclasses.asdict(hardware_profile("cpu"))
+    del fields["name"]
+    cal.host_overheads_us(rc, fields, torch.device("cpu"))
+    assert seen.get("block_s") is statistics.median and "mb_s" not in seen
+    ticks = iter([0.0, 0.0, 0.0, 0.3])  # warm-up, then 0, 0, 0.3 s: median 0, mean 0.1
+
+    def step():
+        import time
+
+        time.sleep(next(ticks))
+
+    assert paired({"x": step}, torch.device("cpu"), 3, rounds=1, stats={"x": statistics.median})[0]["x"] < 0.05
+
+
+def test_a_unit_is_split_into_buckets_above_bucket_mb_as_the_engine_packs_it():
+    import torch
+
+    from recipes.calibrate import _block, unit_buckets
+    from recipes.config import model_config
+
+    block, _ = _block(model_config(scenario_config(TINY).model), 1, torch.float32, torch.device("cpu"))
+    numels = [p.numel() for p in block.parameters()]
+    assert len(unit_buckets(block)) == 2  # 25 MB: one bucket per class (weights; biases and norms)
+    cap = 0.02 * 2**20 / 4  # elements of a 20 KiB fp32 bucket
+    small = unit_buckets(block, bucket_mb=0.02)
+    assert sum(small) == sum(numels) and len(small) > 2
+    assert all(n <= cap or n in numels for n in small)  # a parameter above the cap gets its own bucket

@@ -177,3 +177,34 @@ def test_tp_call_cost_of_hidable_collectives_is_not_hidden():
     assert costly[2] == free[2]  # the hidable collectives: their wire time only
     calls = 2 * 2 * 2 + 3 * 2 * 2  # forward: 2 pairs per block; backward: all-gathers, scatters, re-gathers
     assert (costly[0] + costly[1]) - (free[0] + free[1]) == pytest.approx(calls * 1e-3)
+
+
+def test_calls_priced_with_the_measured_ahead_cost_are_not_hidden_again():
+    """calibrate measures ``ahead_call_us`` as what a unit's calls launched ahead leave exposed beyond
+    their bytes (``recipes.calibrate.fit_launched_ahead``): those calls' seconds, bytes included, are
+    already net of overlap, so ``overlap_fraction`` hides none of them. Only ZeRO-3 launches calls
+    ahead (its prefetched gathers, its reductions from backward hooks); the first unit's and the
+    rest's calls block and stay hideable. Without a measured cost (the GPU profiles) nothing is."""
+    from parallel.plan.planner import _exposed_dp_time
+
+    kw = dict(psi=10**6, micro_batches=2, param_bytes=4, comm_bytes=4)
+    calls = dict(buckets=10, units=8, root_calls=2, first_unit_calls=2, unit_count=4)
+    measured = dataclasses.replace(HW, latency_us=10.0, collective_overhead_us=100.0, ahead_call_us=300.0)
+    for zero in (0, 1, 2):
+        t = dp_traffic(measured, AxisTraffic(2, False), zero=zero, **calls, **kw)
+        assert t["measured_per_mb"] == t["measured_per_step"] == 0.0
+    t = dp_traffic(measured, AxisTraffic(2, False), zero=3, **calls, **kw)
+    wire = 0.5 * 10**6 * 4 / measured.kind_bandwidth("all_gather", False)
+    gathers = 2 * (wire * (8 - 2) / 8 + (4 - 1) * 300e-6)  # forward and backward: 6 of 8 calls, 3 launches
+    rs_wire = 0.5 * 10**6 * 4 / measured.kind_bandwidth("reduce_scatter", False)
+    reductions = rs_wire * (10 - 4) / 10 + (4 - 1) * 300e-6
+    assert t["measured_per_mb"] == pytest.approx(gathers + reductions, rel=1e-12)
+    assert dp_traffic(HW, AxisTraffic(2, False), zero=3, **calls, **kw)["measured_per_mb"] == 0.0
+    # every second measured: the fraction hides nothing; none measured: as partly_hidden says
+    dp = dict.fromkeys(("grad_per_step", "param_after_step", "measured_per_step"), 0.0)
+    dp.update(grad_per_mb=0.01, param_fwd_per_mb=0.01, param_bwd_per_mb=0.01, measured_per_mb=0.03)
+    for fraction in (0.0, 0.4, 1.0):
+        assert _exposed_dp_time(dp, 2, 1.0, 1.0, True, 4, fraction) == pytest.approx(2 * 0.03)
+    half = _exposed_dp_time({**dp, "measured_per_mb": 0.015}, 2, 1.0, 1.0, True, 4, 1.0)
+    none = _exposed_dp_time({**dp, "measured_per_mb": 0.0}, 2, 1.0, 1.0, True, 4, 1.0)
+    assert none == pytest.approx(2 * 0.01 / 4) and half == pytest.approx(none + 2 * 0.5 * (0.03 - 0.01 / 4))

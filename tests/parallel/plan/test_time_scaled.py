@@ -31,8 +31,9 @@ def test_every_field_is_a_rate_a_time_or_scale_free():
     fields = {f.name for f in dataclasses.fields(Hardware)} - {"name"}
     sets = [set(RATE_FIELDS), set(TIME_FIELDS), set(SCALE_FREE_FIELDS)]
     assert sum(len(s) for s in sets) == len(fields) and set().union(*sets) == fields
-    with pytest.raises(PlanError, match="factor"):
-        hardware_profile("cpu").time_scaled(0.0)
+    for bad in (0.0, True, float("nan")):
+        with pytest.raises(PlanError, match="factor"):
+            hardware_profile("cpu").time_scaled(bad)
 
 
 @pytest.mark.parametrize(
@@ -43,6 +44,14 @@ def test_every_field_is_a_rate_a_time_or_scale_free():
         ["parallel.dp=2", "parallel.zero=1", "train.global_batch=8", "train.micro_batch=2"],
         ["parallel.tp=2", "train.global_batch=8", "train.micro_batch=4"],
         ["parallel.pp=2", "train.global_batch=8", "train.micro_batch=2"],
+        ["parallel.dp=2", "parallel.zero=0", "train.global_batch=8", "train.micro_batch=4"],
+        [
+            "parallel.dp=2",
+            "parallel.zero=1",
+            "parallel.offload=optimizer",
+            "train.global_batch=8",
+            "train.micro_batch=4",
+        ],
     ],
 )
 def test_a_rescaled_profile_scales_every_planned_time(tmp_path, layout):
