@@ -267,7 +267,8 @@ class TransformerStage(nn.Module):
         :func:`~parallel.layers.vocab_parallel_cross_entropy` for its communication)."""
         if not self.has_head:
             raise ModelConfigError("loss() needs the stage that holds the head (has_head=True)")
-        return mean_token_cross_entropy(logits, targets, self.tp_group, vocab_size=self.cfg.vocab_size)
+        group = self.tp_group if self.tp_size > 1 else None  # one rank: no group lookups per micro-batch
+        return mean_token_cross_entropy(logits, targets, group, vocab_size=self.cfg.vocab_size)
 
 
 def init_rule(cfg: ModelConfig):

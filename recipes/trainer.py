@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
-from parallel.layers import check_token_ids
+from parallel.layers import check_token_ids_together
 from parallel.layers.moe import moe_metrics
 from parallel.plan.shape import model_tflops_per_device
 from parallel.precision import TORCH_DTYPES
@@ -92,9 +92,10 @@ class Trainer:
             cp=self.rc.parallel.cp,
             cp_rank=self.groups.cp_rank,
         )
-        for x, y in mbs:  # on the host batch, before it moves: no device read per micro-batch
-            check_token_ids(x, self.model_cfg.vocab_size)
-            check_token_ids(y, self.model_cfg.vocab_size, what="targets")
+        # on the host batch, before it moves (no device read), the whole step's ids in one pass
+        check_token_ids_together(
+            [(t, what) for x, y in mbs for t, what in ((x, "token ids"), (y, "targets"))], self.model_cfg.vocab_size
+        )
         return [x.to(self.device) for x, _ in mbs], [y.to(self.device) for _, y in mbs]
 
     def evaluate(self, read: bool = True) -> float | torch.Tensor:

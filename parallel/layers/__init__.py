@@ -26,7 +26,7 @@ from .ring_attention import (
     ring_attention,
     ulysses_attention,
 )
-from .tokens import check_token_ids
+from .tokens import check_token_ids, check_token_ids_together
 
 __all__ = [
     "ColumnParallelLinear",
@@ -49,6 +49,7 @@ __all__ = [
     "cp_positions",
     "cp_slice",
     "check_token_ids",
+    "check_token_ids_together",
     "divide",
     "gather_full_tensor",
     "init_parameters_",

@@ -58,7 +58,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"{num_embeddings} rows; pad the table to at least the vocabulary"
             )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.tp_group, self.tp_size, self.sequence_parallel = tp_group, tp, sequence_parallel
         rows = divide(num_embeddings, tp, "VocabParallelEmbedding num_embeddings (padded vocab)")
         self.vocab_start = comm.tp_rank(tp_group) * rows
         self.vocab_end = self.vocab_start + rows
@@ -74,12 +74,11 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
             raise LayerConfigError(f"VocabParallelEmbedding: token ids must be integers, got {ids.dtype}")
-        if comm.tp_world_size(self.tp_group) == 1:
-            out = F.embedding(ids, self.weight)
-        else:
-            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
-            local = (ids - self.vocab_start).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.tp_size == 1:  # the whole table here: nothing to mask, nothing to reduce (group sizes are fixed)
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return comm.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return comm.reduce_from_tp_region(out, self.tp_group)

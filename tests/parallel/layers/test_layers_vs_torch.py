@@ -140,3 +140,32 @@ def test_out_of_vocabulary_ids_and_targets_are_refused_with_their_span_on_the_ho
     check_token_ids(torch.full((2, 3), -100), 8, ignore_index=-100)  # every target ignored: accepted
     # every target ignored: loss 0
     assert vocab_parallel_cross_entropy(torch.randn(2, 3, 8), torch.full((2, 3), -100)).abs().sum() == 0
+
+
+def test_a_steps_ids_checked_together_are_refused_as_one_by_one():
+    """The trainer checks a step's inputs and targets in one pass (issue 17): a bad id in any
+    micro-batch's inputs or targets is refused with check_token_ids' own message for that tensor."""
+    from parallel.layers import LayerConfigError, check_token_ids, check_token_ids_together
+
+    def step(bad_at=None, value=8):
+        mbs = [(torch.arange(6).view(2, 3) + i, torch.arange(1, 7).view(2, 3)) for i in range(3)]
+        named = [(t.clone(), what) for x, y in mbs for t, what in ((x, "token ids"), (y, "targets"))]
+        if bad_at is not None:
+            named[bad_at][0][1, 0] = value
+        return named
+
+    check_token_ids_together(step(), 9)  # the largest id, 7 + 1, is in range
+    check_token_ids_together([], 9)
+    for bad_at in range(6):
+        for value in (-3, 9):
+            named = step(bad_at, value)
+            with pytest.raises(LayerConfigError) as one:
+                check_token_ids(*named[bad_at][:1], 9, what=named[bad_at][1])
+            with pytest.raises(LayerConfigError) as together:
+                check_token_ids_together(named, 9)
+            assert str(together.value) == str(one.value)
+            assert ("targets" if bad_at % 2 else "token ids") + " span" in str(together.value)
+    with pytest.raises(LayerConfigError, match="must be integers"):
+        check_token_ids_together([(torch.zeros(2), "token ids")], 9)
+    with pytest.raises(LayerConfigError, match="host batch"):
+        check_token_ids_together(step()[:1] + [(torch.ones(2, dtype=torch.long, device="meta"), "targets")], 9)
