@@ -201,7 +201,10 @@ class PipelineExecutor:
         self.timeline: list[Span] = []
         self.peak_activations = 0
         self.num_microbatches = self._check(actions)
-        self._split_chunks = {a.chunk for a in actions if isinstance(a, BackwardInput) and not self._is_first(a.chunk)}
+        # chunks whose backward B/W split (split_backward): their nodes run under autograd.grad, twice
+        self.split_chunks: set[int] = {
+            a.chunk for a in actions if isinstance(a, BackwardInput) and not self._is_first(a.chunk)
+        }
         # the action that accumulates a chunk's weight gradients last (the last one wins): a split
         # backward's W, except on the first virtual stage, whose B runs the whole backward
         self._last_backward = {
@@ -346,7 +349,7 @@ class PipelineExecutor:
         else:
             x = self._received.pop(("act", a.mb, a.chunk))
             kept = None if self._forward_only else x.requires_grad_()
-        split = kept is not None and a.chunk in self._split_chunks
+        split = kept is not None and a.chunk in self.split_chunks
         stash = SavedTensorStash() if split else None
         if stash:
             self._stashes[(a.mb, a.chunk)] = stash
