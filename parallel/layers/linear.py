@@ -30,9 +30,9 @@ WGRAD_FUSION_MIN_NUMEL = 2**17
 
 Below it the fused path's Python ``autograd.Function`` costs more host time than the separate
 accumulation it saves. Measured on this CPU (issue 17, one thread, the suite's GPT, same-process A/B
-of the whole step, fused / unfused): every weight fused, 0.87 M parameters (d 128, 16–64 K-element
-weights) 1.022; only the 64 K ones 1.012; 3.3 M (d 256, 64–256 K) 0.990; with this threshold 3.3 M
-0.989 and 25.6 M (d 512, 131 K–1 M) 0.996."""
+of the whole step, fused / unfused, ``docs/performance.md``): every weight fused, 0.87 M parameters
+(d 128, 16–64 K-element weights) 1.022; only the 64 K ones 1.012; with this threshold 3.3 M (d 256:
+its 256 K-element MLP weights) 0.996 and 0.9955, 25.6 M (d 512, 131 K–1 M) 1.0085 and 0.996 (noise)."""
 
 
 class LayerConfigError(ValueError):
@@ -53,13 +53,13 @@ class _LinearIntoMainGrad(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` whose backward adds ``dyᵀ·x`` into ``weight.grad`` in one
     ``addmm_`` (a GEMM with β = 1) instead of handing autograd a fresh gradient that
     ``AccumulateGrad`` then adds: one pass over the weight gradient less per micro-batch, and no
-    allocation. Only where that is what autograd would do anyway (:func:`_adds_into_grad`);
-    otherwise the gradient is returned as usual. The input gradient and the bias's are autograd's."""
+    allocation. Only where that is what autograd would do anyway (:func:`_adds_into_grad`); a
+    backward that does not reach the weight computes no weight gradient; otherwise it is returned
+    as usual. The input gradient and the bias's are autograd's."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -70,36 +70,62 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = flat_g.mm(weight).view(*grad_out.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
-            flat_x = x.reshape(-1, x.shape[-1])
-            if _adds_into_grad(ctx.next_functions[1][0], weight):
-                weight.grad.addmm_(flat_g.t(), flat_x)
-            else:
-                grad_w = flat_g.t().mm(flat_x)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+            # the weight's AccumulateGrad node; its .variable is the Parameter itself (under a saved-tensor
+            # hook, e.g. activation checkpointing or a memory meter, the saved ``weight`` is an alias
+            # without the Parameter's .grad and hooks)
+            node = ctx.next_functions[1][0]
+            reached = _reaches(node)
+            if reached is not False:
+                flat_x = x.reshape(-1, x.shape[-1])
+                param = getattr(node, "variable", None)
+                if reached and param is not None and _adds_into_grad(param):
+                    param.grad.addmm_(flat_g.t(), flat_x)
+                else:
+                    grad_w = flat_g.t().mm(flat_x)
+        if ctx.needs_input_grad[2]:
             grad_b = flat_g.sum(0)
         return grad_x, grad_w, grad_b
 
 
-def _adds_into_grad(accumulate_node, weight: torch.Tensor) -> bool:
-    """Whether autograd, given this weight gradient, would add it into ``weight.grad`` in place and
-    nothing else: this backward accumulates into the leaf (``.backward()``, or ``backward(inputs=)``
-    naming it; not ``torch.autograd.grad``, which hands gradients back instead: the engine refuses to
-    say, and we take that as no), ``.grad`` exists, no graph is being built of the backward
-    (``create_graph`` adds out of place) and no hook would see the gradient first or after (a tensor
-    hook, a post-accumulate-grad hook: ZeRO's bucket hooks of a communicating backward)."""
-    if weight.grad is None or torch.is_grad_enabled() or weight._backward_hooks or weight._post_accumulate_grad_hooks:
-        return False
+def _reaches(node) -> bool | None:
+    """Whether the running backward runs ``node`` (the weight's ``AccumulateGrad``): True for
+    ``.backward()`` and ``backward(inputs=)`` naming the weight, False where the weight's gradient is
+    not wanted (``backward(inputs=)`` or ``torch.autograd.grad`` for other tensors only), None where
+    ``torch.autograd.grad`` asks for the weight itself (the engine refuses to say: the gradient is
+    handed back, never accumulated)."""
     try:
-        return torch._C._will_engine_execute_node(accumulate_node)
-    except RuntimeError:  # inside torch.autograd.grad
-        return False
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return None
+
+
+def _adds_into_grad(param: torch.Tensor) -> bool:
+    """Whether ``AccumulateGrad``, given ``param``'s gradient in a backward that reaches it, would
+    just add it into ``param.grad`` in place: ``.grad`` exists, ``param`` still requires grad, no
+    graph is being built of the backward (``create_graph`` adds out of place), and no tensor hook or
+    post-accumulate-grad hook (ZeRO's bucket hooks of a communicating backward) would see it. Hooks
+    registered on the ``AccumulateGrad`` node itself (``Node.register_prehook``) cannot be seen from
+    Python: a weight with such a hook must not be marked."""
+    return not (
+        param.grad is None
+        or not param.requires_grad
+        or torch.is_grad_enabled()
+        or param._backward_hooks
+        or param._post_accumulate_grad_hooks
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; for a weight marked :func:`~parallel.params.mark_main_grad` with at least
     :data:`WGRAD_FUSION_MIN_NUMEL` elements, computed by :class:`_LinearIntoMainGrad` (gradient
-    accumulation fusion: same values, up to the rounding of one fused multiply-add order)."""
-    if has_main_grad(weight) and weight.numel() >= WGRAD_FUSION_MIN_NUMEL and torch.is_grad_enabled():
+    accumulation fusion: same values, up to the rounding of one fused multiply-add order). Not under
+    ``torch.autocast``, whose casts the fused backward does not replay."""
+    if (
+        has_main_grad(weight)
+        and weight.numel() >= WGRAD_FUSION_MIN_NUMEL
+        and torch.is_grad_enabled()
+        and not torch.is_autocast_enabled(x.device.type)
+    ):
         return _LinearIntoMainGrad.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -230,7 +256,7 @@ class ColumnParallelLinear(nn.Module):
             _check_last_dim(x, layer.in_features, type(layer).__name__)
             if (layer.tp_group, layer.sequence_parallel) != (first.tp_group, first.sequence_parallel):
                 raise LayerConfigError("shared_forward: the layers must share tp_group and sequence_parallel")
-        if first.tp_size == 1:  # nothing to copy or gather: nn.Linear's own call (no per-call group lookups)
+        if first.tp_size == 1:  # nothing to copy or gather: one linear each (no per-call group lookups)
             return tuple(linear(x, layer.weight, layer.bias) for layer in layers)
         if first.sequence_parallel:
             params = [t for layer in layers for t in (layer.weight, layer.bias)]

@@ -18,7 +18,7 @@ def fuse_all(monkeypatch):
     monkeypatch.setattr(linear_mod, "WGRAD_FUSION_MIN_NUMEL", 0)
     calls = []
     inner = linear_mod._adds_into_grad
-    monkeypatch.setattr(linear_mod, "_adds_into_grad", lambda node, w: calls.append(inner(node, w)) or calls[-1])
+    monkeypatch.setattr(linear_mod, "_adds_into_grad", lambda p: calls.append(inner(p)) or calls[-1])
     return calls
 
 
@@ -64,7 +64,7 @@ def test_autograd_grad_and_a_backward_for_other_inputs_leave_grad_alone(fuse_all
     assert fused.weight.grad.abs().sum() == 0
     fused(x).sum().backward(inputs=[fused.weight])  # the weight's: accumulated, fused
     torch.testing.assert_close(fused.weight.grad, want)
-    assert fuse_all == [False, False, True]
+    assert fuse_all == [True]  # autograd.grad(weight) and backward(inputs=[x]) never ask: no accumulation
 
 
 @pytest.mark.filterwarnings(r"ignore:Using backward\(\) with create_graph")
@@ -87,6 +87,49 @@ def test_hooks_a_missing_grad_and_create_graph_take_autograds_own_path(fuse_all)
     fused(x).square().sum().backward(create_graph=True)  # double backward: out of place, with a graph
     assert fused.weight.grad.grad_fn is not None
     assert fuse_all == [False] * 4
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = ColumnParallelLinear(16, 32), RowParallelLinear(32, 16)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("wrap", ["checkpoint", "reentrant checkpoint", "saved tensor hooks", "autocast"])
+def test_checkpointing_saved_tensor_hooks_and_autocast(wrap, fuse_all):
+    """Under a saved-tensor hook the saved weight is an alias without the Parameter's ``.grad``: the
+    fused backward reaches the Parameter through the graph, so checkpointing and memory meters fuse
+    too. Under autocast the layer takes torch's own path (the fused backward would mix dtypes)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    fused, plain = _Two(), _Two()
+    plain.load_state_dict(fused.state_dict())
+    for p in fused.parameters():
+        p.grad = torch.zeros_like(p)
+        mark_main_grad(p)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def run(model):
+        if wrap == "checkpoint":
+            return checkpoint(model, x, use_reentrant=False)
+        if wrap == "reentrant checkpoint":
+            return checkpoint(model, x, use_reentrant=True)
+        if wrap == "saved tensor hooks":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+                return model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x)
+
+    for _ in range(2):
+        run(fused).float().square().sum().backward()
+        run(plain).float().square().sum().backward()
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert fuse_all == ([] if wrap == "autocast" else [True] * 4)
 
 
 def test_only_marked_large_weights_with_grad_take_the_fused_path():
@@ -116,7 +159,7 @@ def _train_both(overrides: dict, steps: int = 3):
         linear_mod.WGRAD_FUSION_MIN_NUMEL = threshold
         calls = []
         inner = linear_mod._adds_into_grad
-        linear_mod._adds_into_grad = lambda node, w, inner=inner: calls.append(inner(node, w)) or calls[-1]
+        linear_mod._adds_into_grad = lambda p, inner=inner: calls.append(inner(p)) or calls[-1]
         try:
             trainer = Trainer(tiny_recipe(train__max_steps=steps, **overrides), run_dir=".")
             losses = [trainer.train_step(s)["loss"] for s in range(steps)]
