@@ -115,6 +115,12 @@ def _adds_into_grad(param: torch.Tensor) -> bool:
     )
 
 
+def _autocasting(device_type: str) -> bool:
+    """``torch.autocast`` is on for ``device_type`` (never on a device it does not know: ``meta``, the
+    dry run's, where asking would raise)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; for a weight marked :func:`~parallel.params.mark_main_grad` with at least
     :data:`WGRAD_FUSION_MIN_NUMEL` elements, computed by :class:`_LinearIntoMainGrad` (gradient
@@ -124,7 +130,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         has_main_grad(weight)
         and weight.numel() >= WGRAD_FUSION_MIN_NUMEL
         and torch.is_grad_enabled()
-        and not torch.is_autocast_enabled(x.device.type)
+        and not _autocasting(x.device.type)
     ):
         return _LinearIntoMainGrad.apply(x, weight, bias)
     return F.linear(x, weight, bias)

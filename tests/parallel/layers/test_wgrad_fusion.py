@@ -132,6 +132,17 @@ def test_checkpointing_saved_tensor_hooks_and_autocast(wrap, fuse_all):
     assert fuse_all == ([] if wrap == "autocast" else [True] * 4)
 
 
+def test_meta_tensors_of_the_dry_run_take_the_fused_path(fuse_all):
+    layer = ColumnParallelLinear(32, 16, device="meta")
+    mark_main_grad(layer.weight).grad = torch.empty_like(layer.weight)
+    x = torch.empty(2, 3, 32, device="meta", requires_grad=True)
+    y = layer(x)
+    assert type(y.grad_fn).__name__ == "_LinearIntoMainGradBackward"
+    y.sum().backward()
+    assert x.grad.shape == x.shape and layer.weight.grad.device.type == "meta"
+    assert fuse_all == [True]
+
+
 def test_only_marked_large_weights_with_grad_take_the_fused_path():
     layer = ColumnParallelLinear(16, 24)
     x = torch.randn(2, 16)
