@@ -220,9 +220,10 @@ class StepEngine:
             # ZeRO 0-1 run the step under no_sync(); each chunk's last backward launches its DP reduction
             final_backward=lambda chunk: self.zero.sync_gradients(),
         )
-        # a zero-bubble split backward runs a chunk's nodes under autograd.grad, in B and again in W: a
-        # fused linear would compute its weight gradient in B too (to be dropped), so those chunks keep
-        # autograd's own linear (parallel.params.main_grad; the fused path is correct there, only slower)
+        # a zero-bubble split backward runs a chunk's nodes under autograd.grad, in B and again in W, where
+        # nothing is accumulated in place: a fused linear cannot fuse there and, being one Python node, would
+        # work out its input gradient again in W. Those chunks keep autograd's own linear
+        # (parallel.params.main_grad; the fused path is correct there, only slower)
         for c in self.executor.split_chunks:
             for p in self.model.chunks[c].parameters():
                 mark_main_grad(p, False)

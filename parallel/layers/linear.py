@@ -55,7 +55,8 @@ class _LinearIntoMainGrad(torch.autograd.Function):
     ``AccumulateGrad`` then adds: one pass over the weight gradient less per micro-batch, and no
     allocation. Only where that is what autograd would do anyway (:func:`_adds_into_grad`); a
     backward that does not reach the weight computes no weight gradient; otherwise it is returned
-    as usual. The input gradient and the bias's are autograd's."""
+    as usual; likewise no input gradient where the input's is not wanted (autograd's own linear
+    computes only what a backward asks for). The input gradient and the bias's are autograd's."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -67,7 +68,7 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         flat_g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and _reaches(ctx.next_functions[0][0]) is not False:
             grad_x = flat_g.mm(weight).view(*grad_out.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
             # the weight's AccumulateGrad node; its .variable is the Parameter itself (under a saved-tensor
@@ -88,11 +89,11 @@ class _LinearIntoMainGrad(torch.autograd.Function):
 
 
 def _reaches(node) -> bool | None:
-    """Whether the running backward runs ``node`` (the weight's ``AccumulateGrad``): True for
-    ``.backward()`` and ``backward(inputs=)`` naming the weight, False where the weight's gradient is
-    not wanted (``backward(inputs=)`` or ``torch.autograd.grad`` for other tensors only), None where
-    ``torch.autograd.grad`` asks for the weight itself (the engine refuses to say: the gradient is
-    handed back, never accumulated)."""
+    """Whether the running backward runs ``node`` (the weight's ``AccumulateGrad``, or the node an
+    input's gradient flows into): True for ``.backward()`` and ``backward(inputs=)`` naming that
+    tensor, False where its gradient is not wanted (``backward(inputs=)`` or ``torch.autograd.grad``
+    for other tensors only), None where ``torch.autograd.grad`` asks for that leaf itself (the engine
+    refuses to say: the gradient is handed back, never accumulated)."""
     try:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:
@@ -125,12 +126,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``; for a weight marked :func:`~parallel.params.mark_main_grad` with at least
     :data:`WGRAD_FUSION_MIN_NUMEL` elements, computed by :class:`_LinearIntoMainGrad` (gradient
     accumulation fusion: same values, up to the rounding of one fused multiply-add order). Not under
-    ``torch.autocast``, whose casts the fused backward does not replay."""
+    ``torch.autocast``, whose casts the fused backward does not replay, nor ``torch.func`` transforms."""
     if (
         has_main_grad(weight)
         and weight.numel() >= WGRAD_FUSION_MIN_NUMEL
         and torch.is_grad_enabled()
         and not _autocasting(x.device.type)
+        and not torch._C._are_functorch_transforms_active()  # torch.func: no setup_context here
     ):
         return _LinearIntoMainGrad.apply(x, weight, bias)
     return F.linear(x, weight, bias)

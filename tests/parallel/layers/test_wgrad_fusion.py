@@ -132,6 +132,78 @@ def test_checkpointing_saved_tensor_hooks_and_autocast(wrap, fuse_all):
     assert fuse_all == ([] if wrap == "autocast" else [True] * 4)
 
 
+def _upstream(W, lin, x):
+    h = x * 2
+    return torch.autograd.grad(lin(torch.tanh(h), W).square().sum(), [h])
+
+
+def _output_only(W, lin, x):
+    h = lin(x, W)
+    h.retain_grad()
+    h.square().sum().backward(inputs=[h])
+    return [h.grad]
+
+
+def _tied(W, lin, x):  # an embedding tied to the head (the GPT's default): one gradient, two uses
+    ids = torch.tensor([[0, 3, 5], [1, 1, 2]])
+    lin(torch.nn.functional.embedding(ids, W) + x[:, :1].sum(), W).square().sum().backward()
+    return []
+
+
+def _three_uses_for_the_input(W, lin, x):
+    (lin(x, W).sum() + lin(x * 3, W).square().sum() + W.sum()).backward(inputs=[x])
+    return [x.grad]
+
+
+def _retained_then_grad(W, lin, x):
+    y = lin(x, W).square().sum()
+    y.backward(retain_graph=True)
+    y.backward(retain_graph=True)
+    return list(torch.autograd.grad(y, [W, x]))
+
+
+def _not_a_leaf(W, lin, x):
+    V = W * 1.0
+    mark_main_grad(V)
+    lin(x, V).square().sum().backward()
+    return []
+
+
+@pytest.mark.parametrize(
+    "case, fused",
+    [
+        (_upstream, []),
+        (_output_only, []),
+        (_tied, [True]),
+        (_three_uses_for_the_input, []),
+        (_retained_then_grad, [True, True]),
+        (_not_a_leaf, []),
+    ],
+)
+def test_every_backward_gives_autograds_gradients(case, fused, fuse_all):
+    """A first reviewer's and a second reviewer's scenarios: the weight's ``.grad`` and every returned
+    gradient equal ``F.linear``'s, fused exactly where autograd would accumulate in place."""
+    torch.manual_seed(0)
+    W = mark_main_grad(nn.Parameter(torch.randn(6, 4)))
+    R = nn.Parameter(W.detach().clone())
+    W.grad, R.grad = torch.zeros_like(W), torch.zeros_like(R)
+    x = torch.randn(3, 4)
+    ours = case(W, linear_mod.linear, x.clone().requires_grad_())
+    theirs = case(R, torch.nn.functional.linear, x.clone().requires_grad_())
+    torch.testing.assert_close(W.grad, R.grad)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b)
+    assert fuse_all == fused
+
+
+def test_torch_func_transforms_take_torchs_path():
+    layer = ColumnParallelLinear(512, 256)
+    mark_main_grad(layer.weight)
+    x = torch.randn(3, 512)
+    grads = torch.func.vmap(torch.func.grad(lambda v: layer(v).square().sum()))(x)
+    assert grads.shape == x.shape
+
+
 def test_meta_tensors_of_the_dry_run_take_the_fused_path(fuse_all):
     layer = ColumnParallelLinear(32, 16, device="meta")
     mark_main_grad(layer.weight).grad = torch.empty_like(layer.weight)
