@@ -7,7 +7,7 @@ For each micro-batch size: the model (``models.build_model``, bf16 weights as th
 with) runs one forward and backward of its loss on random tokens. Measured: the bytes allocated
 after the forward beyond the weights (what autograd holds for backward plus the loss), the peak
 during backward, and the tensors autograd saved, grouped by shape (``saved_tensors_hooks``, each
-storage counted once). The planner's figure is ``recipes.plan.plan_from_config``'s activations of
+storage counted once). The planner's figure is ``recipes.tools.plan.plan_from_config``'s activations of
 the same layout (dp = pp = tp = 1). On CUDA, SDPA is limited to the flash / memory-efficient / cuDNN
 kernels, as in :mod:`benchmarks.gpu_mfu`; on the CPU the same code runs on a small model.
 """
@@ -33,7 +33,7 @@ def probe(rc, device: torch.device, top: int = 8) -> dict:
     from benchmarks.gpu_mfu import _sdpa_without_math_kernel
     from models.transformer import build_model
     from recipes.config import model_config
-    from recipes.plan import plan_from_config
+    from recipes.tools.plan import plan_from_config
 
     mc = model_config(rc.model)
     dtype = torch.bfloat16 if rc.train.precision == "bf16" else torch.float32

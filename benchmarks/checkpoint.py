@@ -34,7 +34,7 @@ def _rank(kwargs: dict, rounds: int, steps_between: int, run_dir: str):
     import torch.distributed as dist
 
     from recipes import checkpointing
-    from recipes.trainer import Trainer
+    from recipes.training.trainer import Trainer
 
     from .pipeline import zb_recipe
 

@@ -20,17 +20,17 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.pipeline.simulator import Span
 from recipes.config import RecipeConfig
-from recipes.gpt_engine import FUSED_ADAMW_DEVICES
+from recipes.training.gpt_engine import FUSED_ADAMW_DEVICES
 
 from .common import counting_torch, ddp_comm_hook, torch_state_bytes
 from .gpt import plain_like_ours, plain_loss, suite_model
 
 
 class Ours:
-    """Our whole training step (``recipes.trainer.Trainer.train_step``)."""
+    """Our whole training step (``recipes.training.trainer.Trainer.train_step``)."""
 
     def __init__(self, rc: RecipeConfig, record_timeline: bool = False):
-        from recipes.trainer import Trainer
+        from recipes.training.trainer import Trainer
 
         self.trainer = Trainer(rc, run_dir=tempfile.gettempdir())
         self.trainer.engine.executor.record_timeline = record_timeline  # the suite records one extra step only

@@ -2,7 +2,7 @@
 
     python -m benchmarks.gpu_check            # one process: CUDA if present, else the CPU
 
-Trains a small GPT for 4 steps through :func:`recipes.trainer.train`, saving at
+Trains a small GPT for 4 steps through :func:`recipes.training.trainer.train`, saving at
 step 2 and 4, then trains a second run resumed from step 2's checkpoint
 (``train.resume=<its directory>``) to step 4 and compares the losses of steps
 3 and 4: bit-exact on the CPU; on a GPU within 1e-4 (atomics in some CUDA
@@ -63,7 +63,7 @@ def loss_problems(want: dict[int, float], got: dict[int, float], tolerance: floa
 
 def main() -> int:
     from parallel.checkpoint import read_manifest, saved_tensors
-    from recipes.trainer import train
+    from recipes.training.trainer import train
 
     _single_process_env()
     cuda = torch.cuda.is_available()

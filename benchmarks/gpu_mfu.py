@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 8 -m benchmarks.gpu_mfu          # (8,1,1) (1,1,8) (2,2,2)
     torchrun --nproc-per-node 4 -m benchmarks.gpu_mfu --layout 2,1,2 --layout 1,2,2
 
-Each layout (dp, pp, tp) is a :class:`recipes.trainer.Trainer` (ZeRO-1, bf16
+Each layout (dp, pp, tp) is a :class:`recipes.training.trainer.Trainer` (ZeRO-1, bf16
 compute with fp32 master weights, fused AdamW on CUDA, SDPA restricted to the
 flash / memory-efficient / cuDNN kernels so a silent fall-back to the math kernel
 fails loudly) running ``--warmup`` then ``--steps`` timed steps of the same
@@ -13,7 +13,7 @@ prints tokens/s, achieved TFLOP/s per GPU (``parallel.plan.shape.model_flops_per
 6·N + attention), MFU against the GPU's dense bf16 peak (its profile in
 :mod:`parallel.plan.hardware`, found by device name, or ``--peak-tflops``) and
 ``torch.cuda.max_memory_allocated`` (max over ranks) beside the planner's
-prediction for the same layout (:func:`recipes.plan.plan_from_config`: model
+prediction for the same layout (:func:`recipes.tools.plan.plan_from_config`: model
 states + activations of the fullest rank) and the planner's step time on each
 ``--hardware`` profile (default: the GPU's own). The default model (20 layers, d_model
 2048, seq 2048, vocab 50304 tied: 1.1 B parameters) at micro-batch 4: the planner
@@ -99,7 +99,7 @@ def _sdpa_without_math_kernel():
 
 def predicted_step_s(rc, hardware: str) -> float:
     """The planner's step time for ``rc``'s layout on the profile ``hardware`` (a name or a ``.json`` file)."""
-    from recipes.plan import plan_from_config
+    from recipes.tools.plan import plan_from_config
 
     rc.plan.hardware = hardware
     return plan_from_config(rc).step["step_time_s"]
@@ -112,8 +112,8 @@ def measure(
     planner's memory and step time (on every profile in ``a.hardware``)."""
     from parallel import comm
     from parallel.plan.shape import model_tflops_per_device
-    from recipes.plan import plan_from_config
-    from recipes.trainer import Trainer
+    from recipes.tools.plan import plan_from_config
+    from recipes.training.trainer import Trainer
 
     dp, pp, tp = layout
     micro_batch = micro_batch or a.micro_batch

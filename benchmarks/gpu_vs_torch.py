@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_vs_torch                  # GPT-2-style, 12 layers, d 1536, seq 2048 (~0.5 B)
     python -m benchmarks.gpu_vs_torch --layers 2 --d 64 --seq 32   # what the CPU dry run does
 
-Ours is :class:`recipes.trainer.Trainer` at dp = pp = tp = 1, ZeRO-0, ``train.precision=bf16``
+Ours is :class:`recipes.training.trainer.Trainer` at dp = pp = tp = 1, ZeRO-0, ``train.precision=bf16``
 (bf16 compute weights, fp32 master weights and moments, fused AdamW). Theirs is the same model in
 plain PyTorch (:class:`benchmarks.gpt.PlainGPT`, the same initial weights): fp32 parameters, the
 forward under ``torch.autocast(bfloat16)``, the same fused AdamW; PyTorch's standard mixed
@@ -53,7 +53,7 @@ class Plain:
     """PyTorch's own single-device bf16 training step on :class:`PlainGPT` (autocast, fused AdamW)."""
 
     def __init__(self, trainer):
-        from recipes.gpt_engine import FUSED_ADAMW_DEVICES
+        from recipes.training.gpt_engine import FUSED_ADAMW_DEVICES
 
         from .gpt import plain_like_ours, suite_model
 
@@ -95,7 +95,7 @@ def _timed(fn, steps: int, start: int, device: torch.device) -> float:
 def main(argv=None) -> dict:
     from benchmarks.common import quantile
     from benchmarks.gpu_mfu import _single_process_env
-    from recipes.trainer import Trainer
+    from recipes.training.trainer import Trainer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)

@@ -137,7 +137,7 @@ def _zb_rank(pp: int, m: int, steps: int, kwargs: dict):
     from parallel.groups import build_groups
     from parallel.memory import PeakSavedMeter
     from parallel.topology import Topology
-    from recipes.gpt_engine import build_gpt_engine
+    from recipes.training.gpt_engine import build_gpt_engine
     from recipes.validation import validate
 
     torch.set_num_threads(1)

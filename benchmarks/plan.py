@@ -3,14 +3,14 @@
 Calibrates this machine once (``mode=calibrate``, written to ``<out>/calibrated/hardware.json``),
 then trains a small GPT in each of :data:`LAYOUTS` (dp, tp, pp, ZeRO stages, accumulation) with the
 recipe's own launcher and ``plan.hardware=<that file>``; the trainer's first-step report prints the
-planner's step time beside the measured one (:func:`recipes.reports.time_report`), which this collects.
+planner's step time beside the measured one (:func:`recipes.training.reports.time_report`), which this collects.
 
 **The machine's speed at the time.** This CPU's speed drifts by up to ≈ 20 % over minutes (one run's
 GEMM rate 94 GFLOP/s against 112–115 in the others; the same layout 40 ms in one measurement and
 66 ms a minute later), as much as the planner's error being measured. So every layout is measured
 in :data:`ROUNDS` rounds, the layout order reversed in every other round (:func:`round_orders`), and
 right before each measurement (not during it) a speed probe runs in this process
-(:func:`recipes.calibrate.speed_probe`: the model's block forward + backward at the calibration's
+(:func:`recipes.tools.calibrate.speed_probe`: the model's block forward + backward at the calibration's
 micro-batch, one second; the calibration took the same probe before and after measuring), taken
 again (:func:`least_disturbed`, up to :data:`ATTEMPTS` times) while other jobs used more than
 :data:`QUIET_CORES` cores during it (``probe_other_cores`` in each round's row). The
@@ -24,7 +24,7 @@ predicted over their mean measured, each round's ratio, the ratio with the profi
 
 The measured time in ``plan.md`` / ``plan.json`` is the median over steps 3–16 of rank 0's wall time per
 step less the part of its main thread's wait for a CPU (``runqueue_s`` in ``metrics.jsonl``,
-:func:`recipes.reports.runqueue_seconds`) that other jobs can account for (:func:`step_seconds`: at
+:func:`recipes.training.reports.runqueue_seconds`) that other jobs can account for (:func:`step_seconds`: at
 most the cores they used during the run times the step). Until this round all of that wait was
 subtracted, to keep other jobs' load out; but with the machine quiet (other jobs ≤ 0.02 cores under
 the shared CPU lock) the wait is the layout's own: on 2 cores its two ranks' main threads compete
@@ -212,13 +212,13 @@ def combine(name: str, measurements: list[dict]) -> dict:
 
 def run(out: Path, rounds: int = ROUNDS) -> list[dict]:
     """Calibrate, then train every layout in ``rounds`` rounds (:func:`round_orders`), each right after
-    a speed probe (:func:`recipes.calibrate.speed_probe`); the calibrated profile is rescaled
+    a speed probe (:func:`recipes.tools.calibrate.speed_probe`); the calibrated profile is rescaled
     (:meth:`parallel.plan.Hardware.time_scaled`) by the median factor of the last
     :data:`PROBE_WINDOW` probes, all taken before the layout; return one row per layout (:func:`combine`)."""
     import torch
 
     from parallel.plan import hardware_profile
-    from recipes.calibrate import probe_factor, speed_probe
+    from recipes.tools.calibrate import probe_factor, speed_probe
 
     hw, cal_other, cal_probe = _calibrate(out)
     profile = hardware_profile(str(hw))
@@ -325,17 +325,17 @@ def _timed(fn, into: list[float]):
 
 
 def _breakdown_worker(rc, run_dir: str, steps: int, skip: int) -> dict:
-    """One spawned rank: train ``steps`` steps of ``rc`` with the recipe's :class:`~recipes.trainer.Trainer`
+    """One spawned rank: train ``steps`` steps of ``rc`` with the recipe's :class:`~recipes.training.trainer.Trainer`
     and, on the steps after the first ``skip``, time the step's parts on the host: the executor's run
     (forwards, backwards, pipeline transfers, the collectives issued and waited inside them), the ZeRO step
     (reductions at the step, clipping's norm, the optimizer, the after-step gathers), the rest (the
     loss's broadcast and all-reduce, the loop); and inside them the time blocked in each collective kind
     (``parallel.comm``'s counter: a blocking call's duration, an asynchronous handle's ``wait()``) per
     group and operation, with its call count; and this process's wait for a CPU (``runqueue_s``).
-    Returns the medians over the timed steps of every figure (:func:`recipes.reports.measured_parts`)."""
+    Returns the medians over the timed steps of every figure (:func:`recipes.training.reports.measured_parts`)."""
     from parallel import comm
-    from recipes.reports import measured_parts, runqueue_seconds
-    from recipes.trainer import Trainer
+    from recipes.training.reports import measured_parts, runqueue_seconds
+    from recipes.training.trainer import Trainer
 
     trainer = Trainer(rc, run_dir)
     engine = trainer.engine
@@ -381,10 +381,10 @@ def _breakdown_worker(rc, run_dir: str, steps: int, skip: int) -> dict:
 
 def breakdown(name: str, args: list[str], hw: Path, out: Path, steps: int = 16, skip: int = 2) -> dict:
     """The measured parts of one layout's step (:func:`_breakdown_worker`, rank 0's, and every
-    rank's step time) beside the planner's parts of the same layout (:func:`recipes.reports.predicted_parts`)."""
+    rank's step time) beside the planner's parts of the same layout (:func:`recipes.training.reports.predicted_parts`)."""
     from launch.local import spawn_local
-    from recipes.plan import plan_from_config
-    from recipes.reports import predicted_parts
+    from recipes.tools.plan import plan_from_config
+    from recipes.training.reports import predicted_parts
     from recipes.validation import validate
 
     rc = _config([*TRAIN, *args, f"plan.hardware={hw}", f"train.max_steps={steps}"])
@@ -408,8 +408,8 @@ def breakdown(name: str, args: list[str], hw: Path, out: Path, steps: int = 16, 
 
 
 def format_layout_breakdown(part: dict) -> str:
-    """:func:`recipes.reports.format_breakdown` of rank 0 and, with pp > 1, of the last stage."""
-    from recipes.reports import format_breakdown
+    """:func:`recipes.training.reports.format_breakdown` of rank 0 and, with pp > 1, of the last stage."""
+    from recipes.training.reports import format_breakdown
 
     other = f" (other jobs {part['other_cores']:.2f} cores)" if "other_cores" in part else ""
     text = format_breakdown(f"{part['layout']}, rank 0{other}", part["measured"], part["predicted"])

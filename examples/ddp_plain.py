@@ -2,7 +2,7 @@
 
 An MLP classifier trained on synthetic data with gradient accumulation (``no_sync``), clipping, AdamW
 and warm-up. Moving it to :class:`parallel.zero.ZeroDataParallel` (ZeRO stages 0–3, fp16/bf16, a
-DeepSpeed JSON read by :mod:`recipes.deepspeed`) changes only the lines that
+DeepSpeed JSON read by :mod:`recipes.tools.deepspeed`) changes only the lines that
 ``diff -u examples/ddp_plain.py examples/ddp_to_gridtrain.py`` shows: the model code is identical,
 ``model.backward(loss)`` applies the fp16 loss scale, and ``model.step()`` reduces the gradients,
 clips and steps the optimizer on this rank's shard. ``tests/examples/test_ddp_migration.py`` checks

@@ -2,7 +2,7 @@
 
 An MLP classifier trained on synthetic data with gradient accumulation (``no_sync``), clipping, AdamW
 and warm-up. Moving it to :class:`parallel.zero.ZeroDataParallel` (ZeRO stages 0–3, fp16/bf16, a
-DeepSpeed JSON read by :mod:`recipes.deepspeed`) changes only the lines that
+DeepSpeed JSON read by :mod:`recipes.tools.deepspeed`) changes only the lines that
 ``diff -u examples/ddp_plain.py examples/ddp_to_gridtrain.py`` shows: the model code is identical,
 ``model.backward(loss)`` applies the fp16 loss scale, and ``model.step()`` reduces the gradients,
 clips and steps the optimizer on this rank's shard. ``tests/examples/test_ddp_migration.py`` checks
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.zero import ZeroDataParallel
-from recipes.deepspeed import load_deepspeed_json
+from recipes.tools.deepspeed import load_deepspeed_json
 
 CONFIG = dict(global_batch=16, micro_batch=4, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 CONFIG.update(grad_clip=1.0, warmup_steps=5)
@@ -106,7 +106,7 @@ def main(rank: int, world: int, args: argparse.Namespace) -> list[float]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--deepspeed", help="a DeepSpeed JSON config (see recipes/deepspeed.py)")
+    parser.add_argument("--deepspeed", help="a DeepSpeed JSON config (see recipes/tools/deepspeed.py)")
     args = parser.parse_args()
     if "RANK" in os.environ:  # under torchrun
         main(-1, -1, args)

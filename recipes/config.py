@@ -76,7 +76,7 @@ class TrainConfig:
     sigterm_grace_s: float = 60.0  # after SIGTERM, a rank not at a step's end by then exits (143)
     ckpt_keep: int = 3  # published checkpoints kept (0: all)
     ckpt_async: bool = True  # stage to host memory, write in a background thread (docs/checkpoint.md)
-    fault: Optional[str] = None  # fault drill: "<kind>@<rank>:<step>" (kinds: recipes/checkpointing.py)
+    fault: Optional[str] = None  # fault drill: "<kind>@<rank>:<step>" (kinds: recipes/training/checkpointing.py)
     threads: int = 0  # intra-op threads per rank on CPU; 0: cores / local ranks
 
 
@@ -116,7 +116,7 @@ class LoggerConfig:
     project: str = "gridtrain"
     peak_tflops: Optional[float] = None  # for MFU; default: measured (CPU) or device table
     timeline: bool = False  # record step 2 on every stage; write timeline.png (the pipeline's bubble)
-    profile: Optional[list[int]] = None  # [first, last] step: torch.profiler traces (recipes/profiling.py)
+    profile: Optional[list[int]] = None  # [first, last] step: torch.profiler traces (recipes/training/profiling.py)
 
 
 @dataclass
@@ -178,7 +178,7 @@ class PlanSection:
 
 @dataclass
 class DryrunSection:
-    """``dryrun.*`` keys for ``mode=dryrun`` (see recipes/dryrun.py)."""
+    """``dryrun.*`` keys for ``mode=dryrun`` (see recipes/tools/dryrun.py)."""
 
     ranks: Optional[List[int]] = None  # None: the first rank, a middle stage's rank, the last rank
     peers: bool = False  # also run each rank's TP, DP and PP neighbours and check their call sequences

@@ -7,8 +7,8 @@ resolves its config, then either
 * or, launched by plain ``python -m recipes.<name>``, spawns the dp×pp×tp local
   workers itself through PyTorch's elastic launcher (``launch.local``),
 * or, with ``mode=plan`` / ``mode=recommend``, runs the planner (no process),
-* or, with ``mode=calibrate``, measures this machine into a hardware profile (``recipes/calibrate.py``),
-* or, with ``mode=dryrun``, runs one step of chosen ranks on no hardware (``recipes/dryrun.py``).
+* or, with ``mode=calibrate``, measures this machine into a hardware profile (``recipes/tools/calibrate.py``),
+* or, with ``mode=dryrun``, runs one step of chosen ranks on no hardware (``recipes/tools/dryrun.py``).
 
 Run directory: ``outputs/<run id>`` where the id is one every rank shares
 (``TORCHELASTIC_RUN_ID`` under torchrun, ``SLURM_JOB_ID`` on Slurm, an id fixed
@@ -16,7 +16,7 @@ in the torchelastic agent's store under a static rendezvous, else a timestamp pl
 a random suffix taken by the single launching process), so ranks never split it by
 resolving ``${now:}`` a second apart and two launches in the same second never
 share it. Only rank 0 writes ``.hydra/``, ``config.yaml``, ``metrics.jsonl``; it
-(or the launcher) first locks the directory (``recipes/runlock.py``): one live run
+(or the launcher) first locks the directory (``recipes/training/runlock.py``): one live run
 per directory.
 """
 
@@ -39,8 +39,8 @@ from omegaconf import DictConfig, OmegaConf
 from launch.local import LocalWorldError, check_local_world, spawn_local, under_torchrun
 
 from .config import ConfigError, Layout, RecipeConfig
-from .deepspeed import apply_deepspeed
-from .sweep import JobFailed
+from .tools.deepspeed import apply_deepspeed
+from .training.sweep import JobFailed
 from .validation import check_keys, check_overrides, check_values, resolve_aliases, resolve_dp, validate
 
 _REGISTERED = False
@@ -106,7 +106,7 @@ def worker(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict
     """Entry point of one spawned or torchrun-launched rank (``layout``: this process validated already)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from .trainer import train
+    from .training.trainer import train
 
     return record(train)(rc, run_dir, layout)
 
@@ -133,12 +133,12 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
             world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
             apply_deepspeed(rc, rc.deepspeed, resolve_dp(rc.parallel, world))
         if rc.mode in ("plan", "recommend"):
-            from .plan import run_plan
+            from .tools.plan import run_plan
 
             check_values(rc)  # single-key ranges hold wherever the run would go
             return run_plan(rc, run_dir, quiet=HydraConfig.get().mode == RunMode.MULTIRUN)  # sweeps: one table
         if rc.mode == "calibrate":
-            from .calibrate import run_calibrate
+            from .tools.calibrate import run_calibrate
 
             if under_torchrun():  # every rank would measure, spawn its own collective jobs and write the profile
                 raise ConfigError(
@@ -148,7 +148,7 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
             check_values(rc)
             return run_calibrate(rc, run_dir)
         if rc.mode == "dryrun":
-            from .dryrun import run_dryrun
+            from .tools.dryrun import run_dryrun
 
             check_values(rc)
             found = run_dryrun(rc, run_dir)
@@ -160,7 +160,7 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
                 )
                 raise SystemExit(1)
             return found
-        from .preflight import preflight
+        from .training.preflight import preflight
 
         if under_torchrun():  # every rank, before any collective: a clean message everywhere
             layout = validate(rc, world_size=int(os.environ["WORLD_SIZE"]))

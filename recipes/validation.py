@@ -30,7 +30,7 @@ from parallel.zero.policy import ZERO_STAGES
 from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies
 
 from .config import ConfigError, Layout, ParallelConfig, RecipeConfig, _show, bad, model_config
-from .runlog import LR_SCHEDULES
+from .training.runlog import LR_SCHEDULES
 
 # The typed choices of the config, each tuple imported from where the library defines the names.
 # OmegaConf 2.3's structured configs refuse ``Literal`` annotations ("Unexpected type annotation"),
@@ -356,7 +356,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         )
     if cfg.data.source == "memmap" and not cfg.data.path:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
-    from .profiling import profile_steps  # logger.profile
+    from .training.profiling import profile_steps  # logger.profile
 
     profile_steps(cfg.logger.profile, t.max_steps)
     if p.timeout_s <= 0:

@@ -107,7 +107,7 @@ def test_fused_adamw_on_the_device_matches_foreach_adamw_on_the_cpu():
 
 
 def _trainer_losses(on_device: bool, **overrides):
-    from recipes.trainer import Trainer
+    from recipes.training.trainer import Trainer
 
     if on_device:
         _device_world()

@@ -24,7 +24,7 @@ import parallel.zero.layout as layout
 import parallel.zero.policy as policy
 import parallel.zero.theory as zero_theory
 import recipes.config as config
-import recipes.trainer as trainer
+import recipes.training.trainer as trainer
 from models.config import ModelConfig
 from parallel.layers.embedding import padded_vocab_size
 from parallel.plan.hardware import PlanError
@@ -38,7 +38,7 @@ def test_names_and_stage_numbers_have_one_home():
     assert config.CHOICES["train.precision"] is precision.PRECISIONS
     assert config.CHOICES["comm.dtype"] == (None, *precision.PRECISIONS)
     assert config.CHOICES["comm.compression"] is compression.COMPRESSIONS
-    from recipes.runlog import LR_SCHEDULES, lr_at
+    from recipes.training.runlog import LR_SCHEDULES, lr_at
 
     assert config.CHOICES["optim.schedule"] is LR_SCHEDULES
     kw = dict(lr=1.0, min_lr=0.0, warmup_steps=0, max_steps=10)

@@ -3,7 +3,7 @@ starting a process; the layout search behind ``mode=recommend``.
 
 Pure: no process groups, no ``models`` import. The caller passes the model's
 shape (any object with a ``ModelConfig``'s fields) and a counter of the real
-model's parameters per pipeline chunk (``recipes.plan.meta_param_counter``).
+model's parameters per pipeline chunk (``recipes.tools.plan.meta_param_counter``).
 See ``docs/planner.md``.
 """
 

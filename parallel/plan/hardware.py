@@ -168,7 +168,7 @@ SCALE_FREE_FIELDS = (
 
 # Compute constants (parallel/plan/compute.py): ``efficiency`` is the fraction of peak large GEMMs reach.
 # A100: 0.78 (243 TFLOP/s), the one value that puts all ten rows of Narayanan et al. 2021 Table 1 within
-# ±10 % (docs/planner.md; recipes/plan_published.py), in line with cuBLAS' large fp16 GEMMs on A100.
+# ±10 % (docs/planner.md; recipes/tools/plan_published.py), in line with cuBLAS' large fp16 GEMMs on A100.
 # H100/H200: 0.7, an estimate from cuBLAS' published large-GEMM throughput (not fitted to a run).
 # ``attention_efficiency``: FlashAttention-2's forward, ≈ 60 % of peak on A100 (Dao 2023), ≈ 40 % on
 # H100. ``hbm_gbps``: the datasheets' memory bandwidth (A100 80GB 2,039; H100 SXM 3,350; H100 PCIe

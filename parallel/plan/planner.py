@@ -2,7 +2,7 @@
 time, throughput, MFU and advice. Pure: no process is started.
 
 The caller supplies the model's shape and a :data:`ParamCounter` that counts the
-parameters of a chunk of the real model (``recipes.plan`` builds it on the
+parameters of a chunk of the real model (``recipes.tools.plan`` builds it on the
 ``meta`` device), so counts cannot drift from the code that trains.
 
 Step time: every micro-batch's forward and backward cost FLOPs / (peak ·
@@ -383,7 +383,7 @@ def plan_layout(
     mfpt = MoE.flops_per_token(moe) if moe else model_flops_per_token(shape)  # MoE: active parameters
     step = {
         "step_time_s": step_time,  # a logged step (read: the loss and norm scalars); the dry run's step
-        "unread_step_time_s": unread,  # a step nobody reads (recipes/trainer.py: most steps)
+        "unread_step_time_s": unread,  # a step nobody reads (recipes/training/trainer.py: most steps)
         "read_extra_s": step_time - unread,  # what reading a step adds
         "pipeline_s": makespan,
         "bubble_fraction": bubble,
@@ -519,7 +519,7 @@ def _exposed_dp_time(
     (:func:`partly_hidden`), and none of the seconds priced with a measured ``ahead_call_us``
     (``measured_per_mb``, ``measured_per_step``: stage 3's calls launched ahead of their wait,
     :meth:`parallel.plan.traffic.AxisTraffic.add`): calibration measured those as what is left exposed
-    after overlap (``recipes.calibrate.fit_launched_ahead``), so their share of what the overlap table
+    after overlap (``recipes.tools.calibrate.fit_launched_ahead``), so their share of what the overlap table
     hides stays exposed; with no measured cost (the GPU profiles) nothing changes."""
     last = 1.0 / max(1, reductions)
     per_mb = max(

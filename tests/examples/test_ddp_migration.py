@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from parallel.testing import run_ranks
-from recipes.deepspeed import load_deepspeed_json
+from recipes.tools.deepspeed import load_deepspeed_json
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 STEPS = 3

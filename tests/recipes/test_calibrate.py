@@ -6,7 +6,7 @@ import json
 import pytest
 
 from parallel.plan import PlanError, hardware_profile
-from recipes.calibrate import (
+from recipes.tools.calibrate import (
     LARGE,
     calibrate,
     fit_collective_overhead,
@@ -15,8 +15,8 @@ from recipes.calibrate import (
     fit_links,
     fit_overlap_fraction,
 )
-from recipes.plan import plan_from_config
-from recipes.plan_scenarios import scenario_config
+from recipes.tools.plan import plan_from_config
+from recipes.tools.plan_scenarios import scenario_config
 
 TINY = ["model.preset=gpt_tiny", "model.d_model=64", "model.seq_len=32", "train.precision=fp32"]
 
@@ -59,7 +59,7 @@ def test_link_fit_inverts_the_ring_model():
 
 
 def test_time_report_compares_and_names_the_largest_part():
-    from recipes.reports import format_time_comparison
+    from recipes.training.reports import format_time_comparison
 
     plan = plan_from_config(scenario_config(TINY + ["plan.hardware=cpu"]))
     predicted = plan.step["step_time_s"]
@@ -151,7 +151,7 @@ def test_host_terms_round_trip_through_the_profile_file_and_bad_ones_are_refused
 def test_tp_call_cost_is_the_in_situ_residual_per_tp_call():
     """``tp_call_us``: a micro-batch through the model at tp = 2 measured ``δ`` slower than another
     gives ``δ / calls`` more per call; nothing measured (one rank) gives 0, never negative."""
-    from recipes.calibrate import fit_tp_call_us
+    from recipes.tools.calibrate import fit_tp_call_us
 
     rc = scenario_config(TINY)
     fields = dict(hardware_profile("cpu").__dict__)
@@ -165,7 +165,7 @@ def test_tp_call_cost_is_the_in_situ_residual_per_tp_call():
 
 def test_kind_scales_take_each_kinds_bytes_rate_and_price_the_planners_calls():
     from parallel.plan.traffic import AxisTraffic
-    from recipes.calibrate import fit_kind_scales
+    from recipes.tools.calibrate import fit_kind_scales
 
     gbps, n, payload, small = 2.0, 2, 8e5, 4096
     sent = (n - 1) / n * (payload - small)
@@ -200,8 +200,8 @@ def _unit_rank():
     import torch
     import torch.distributed as dist
 
-    from recipes.calibrate import _block, _launched_ahead, _unit_kinds, unit_buckets
     from recipes.config import model_config
+    from recipes.tools.calibrate import _block, _launched_ahead, _unit_kinds, unit_buckets
 
     torch.set_num_threads(1)
     mc = model_config(scenario_config(TINY).model)
@@ -214,7 +214,7 @@ def _unit_rank():
 
 def test_unit_collectives_are_measured_as_the_engine_packs_a_unit():
     from parallel.testing import run_ranks
-    from recipes.calibrate import fit_kind_scales
+    from recipes.tools.calibrate import fit_kind_scales
 
     numel, buckets, kinds, ahead = run_ranks(_unit_rank, 2, timeout=120)[0]
     assert len(buckets) == 2 and sum(buckets) == numel  # weights; biases and norms (packing.bucket_class)
@@ -232,7 +232,7 @@ def test_the_microbatch_residual_takes_the_block_as_the_planner_does(monkeypatch
 
     import torch
 
-    import recipes.calibrate as cal
+    import recipes.tools.calibrate as cal
 
     seen, paired = {}, cal._paired
 
@@ -259,8 +259,8 @@ def test_the_microbatch_residual_takes_the_block_as_the_planner_does(monkeypatch
 def test_a_unit_is_split_into_buckets_above_bucket_mb_as_the_engine_packs_it():
     import torch
 
-    from recipes.calibrate import _block, unit_buckets
     from recipes.config import model_config
+    from recipes.tools.calibrate import _block, unit_buckets
 
     block, _ = _block(model_config(scenario_config(TINY).model), 1, torch.float32, torch.device("cpu"))
     numels = [p.numel() for p in block.parameters()]

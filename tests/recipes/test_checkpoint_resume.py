@@ -57,7 +57,7 @@ def test_other_layout_resumes_within_1e4(uninterrupted, tmp_path, layout):
 
 
 def _full_params_after_load(rc, run_dir, ckpt):
-    from recipes.trainer import Trainer
+    from recipes.training.trainer import Trainer
 
     trainer = Trainer(rc, run_dir)
     trainer.load_state_dict(ckpt)
@@ -71,7 +71,7 @@ def test_inspect_lists_it_and_exports_what_a_loaded_trainer_holds(uninterrupted,
 
     from models.hf import load_hf_weights
     from models.transformer import build_model
-    from recipes.inspect_checkpoint import main, saved_model_config
+    from recipes.tools.inspect_checkpoint import main, saved_model_config
 
     run_dir, _ = uninterrupted
     assert main([str(run_dir), "--consolidated", str(tmp_path / "all.safetensors"), "--hf", str(tmp_path / "hf")]) == 0

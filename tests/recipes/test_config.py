@@ -91,7 +91,7 @@ def test_more_torchrun_ranks_than_gpus_is_one_config_error_before_any_worker_cod
     import torch.distributed as dist
 
     from recipes.config import ConfigError
-    from recipes.preflight import check_backend
+    from recipes.training.preflight import check_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

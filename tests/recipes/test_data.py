@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from recipes import prepare
-from recipes.data import DataError, TokenDataset, embedded_corpus, open_data, write_token_dir
+from recipes.training.data import DataError, TokenDataset, embedded_corpus, open_data, write_token_dir
 
 
 @pytest.fixture

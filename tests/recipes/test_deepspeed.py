@@ -5,7 +5,7 @@ import json
 import pytest
 
 from recipes.config import ConfigError, RecipeConfig, validate
-from recipes.deepspeed import apply_deepspeed, deepspeed_overrides, load_deepspeed_json
+from recipes.tools.deepspeed import apply_deepspeed, deepspeed_overrides, load_deepspeed_json
 
 DS = {
     "train_batch_size": 64,

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from recipes import dryrun
 from recipes.main import register
-from recipes.plan import plan_from_config
+from recipes.tools.plan import plan_from_config
 
 
 def recipe(name: str, overrides: list[str]):
@@ -132,7 +132,7 @@ def _check_zero3_memory(rc, res, plan):
     from parallel.plan.memory import zero_bucket_numels
     from parallel.zero.packing import reduction_buffer_bytes
     from recipes.config import model_config
-    from recipes.plan import meta_param_counter
+    from recipes.tools.plan import meta_param_counter
 
     count = meta_param_counter(model_config(rc.model))
     numels = zero_bucket_numels(count(range(0, 4), True, True, 1), 2, rc.comm.bucket_mb * 2**20, 4)

@@ -182,7 +182,7 @@ def run_catalogue(cases_json: str, out_json: str) -> None:
 
 
 def _sanitize(text: str, tmp: Path) -> str:
-    from recipes.data import cache_dir
+    from recipes.training.data import cache_dir
 
     text = text.replace(str(tmp), "<tmp>").replace(str(cache_dir()), "~/.cache/gridtrain")
     text = re.sub(r"0x[0-9a-f]{8}", "0x…", text)
@@ -343,7 +343,7 @@ def test_debug_switch_shows_the_traceback(monkeypatch, capsys):
 
 
 def test_an_empty_embedded_split_is_refused_and_not_cached(tmp_path, monkeypatch):
-    from recipes.data import DataError, embedded_corpus
+    from recipes.training.data import DataError, embedded_corpus
 
     monkeypatch.setenv("GRIDTRAIN_CACHE", str(tmp_path))
     with pytest.raises(DataError, match="leaves no training tokens"):

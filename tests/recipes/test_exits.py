@@ -1,5 +1,5 @@
 """Clean exits: a finished job exits 0 on every rank; SIGTERM/SIGINT to a self-spawned launcher
-makes the workers checkpoint and stop, status 0, no traceback (recipes/exits.py, launch/local.py)."""
+makes the workers checkpoint and stop, status 0, no traceback (recipes/training/exits.py, launch/local.py)."""
 
 import os
 import signal
@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from parallel.testing import HostSyncCounter, run_ranks
-from recipes.checkpointing import Preemption
-from recipes.exits import finish_distributed
+from recipes.training.checkpointing import Preemption
+from recipes.training.exits import finish_distributed
 
 from .test_faults import ROOT, cli_overrides, launch, metrics
 

@@ -25,7 +25,7 @@ from .test_train_e2e import tiny_recipe
 
 
 def _count(rc: RecipeConfig, run_dir: str, fused: bool):
-    from recipes.trainer import Trainer
+    from recipes.training.trainer import Trainer
 
     trainer = Trainer(rc, run_dir)
     # fused: what the trainer builds (AdamW with a device-side skip); else the foreach loop

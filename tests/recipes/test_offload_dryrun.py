@@ -11,7 +11,7 @@ import json
 import pytest
 
 from recipes import dryrun
-from recipes.plan import plan_from_config
+from recipes.tools.plan import plan_from_config
 
 from .test_dryrun import recipe
 

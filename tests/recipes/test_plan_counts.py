@@ -12,7 +12,7 @@ from parallel.plan import ModelShape, PlanError, layer_partition, stage_activati
 from parallel.plan.shape import layer_costs
 from parallel.testing import run_ranks
 from parallel.topology import Topology
-from recipes.plan import meta_param_counter
+from recipes.tools.plan import meta_param_counter
 
 
 def _total(counter, cfg, pp=1, tp=1, vpp=1):

@@ -14,8 +14,8 @@ from parallel.plan.shape import ModelShape
 from parallel.testing import run_ranks
 from parallel.topology import Topology
 from recipes.config import model_config
-from recipes.plan import plan_from_config
-from recipes.plan_scenarios import scenario_config
+from recipes.tools.plan import plan_from_config
+from recipes.tools.plan_scenarios import scenario_config
 
 
 def _measure(rc):
@@ -86,7 +86,7 @@ def test_local_shape_and_recommend_choices():
 
 def test_recommend_splits_a_long_sequence():
     """Llama-7B on 64k-token sequences over 16 H100s: no layout without cp is best (activations)."""
-    from recipes.plan import recommend_from_config
+    from recipes.tools.plan import recommend_from_config
 
     rc = scenario_config(
         [

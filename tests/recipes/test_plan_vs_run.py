@@ -12,8 +12,8 @@ from parallel.plan import predicted_vs_measured
 from parallel.testing import run_ranks
 from parallel.topology import Topology
 from recipes.config import model_config
-from recipes.plan import plan_from_config
-from recipes.plan_scenarios import scenario_config
+from recipes.tools.plan import plan_from_config
+from recipes.tools.plan_scenarios import scenario_config
 
 
 def _measure(rc, tp):

@@ -11,8 +11,8 @@ from parallel.groups import build_groups
 from parallel.testing import run_ranks
 from parallel.topology import Topology
 from recipes.config import model_config
-from recipes.plan import plan_from_config
-from recipes.plan_scenarios import scenario_config
+from recipes.tools.plan import plan_from_config
+from recipes.tools.plan_scenarios import scenario_config
 
 zero = pytest.importorskip("parallel.zero")
 

@@ -16,8 +16,8 @@ from parallel.zero import ZeroDataParallel
 from parallel.zero.packing import reduction_buffer_bytes
 from parallel.zero.theory import accumulation_grad_bytes
 from recipes.config import ConfigError, model_config
-from recipes.plan import plan_from_config
-from recipes.plan_scenarios import scenario_config
+from recipes.tools.plan import plan_from_config
+from recipes.tools.plan_scenarios import scenario_config
 
 M = 4
 

@@ -6,7 +6,7 @@ import pytest
 
 from parallel.testing import run_ranks
 from recipes.config import ConfigError, validate
-from recipes.profiling import trace_path
+from recipes.training.profiling import trace_path
 
 from .test_train_e2e import _train, tiny_recipe
 

@@ -1,4 +1,4 @@
-"""One live run per run directory, and run ids unique per launch (recipes/runlock.py, recipes/main.py)."""
+"""One live run per run directory, and run ids unique per launch (recipes/training/runlock.py, recipes/main.py)."""
 
 import json
 import os
@@ -40,7 +40,7 @@ def test_second_run_into_a_held_directory_is_refused_naming_the_holder(tmp_path)
             sys.executable,
             "-c",
             (
-                f"import sys, time; sys.path.insert(0, {ROOT!r}); from recipes.runlock import acquire; "
+                f"import sys, time; sys.path.insert(0, {ROOT!r}); from recipes.training.runlock import acquire; "
                 f"acquire({str(tmp_path)!r}); print('held', flush=True); time.sleep(120)"
             ),
         ],

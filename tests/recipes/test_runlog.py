@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from recipes.runlog import RunLogger, lr_at
+from recipes.training.runlog import RunLogger, lr_at
 
 
 def test_metrics_file_and_silent_other_ranks(tmp_path):
@@ -57,7 +57,7 @@ class _Conn:
 
 
 def test_wandb_online_check_names_what_is_missing(tmp_path):
-    from recipes.runlog import wandb_online_problem
+    from recipes.training.runlog import wandb_online_problem
 
     no_netrc = {"NETRC": str(tmp_path / "absent")}
     assert "no API key" in wandb_online_problem(no_netrc, connect=lambda *a, **k: _Conn())
@@ -86,7 +86,7 @@ def test_wandb_online_without_network_falls_back_to_offline_with_one_warning(tmp
 
 
 def test_fit_metrics_keeps_the_first_that_fit():
-    from recipes.runlog import fit_metrics
+    from recipes.training.runlog import fit_metrics
 
     shown = {"loss": "2.31", "lr": "0.0003", "tokens_per_s": "1.2e+03"}
     assert fit_metrics(shown, 100) == "loss=2.31, lr=0.0003, tokens_per_s=1.2e+03"

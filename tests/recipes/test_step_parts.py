@@ -6,9 +6,9 @@ import statistics
 
 import pytest
 
-from recipes.plan import plan_from_config
-from recipes.plan_scenarios import scenario_config
-from recipes.reports import format_breakdown, measured_parts, predicted_parts
+from recipes.tools.plan import plan_from_config
+from recipes.tools.plan_scenarios import scenario_config
+from recipes.training.reports import format_breakdown, measured_parts, predicted_parts
 
 
 def _sample(step, run, opt, rq, ag_calls, ag_wait, ar_wait_opt):

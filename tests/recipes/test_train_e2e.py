@@ -27,7 +27,7 @@ def tiny_recipe(dp=1, pp=1, tp=1, zero=1, **train) -> RecipeConfig:
 
 
 def _train(rc, run_dir):
-    from recipes.trainer import train
+    from recipes.training.trainer import train
 
     return train(rc, run_dir)
 

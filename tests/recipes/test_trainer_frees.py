@@ -22,7 +22,7 @@ VARIANTS = {
 
 
 def _alive_after_delete() -> dict[str, list[str]]:
-    from recipes.trainer import Trainer
+    from recipes.training.trainer import Trainer
 
     alive = {}
     for name, overrides in VARIANTS.items():

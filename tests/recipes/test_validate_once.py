@@ -9,7 +9,7 @@ from .test_train_e2e import tiny_recipe
 def _worker_counts_validations(rc, run_dir):
     import recipes.config
     import recipes.main
-    import recipes.trainer
+    import recipes.training.trainer
 
     calls = []
 
@@ -17,11 +17,11 @@ def _worker_counts_validations(rc, run_dir):
         calls.append(1)
         return recipes.config.validate(*args, **kwargs)
 
-    recipes.trainer.validate = counted
+    recipes.training.trainer.validate = counted
     layout = validate(rc, world_size=1)  # what recipes.main does first under torchrun
     recipes.main.worker(rc, run_dir, layout)
     with_layout = len(calls)
-    recipes.trainer.Trainer(rc, run_dir)  # a caller without one: the trainer validates itself
+    recipes.training.trainer.Trainer(rc, run_dir)  # a caller without one: the trainer validates itself
     return with_layout, len(calls) - with_layout
 
 

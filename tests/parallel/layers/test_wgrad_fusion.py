@@ -233,7 +233,7 @@ def test_only_marked_large_weights_with_grad_take_the_fused_path():
 # ------------------------------------------------------------ through ZeRO and the step engine
 def _train_both(overrides: dict, steps: int = 3):
     """Train the same tiny recipe with gradient-accumulation fusion off, then on (every marked weight)."""
-    from recipes.trainer import Trainer
+    from recipes.training.trainer import Trainer
 
     from ...recipes.test_train_e2e import tiny_recipe
 

@@ -117,7 +117,7 @@ def test_planner_prices_stage1_wire_copies(comm_dtype):
     allocates; every bucket's 16-bit copy in a bf16 one: it planned 0)."""
     from parallel.plan.memory import zero_bucket_numels
     from recipes.config import model_config
-    from recipes.plan import meta_param_counter, plan_from_config
+    from recipes.tools.plan import meta_param_counter, plan_from_config
     from tests.recipes.test_dryrun import recipe
 
     rc = recipe("gpt_tiny", ["parallel.dp=2", "parallel.zero=1", "train.precision=bf16", f"comm.dtype={comm_dtype}"])

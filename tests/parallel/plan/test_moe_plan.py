@@ -74,7 +74,7 @@ def test_all_to_all_bytes_equal_theory():
 # ------------------------------------------------------------------ plan_layout / recommend with experts
 def _plan(cfg, hw="a100_80gb", global_batch=64, **layout):
     from parallel.plan import Layout, Training, hardware_profile, plan_layout
-    from recipes.plan import meta_param_counter
+    from recipes.tools.plan import meta_param_counter
 
     tr = Training(global_batch=global_batch, micro_batch=1, checkpointing="full")
     return plan_layout(cfg, Layout(**layout), tr, hardware_profile(hw), meta_param_counter(cfg))
@@ -123,7 +123,7 @@ def test_planner_refuses_bad_ep(layout, match):
 
 def test_recommend_picks_expert_parallelism_for_mixtral():
     from parallel.plan import Training, hardware_profile, recommend
-    from recipes.plan import meta_param_counter
+    from recipes.tools.plan import meta_param_counter
 
     cfg = preset("mixtral_8x7b")
     tr = Training(global_batch=256, micro_batch=1)

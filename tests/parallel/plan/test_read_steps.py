@@ -6,9 +6,9 @@ compares like with like."""
 import pytest
 
 from parallel.plan.planner import norm_every_step
-from recipes.plan import plan_from_config
-from recipes.plan_scenarios import scenario_config
-from recipes.reports import format_time_comparison
+from recipes.tools.plan import plan_from_config
+from recipes.tools.plan_scenarios import scenario_config
+from recipes.training.reports import format_time_comparison
 
 TINY = ["model.preset=gpt_tiny", "model.d_model=64", "model.seq_len=32", "train.precision=fp32", "plan.hardware=cpu"]
 
@@ -73,7 +73,7 @@ def test_a_bad_grad_clip_is_refused(bad):
     from parallel.plan import PlanError, hardware_profile, plan_layout
     from parallel.plan.inputs import Layout
     from recipes.config import model_config
-    from recipes.plan import _training, meta_param_counter
+    from recipes.tools.plan import _training, meta_param_counter
 
     rc = scenario_config(TINY + ["train.global_batch=8", "train.micro_batch=2"])
     mc = model_config(rc.model)
@@ -90,7 +90,7 @@ def test_a_middle_zero3_stage_blocks_on_no_phantom_reduction():
     from parallel.plan import hardware_profile, plan_layout
     from parallel.plan.inputs import Layout
     from recipes.config import model_config
-    from recipes.plan import _training, meta_param_counter
+    from recipes.tools.plan import _training, meta_param_counter
 
     rc = scenario_config(TINY + ["model.n_layers=8", "train.global_batch=8", "train.micro_batch=2"])
     mc = model_config(rc.model)  # pp=4: two blocks per stage, four buckets
@@ -120,7 +120,7 @@ def test_tp_call_cost_enters_each_tp_collective_of_the_model():
     from parallel.plan import hardware_profile, plan_layout
     from parallel.plan.inputs import Layout
     from recipes.config import model_config
-    from recipes.plan import _training, meta_param_counter
+    from recipes.tools.plan import _training, meta_param_counter
 
     rc = scenario_config(TINY + ["train.global_batch=8", "train.micro_batch=2"])
     mc = model_config(rc.model)

@@ -9,8 +9,8 @@ import pytest
 
 from parallel.plan import PlanError, hardware_profile
 from parallel.plan.hardware import RATE_FIELDS, SCALE_FREE_FIELDS, TIME_FIELDS, Hardware
-from recipes.plan import plan_from_config
-from recipes.plan_scenarios import scenario_config
+from recipes.tools.plan import plan_from_config
+from recipes.tools.plan_scenarios import scenario_config
 
 TINY = ["model.preset=gpt_tiny", "model.d_model=64", "model.seq_len=32", "train.precision=fp32"]
 # a calibrated-like CPU profile: every host term non-zero, so each one's scaling is exercised

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 
 from parallel.plan import hardware_profile
 
-from .config import RecipeConfig, model_config
+from ..config import RecipeConfig, model_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SMALL, LARGE = 4 * 2**10, 8 * 2**20  # all-reduce payloads: latency, bandwidth
@@ -210,7 +210,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     from parallel.plan.compute import head_time, optimizer_seconds
     from parallel.plan.hardware import Hardware
 
-    from .gpt_engine import optimizer_factory
+    from ..training.gpt_engine import optimizer_factory
 
     mc = model_config(rc.model)
     dtype = DTYPES.get(rc.train.precision, torch.float32)

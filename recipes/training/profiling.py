@@ -34,7 +34,7 @@ PROFILE_DIR = "profile"
 
 def profile_steps(profile, max_steps: int) -> tuple[int, int] | None:
     """``logger.profile`` as ``(first, last)`` (1-based, inclusive) or None; ConfigError if malformed."""
-    from .config import ConfigError
+    from ..config import ConfigError
 
     if profile is None:
         return None

@@ -4,7 +4,7 @@
 
 Each chosen rank runs in a fresh process (a clean default process group), ``dryrun.jobs``
 at a time. The process joins torch's ``fake`` process group as that rank of the real
-world size and runs the **real** :class:`~recipes.trainer.Trainer`: config validation,
+world size and runs the **real** :class:`~recipes.training.trainer.Trainer`: config validation,
 creation of its process groups, its model chunks, ZeRO buckets, the pipeline executor,
 a warm-up training step (it allocates the optimizer state), one measured training step
 (every micro-batch's forward and backward, the DP reduction, the optimizer step, and the
@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from .config import RecipeConfig, bad
-from .trainer import Trainer
-from .validation import validate
+from ..config import RecipeConfig, bad
+from ..training.trainer import Trainer
+from ..validation import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 MEMORY_KEYS = ("params", "grads", "optimizer", "buffers", "activations", "temporaries")
@@ -219,7 +219,16 @@ def run_ranks(
             while pending and len(running) < max(1, jobs):
                 r = pending.pop(0)
                 out = Path(tmp) / f"rank{r}.json"
-                cmd = [sys.executable, "-m", "recipes.dryrun", str(cfg_path), str(r), str(world), run_dir, str(out)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "recipes.tools.dryrun",
+                    str(cfg_path),
+                    str(r),
+                    str(world),
+                    run_dir,
+                    str(out),
+                ]
                 running.append(
                     (
                         r,

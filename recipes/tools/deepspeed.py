@@ -33,7 +33,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, bad
+from ..config import ConfigError, bad
 
 _DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 _OPTIMS = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd"}
@@ -162,7 +162,7 @@ def deepspeed_overrides(ds: dict, dp: int) -> dict[str, Any]:
         raise ConfigError(
             "DeepSpeed config keys gridtrain cannot honour: "
             + "; ".join(unknown)
-            + ". Remove them or set the equivalent recipe keys (see recipes/deepspeed.py)."
+            + ". Remove them or set the equivalent recipe keys (see recipes/tools/deepspeed.py)."
         )
     gb, mb = out.get("train.global_batch"), out.get("train.micro_batch")
     ga = flat.get("gradient_accumulation_steps")

@@ -2,7 +2,7 @@
 
 Read top to bottom: validate the config (pure, before any collective) → join
 the process group → build this rank's grid groups → build this rank's step
-engine (:func:`recipes.gpt_engine.build_gpt_engine`: its GPT chunks under ZeRO,
+engine (:func:`recipes.training.gpt_engine.build_gpt_engine`: its GPT chunks under ZeRO,
 the pipeline schedule; :class:`parallel.engine.StepEngine` owns the step) → the
 loop: learning rate, evaluation, logging, checkpoint policy, profiler, timeline.
 
@@ -30,15 +30,15 @@ from parallel.plan.shape import model_tflops_per_device
 from parallel.precision import TORCH_DTYPES
 from parallel.topology import Topology
 
+from ..config import Layout, RecipeConfig
+from ..validation import validate
 from . import checkpointing
-from .config import Layout, RecipeConfig
 from .data import open_data
 from .exits import finish_distributed
 from .gpt_engine import build_gpt_engine
 from .profiling import StepProfiler, profile_steps
 from .reports import memory_report, runqueue_seconds, time_report, timeline_step
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
-from .validation import validate
 
 COMPUTE_DTYPES = TORCH_DTYPES  # one home: parallel.precision
 
@@ -125,7 +125,7 @@ class Trainer:
         inputs, targets = self.microbatches(step)
         return {"lr": lr, **self.engine.step(inputs, targets, read=read, measure_memory=measure_memory, norm=norm)}
 
-    # ------------------------------------------------------ checkpoint (recipes/checkpointing.py)
+    # ------------------------------------------------------ checkpoint (recipes/training/checkpointing.py)
     def state_dict(self) -> dict:
         """This rank's checkpoint pieces by global key (views into ZeRO's shards; no copies)."""
         return checkpointing.state_pieces(self)
@@ -162,7 +162,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
     peak = rc.logger.peak_tflops or (measured_matmul_tflops() if trainer.device.type == "cpu" else None)
     world = trainer.topology.world_size
     last: dict[str, Any] = {}
-    # --- checkpoint: resume, pre-emption (recipes/checkpointing.py) ---
+    # --- checkpoint: resume, pre-emption (recipes/training/checkpointing.py) ---
     resume_from = checkpointing.find_resume_point(t.resume, run_dir)
     if resume_from is not None:
         log.info(f"resuming from {resume_from} (step {trainer.load_state_dict(resume_from)})")
@@ -245,7 +245,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
         preemption.close()
         log.close()
     last = read_stats(last)  # the last step was read, or reduced by the pre-emption log: no collective here
-    finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/exits.py)
+    finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/training/exits.py)
     return {
         "final_loss": last.get("loss"),
         "val_loss": last.get("val_loss"),

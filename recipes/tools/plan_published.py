@@ -6,7 +6,7 @@ stock ``a100_80gb`` profile and the same settings (no per-row tuning). The paper
 count ``F = 96·B·s·l·h²(1 + s/6h + V/16lh)`` FLOPs per step (its Eq. 3: full activation
 recomputation included), so ours divide the same ``F`` by our predicted step time.
 
-``python -m recipes.plan_published`` regenerates the table in ``docs/planner.md``; a test checks it
+``python -m recipes.tools.plan_published`` regenerates the table in ``docs/planner.md``; a test checks it
 is current and every row is within ±10 %.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from parallel.plan import plan_layout
 
-from .config import model_config
+from ..config import model_config
 from .plan import _hardware, _layout, _training, meta_param_counter
 from .plan_scenarios import scenario_config
 

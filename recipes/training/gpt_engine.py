@@ -13,7 +13,7 @@ from parallel.pipeline.partition import stage_chunks
 from parallel.pipeline.schedules import build_schedule
 from parallel.plan.shape import ModelShape, layer_partition
 
-from .config import Layout, RecipeConfig
+from ..config import Layout, RecipeConfig
 
 #: device types with a fused AdamW kernel (on CPU 7× faster than foreach at 3.3 M parameters, torch 2.13)
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")

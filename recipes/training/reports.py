@@ -36,7 +36,7 @@ def memory_report(trainer) -> str | None:
         return None
     every = every.view(world, 5).cpu()
     try:  # the planner's figures for this very layout, beside the measured ones
-        from .plan import plan_from_config
+        from ..tools.plan import plan_from_config
 
         plan = plan_from_config(trainer.rc)
         predicted = [r.memory["model_states"] + r.memory["activations"] for r in plan.ranks]
@@ -124,7 +124,7 @@ def time_report(trainer, measured_s: float, read: bool = True) -> str | None:
     if trainer.rank != 0:
         return None
     try:
-        from .plan import plan_from_config
+        from ..tools.plan import plan_from_config
 
         plan = plan_from_config(trainer.rc)
     except (ValueError, KeyError) as e:

@@ -1,6 +1,6 @@
 """The design brief's scenarios as ``mode=plan`` runs, our figures beside the brief's.
 
-``python -m recipes.plan_scenarios`` regenerates the generated part of
+``python -m recipes.tools.plan_scenarios`` regenerates the generated part of
 ``docs/planner.md``; a test checks the page is up to date, so the figures there
 always come from the code, never from a keyboard.
 """
@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from parallel.plan import model_state_bytes
 
-from .config import RecipeConfig
+from ..config import RecipeConfig
 from .plan import GB, plan_from_config
 
 LLAMA_7B = ["model.preset=llama_7b", "train.precision=fp16"]
@@ -229,7 +229,7 @@ def render() -> str:
     return "\n".join(out)
 
 
-BEGIN, END = "<!-- scenarios:begin (python -m recipes.plan_scenarios) -->", "<!-- scenarios:end -->"
+BEGIN, END = "<!-- scenarios:begin (python -m recipes.tools.plan_scenarios) -->", "<!-- scenarios:end -->"
 
 
 def update_docs(path: str | Path = "docs/planner.md") -> str:

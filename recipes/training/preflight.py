@@ -9,7 +9,7 @@ rank under torchrun before ``init_distributed``, so a bad input is one
 ``error: <key>=<value>: <reason>; <fix>`` line everywhere (:class:`ConfigError`),
 never a worker traceback or a hang.
 
-The checks reuse the functions the run itself uses (``recipes.data.read_meta`` /
+The checks reuse the functions the run itself uses (``recipes.training.data.read_meta`` /
 ``split_tokens``, ``parallel.checkpoint``'s manifest and CRC verification):
 one home per rule.
 """
@@ -23,7 +23,7 @@ from typing import Any
 from models.config import ModelConfig
 from parallel.params import init_key, vocab_rows
 
-from .config import ConfigError, Layout, bad
+from ..config import ConfigError, Layout, bad
 
 
 def check_backend(backend: str | None) -> None:
@@ -67,14 +67,14 @@ def _split(path: Path, split: str, meta: dict, key: str, value: Any, seq_len: in
         tokens = split_tokens(path, split, meta)
     except DataError as e:
         reason, _, fix = str(e).partition("; ")
-        raise bad(key, value, reason, fix or "write the data again with recipes.prepare") from None
+        raise bad(key, value, reason, fix or "write the data again with recipes.tools.prepare") from None
     if tokens.size < window_tokens(seq_len):
         raise bad(
             key,
             value,
             f"{path / (split + '.bin')} holds {tokens.size:,} tokens, fewer than one window "
             f"of model.seq_len {seq_len} + 1 = {window_tokens(seq_len):,}",
-            "use more data (data.embedded_mb / data.val_fraction, or recipes.prepare) or a smaller model.seq_len",
+            "use more data (data.embedded_mb / data.val_fraction, or recipes.tools.prepare) or a smaller model.seq_len",
         )
     if tokens.size <= MAX_SCANNED_TOKENS and (top := max_token(tokens)) >= vocab:
         raise bad(
@@ -107,7 +107,7 @@ def check_data(rc: Any, mc: ModelConfig) -> Path:
         meta = read_meta(path)
     except DataError as e:
         reason, _, fix = str(e).partition("; ")
-        raise bad(key, value, reason, fix or "write the data again with recipes.prepare") from None
+        raise bad(key, value, reason, fix or "write the data again with recipes.tools.prepare") from None
     if meta["vocab_size"] > mc.vocab_size:
         raise bad(
             key,

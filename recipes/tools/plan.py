@@ -21,7 +21,7 @@ from parallel.params import init_key, is_expert, is_shared_embedding, tp_shard_d
 from parallel.plan import Layout, Plan, PlanError, StageParams, Training, hardware_profile, plan_layout, recommend
 from parallel.zero.packing import CLASSES, bucket_class, class_index
 
-from .config import ConfigError, RecipeConfig, model_config
+from ..config import ConfigError, RecipeConfig, model_config
 
 GB = 1e9
 

@@ -65,11 +65,11 @@ def read_meta(path: str | Path) -> dict:
         )
     meta_path = path / "meta.json"
     if not meta_path.is_file():
-        raise DataError(f"holds no meta.json, so recipes.prepare did not write it; {_prepare_hint(path)}")
+        raise DataError(f"holds no meta.json, so recipes.tools.prepare did not write it; {_prepare_hint(path)}")
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{meta_path} is not valid JSON ({e}); write it again with recipes.prepare") from None
+        raise DataError(f"{meta_path} is not valid JSON ({e}); write it again with recipes.tools.prepare") from None
     ok = (
         isinstance(meta, dict)
         and meta.get("dtype") in DTYPES
@@ -80,7 +80,7 @@ def read_meta(path: str | Path) -> dict:
     if not ok:
         raise DataError(
             f'{meta_path} needs "dtype" (one of {sorted(DTYPES)}) and a positive integer '
-            f'"vocab_size", got {str(meta)[:120]}; write it again with recipes.prepare'
+            f'"vocab_size", got {str(meta)[:120]}; write it again with recipes.tools.prepare'
         )
     return meta
 
@@ -90,19 +90,21 @@ def split_tokens(path: str | Path, split: str, meta: dict) -> np.ndarray:
     present, non-empty, a whole number of ids, as many as the header records."""
     bin_path = Path(path) / f"{split}.bin"
     if not bin_path.is_file():
-        raise DataError(f"{bin_path} is missing (the {split!r} split); write the directory again with recipes.prepare")
+        raise DataError(
+            f"{bin_path} is missing (the {split!r} split); write the directory again with recipes.tools.prepare"
+        )
     item = np.dtype(DTYPES[meta["dtype"]]).itemsize
     size = bin_path.stat().st_size
     if size == 0 or size % item:
         raise DataError(
             f"{bin_path} has {size} bytes, not a positive multiple of {item} ({meta['dtype']}); "
-            f"it is empty or truncated: write it again with recipes.prepare"
+            f"it is empty or truncated: write it again with recipes.tools.prepare"
         )
     want = (meta.get("tokens") or {}).get(split) if isinstance(meta.get("tokens"), dict) else None
     if want is not None and want != size // item:
         raise DataError(
             f"{bin_path} holds {size // item:,} tokens but meta.json says {want:,} (truncated or "
-            f"replaced); write the directory again with recipes.prepare"
+            f"replaced); write the directory again with recipes.tools.prepare"
         )
     return np.memmap(bin_path, dtype=DTYPES[meta["dtype"]], mode="r")
 
@@ -161,7 +163,7 @@ def embedded_corpus(mb: float = 4.0, val_fraction: float = 0.05) -> Path:
     if data.size < min(limit, MIN_SOURCE_BYTES):
         raise DataError(
             f"found only {data.size} bytes of Python source under {root} (this Python installation "
-            f"ships without its sources); use data.source=memmap with recipes.prepare"
+            f"ships without its sources); use data.source=memmap with recipes.tools.prepare"
         )
     n_val = max(1, int(data.size * val_fraction))
     if not 0 < val_fraction < 1 or n_val >= data.size:

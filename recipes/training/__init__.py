@@ -1,0 +1,1 @@
+"""The training loop and its policies: data, logging, checkpoint policy, preflight checks, exits."""
