@@ -89,10 +89,8 @@ def test_signal_to_the_self_spawned_launcher_checkpoints_and_exits_zero(tmp_path
         while not ((tmp_path / "metrics.jsonl").exists() and len(metrics(tmp_path)) >= 2):
             assert proc.poll() is None and time.time() < deadline, "the job did not reach step 2"
             time.sleep(0.2)
-        t0 = time.perf_counter()
         os.kill(proc.pid, sig)
-        out, err = proc.communicate(timeout=120)
-        elapsed = time.perf_counter() - t0
+        out, err = proc.communicate(timeout=120)  # the hang guard
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
@@ -100,4 +98,3 @@ def test_signal_to_the_self_spawned_launcher_checkpoints_and_exits_zero(tmp_path
     assert "stopped by a signal with a checkpoint" in out
     step = metrics(tmp_path)[-1]["step"]
     assert (tmp_path / "checkpoints" / f"step_{step:08d}").is_dir()
-    assert elapsed < 90  # torch's launcher would force-kill after 30 s (status 1); this is start-up noise bound

@@ -3,7 +3,6 @@ nothing drawn or allocated on ``meta``; README's snippet runs as printed and equ
 
 import pathlib
 import re
-import time
 
 import torch
 import torch.distributed as dist
@@ -63,7 +62,6 @@ def test_construction_initialises_with_torch_distributions_the_same_for_every_tp
 
 def test_meta_construction_draws_and_allocates_nothing():
     state = torch.get_rng_state()
-    t0 = time.perf_counter()
     big = [
         ColumnParallelLinear(12288, 4 * 12288, device="meta"),
         RowParallelLinear(4 * 12288, 12288, device="meta"),
@@ -73,7 +71,6 @@ def test_meta_construction_draws_and_allocates_nothing():
         LayerNorm(12288, device="meta"),
         RMSNorm(12288, device="meta"),
     ]
-    assert time.perf_counter() - t0 < 1.0
     assert torch.equal(torch.get_rng_state(), state)
     assert all(p.is_meta for m in big for p in m.parameters())
 
