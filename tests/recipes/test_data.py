@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipes import prepare
+from recipes.tools import prepare
 from recipes.training.data import DataError, TokenDataset, embedded_corpus, open_data, write_token_dir
 
 

@@ -352,7 +352,7 @@ def test_an_empty_embedded_split_is_refused_and_not_cached(tmp_path, monkeypatch
 
 
 def test_prepare_names_what_is_wrong_with_its_paths(tmp_path, capsys):
-    from recipes import prepare
+    from recipes.tools import prepare
 
     a_file = tmp_path / "a.txt"
     a_file.write_text("hello world\n" * 10)
