@@ -45,7 +45,7 @@ from ..config import RecipeConfig, bad
 from ..training.trainer import Trainer
 from ..validation import validate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 MEMORY_KEYS = ("params", "grads", "optimizer", "buffers", "activations", "temporaries")
 
 
