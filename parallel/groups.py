@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .comm.gloo import transport
 from .topology import Coords, Topology, TopologyError, world_size_mismatch
 
 # creation order (every member creates its groups in this order); "dpcp", "ep" and
@@ -276,7 +277,8 @@ def build_groups(
     rendezvous of the group's members only (torch names such a group by a hash of
     its ranks, so members agree on it without the world); NCCL, gloo and the fake
     backend all accept it. Members create their groups in the same axis order
-    (:data:`GROUP_AXES`), so the member-only rendezvous cannot wait in a cycle.
+    (:data:`GROUP_AXES`), so the member-only rendezvous cannot wait in a cycle. Each group's
+    transport (what gloo needs differently, :func:`parallel.comm.transport`) is chosen here.
     """
     if not dist.is_initialized():
         raise RuntimeError("build_groups needs torch.distributed initialised: call init_distributed() first")
@@ -287,10 +289,13 @@ def build_groups(
     backend = backend or dist.get_backend()
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
     mine: dict[str, dist.ProcessGroup | None] = {"embedding": None}
+    device = default_device(backend)
     for axis, ranks in my_group_ranks(topology, rank).items():
         mine[axis] = dist.new_group(
             ranks, timeout=timeout, backend=backend, group_desc=axis, use_local_synchronization=True
         )
+        for d in {device.type, "cpu"}:  # the group's transports, decided once (parallel.comm.gloo)
+            transport(mine[axis], d)
     for axis, (same, applies) in _ALIASES.items():
         if applies(topology):
             mine[axis] = mine[same]
@@ -299,6 +304,6 @@ def build_groups(
         rank=rank,
         coords=topology.coords(rank),
         backend=backend,
-        device=default_device(backend),
+        device=device,
         **mine,
     )

@@ -3,7 +3,8 @@
 Everything in gridtrain that moves bytes between ranks goes through this
 package, so tests and benchmarks can compare traffic with theory
 (:class:`CommCounter`) and the dry run can check the order of calls and the
-devices of their tensors (:class:`CallRecorder`).
+devices of their tensors (:class:`CallRecorder`). What a backend needs differently (gloo)
+is decided once per group in :mod:`.gloo` (:func:`transport`).
 """
 
 from .autograd import (
@@ -35,10 +36,10 @@ from .collectives import (
     group_size,
     recv,
     reduce_scatter,
-    runs_on_gloo,
     send,
 )
 from .counter import SENT_FRACTION, CommCounter, record
+from .gloo import transport
 from .late import late_completion, pending_count
 from .recorder import Call, CallRecorder, compare_sequences, on_device
 
@@ -64,8 +65,8 @@ __all__ = [
     "record",
     "recv",
     "reduce_scatter",
-    "runs_on_gloo",
     "send",
+    "transport",
     # autograd-aware tensor-parallel regions
     "SplitError",
     "all_gather_along",

@@ -23,7 +23,6 @@ Conventions:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Sequence
 
 import torch
@@ -31,14 +30,11 @@ import torch.distributed as dist
 
 from ..timing import clock_for, named_range
 from .counter import counting, record, record_time
+from .gloo import Posted, device_for, transport
 from .late import complete_pending, defer, late_active
 from .recorder import note
 
 ReduceOp = dist.ReduceOp
-
-# torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); torch ≥ 2.4 has the old
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Done:
@@ -49,26 +45,6 @@ class _Done:
 
     def is_completed(self) -> bool:
         return True
-
-
-def device_for(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where a tensor must live to travel through ``group``: this rank's GPU under NCCL, else the CPU.
-
-    For the small control tensors (flags, barriers) code creates for a collective. Under
-    torch's ``fake`` backend (a dry run) the ``meta`` device, where tensors hold no memory."""
-    backend = str(dist.get_backend(group)) if dist.is_initialized() else "gloo"
-    if "fake" in backend:
-        return torch.device("meta")
-    if "nccl" in backend and "cpu:" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def runs_on_gloo(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Whether tensors on ``device`` travel through ``group`` by gloo: CPU tensors under a gloo
-    backend or a mixed one (``"cpu:gloo,cuda:nccl"``). gloo completes each posted operation on
-    its own; NCCL completes a batch of point-to-point operations as a whole."""
-    return dist.is_initialized() and torch.device(device).type == "cpu" and "gloo" in str(dist.get_backend(group))
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:
@@ -151,83 +127,6 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
     return _call(group_label(group), "all_reduce", async_op, (tensor,), dist.all_reduce, tensor, op=op, group=group)
 
 
-class _SumOfReceived:
-    """The handle of :func:`_reduce_scatter_by_all_to_all`: ``wait()`` completes the exchange,
-    then sums the received chunks into the output."""
-
-    def __init__(self, work, received: torch.Tensor, input: torch.Tensor, output: torch.Tensor, n: int):
-        self._work, self._received, self._input, self._output, self._n = work, received, input, output, n
-
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's signature
-        if self._work is not None:
-            self._work.wait()
-            _sum_chunks(self._received.view(self._n, -1), self._output.view(-1))
-            _return_buffer(self._received)
-            self._work = self._received = self._input = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._work is None
-
-
-def _sum_chunks(chunks: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = chunks[0] + chunks[1] + ...`` in rank order, written once: no zero fill first (torch.sum
-    over dim 0 fills its output before adding: one more pass over it)."""
-    torch.add(chunks[0], chunks[1], out=out)
-    for i in range(2, chunks.shape[0]):
-        out.add_(chunks[i])
-
-
-# receive buffers of completed gloo reduce-scatters, reused (fresh large host buffers cost page faults),
-# per (numel, dtype, device) as many as were once in flight together; only the A2A_POOL_SIZES sizes
-# used last are kept (ZeRO's buckets come in one or two sizes), so a sweep over sizes does not grow it
-A2A_POOL_SIZES = 4
-_A2A_BUFFERS: OrderedDict[tuple, list[torch.Tensor]] = OrderedDict()
-
-
-def _return_buffer(buffer: torch.Tensor) -> None:
-    key = _buffer_key(buffer)
-    _A2A_BUFFERS.setdefault(key, []).append(buffer)
-    _A2A_BUFFERS.move_to_end(key)
-    while len(_A2A_BUFFERS) > A2A_POOL_SIZES:
-        _A2A_BUFFERS.popitem(last=False)
-
-
-def _buffer_key(t: torch.Tensor) -> tuple:
-    return (t.numel(), t.dtype, t.device)
-
-
-def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, *, op, group, async_op: bool):
-    """gloo's sum reduce-scatter as an all-to-all of the chunks, then a local sum: the same
-    (N-1)/N of ``input`` sent, and 2.5× less CPU than gloo's own reduce-scatter (12.8 M fp32
-    on 2 ranks: 23 vs 58–65 ms, 30 vs 75 ms wall; issue 17). Rank i receives every rank's
-    chunk i and adds them, so each output element is still computed by one rank only.
-
-    ``input`` is sent from where it lies, as NCCL's reduce-scatter reads it: the caller leaves it
-    unchanged until the wait (the NCCL rule). ``output`` may be ``input``'s own chunk (in place, as
-    NCCL allows): it is written only at the wait, after the exchange. Host memory: one receive
-    buffer (``input``'s size) per call in flight, kept for reuse after the wait for the
-    :data:`A2A_POOL_SIZES` sizes used last (ZeRO-0/1 with overlap: the gradient in the comm dtype,
-    held between steps; not on GPUs)."""
-    del op  # SUM (the caller checks)
-    n = group_size(group)
-    key = _buffer_key(input)
-    free = _A2A_BUFFERS.get(key)
-    if free:
-        _A2A_BUFFERS.move_to_end(key)
-    received = free.pop() if free else torch.empty(input.numel(), dtype=input.dtype, device=input.device)
-    work = dist.all_to_all_single(received, input.reshape(-1), group=group, async_op=True)
-    handle = _SumOfReceived(work, received, input, output, n)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
-
-
-def _gloo_sum(input: torch.Tensor, group, op) -> bool:
-    return op == ReduceOp.SUM and runs_on_gloo(group, input.device)
-
-
 def _own_chunk(part: torch.Tensor, whole: torch.Tensor, group) -> bool:
     """Whether ``part`` is this rank's chunk of ``whole`` itself (a collective in place), not a copy."""
     return (
@@ -263,124 +162,46 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, op=Red
 
     In place when ``output`` is this rank's chunk of ``input`` (NCCL's in-place form; no buffer
     for the output). ``input`` is read until the collective completes: leave it unchanged until
-    then. A sum on gloo runs as :func:`_reduce_scatter_by_all_to_all` (same bytes, counted the same)."""
+    then. Run by the group's transport (:mod:`.gloo`; the same bytes, counted the same)."""
     n = group_size(group)
     if input.numel() != output.numel() * n:
         raise ValueError(
             f"reduce_scatter: input has {input.numel()} elements, expected output "
             f"{output.numel()} × group size {n} = {output.numel() * n}"
         )
-    _check_in_place("reduce_scatter", output, input, group)
-    if n == 1:
-        if not _own_chunk(output, input, group):
-            output.copy_(input.view_as(output))
-        return _Done() if async_op else None
-    record(group_label(group), "reduce_scatter", _nbytes(input), n)
-    note(group_label(group), group, "reduce_scatter", input, also=(output,))
-    by_all_to_all = _gloo_sum(input, group, op)
-    if not by_all_to_all and runs_on_gloo(group, input.device) and _shares_memory(output, input):
-        input = input.clone()  # gloo's own reduce-scatter is not documented to run in place
-    return _call(
-        group_label(group),
-        "reduce_scatter",
-        async_op,
-        (output, input),
-        _reduce_scatter_by_all_to_all if by_all_to_all else _reduce_scatter_tensor,
-        output,
-        input,
-        op=op,
-        group=group,
-    )
-
-
-class _AllOf:
-    """One handle for several: ``wait()`` waits for each."""
-
-    def __init__(self, works: list):
-        self._works = works
-
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002 - torch's signature
-        for w in self._works:
-            w.wait()
-        self._works = []
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-
-# from this size of ``output`` on, gloo's all-gather runs as broadcasts (below it the n calls' latency
-# outweighs the gain: 2 ranks, 16 KiB: 0.6 vs 0.4 ms wall; 1 MiB: 0.8 vs 1.4 ms; 8 MiB: 2.8 vs 4.5 ms)
-GLOO_GATHER_BY_BROADCAST_BYTES = 1 << 20
-# and only in groups of at most this many ranks, where it was measured (gloo's broadcast is a tree, so
-# n broadcasts may lose to its ring all-gather in larger groups). 8 ranks on 2 shared cores, slowest
-# rank, median of 5-7 (issue 17, sixth round), gloo's all-gather vs the broadcasts, wall / CPU ms:
-# 1 MiB 19.4 / 9.0 vs 12.3 / 6.4; 4 MiB 18.6 / 5.5 vs 14.1 / 4.3; 16 MiB 36.8 / 10.8 vs 27.4 / 7.9;
-# 64 MiB 252 / 60 vs 102 / 25 (2 and 4 ranks: see _all_gather_by_broadcasts)
-GLOO_GATHER_BY_BROADCAST_MAX_RANKS = 8
-
-
-def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, *, group, async_op: bool):
-    """gloo's all-gather as one broadcast per rank of its chunk, straight into ``output``: every
-    rank receives each other rank's chunk once, the same (N-1)/N of ``output`` per rank summed
-    over the N broadcasts as a ring all-gather, at a third of gloo's own all-gather's CPU time
-    (12.8 M fp32: 2 ranks 13 vs 41–49 ms CPU, 18 vs 60 ms wall; 4 ranks 17 vs 56 ms CPU; issue 17).
-    ``input`` is copied into this rank's chunk at the call, unless it is that chunk (in place)."""
-    n = group_size(group)
-    chunks = output.view(-1).chunk(n)
-    me = dist.get_rank(group)
-    if not _own_chunk(input, output, group):  # in place: this rank's chunk is there already
-        chunks[me].copy_(input.reshape(-1))
-    handle = _AllOf([dist.broadcast(chunks[r], group=group, group_src=r, async_op=True) for r in range(n)])
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    return _scatter_or_gather("reduce_scatter", output, input, input, output, group, async_op, op=op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate every rank's ``input`` along dim 0 into ``output``.
 
     In place when ``input`` is this rank's chunk of ``output`` (NCCL's in-place form: no copy of the
-    input first). Large on gloo (``GLOO_GATHER_BY_BROADCAST_BYTES``, at most
-    ``GLOO_GATHER_BY_BROADCAST_MAX_RANKS`` ranks): :func:`_all_gather_by_broadcasts` (counted the same)."""
+    input first). Run by the group's transport (:mod:`.gloo`; the same bytes, counted the same)."""
     n = group_size(group)
     if output.numel() != input.numel() * n:
         raise ValueError(
             f"all_gather: output has {output.numel()} elements, expected input "
             f"{input.numel()} × group size {n} = {input.numel() * n}"
         )
-    if input.dtype != output.dtype:  # as torch's own all-gather refuses (the broadcast path would convert)
+    if input.dtype != output.dtype:  # as torch's own all-gather refuses (a broadcast would convert)
         raise ValueError(f"all_gather: input {input.dtype} and output {output.dtype} differ; use one dtype")
-    _check_in_place("all_gather", input, output, group)
-    if n == 1:
-        if not _own_chunk(input, output, group):
+    return _scatter_or_gather("all_gather", output, input, output, input, group, async_op)
+
+
+def _scatter_or_gather(name: str, output, input, whole, part, group, async_op: bool, **kwargs):
+    """The rest of :func:`reduce_scatter` / :func:`all_gather`: ``part`` is the per-rank buffer,
+    ``whole`` the full one (counted)."""
+    _check_in_place(name, part, whole, group)
+    in_place = _own_chunk(part, whole, group)
+    if group_size(group) == 1:
+        if not in_place:
             output.copy_(input.view_as(output))
         return _Done() if async_op else None
-    record(group_label(group), "all_gather", _nbytes(output), n)
-    note(group_label(group), group, "all_gather", output, also=(input,))
-    by_broadcasts = _gloo_broadcasts(output, group)
-    if not by_broadcasts and runs_on_gloo(group, output.device) and _shares_memory(output, input):
-        input = input.clone()  # gloo's own all-gather is not documented to run in place
-    return _call(
-        group_label(group),
-        "all_gather",
-        async_op,
-        (output, input),
-        _all_gather_by_broadcasts if by_broadcasts else _all_gather_tensor,
-        output,
-        input,
-        group=group,
-    )
-
-
-def _gloo_broadcasts(output: torch.Tensor, group) -> bool:
-    return (
-        _nbytes(output) >= GLOO_GATHER_BY_BROADCAST_BYTES
-        and group_size(group) <= GLOO_GATHER_BY_BROADCAST_MAX_RANKS
-        and output.is_contiguous()
-        and runs_on_gloo(group, output.device)
-    )
+    label = group_label(group)
+    record(label, name, _nbytes(whole), group_size(group))
+    note(label, group, name, whole, also=(part,))
+    fn = getattr(transport(group, whole.device), name)
+    return _call(label, name, async_op, (output, input), fn, output, input, group=group, in_place=in_place, **kwargs)
 
 
 def all_to_all(
@@ -463,7 +284,8 @@ def exchange(
     ``sends`` and ``recvs`` are ``(tensor, global_peer_rank)`` pairs. Batching
     lets NCCL fuse the transfers and avoids the send/recv ordering deadlocks of
     blocking p2p between pipeline neighbours. Call ``wait()`` on every handle
-    before reading a received tensor.
+    before reading a received tensor. The result (a :class:`~.gloo.Posted`, a list of the
+    handles) also says which handles complete each receive and the sends.
     """
     ops = []
     label = group_label(group)
@@ -476,10 +298,10 @@ def exchange(
         note(label, group, "recv", t, peer=peer)
         ops.append(dist.P2POp(dist.irecv, t, peer, group))
     if not ops:
-        return []
+        return Posted([], 0, 0, per_op=True)
+    device = ops[0].tensor.device
+    clock = clock_for(device) if counting() else None
     with named_range(lambda: f"comm.p2p[{label}]"):
-        works = dist.batch_isend_irecv(ops)
-    if not counting():
-        return works
-    clock = clock_for(ops[0].tensor.device)
-    return [TimedWork(w, label, "p2p", clock) for w in works]
+        return transport(group, device).exchange(
+            ops, len(sends), lambda w: TimedWork(w, label, "p2p", clock) if clock else w
+        )

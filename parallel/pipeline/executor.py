@@ -1,68 +1,37 @@
 """Run one stage's action list over the pipeline group.
 
-:class:`PipelineExecutor` does nothing on its own initiative: it walks the
-list a schedule function produced for this stage (:mod:`.schedules`),
-computing and transferring exactly as the list says, so the simulator's
-verdicts (deadlock-free, peak stored activations) hold for the real run.
+:class:`PipelineExecutor` does nothing on its own initiative: it walks the list a schedule
+function produced for this stage (:mod:`.schedules`), computing and transferring exactly as the
+list says, so the simulator's verdicts (deadlock-free, peak stored activations) hold for the run.
 
 Communication (all through :mod:`parallel.comm`):
 
-* each batch of consecutive transfers is one ``comm.exchange`` (batched
-  ``isend``/``irecv``) on ``pp_group``, posted where the list puts it. A received
-  tensor is awaited only by the computation that reads it, not at its batch: a
-  computation the list places between a batch and the reader of one of its receives
-  runs while that receive is in flight (interleaved lists: a forward of one chunk
-  under the gradient its other chunk awaits; torch's ``_PipelineScheduleRuntime``
-  likewise waits a receive just before its use). On gloo (one handle per op) the
-  sends of a batch with receives complete at the batch (leaving them to the next
-  batch made each later send block in gloo: 2.6 vs 0.1 ms per send at 0.87 M,
-  issue 17); on NCCL (one handle per batch) the whole batch is awaited by the first
-  reader of one of its receives. On gloo a batch also posts the next batch's
-  receives (in list order, so every send still meets the same receive): a gloo send
-  completes only once its receive is posted, and a peer's send no longer waits for
-  this stage to reach that batch. A batch of sends alone is awaited when the next
-  batch is posted, so a sender computes on instead of idling until its peer posts
-  the receive. Every post happens at or before its point in the list and every wait
-  at or after the simulator's (each batch complete before the next computation), so
-  every schedule the simulator proves deadlock-free stays so and its timeline is an
-  upper bound. A step that raises leaves receives posted ahead in gloo's queues: its process
-  groups are not reused for another step (the trainer ends the job on any error). In the 1F1B lists every receive is read by the very next computation: there
-  a transfer is not hidden behind compute (:data:`parallel.overlap.PIPELINE_P2P`).
-  Shapes and dtype are fixed up front (``activation_shape``, ``dtype``): no
-  shape messages. Per transfer, ``prod(activation_shape) · itemsize`` bytes,
-  or ``1/tp`` of that with a ``tp_group`` (below).
-* with ``tp_group`` of size tp (Megatron's scatter-gather): the activation and
-  its gradient are replicated over the TP ranks, so TP rank r sends only slice
-  r of the flattened tensor to TP rank r of the peer stage, which rebuilds the
-  whole with one ``all_gather`` on ``tp_group`` (``prod(shape) · itemsize``
-  bytes gathered). No byte crosses the pipeline twice.
-* after the last backward: an ``all_reduce`` (sum) on ``embedding_group`` of
-  the gradient of every parameter marked
-  :func:`parallel.params.mark_shared_embedding` (tied input embedding on the
-  first stage, output head on the last), and a ``broadcast`` on ``pp_group``
-  of the step's loss (one float) from the last stage (:meth:`~PipelineExecutor.share_loss`;
+* each batch of consecutive transfers is one ``comm.exchange`` on ``pp_group``, posted where the
+  list puts it and awaited where a computation reads it (:mod:`.transfers`, which says how).
+  Shapes and dtype are fixed up front: no shape messages; ``prod(activation_shape) · itemsize``
+  bytes per transfer, ``1/tp`` of that with a ``tp_group``.
+* with ``tp_group`` (Megatron's scatter-gather): TP rank r sends only slice r of the flattened,
+  TP-replicated tensor to TP rank r of the peer stage, which rebuilds it with one ``all_gather``
+  on ``tp_group``. No byte crosses the pipeline twice.
+* after the last backward: an ``all_reduce`` (sum) on ``embedding_group`` of the gradient of
+  every parameter marked :func:`parallel.params.mark_shared_embedding`, and a 4-byte
+  ``broadcast`` of the loss on ``pp_group`` from the last stage (:meth:`~PipelineExecutor.share_loss`;
   ``run(share_loss=False)`` leaves it to the caller, who issues it only when the loss is read).
 
-Zero-bubble lists split a backward into ``BackwardInput`` (B: the gradient
-w.r.t. the stage input, sent upstream at once) and ``BackwardWeight`` (W: the
-weight gradients, accumulated later; the micro-batch stays stored until then),
-run by :mod:`.split_backward`. The first virtual stage has no input gradient to
-send: its B runs the whole backward and its W has nothing left to do.
+Zero-bubble lists split a backward into ``BackwardInput`` (B: the input gradient, sent upstream
+at once) and ``BackwardWeight`` (W: the weight gradients, later; the micro-batch stays stored
+until then), run by :mod:`.split_backward`. On the first virtual stage B is the whole backward.
 
-``final_backward(chunk)`` (optional) returns a context manager the executor
-enters around the *last* backward of each chunk in the step (its last
-``Backward`` action in the list, or the last one that accumulates weight
-gradients: W, or B on the first virtual stage), e.g. ``ZeroDataParallel.sync_gradients`` so
-that the data-parallel reduction of a chunk's gradients launches during that
-backward, bucket by bucket, while the other micro-batches' and chunks' work goes
-on (Megatron's ``overlap_grad_reduce``), instead of after the whole step.
+``final_backward(chunk)`` (optional) returns a context manager entered around the *last*
+backward of each chunk in the step (its last ``Backward``, or the last one that accumulates weight
+gradients: W, or B on the first virtual stage), e.g. ``ZeroDataParallel.sync_gradients``, so that
+a chunk's data-parallel reduction launches during that backward, bucket by bucket, while other
+work goes on (Megatron's ``overlap_grad_reduce``).
 
-The loss is ``loss_fn(output, target)`` of the last virtual stage; each
-micro-batch's backward starts from ``loss / m``, so the accumulated gradients
-are those of the mean loss over the step's micro-batches, and :meth:`run`
-returns that mean on every stage. Gradients accumulate into ``.grad`` (zero
-them before a step, as with any optimizer). A micro-batch's stored tensors
-are dropped the moment its backward has run.
+The loss is ``loss_fn(output, target)`` of the last virtual stage; each micro-batch's backward
+starts from ``loss / m``, so the gradients accumulated into ``.grad`` (zero them before a step)
+are those of the mean loss, which :meth:`~PipelineExecutor.run` returns on every stage. A
+micro-batch's stored tensors are dropped the moment its backward has run.
 """
 
 from __future__ import annotations
@@ -70,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,10 +56,8 @@ from .schedules import (
     BackwardWeight,
     Compute,
     Forward,
-    RecvActivation,
     RecvGrad,
     ScheduleError,
-    SendActivation,
     SendGrad,
     batches,
     peer_of,
@@ -99,24 +66,7 @@ from .schedules import (
 )
 from .simulator import Span
 from .split_backward import SavedTensorStash, WeightGradWork, backward_input, backward_weight
-
-
-class _InFlight(NamedTuple):
-    """A posted receive: its buffer, the handles that complete it, and (NCCL: one handle for the
-    batch) the batch's sent tensors, kept alive until then."""
-
-    buffer: torch.Tensor
-    waits: list
-    sent: list[torch.Tensor]
-
-
-def _receives_ahead(items: Sequence[Compute | list[P2P]]) -> list[tuple[P2P, ...]]:
-    """Per item: for a batch, the receives of the next batch in the list (none for a computation)."""
-    out: list[tuple[P2P, ...]] = []
-    for i, item in enumerate(items):
-        later = next((b for b in items[i + 1 :] if isinstance(b, list)), []) if isinstance(item, list) else []
-        out.append(tuple(a for a in later if isinstance(a, (RecvActivation, RecvGrad))))
-    return out
+from .transfers import StageTransfers, receives_ahead
 
 
 def _range_name(item: Compute | list[P2P]) -> str:
@@ -126,7 +76,7 @@ def _range_name(item: Compute | list[P2P]) -> str:
     return "+".join(f"{type(a).__name__}(mb={a.mb}, chunk={a.chunk})" for a in item)
 
 
-class PipelineExecutor:
+class PipelineExecutor(StageTransfers):
     """Runs ``actions`` (this stage's list) with ``chunks`` (this rank's model chunks).
 
     Args:
@@ -183,11 +133,8 @@ class PipelineExecutor:
         # removing waits from a deadlock-free list cannot create a deadlock
         backward_kinds = (Backward, BackwardInput, BackwardWeight, SendGrad, RecvGrad)
         self.forward_items = batches(a for a in actions if not isinstance(a, backward_kinds))
-        # gloo matches each posted op on its own: a batch also posts the next batch's receives, so that
-        # a peer's send lands without waiting for this stage to reach that batch. Not on NCCL, whose
-        # grouped p2p completes as a whole (an early receive would tie this batch to the next)
-        # (used only where the transfers run on gloo: decided per run from the device they run on)
-        self._ahead, self._forward_ahead = _receives_ahead(self.items), _receives_ahead(self.forward_items)
+        # per batch, the next batch's receives (posted with it where the transport posts receives early)
+        self._ahead, self._forward_ahead = receives_ahead(self.items), receives_ahead(self.forward_items)
         self.vpp = len(self.chunks)
         self.activation_shape = tuple(activation_shape)
         self.dtype = dtype
@@ -286,13 +233,11 @@ class PipelineExecutor:
         self.device = next((p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
         self._inputs = microbatch_inputs
         self._targets = microbatch_targets
-        self._received: dict[tuple[str, int, int], torch.Tensor | _InFlight] = {}
+        self._start_transfers()
         self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._deferred: dict[tuple[int, int], WeightGradWork | None] = {}  # B done, W to come
         self._stashes: dict[tuple[int, int], SavedTensorStash | None] = {}
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._pending_sends: list = []
-        self._send_buffers: list[torch.Tensor] = []
         self._loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         self.peak_activations = 0
         self.timeline = []
@@ -303,7 +248,7 @@ class PipelineExecutor:
         self._forward_only = forward_only
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             items, ahead = (self.forward_items, self._forward_ahead) if forward_only else (self.items, self._ahead)
-            post_ahead = comm.runs_on_gloo(self.pp_group, self.device)  # NCCL completes a batch as a whole
+            post_ahead = comm.transport(self.pp_group, self.device).posts_receives_early
             for item, next_recvs in zip(items, ahead):
                 if isinstance(item, Compute):
                     self._await_input(item)  # its received tensor, if any (idle time: outside its span)
@@ -321,9 +266,7 @@ class PipelineExecutor:
                         self._transfer(item, next_recvs if post_ahead else ())
                 if clock:
                     marks.append((item if isinstance(item, Compute) else tuple(item), start, clock.mark()))
-        for handle in self._pending_sends:
-            handle.wait()
-        self._pending_sends, self._send_buffers = [], []
+        self._complete_sends()
         if self._stored or self._outbox or self._deferred or self._received:
             raise ScheduleError(
                 f"stage {self.stage}: step ended with unfinished micro-batches "
@@ -400,78 +343,6 @@ class PipelineExecutor:
         if work is not None:
             with self._final_context(a):
                 backward_weight(work)
-
-    # -------------------------------------------------------------- transfers
-    def _slice(self, t: torch.Tensor) -> torch.Tensor:
-        """This TP rank's share of a replicated tensor (the whole of it without TP)."""
-        flat = t.contiguous().view(-1)
-        return flat if self.tp == 1 else flat.chunk(self.tp)[self.tp_rank].contiguous()
-
-    def _transfer(self, batch: list[P2P], ahead: Sequence[P2P] = ()) -> None:
-        """Post ``batch`` (its receives not posted yet), and with ``ahead`` (gloo) the next batch's
-        receives too, in list order (see the module docstring)."""
-        sends, recvs, landing = [], [], []
-        for a in batch:
-            peer = self.stage_ranks[a.peer]
-            if isinstance(a, (SendActivation, SendGrad)):
-                kind = "act" if isinstance(a, SendActivation) else "grad"
-                t = self._outbox.pop((kind, a.mb, a.chunk))
-                if t is None or tuple(t.shape) != self.activation_shape or t.dtype != self.dtype:
-                    raise ScheduleError(
-                        f"stage {self.stage}: {a} has shape {None if t is None else tuple(t.shape)} / "
-                        f"{None if t is None else t.dtype}, expected {self.activation_shape} / {self.dtype}"
-                    )
-                sends.append((self._slice(t), peer))
-        own_recvs = False
-        for a in (*batch, *ahead):
-            if isinstance(a, (RecvActivation, RecvGrad)):
-                key = ("act" if isinstance(a, RecvActivation) else "grad", a.mb, a.chunk)
-                own_recvs = own_recvs or a in batch
-                if key in self._received:
-                    continue  # posted ahead with the previous batch
-                buf = torch.empty(math.prod(self.activation_shape) // self.tp, dtype=self.dtype, device=self.device)
-                recvs.append((buf, self.stage_ranks[a.peer]))
-                landing.append((key, buf))
-        handles = comm.exchange(sends, recvs, group=self.pp_group)
-        # the previous send-only batch: matched by now in the usual case; awaiting it here,
-        # and not earlier, lets a sender compute instead of idling until its peer posts
-        # the receive, and keeps at most one batch of sent tensors alive
-        for handle in self._pending_sends:
-            handle.wait()
-        self._pending_sends, self._send_buffers = [], []
-        per_op = len(handles) == len(sends) + len(recvs)  # gloo: one handle per op, sends first
-        if not own_recvs:  # a batch of sends alone: awaited with the next batch, as the simulator assumes
-            self._pending_sends = handles[: len(sends)] if per_op else handles
-            self._send_buffers = [t for t, _ in sends]
-        elif per_op:
-            for handle in handles[: len(sends)]:  # see the module docstring
-                handle.wait()
-        kept = [t for t, _ in sends] if not per_op else []  # NCCL: alive until the batch is awaited
-        for i, (key, buf) in enumerate(landing):
-            waits = [handles[len(sends) + i]] if per_op else handles
-            self._received[key] = _InFlight(buf, waits, kept)
-
-    def _await_input(self, a: Compute) -> None:
-        """Complete the receive ``a`` reads (before its computation starts), rebuilding the
-        whole tensor from the TP shares (scatter-gather); nothing if it reads none."""
-        key = (
-            ("act", a.mb, a.chunk)
-            if isinstance(a, Forward) and not self._is_first(a.chunk)
-            else ("grad", a.mb, a.chunk)
-            if isinstance(a, (Backward, BackwardInput)) and not self._is_last(a.chunk)
-            else None
-        )
-        pending = self._received.get(key)
-        if not isinstance(pending, _InFlight):
-            return  # none, or already complete
-        for handle in pending.waits:
-            handle.wait()
-        buf = pending.buffer
-        if self.tp > 1:
-            whole = torch.empty(buf.numel() * self.tp, dtype=self.dtype, device=self.device)
-            comm.all_gather(whole, buf, group=self.tp_group)
-            buf = whole
-        self._received[key] = buf.view(self.activation_shape)
 
     def _reduce_shared_embedding(self) -> None:
         """Sum the tied-embedding gradients of the first and last stage (middle stages skip)."""

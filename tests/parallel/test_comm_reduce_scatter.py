@@ -29,15 +29,15 @@ def _rank():
             comm.reduce_scatter(max_out, x.clone(), op=dist.ReduceOp.MAX)  # not a sum: gloo's own
     finally:
         dist.all_to_all_single = original
-    from parallel.comm import collectives
+    from parallel.comm import gloo
 
-    pool = collectives._A2A_BUFFERS[(x.numel(), x.dtype, x.device)]
+    pool = gloo._A2A_BUFFERS[(x.numel(), x.dtype, x.device)]
     assert len(pool) == 1  # the second sum reused the first's buffers (fresh host buffers cost page faults)
-    for size in range(1, collectives.A2A_POOL_SIZES + 2):  # a sweep over sizes keeps the last ones only
+    for size in range(1, gloo.A2A_POOL_SIZES + 2):  # a sweep over sizes keeps the last ones only
         comm.reduce_scatter(torch.empty(size), torch.ones(n * size))
-    assert len(collectives._A2A_BUFFERS) == collectives.A2A_POOL_SIZES
-    assert (x.numel(), x.dtype, x.device) not in collectives._A2A_BUFFERS
-    assert comm.runs_on_gloo(None, torch.device("cpu")) and not comm.runs_on_gloo(None, torch.device("meta"))
+    assert len(gloo._A2A_BUFFERS) == gloo.A2A_POOL_SIZES
+    assert (x.numel(), x.dtype, x.device) not in gloo._A2A_BUFFERS
+    assert gloo.runs_on_gloo(None, torch.device("cpu")) and not gloo.runs_on_gloo(None, torch.device("meta"))
     full = [torch.randn(n * 1000, generator=torch.Generator().manual_seed(r)) * (r + 1) for r in range(n)]
     want_max = torch.stack(full).amax(0).view(n, -1)[me]
     return native, sync, out, max_out, want_max, len(calls), counter.sent_bytes(op="reduce_scatter")
@@ -54,10 +54,10 @@ def test_gloo_sum_reduce_scatter_equals_gloos_own_and_counts_the_same_bytes():
 
 
 def _gather_rank():
-    from parallel.comm import collectives
+    from parallel.comm import gloo
 
     n, me = dist.get_world_size(), dist.get_rank()
-    big = collectives.GLOO_GATHER_BY_BROADCAST_BYTES // 4 // n + 7  # output just over the threshold
+    big = gloo.GLOO_GATHER_BY_BROADCAST_BYTES // 4 // n + 7  # output just over the threshold
     results = []
     calls = []
     original = dist.broadcast
@@ -83,10 +83,10 @@ def _gather_rank():
 
 
 def test_gloo_large_all_gather_by_broadcasts_equals_gloos_own_and_counts_the_same_bytes():
-    from parallel.comm import collectives
+    from parallel.comm import gloo
 
     n = 3
-    big = collectives.GLOO_GATHER_BY_BROADCAST_BYTES // 4 // n + 7
+    big = gloo.GLOO_GATHER_BY_BROADCAST_BYTES // 4 // n + 7
     for results, calls, sent in run_ranks(_gather_rank, n, timeout=60):
         for native, ours, sync in results:
             assert torch.equal(ours, native) and torch.equal(sync, native)
@@ -96,11 +96,11 @@ def test_gloo_large_all_gather_by_broadcasts_equals_gloos_own_and_counts_the_sam
 
 
 def _in_place_rank():
-    from parallel.comm import collectives
+    from parallel.comm import gloo
 
     n, me = dist.get_world_size(), dist.get_rank()
     results = []
-    big = collectives.GLOO_GATHER_BY_BROADCAST_BYTES // 4 // n + 7  # the broadcast path; 5: gloo's own
+    big = gloo.GLOO_GATHER_BY_BROADCAST_BYTES // 4 // n + 7  # the broadcast path; 5: gloo's own
     for size in (big, 5):
         x = torch.randn(n * size, generator=torch.Generator().manual_seed(me))
         want = torch.empty(size)

@@ -214,9 +214,9 @@ def test_one_rank_needs_no_no_sync(stage):
 def _stage1_in_place():
     import torch.distributed as dist
 
-    from parallel.comm import collectives
+    from parallel.comm import gloo
 
-    collectives.GLOO_GATHER_BY_BROADCAST_BYTES = 0  # the path of large buckets (gloo's own is not in place)
+    gloo.GLOO_GATHER_BY_BROADCAST_BYTES = 0  # the path of large buckets (gloo's own is not in place)
     zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw)
     fresh = []
     original, clone = torch.empty, torch.Tensor.clone
