@@ -18,11 +18,10 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from parallel.dims import CP_IMPLS, LayoutError, ParallelDims, interleaved_problem, topk_ratio_problem
 from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED, MoEConfigError
-from parallel.layers.ring_attention import CP_IMPLS
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem
 from parallel.precision import PRECISIONS
-from parallel.topology import ep_mismatch
 from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.offload import MIN_STAGE as OFFLOAD_MIN_STAGE
 from parallel.zero.offload import OFFLOAD_MODES
@@ -181,25 +180,65 @@ def check_values(cfg: Any) -> None:
         ) from None
 
 
-def _check_ep(p: Any, dp: int, mc: Any, cfg: Any) -> None:
-    """Expert parallelism: ep divides dp and the experts (the grid's and the layer's own rules, one home each);
-    MoE does not run under fp16, nor with what no test has verified it with (docs/moe.md)."""
-    ep = p.ep
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise ConfigError(f"parallel.ep must be a positive integer, got {ep!r}")
-    if dp % ep:
-        raise ConfigError(f"parallel.ep={ep}: {ep_mismatch(dp, ep)}")
-    if ep > 1 and not mc.moe_experts:
-        raise ConfigError(
-            f"parallel.ep={ep} needs an MoE model (model.moe_experts > 0, e.g. model.preset=mixtral_tiny); use ep=1"
+# the recipe key of each ParallelDims field a LayoutError names
+DIMS_KEYS = {
+    "dp": "parallel.dp",
+    "pp": "parallel.pp",
+    "tp": "parallel.tp",
+    "cp": "parallel.cp",
+    "ep": "parallel.ep",
+    "vpp": "parallel.vpp",
+    "zero": "parallel.zero",
+    "cp_impl": "parallel.cp_impl",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "offload": "parallel.offload",
+    "schedule": "parallel.pp_schedule",
+    "compression": "comm.compression",
+    "seq_len": "model.seq_len",
+}
+
+
+def parallel_dims(p: ParallelConfig, dp: int, mc: Any, compression: str = "none") -> ParallelDims:
+    """The config's :class:`~parallel.dims.ParallelDims`: the library's own checks of the layout,
+    its refusal raised as :class:`ConfigError` naming the recipe keys it involves."""
+    try:
+        return ParallelDims(
+            dp=dp,
+            pp=p.pp,
+            tp=p.tp,
+            cp=p.cp,
+            ep=p.ep,
+            zero=p.zero,
+            cp_impl=p.cp_impl,
+            sequence_parallel=bool(p.sequence_parallel),
+            offload=p.offload,
+            schedule=p.pp_schedule,
+            vpp=p.vpp,
+            compression=compression,
+            seq_len=mc.seq_len,
+            n_heads=mc.n_heads,
+            n_kv_heads=mc.n_kv_heads,
+            n_layers=mc.n_layers,
+            d_ff=mc.d_ff,
+            moe_experts=mc.moe_experts,
         )
+    except LayoutError as e:
+        keys = ", ".join(
+            f"{DIMS_KEYS[k]}={str(v).lower() if isinstance(v, bool) else _show(v)}" for k, v in e.values.items()
+        )
+        raise ConfigError(f"{keys}: {e}" if keys else str(e)) from None
+
+
+def _check_moe(p: Any, mc: Any, cfg: Any) -> None:
+    """MoE: the layer's own rules (experts over ep); no fp16, nor what no test has verified it with
+    (docs/moe.md). That ep divides dp and needs experts is the layout's rule (:func:`parallel_dims`)."""
     if not mc.moe_experts:
         return
     try:
-        mc.moe_config().check(ep)
+        mc.moe_config().check(p.ep)
     except MoEConfigError as e:
         raise ConfigError(
-            f"model.moe_experts={mc.moe_experts}, model.moe_top_k={mc.moe_top_k}, parallel.ep={ep}: {e}"
+            f"model.moe_experts={mc.moe_experts}, model.moe_top_k={mc.moe_top_k}, parallel.ep={p.ep}: {e}"
         ) from None
     if cfg.train.precision == "fp16":
         raise ConfigError(
@@ -223,61 +262,71 @@ def _check_ep(p: Any, dp: int, mc: Any, cfg: Any) -> None:
             )
 
 
-def validate(cfg: Any, world_size: int | None = None) -> Layout:
-    """Check every relation between keys; return the resolved :class:`Layout`.
+_POSITIVE = (
+    "parallel.pp",
+    "parallel.tp",
+    "parallel.cp",
+    "parallel.vpp",
+    "train.global_batch",
+    "train.micro_batch",
+    "train.max_steps",
+    "train.log_every",
+)
 
-    ``world_size`` is the number of launched processes (None when the recipe
-    will spawn its own: dp=auto then means 1). Raises :class:`ConfigError`.
-    """
-    resolve_aliases(cfg)
+
+def _check_types(cfg: Any) -> None:
+    """Choices, single-key ranges and the positive integers, before any relation is looked at."""
     for key, allowed in CHOICES.items():
         v = _get(cfg, key)
         if v not in allowed:
             raise ConfigError(f"{key}={v!r} is not one of {', '.join(map(repr, allowed))}")
     check_values(cfg)
-    p, t = cfg.parallel, cfg.train
-    for key in (
-        "parallel.pp",
-        "parallel.tp",
-        "parallel.cp",
-        "parallel.vpp",
-        "train.global_batch",
-        "train.micro_batch",
-        "train.max_steps",
-        "train.log_every",
-    ):
+    for key in _POSITIVE:
         v = _get(cfg, key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{key} must be a positive integer, got {v!r}")
+    p = cfg.parallel
     if p.dp not in (None, "auto") and (isinstance(p.dp, bool) or not isinstance(p.dp, int) or p.dp < 1):
         raise ConfigError(f"parallel.dp must be a positive integer or 'auto', got {p.dp!r}")
-    dp = resolve_dp(p, world_size)
+    if isinstance(p.ep, bool) or not isinstance(p.ep, int) or p.ep < 1:
+        raise ConfigError(f"parallel.ep must be a positive integer, got {p.ep!r}")
+
+
+def _model(cfg: Any, tp: int) -> Any:
+    """The model config, checked at ``tp``; its refusal names the keys this config set."""
     from models.config import ModelConfigError
 
     try:
-        mc = model_config(cfg.model).validate(tp=p.tp)
+        return model_config(cfg.model).validate(tp=tp)
     except ModelConfigError as e:  # name the keys this config set that the rule involves
         keys = [
             f"model.{k}={_show(v)}"
             for k, v in vars(cfg.model).items()
             if k != "preset" and v is not None and re.search(rf"\b({k}|{k.removeprefix('moe_')})\b", str(e))
         ]
-        if p.tp > 1 and re.search(r"\btp\b", str(e)):
-            keys.append(f"parallel.tp={p.tp}")
+        if tp > 1 and re.search(r"\btp\b", str(e)):
+            keys.append(f"parallel.tp={tp}")
         raise ConfigError(f"{', '.join(keys) or f'model.preset={cfg.model.preset}'}: {e}") from None
-    _check_ep(p, dp, mc, cfg)
-    per_replica = t.micro_batch * dp
+
+
+def _grad_accum(t: Any, dims: ParallelDims) -> int:
+    """Micro-batches per DP rank per step (global_batch = micro_batch × grad_accum × dp)."""
+    per_replica = t.micro_batch * dims.dp
     if t.global_batch % per_replica:
         lo = max(1, t.global_batch // per_replica) * per_replica
         raise ConfigError(
             f"train.global_batch {t.global_batch} is not a multiple of micro_batch {t.micro_batch} × "
-            f"dp {dp} = {per_replica} (global_batch = micro_batch × grad_accum × dp); "
+            f"dp {dims.dp} = {per_replica} (global_batch = micro_batch × grad_accum × dp); "
             f"use global_batch={lo} or {lo + per_replica}, or change micro_batch"
         )
-    grad_accum = t.global_batch // per_replica
-    problem = schedule_problem(p.pp_schedule, p.pp, p.vpp, prefix="parallel.")  # the library's own rule
+    problem = interleaved_problem(dims.schedule, dims.pp, t.global_batch, t.micro_batch, dims.dp)
     if problem:
-        raise ConfigError(problem)
+        raise ConfigError(f"parallel.pp_schedule=interleaved, parallel.pp={dims.pp}: {problem}")
+    return t.global_batch // per_replica
+
+
+def _check_pipeline(p: Any, mc: Any) -> None:
+    """The schedule against the rest of the run, and the layer split (pp_layers, vpp)."""
     if p.pp_schedule == "zb-h1" and mc.activation_checkpointing != "none":
         raise ConfigError(
             f"parallel.pp_schedule=zb-h1 with model.activation_checkpointing={mc.activation_checkpointing}: "
@@ -291,14 +340,6 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
             "has freed the block's gathered parameters, and some of its kernels (norms) read them; use "
             "parallel.zero ≤ 2 with zb-h1, or parallel.pp_schedule=1f1b with zero=3"
         )
-    if p.pp_schedule == "interleaved" and grad_accum % p.pp:
-        raise ConfigError(
-            f"the interleaved schedule needs the micro-batches per step (global_batch {t.global_batch} / "
-            f"(micro_batch {t.micro_batch} × dp {dp}) = {grad_accum}) to be a multiple of pp {p.pp}; "
-            f"use train.global_batch={(grad_accum // p.pp + 1) * p.pp * per_replica}"
-        )
-    if t.eval_every and t.eval_batches < 1:
-        raise ConfigError(f"train.eval_batches must be ≥ 1 when train.eval_every={t.eval_every} (or set eval_every=0)")
     if p.pp_layers is not None:
         layers = list(p.pp_layers)
         if len(layers) != p.pp or sum(layers) != mc.n_layers or min(layers) < 1:
@@ -306,11 +347,6 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
                 f"parallel.pp_layers={layers} must list {p.pp} positive layer counts "
                 f"(one per pipeline rank, pp {p.pp}) summing to model.n_layers {mc.n_layers}"
             )
-    if p.pp * p.vpp > mc.n_layers:
-        raise ConfigError(
-            f"pp {p.pp} × vpp {p.vpp} = {p.pp * p.vpp} stages but the model has only "
-            f"{mc.n_layers} layers; lower parallel.pp (or vpp)"
-        )
     from parallel.plan.shape import ModelShape, layer_partition
 
     try:  # the trainer's own split (vpp must divide each rank's layers)
@@ -323,17 +359,12 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
             f"use model.n_layers a multiple of pp·vpp = {p.pp * p.vpp}, or parallel.pp_layers "
             f"with multiples of {p.vpp}",
         ) from None
-    check_cp(p, mc)
-    if p.sequence_parallel and p.tp == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1")
-    if p.sequence_parallel and mc.seq_len % p.tp:
-        raise ConfigError(
-            f"sequence parallelism splits model.seq_len {mc.seq_len} over tp {p.tp}: it must be divisible"
-        )
-    if not 0 < cfg.comm.topk_ratio <= 1:
-        raise ConfigError(f"comm.topk_ratio must be in (0, 1], got {cfg.comm.topk_ratio}")
-    if cfg.comm.compression != "none" and p.zero != 0:
-        raise ConfigError("comm.compression=topk is implemented for parallel.zero=0 only")
+
+
+def _check_zero(p: Any, comm: Any) -> None:
+    """Top-K's ratio; what offload and unsharded accumulation need of the ZeRO stage."""
+    if topk_ratio_problem(comm.topk_ratio):
+        raise ConfigError(f"comm.{topk_ratio_problem(comm.topk_ratio)}")
     if p.zero < OFFLOAD_MIN_STAGE[p.offload]:
         need = OFFLOAD_MIN_STAGE[p.offload]
         raise ConfigError(
@@ -354,6 +385,13 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
             f"micro-batches, which undoes parallel.offload={p.offload} (it exists to free device memory): "
             f"set parallel.zero_accumulate=sharded or parallel.offload=none"
         )
+
+
+def _check_run(cfg: Any) -> None:
+    """The run's own keys: data files, profiling, timeouts, checkpoints, injected faults."""
+    t, p = cfg.train, cfg.parallel
+    if t.eval_every and t.eval_batches < 1:
+        raise ConfigError(f"train.eval_batches must be ≥ 1 when train.eval_every={t.eval_every} (or set eval_every=0)")
     if cfg.data.source == "memmap" and not cfg.data.path:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
     from .training.profiling import profile_steps  # logger.profile
@@ -367,28 +405,32 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
         raise ConfigError(
             f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind raise, kill, term, kill_in_save or raise_in_save"
         )
-    return Layout(dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc, cp=p.cp)
 
 
-def check_cp(p: ParallelConfig, mc: Any) -> None:
-    """Context parallelism's relations: 2·cp chunks per sample (times tp with sequence
-    parallelism), and Ulysses heads divisible by cp·tp. Pure; raises :class:`ConfigError`."""
-    from parallel.layers import LayerConfigError, check_cp_seq_len, check_ulysses_heads
+def validate(cfg: Any, world_size: int | None = None) -> Layout:
+    """Check every relation between keys; return the resolved :class:`Layout`.
 
-    if p.cp == 1:
-        return
-    try:
-        check_cp_seq_len(mc.seq_len, p.cp)
-        if p.cp_impl == "alltoall":
-            check_ulysses_heads(mc.n_heads, mc.n_kv_heads, p.cp, p.tp)
-    except LayerConfigError as e:
-        raise ConfigError(f"parallel.cp={p.cp}: {e}") from None
-    if p.sequence_parallel and (mc.seq_len // p.cp) % p.tp:
-        raise ConfigError(
-            f"parallel.cp={p.cp}, sequence_parallel: each cp rank's {mc.seq_len // p.cp} tokens "
-            f"(model.seq_len {mc.seq_len} / cp {p.cp}) must split over tp {p.tp}; use a seq_len divisible by "
-            f"cp·tp = {p.cp * p.tp} and 2·cp = {2 * p.cp}"
-        )
+    ``world_size`` is the number of launched processes (None when the recipe will spawn its
+    own: dp=auto then means 1). The layout's rules are the library's (:func:`parallel_dims`,
+    :class:`parallel.dims.ParallelDims`); the rest is about the config itself. Raises :class:`ConfigError`.
+    """
+    resolve_aliases(cfg)
+    _check_types(cfg)
+    p, t = cfg.parallel, cfg.train
+    dp = resolve_dp(p, world_size)
+    mc = _model(cfg, p.tp)
+    problem = schedule_problem(p.pp_schedule, p.pp, p.vpp, prefix="parallel.")  # the library's own rule
+    if problem:
+        raise ConfigError(problem)
+    dims = parallel_dims(p, dp, mc, cfg.comm.compression)
+    _check_moe(p, mc, cfg)
+    grad_accum = _grad_accum(t, dims)
+    _check_pipeline(p, mc)
+    _check_zero(p, cfg.comm)
+    _check_run(cfg)
+    return Layout(
+        dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc, cp=p.cp, dims=dims
+    )
 
 
 # --- unknown keys: refused in every form (plain, `+`, `++`, `~`) ---------------------------------------

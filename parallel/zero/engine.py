@@ -80,6 +80,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..dims import compression_problem
 from ..overlap import REDUCTIONS_IN_FLIGHT
 from ..params import is_expert, wants_weight_decay
 from ..precision import TORCH_DTYPES
@@ -144,11 +145,8 @@ def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_r
     if compression not in (None, *COMPRESSIONS):
         raise ZeroConfigError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
     compression = None if compression == "none" else compression
-    if compression and policy(stage).reduce != "all_reduce":
-        raise ZeroConfigError(
-            f"top-k compression needs stage 0 (it replaces the all-reduce), got stage {stage}; "
-            f"use stage=0 or compression=None"
-        )
+    if compression_problem(compression, stage):  # the rule's one home: parallel.dims
+        raise ZeroConfigError(compression_problem(compression, stage))
     if grad_clip is not None and grad_clip <= 0:
         raise ZeroConfigError(f"grad_clip must be positive or None, got {grad_clip}")
     if bucket_mb <= 0:
