@@ -171,7 +171,7 @@ def compression_problem(compression: str | None, stage: int) -> str | None:
         return None
     return (
         f"Top-K compression needs ZeRO stage 0 (it replaces stage 0's gradient all-reduce), got stage {stage}; "
-        "use stage 0 or no compression"
+        "use stage=0 or compression=none"
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..dims import compression_problem
 from ..zero.offload import MIN_STAGE as OFFLOAD_MIN_STAGE
 from ..zero.offload import OFFLOAD_MODES
 from .cp import cp_choices
@@ -103,7 +104,9 @@ def _fitting(shape, world_size, training, hw, count_params, micro_batches, check
                     training,
                     micro_batch=mb,
                     checkpointing=ckpt,
-                    compression=training.compression if layout.zero == 0 else "none",
+                    compression="none"
+                    if compression_problem(training.compression, layout.zero)
+                    else training.compression,
                 )
                 try:
                     p = plan_layout(shape, layout, tr, hw, count_params)
