@@ -29,6 +29,8 @@ import numbers
 from dataclasses import dataclass
 
 CP_IMPLS = ("ring", "alltoall")  # context parallelism: ring attention | Ulysses all-to-all
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")  # config: parallel.offload (parallel/zero/offload.py)
+OFFLOAD_MIN_STAGE = {"none": 0, "optimizer": 1, "optimizer+params": 3}  # the ZeRO stage that shards what moves
 
 
 class LayoutError(ValueError):
@@ -175,6 +177,22 @@ def compression_problem(compression: str | None, stage: int) -> str | None:
     )
 
 
+def offload_problem(mode: str, stage: int, *, prefix: str = "") -> str | None:
+    """Why ZeRO ``stage`` cannot carry offload ``mode``: what moves to the host is each rank's shard.
+    ``prefix`` qualifies the key names (the config passes ``"parallel."``)."""
+    if mode not in OFFLOAD_MODES:
+        return f"{prefix}offload must be one of {OFFLOAD_MODES}, got {mode!r}"
+    need = OFFLOAD_MIN_STAGE[mode]
+    if stage >= need:
+        return None
+    return (
+        f"{prefix}offload={mode} needs {prefix}zero ≥ {need} (what it offloads is each rank's shard), "
+        f"got {prefix}zero={stage}; set {prefix}zero={need}"
+        + ("" if need == 3 else " (or 2, 3)")
+        + f" or {prefix}offload=none"
+    )
+
+
 def topk_ratio_problem(ratio: float) -> str | None:
     """Why ``ratio`` is not a share of a gradient Top-K can keep."""
     return None if 0 < ratio <= 1 else f"topk_ratio must be in (0, 1], got {ratio}"
@@ -239,6 +257,7 @@ class ParallelDims:
             if self.seq_len is not None:
                 self._check(sequence_split_problem(self.seq_len, self.tp, self.cp), sequence_parallel=True)
         self._check(compression_problem(self.compression, self.zero), compression=self.compression, zero=self.zero)
+        self._check(offload_problem(self.offload, self.zero), offload=self.offload, zero=self.zero)
 
     def _check_cp(self) -> None:
         if self.cp_impl not in CP_IMPLS:
@@ -338,6 +357,8 @@ class ParallelDims:
 
 __all__ = [
     "CP_IMPLS",
+    "OFFLOAD_MIN_STAGE",
+    "OFFLOAD_MODES",
     "LayoutError",
     "ParallelDims",
     "compression_problem",
@@ -345,6 +366,7 @@ __all__ = [
     "ep_mismatch",
     "interleaved_problem",
     "local_seq_len",
+    "offload_problem",
     "sequence_parallel_problem",
     "sequence_split_problem",
     "stages_problem",

@@ -15,13 +15,19 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from parallel.dims import CP_IMPLS, LayoutError, ParallelDims, interleaved_problem, topk_ratio_problem
+from parallel.dims import (
+    CP_IMPLS,
+    OFFLOAD_MODES,
+    LayoutError,
+    ParallelDims,
+    interleaved_problem,
+    offload_problem,
+    topk_ratio_problem,
+)
 from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED, MoEConfigError
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem
 from parallel.precision import PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
-from parallel.zero.offload import MIN_STAGE as OFFLOAD_MIN_STAGE
-from parallel.zero.offload import OFFLOAD_MODES
 from parallel.zero.policy import ZERO_STAGES
 from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies
 
@@ -273,17 +279,9 @@ def _check_pipeline(p: Any, mc: Any) -> None:
 
 
 def _check_zero(p: Any, comm: Any) -> None:
-    """Top-K's ratio; what offload and unsharded accumulation need of the ZeRO stage."""
+    """Top-K's ratio; what unsharded accumulation needs of the ZeRO stage (offload's: :func:`validate`)."""
     if topk_ratio_problem(comm.topk_ratio):
         raise ConfigError(f"comm.{topk_ratio_problem(comm.topk_ratio)}")
-    if p.zero < OFFLOAD_MIN_STAGE[p.offload]:
-        need = OFFLOAD_MIN_STAGE[p.offload]
-        raise ConfigError(
-            f"parallel.offload={p.offload} needs parallel.zero ≥ {need} (what it offloads is each rank's "
-            f"shard), got parallel.zero={p.zero}; set parallel.zero={need}"
-            + ("" if need == 3 else " (or 2, 3)")
-            + " or parallel.offload=none"
-        )
     if p.zero_accumulate == "unsharded" and not accumulate_applies(p.zero):
         raise ConfigError(
             f"parallel.zero_accumulate=unsharded keeps ZeRO-2/3's full gradients across micro-batches; "
@@ -330,7 +328,10 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     p, t = cfg.parallel, cfg.train
     dp = resolve_dp(p, world_size)
     mc = _model(cfg, p.tp)
-    problem = schedule_problem(p.pp_schedule, p.pp, p.vpp, prefix="parallel.")  # the library's own rule
+    # the library's rules that name their keys: asked with the config's section first
+    problem = schedule_problem(p.pp_schedule, p.pp, p.vpp, prefix="parallel.") or offload_problem(
+        p.offload, p.zero, prefix="parallel."
+    )
     if problem:
         raise ConfigError(problem)
     dims = parallel_dims(p, dp, mc, cfg.comm.compression)

@@ -320,3 +320,25 @@ def test_ep_stage_and_interleaved_rules_have_one_home():
         train__global_batch=6,
         train__micro_batch=2,
     ).endswith(dims.interleaved_problem("interleaved", 2, 6, 2, 1))
+
+
+def test_offload_rule_has_one_home():
+    import parallel.dims as dims
+    import parallel.zero.offload as offload
+    from parallel.plan.inputs import Layout, Training, check
+    from parallel.plan.shape import ModelShape
+    from parallel.zero.layout import ZeroConfigError
+
+    assert offload.OFFLOAD_MODES is dims.OFFLOAD_MODES is config.CHOICES["parallel.offload"]
+    assert offload.MIN_STAGE is dims.OFFLOAD_MIN_STAGE
+    with pytest.raises(ZeroConfigError) as e:
+        offload.check_offload("optimizer+params", 2)
+    assert str(e.value) == dims.offload_problem("optimizer+params", 2)
+    with pytest.raises(PlanError) as e:
+        check(ModelShape.of(ModelConfig()), Layout(dp=2, zero=2, offload="optimizer+params"), Training(16, 2))
+    assert str(e.value) == dims.offload_problem("optimizer+params", 2)
+    with pytest.raises(dims.LayoutError) as e:
+        dims.ParallelDims(zero=2, offload="optimizer+params")
+    assert str(e.value) == dims.offload_problem("optimizer+params", 2)
+    msg = _config_error(parallel__zero=0, parallel__offload="optimizer")
+    assert msg == dims.offload_problem("optimizer", 0, prefix="parallel.")
