@@ -85,7 +85,7 @@ def build_gpt_engine(
         compression=cm.compression,
         topk_ratio=cm.topk_ratio,
         accumulate=p.zero_accumulate,
-        expert_group=g.edp,
+        expert_group=getattr(g, dims.expert_grad_group),  # the ranks holding the same experts (dp/ep × cp)
         ep_group=g.ep,
     )
     for m in (m for ch in chunks for m in ch.modules() if isinstance(m, MoELayer)):
