@@ -193,6 +193,20 @@ def offload_problem(mode: str, stage: int, *, prefix: str = "") -> str | None:
     )
 
 
+def accumulate_problem(accumulate: str, stage: int, *, key: str = "accumulate", stage_key: str = "stage") -> str | None:
+    """Why ``accumulate='unsharded'`` means nothing at ``stage``: only stages 2-3 reduce every micro-batch.
+    ``key``/``stage_key`` name the settings as the caller's users type them (the config: ``parallel.…``)."""
+    from .zero.theory import accumulate_applies  # which stages reduce every micro-batch: the ZeRO policy's fact
+
+    if accumulate != "unsharded" or accumulate_applies(stage):
+        return None
+    return (
+        f"{key}=unsharded keeps ZeRO-2/3's full gradients across micro-batches, a choice of stages 2-3 "
+        f"(stages 0-1 keep them and reduce once per step anyway), got {stage_key}={stage}; set "
+        f"{stage_key}=2 or 3, or {key}=sharded"
+    )
+
+
 def topk_ratio_problem(ratio: float) -> str | None:
     """Why ``ratio`` is not a share of a gradient Top-K can keep."""
     return None if 0 < ratio <= 1 else f"topk_ratio must be in (0, 1], got {ratio}"
@@ -222,6 +236,7 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1  # divides dp (expert parallelism lives inside the data-parallel group)
     zero: int = 0  # ZeRO stage
+    accumulate: str = "sharded"  # ZeRO-2/3 gradient accumulation: sharded | unsharded (parallel.zero.theory)
     cp_impl: str = "ring"
     sequence_parallel: bool = False
     offload: str = "none"
@@ -258,6 +273,8 @@ class ParallelDims:
                 self._check(sequence_split_problem(self.seq_len, self.tp, self.cp), sequence_parallel=True)
         self._check(compression_problem(self.compression, self.zero), compression=self.compression, zero=self.zero)
         self._check(offload_problem(self.offload, self.zero), offload=self.offload, zero=self.zero)
+        if self.accumulate != "sharded":
+            self._check(accumulate_problem(self.accumulate, self.zero), accumulate=self.accumulate, zero=self.zero)
 
     def _check_cp(self) -> None:
         if self.cp_impl not in CP_IMPLS:
@@ -361,6 +378,7 @@ __all__ = [
     "OFFLOAD_MODES",
     "LayoutError",
     "ParallelDims",
+    "accumulate_problem",
     "compression_problem",
     "cp_seq_len_problem",
     "ep_mismatch",

@@ -20,6 +20,7 @@ from parallel.dims import (
     OFFLOAD_MODES,
     LayoutError,
     ParallelDims,
+    accumulate_problem,
     interleaved_problem,
     offload_problem,
     topk_ratio_problem,
@@ -29,7 +30,7 @@ from parallel.pipeline.schedules import SCHEDULES, schedule_problem
 from parallel.precision import PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.policy import ZERO_STAGES
-from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies
+from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies  # noqa: F401 (re-exported)
 
 from .config import ConfigError, Layout, ParallelConfig, _show, bad, model_config
 from .keys import check_keys, check_overrides, check_values, key_error, schema_keys, unknown_keys
@@ -106,6 +107,7 @@ DIMS_KEYS = {
     "ep": "parallel.ep",
     "vpp": "parallel.vpp",
     "zero": "parallel.zero",
+    "accumulate": "parallel.zero_accumulate",
     "cp_impl": "parallel.cp_impl",
     "sequence_parallel": "parallel.sequence_parallel",
     "offload": "parallel.offload",
@@ -126,6 +128,7 @@ def parallel_dims(p: ParallelConfig, dp: int, mc: Any, compression: str = "none"
             cp=p.cp,
             ep=p.ep,
             zero=p.zero,
+            accumulate=p.zero_accumulate,
             cp_impl=p.cp_impl,
             sequence_parallel=bool(p.sequence_parallel),
             offload=p.offload,
@@ -279,15 +282,9 @@ def _check_pipeline(p: Any, mc: Any) -> None:
 
 
 def _check_zero(p: Any, comm: Any) -> None:
-    """Top-K's ratio; what unsharded accumulation needs of the ZeRO stage (offload's: :func:`validate`)."""
+    """Top-K's ratio; unsharded accumulation against offload (the stage rules: :func:`validate`)."""
     if topk_ratio_problem(comm.topk_ratio):
         raise ConfigError(f"comm.{topk_ratio_problem(comm.topk_ratio)}")
-    if p.zero_accumulate == "unsharded" and not accumulate_applies(p.zero):
-        raise ConfigError(
-            f"parallel.zero_accumulate=unsharded keeps ZeRO-2/3's full gradients across micro-batches; "
-            f"parallel.zero is {p.zero} (stages 0-1 keep them anyway): set parallel.zero=2 or 3, or "
-            f"parallel.zero_accumulate=sharded"
-        )
     if p.zero_accumulate == "unsharded" and p.offload != "none":
         raise ConfigError(
             f"parallel.zero_accumulate=unsharded keeps the full fp32 gradients on the device across "
@@ -329,8 +326,10 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     dp = resolve_dp(p, world_size)
     mc = _model(cfg, p.tp)
     # the library's rules that name their keys: asked with the config's section first
-    problem = schedule_problem(p.pp_schedule, p.pp, p.vpp, prefix="parallel.") or offload_problem(
-        p.offload, p.zero, prefix="parallel."
+    problem = (
+        schedule_problem(p.pp_schedule, p.pp, p.vpp, prefix="parallel.")
+        or offload_problem(p.offload, p.zero, prefix="parallel.")
+        or accumulate_problem(p.zero_accumulate, p.zero, key="parallel.zero_accumulate", stage_key="parallel.zero")
     )
     if problem:
         raise ConfigError(problem)

@@ -342,3 +342,18 @@ def test_offload_rule_has_one_home():
     assert str(e.value) == dims.offload_problem("optimizer+params", 2)
     msg = _config_error(parallel__zero=0, parallel__offload="optimizer")
     assert msg == dims.offload_problem("optimizer", 0, prefix="parallel.")
+
+
+def test_unsharded_accumulation_rule_has_one_home():
+    import parallel.dims as dims
+    from parallel.zero.layout import ZeroConfigError
+
+    with pytest.raises(ZeroConfigError) as e:
+        zero_engine._check_settings(1, None, None, 25.0, 0.1, accumulate="unsharded")
+    assert str(e.value) == dims.accumulate_problem("unsharded", 1)
+    with pytest.raises(dims.LayoutError) as e:
+        dims.ParallelDims(zero=1, accumulate="unsharded")
+    assert str(e.value) == dims.accumulate_problem("unsharded", 1)
+    msg = _config_error(parallel__zero=1, parallel__zero_accumulate="unsharded")
+    assert msg == dims.accumulate_problem("unsharded", 1, key="parallel.zero_accumulate", stage_key="parallel.zero")
+    assert [s for s in policy.ZERO_STAGES if dims.accumulate_problem("unsharded", s) is None] == [2, 3]
