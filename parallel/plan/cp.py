@@ -50,7 +50,7 @@ def check_cp(shape, cp: int, tp: int, impl: str) -> None:
 def attention_flops(shape, micro_batch: int, cp: int, tp: int) -> float:
     """Forward attention FLOPs (``QKᵀ`` and ``PV``) of one layer on one rank: its ``s/cp`` queries
     against all ``s`` keys (the ``4·s·d`` per token of :func:`~parallel.plan.shape.forward_flops`)."""
-    return micro_batch * (shape.seq_len // cp) * 4 * shape.seq_len * shape.d_model / tp
+    return micro_batch * local_seq_len(shape.seq_len, cp) * 4 * shape.seq_len * shape.d_model / tp
 
 
 def extra_activation_bytes(
@@ -66,7 +66,7 @@ def extra_activation_bytes(
     (``selective``, ``full``) stores neither."""
     if cp == 1 or impl != "alltoall" or checkpointing != "none":
         return 0.0
-    return e * micro_batch * (shape.seq_len // cp) * shape.d_model / tp + 16 * shape.seq_len
+    return e * micro_batch * local_seq_len(shape.seq_len, cp) * shape.d_model / tp + 16 * shape.seq_len
 
 
 def cp_traffic(
@@ -89,7 +89,7 @@ def cp_traffic(
     cp = axis.group_size
     if cp == 1 or n_layers == 0:
         return 0.0, 0.0
-    s_local, kv_heads, hd = shape.seq_len // cp, shape.n_kv_heads // tp, shape.head_dim
+    s_local, kv_heads, hd = local_seq_len(shape.seq_len, cp), shape.n_kv_heads // tp, shape.head_dim
     recompute = ckpt in ("selective", "full")
     count = n_layers * m
     if impl == "alltoall":
