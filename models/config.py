@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from parallel.dims import tp_split_problem
 from parallel.layers.embedding import padded_vocab_size
 from parallel.layers.moe import MoEConfig, MoEConfigError
 from parallel.memory import CHECKPOINTING
@@ -125,16 +126,8 @@ class ModelConfig:
             self.n_heads % self.n_kv_heads == 0,
             f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}",
         )
-        need(
-            self.n_heads % tp == 0,
-            f"n_heads {self.n_heads} is not divisible by tp {tp}; choose tp among the divisors of {self.n_heads}",
-        )
-        need(
-            self.n_kv_heads >= tp and self.n_kv_heads % tp == 0,
-            f"n_kv_heads {self.n_kv_heads} cannot be split over tp {tp} (kv heads are not replicated); "
-            f"use a tp that divides {self.n_kv_heads}",
-        )
-        need(self.d_ff % tp == 0, f"d_ff {self.d_ff} is not divisible by tp {tp}")
+        split = tp_split_problem(self.n_heads, self.n_kv_heads, self.d_ff, tp)  # the one home: parallel.dims
+        need(split is None, split)
         if self.moe_experts:
             need(self.moe_every >= 1, f"moe_every must be ≥ 1, got {self.moe_every}")
             try:

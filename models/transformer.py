@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel import comm
+from parallel.dims import sequence_split_problem
 from parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,
@@ -223,10 +224,9 @@ class TransformerStage(nn.Module):
             raise ModelConfigError(
                 f"sequence length {s} × cp {self.cp_size} exceeds the model's seq_len {self.cfg.seq_len}"
             )
-        if self.sequence_parallel and s % self.tp_size:
-            raise ModelConfigError(
-                f"sequence parallelism splits the sequence over tp {self.tp_size}: length {s} is not divisible"
-            )
+        split = sequence_split_problem(s, self.tp_size) if self.sequence_parallel else None  # parallel.dims
+        if split:
+            raise ModelConfigError(split)
         h = self.tok_embed(ids)
         if self.cfg.arch == "gpt":
             local = h.shape[1]

@@ -52,36 +52,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable
 
+from .dims import ep_mismatch, world_size_indivisible, world_size_mismatch
+
 AXES = ("dp", "pp", "tp", "cp")
 DEFAULT_ORDER = "tp-cp-dp-pp"
 # groups derived from the axes (see the module docstring), besides one per axis
 DERIVED_GROUPS = ("dpcp", "ep", "edp")
-
-
-def _model_parallel_text(pp: int, tp: int, cp: int) -> tuple[str, int]:
-    """``("pp 3 × tp 2", 6)`` (cp named only when it is not 1)."""
-    text = f"pp {pp} × tp {tp}" + (f" × cp {cp}" if cp != 1 else "")
-    return text, pp * tp * cp
-
-
-def world_size_mismatch(world_size: int, dp: int, pp: int, tp: int, cp: int = 1) -> str:
-    """The one message for a world that is not ``dp × pp × tp × cp`` (topology, groups, planner)."""
-    text, per_replica = _model_parallel_text(pp, tp, cp)
-    hint = f" (dp=auto would give dp={world_size // per_replica})" if world_size % per_replica == 0 else ""
-    sizes = f"pp={pp} tp={tp}" + (f" cp={cp}" if cp != 1 else "")
-    return (
-        f"world size {world_size} ≠ dp {dp} × {text} = {dp * per_replica}; "
-        f"with {sizes} the world must be a multiple of {per_replica}{hint}"
-    )
-
-
-def ep_mismatch(dp: int, ep: int) -> str:
-    """The one message for an ``ep`` that does not divide ``dp`` (topology, validation, planner)."""
-    fits = [d for d in range(1, dp + 1) if dp % d == 0]
-    return (
-        f"ep {ep} does not divide dp {dp}: expert parallelism splits the data-parallel group into dp/ep "
-        f"copies of ep expert shards; choose ep among the divisors of dp {dp}: {fits}, or change dp"
-    )
 
 
 class TopologyError(ValueError):
@@ -160,18 +136,12 @@ class Topology:
         ep = _check_size("ep", ep)
         if world_size is not None:
             world_size = _check_size("world size", world_size)
-        text, per_replica = _model_parallel_text(pp, tp, cp)
+        per_replica = pp * tp * cp
         if dp is None or dp == "auto":
             if world_size is None:
                 raise TopologyError("dp=auto needs the world size to derive dp from")
             if world_size % per_replica:
-                sizes = f"pp={pp} tp={tp}" + (f" cp={cp}" if cp != 1 else "")
-                raise TopologyError(
-                    f"world size {world_size} is not divisible by {text} = "
-                    f"{per_replica}; with {sizes} the world must be a multiple of "
-                    f"{per_replica} (e.g. {max(1, world_size // per_replica) * per_replica}), "
-                    f"or change {'pp/tp/cp' if cp != 1 else 'pp/tp'}"
-                )
+                raise TopologyError(world_size_indivisible(world_size, pp, tp, cp))
             dp = world_size // per_replica
         dp = _check_size("dp", dp)
         if world_size is not None and world_size != dp * per_replica:

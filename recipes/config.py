@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from models.config import PRESETS, ModelConfig
+from parallel.dims import ParallelDims
 
 
 class ConfigError(ValueError):
@@ -211,6 +212,7 @@ class Layout:
     grad_accum: int  # micro-batches per DP rank per step
     model: ModelConfig
     cp: int = 1  # context parallel ranks per sequence
+    dims: ParallelDims | None = None  # the resolved layout (parallel.dims): what is on, local shapes, groups
 
     @property
     def world_size(self) -> int:

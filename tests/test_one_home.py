@@ -179,3 +179,181 @@ def test_overlap_facts_have_one_home():
     assert plan_cp.RING_ATTENTION is overlap.RING_ATTENTION
     assert plan_offload.OFFLOAD_PARAM_PAGING is overlap.OFFLOAD_PARAM_PAGING
     assert plan_offload.OFFLOAD_STEP is overlap.OFFLOAD_STEP
+
+
+# --- the layout's rules: one home (parallel.dims), the same words from the library, the planner and the config
+
+
+def _config_error(**changes):
+    """The recipe config's refusal of ``changes`` (``section__key=value``)."""
+    rc = config.RecipeConfig()
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        setattr(getattr(rc, section), key, value)
+    with pytest.raises(config.ConfigError) as e:
+        config.validate(rc, world_size=None)
+    return str(e.value)
+
+
+def test_topk_needs_stage_0_has_one_home():
+    import parallel.dims as dims
+    from parallel.plan.inputs import Layout, Training, check
+    from parallel.plan.shape import ModelShape
+    from parallel.zero.layout import ZeroConfigError
+
+    msg = dims.compression_problem("topk", 2)
+    with pytest.raises(ZeroConfigError) as e:
+        zero_engine._check_settings(2, "topk", None, 25.0, 0.1)
+    assert str(e.value) == msg
+    with pytest.raises(PlanError) as e:
+        check(ModelShape.of(ModelConfig()), Layout(dp=2, zero=2), Training(16, 2, compression="topk"))
+    assert str(e.value) == msg
+    with pytest.raises(dims.LayoutError) as e:
+        dims.ParallelDims(zero=2, compression="topk")
+    assert str(e.value) == msg
+    assert _config_error(comm__compression="topk", parallel__zero=2).endswith(msg)
+    assert dims.compression_problem("topk", 0) is None
+    # the ratio's rule too: the library's counter, the planner and the config
+    with pytest.raises(ZeroConfigError, match=r"^topk_ratio must be in \(0, 1\], got 0$"):
+        compression.topk_count(10, 0)
+    assert _config_error(comm__topk_ratio=0.0) == "comm." + dims.topk_ratio_problem(0.0)
+
+
+def test_sequence_parallel_rules_have_one_home():
+    import parallel.dims as dims
+    from parallel.plan.inputs import Layout, Training, check
+    from parallel.plan.shape import ModelShape
+
+    shape = ModelShape.of(ModelConfig(seq_len=30, n_heads=4, d_model=64))
+    with pytest.raises(PlanError) as e:
+        check(shape, Layout(tp=4, sequence_parallel=True), Training(16, 2))
+    assert str(e.value) == dims.sequence_split_problem(30, 4)
+    with pytest.raises(PlanError) as e:
+        check(shape, Layout(sequence_parallel=True), Training(16, 2))
+    assert str(e.value) == dims.sequence_parallel_problem(1)
+    assert _config_error(parallel__sequence_parallel=True).endswith(dims.sequence_parallel_problem(1))
+    # the model's own guard on the tokens it is given
+    from models.config import ModelConfigError
+    from models.transformer import build_model
+
+    model = build_model(ModelConfig(n_layers=1, d_model=32, n_heads=2, vocab_size=64, seq_len=8), seed=0)
+    model.sequence_parallel, model.tp_size = True, 4  # what a tp=4 SP rank would check
+    with pytest.raises(ModelConfigError) as e:
+        model._embed(torch.zeros(1, 6, dtype=torch.long))
+    assert str(e.value) == dims.sequence_split_problem(6, 4)
+
+
+def test_cp_rules_and_local_sequence_have_one_home():
+    import importlib
+
+    import parallel.dims as dims
+    import parallel.plan.cp as plan_cp
+    from parallel.layers import LayerConfigError, check_cp_seq_len, check_ulysses_heads
+
+    ring_attention = importlib.import_module(
+        "parallel.layers.ring_attention"
+    )  # the package exports a function of that name
+    from parallel.plan.shape import ModelShape
+
+    assert ring_attention.CP_IMPLS is dims.CP_IMPLS is config.CHOICES["parallel.cp_impl"]
+    with pytest.raises(LayerConfigError) as e:
+        check_cp_seq_len(30, 2)
+    assert str(e.value) == dims.cp_seq_len_problem(30, 2)
+    assert _config_error(parallel__cp=2, model__seq_len=30) == f"parallel.cp=2: {dims.cp_seq_len_problem(30, 2)}"
+    with pytest.raises(LayerConfigError) as e:
+        check_ulysses_heads(2, 2, 4, 1)
+    assert str(e.value) == dims.ulysses_heads_problem(2, 2, 4, 1)
+    with pytest.raises(PlanError) as e:
+        plan_cp.check_cp(ModelShape.of(ModelConfig(seq_len=30)), 2, 1, "ring")
+    assert str(e.value) == dims.cp_seq_len_problem(30, 2)
+    shape = ModelShape.of(ModelConfig(seq_len=64))
+    assert (
+        plan_cp.local_shape(shape, 4).seq_len
+        == dims.local_seq_len(64, 4)
+        == dims.ParallelDims(cp=4, seq_len=64).local_seq_len
+    )
+    rc = config.RecipeConfig()
+    rc.parallel.cp, rc.model.seq_len = 2, 64
+    layout = config.validate(rc, world_size=None)
+    assert layout.dims.local_seq_len == 32 and layout.dims.dense_grad_group == "dpcp"
+
+
+def test_tp_head_rule_has_one_home():
+    import parallel.dims as dims
+    from models.config import ModelConfigError
+    from parallel.plan.shape import ModelShape
+
+    msg = dims.tp_split_problem(4, 4, 512, 3)
+    with pytest.raises(ModelConfigError) as e:
+        ModelConfig(n_heads=4, d_model=128).validate(tp=3)
+    assert str(e.value) == msg
+    with pytest.raises(PlanError) as e:
+        ModelShape.of(ModelConfig(n_heads=4, d_model=128)).check_tp(3)
+    assert str(e.value) == msg
+    with pytest.raises(dims.LayoutError) as e:
+        dims.ParallelDims(tp=3, n_heads=4, n_kv_heads=4, d_ff=512)
+    assert str(e.value) == msg
+
+
+def test_ep_stage_and_interleaved_rules_have_one_home():
+    import parallel.dims as dims
+    import parallel.topology as topology
+    from parallel.plan.inputs import Layout, Training, check
+    from parallel.plan.shape import ModelShape
+
+    assert topology.ep_mismatch is dims.ep_mismatch and topology.world_size_mismatch is dims.world_size_mismatch
+    with pytest.raises(TopologyError) as e:
+        Topology(6, ep=4)
+    assert str(e.value) == dims.ep_mismatch(6, 4)
+    shape = ModelShape.of(ModelConfig())  # 4 layers
+    with pytest.raises(PlanError) as e:
+        check(shape, Layout(pp=8), Training(16, 2))
+    assert str(e.value) == dims.stages_problem(8, 1, 4)
+    assert _config_error(parallel__pp=8).endswith(dims.stages_problem(8, 1, 4))
+    with pytest.raises(PlanError) as e:
+        check(shape, Layout(pp=2, vpp=2, schedule="interleaved"), Training(6, 2))
+    assert str(e.value) == dims.interleaved_problem("interleaved", 2, 6, 2, 1)
+    assert _config_error(
+        parallel__pp=2,
+        parallel__vpp=2,
+        parallel__pp_schedule="interleaved",
+        train__global_batch=6,
+        train__micro_batch=2,
+    ).endswith(dims.interleaved_problem("interleaved", 2, 6, 2, 1))
+
+
+def test_offload_rule_has_one_home():
+    import parallel.dims as dims
+    import parallel.zero.offload as offload
+    from parallel.plan.inputs import Layout, Training, check
+    from parallel.plan.shape import ModelShape
+    from parallel.zero.layout import ZeroConfigError
+
+    assert offload.OFFLOAD_MODES is dims.OFFLOAD_MODES is config.CHOICES["parallel.offload"]
+    assert offload.MIN_STAGE is dims.OFFLOAD_MIN_STAGE
+    with pytest.raises(ZeroConfigError) as e:
+        offload.check_offload("optimizer+params", 2)
+    assert str(e.value) == dims.offload_problem("optimizer+params", 2)
+    with pytest.raises(PlanError) as e:
+        check(ModelShape.of(ModelConfig()), Layout(dp=2, zero=2, offload="optimizer+params"), Training(16, 2))
+    assert str(e.value) == dims.offload_problem("optimizer+params", 2)
+    with pytest.raises(dims.LayoutError) as e:
+        dims.ParallelDims(zero=2, offload="optimizer+params")
+    assert str(e.value) == dims.offload_problem("optimizer+params", 2)
+    msg = _config_error(parallel__zero=0, parallel__offload="optimizer")
+    assert msg == dims.offload_problem("optimizer", 0, prefix="parallel.")
+
+
+def test_unsharded_accumulation_rule_has_one_home():
+    import parallel.dims as dims
+    from parallel.zero.layout import ZeroConfigError
+
+    with pytest.raises(ZeroConfigError) as e:
+        zero_engine._check_settings(1, None, None, 25.0, 0.1, accumulate="unsharded")
+    assert str(e.value) == dims.accumulate_problem("unsharded", 1)
+    with pytest.raises(dims.LayoutError) as e:
+        dims.ParallelDims(zero=1, accumulate="unsharded")
+    assert str(e.value) == dims.accumulate_problem("unsharded", 1)
+    msg = _config_error(parallel__zero=1, parallel__zero_accumulate="unsharded")
+    assert msg == dims.accumulate_problem("unsharded", 1, key="parallel.zero_accumulate", stage_key="parallel.zero")
+    assert [s for s in policy.ZERO_STAGES if dims.accumulate_problem("unsharded", s) is None] == [2, 3]

@@ -42,10 +42,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
+from ..dims import CP_IMPLS, cp_seq_len_problem, ulysses_heads_problem
 from .linear import LayerConfigError
-
-CP_IMPLS = ("ring", "alltoall")
-
 
 # ---------------------------------------------------------------- layout (pure)
 
@@ -62,14 +60,11 @@ def cp_chunks(cp: int, rank: int) -> tuple[int, int]:
 
 
 def check_cp_seq_len(seq_len: int, cp: int) -> None:
-    """Refuse a sequence the load-balanced layout cannot split: it needs ``2·cp`` equal chunks."""
-    if cp > 1 and seq_len % (2 * cp):
-        lo = seq_len // (2 * cp) * (2 * cp)
-        raise LayerConfigError(
-            f"seq_len {seq_len} is not divisible by 2·cp = {2 * cp}: context parallelism cuts each sample "
-            f"into 2·cp equal chunks (rank i holds chunks i and 2·cp−1−i); use seq_len {lo or 2 * cp} or "
-            f"{lo + 2 * cp}, or another cp"
-        )
+    """Refuse a sequence the load-balanced layout cannot split: it needs ``2·cp`` equal chunks
+    (the rule and its words: :func:`parallel.dims.cp_seq_len_problem`)."""
+    problem = cp_seq_len_problem(seq_len, cp)
+    if problem:
+        raise LayerConfigError(problem)
 
 
 def cp_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -148,14 +143,10 @@ def ulysses_bytes(batch: int, heads: int, kv_heads: int, local_seq: int, head_di
 
 
 def check_ulysses_heads(n_heads: int, n_kv_heads: int, cp: int, tp: int) -> None:
-    """Refuse Ulysses when the heads cannot be spread over ``cp·tp`` ranks."""
-    for what, n in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-        if n % (cp * tp):
-            raise LayerConfigError(
-                f"parallel.cp_impl=alltoall (Ulysses) needs {what} {n} divisible by cp·tp = {cp}·{tp} = "
-                f"{cp * tp}: each rank attends over whole sequences of {what}/(cp·tp) heads; "
-                f"use parallel.cp_impl=ring, or a cp·tp that divides {n}"
-            )
+    """Refuse Ulysses when the heads cannot be spread over ``cp·tp`` ranks (:func:`parallel.dims.ulysses_heads_problem`)."""
+    problem = ulysses_heads_problem(n_heads, n_kv_heads, cp, tp)
+    if problem:
+        raise LayerConfigError(problem)
 
 
 def check_cp_impl(impl: str) -> None:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..layers.ring_attention import CP_IMPLS, ring_bytes, ulysses_bytes
+from ..dims import CP_IMPLS, cp_seq_len_problem, local_seq_len, ulysses_heads_problem
+from ..layers.ring_attention import ring_bytes, ulysses_bytes
 from ..overlap import RING_ATTENTION
 from .hardware import Hardware, PlanError
 from .traffic import AxisTraffic
@@ -30,29 +31,26 @@ from .traffic import AxisTraffic
 
 def local_shape(shape, cp: int):
     """The shape one cp rank sees: the same model on ``seq_len/cp`` tokens per sample."""
-    return shape if cp == 1 else dataclasses.replace(shape, seq_len=shape.seq_len // cp)
+    return shape if cp == 1 else dataclasses.replace(shape, seq_len=local_seq_len(shape.seq_len, cp))
 
 
 def check_cp(shape, cp: int, tp: int, impl: str) -> None:
-    """Refuse a cp the sequence or the heads cannot take (the layers' rules, as :class:`PlanError`)."""
-    from ..layers import LayerConfigError, check_cp_seq_len, check_ulysses_heads
-
+    """Refuse a cp the sequence or the heads cannot take (the rules of :mod:`parallel.dims`, as :class:`PlanError`)."""
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise PlanError(f"layout.cp must be a positive integer, got {cp!r}")
     if impl not in CP_IMPLS:
         raise PlanError(f"cp_impl {impl!r} not in {CP_IMPLS}")
-    try:
-        check_cp_seq_len(shape.seq_len, cp)
-        if cp > 1 and impl == "alltoall":
-            check_ulysses_heads(shape.n_heads, shape.n_kv_heads, cp, tp)
-    except LayerConfigError as e:
-        raise PlanError(str(e)) from None
+    problem = cp_seq_len_problem(shape.seq_len, cp)
+    if not problem and cp > 1 and impl == "alltoall":
+        problem = ulysses_heads_problem(shape.n_heads, shape.n_kv_heads, cp, tp)
+    if problem:
+        raise PlanError(problem)
 
 
 def attention_flops(shape, micro_batch: int, cp: int, tp: int) -> float:
     """Forward attention FLOPs (``QKᵀ`` and ``PV``) of one layer on one rank: its ``s/cp`` queries
     against all ``s`` keys (the ``4·s·d`` per token of :func:`~parallel.plan.shape.forward_flops`)."""
-    return micro_batch * (shape.seq_len // cp) * 4 * shape.seq_len * shape.d_model / tp
+    return micro_batch * local_seq_len(shape.seq_len, cp) * 4 * shape.seq_len * shape.d_model / tp
 
 
 def extra_activation_bytes(
@@ -68,7 +66,7 @@ def extra_activation_bytes(
     (``selective``, ``full``) stores neither."""
     if cp == 1 or impl != "alltoall" or checkpointing != "none":
         return 0.0
-    return e * micro_batch * (shape.seq_len // cp) * shape.d_model / tp + 16 * shape.seq_len
+    return e * micro_batch * local_seq_len(shape.seq_len, cp) * shape.d_model / tp + 16 * shape.seq_len
 
 
 def cp_traffic(
@@ -91,7 +89,7 @@ def cp_traffic(
     cp = axis.group_size
     if cp == 1 or n_layers == 0:
         return 0.0, 0.0
-    s_local, kv_heads, hd = shape.seq_len // cp, shape.n_kv_heads // tp, shape.head_dim
+    s_local, kv_heads, hd = local_seq_len(shape.seq_len, cp), shape.n_kv_heads // tp, shape.head_dim
     recompute = ckpt in ("selective", "full")
     count = n_layers * m
     if impl == "alltoall":
@@ -124,7 +122,7 @@ def cp_choices(shape, world_size: int, tp: int, gpus_per_node: int, *, min_local
     each rank at least ``min_local_seq`` tokens (shorter sequences gain nothing from cp)."""
     out, cp = [1], 2
     while tp * cp <= gpus_per_node and (world_size // tp) % cp == 0:
-        if shape.seq_len % (2 * cp) == 0 and shape.seq_len // cp >= min_local_seq:
+        if not cp_seq_len_problem(shape.seq_len, cp) and local_seq_len(shape.seq_len, cp) >= min_local_seq:
             out.append(cp)
         cp *= 2
     return out

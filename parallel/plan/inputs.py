@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dims import (
+    compression_problem,
+    interleaved_problem,
+    sequence_parallel_problem,
+    sequence_split_problem,
+    stages_problem,
+    topk_ratio_problem,
+)
 from ..memory import CHECKPOINTING
 from ..pipeline.schedules import schedule_problem
 from ..topology import world_size_mismatch
@@ -59,6 +67,12 @@ def _positive(name: str, v) -> int:
     return v
 
 
+def _refuse(problem: str | None) -> None:
+    """Raise the one home's message (parallel.dims) as the planner's error."""
+    if problem:
+        raise PlanError(problem)
+
+
 def check(shape: ModelShape, layout: Layout, training: Training, world_size: int | None = None) -> int:
     """Refuse what cannot run, naming the numbers; return the micro-batches per step per DP rank."""
     for name in ("dp", "pp", "tp", "vpp"):
@@ -69,11 +83,7 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
         raise PlanError(world_size_mismatch(world_size, layout.dp, layout.pp, layout.tp, layout.cp))
     shape.check_tp(layout.tp)
     check_cp(shape, layout.cp, layout.tp, layout.cp_impl)
-    if layout.pp * layout.vpp > shape.n_layers:
-        raise PlanError(
-            f"pp {layout.pp} × vpp {layout.vpp} = {layout.pp * layout.vpp} stages but the model has "
-            f"{shape.n_layers} layers; use pp·vpp ≤ {shape.n_layers}"
-        )
+    _refuse(stages_problem(layout.pp, layout.vpp, shape.n_layers))
     if layout.zero not in M.ZERO_STAGES:
         raise PlanError(f"zero={layout.zero!r} not in {M.ZERO_STAGES}")
     try:
@@ -89,19 +99,17 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
         raise PlanError(f"activation checkpointing {training.checkpointing!r} not in {CHECKPOINTING}")
     if training.precision not in M.PRECISION_BYTES:
         raise PlanError(f"precision {training.precision!r} not in {sorted(M.PRECISION_BYTES)}")
-    if layout.sequence_parallel and (layout.tp == 1 or shape.seq_len // layout.cp % layout.tp):
-        raise PlanError(f"sequence parallelism needs tp > 1 dividing seq_len {shape.seq_len}; got tp={layout.tp}")
+    if layout.sequence_parallel:
+        _refuse(sequence_parallel_problem(layout.tp) or sequence_split_problem(shape.seq_len, layout.tp, layout.cp))
     if not training.grad_clip >= 0 or training.grad_clip == float("inf"):
         raise PlanError(f"grad_clip must be a finite number ≥ 0 (0 disables clipping), got {training.grad_clip!r}")
     if training.attention not in ATTENTION:
         raise PlanError(f"attention {training.attention!r} not in {ATTENTION}")
     if training.compression not in ("none", "topk"):
         raise PlanError(f"compression {training.compression!r} not in ('none', 'topk')")
-    if training.compression == "topk" and (layout.zero != 0 or not 0 < training.topk_ratio <= 1):
-        raise PlanError(
-            f"Top-K compression needs zero=0 and 0 < topk_ratio ≤ 1; got zero={layout.zero}, "
-            f"topk_ratio={training.topk_ratio}"
-        )
+    _refuse(compression_problem(training.compression, layout.zero))
+    if training.compression == "topk":
+        _refuse(topk_ratio_problem(training.topk_ratio))
     per_step = training.micro_batch * layout.dp
     if training.global_batch % per_step:
         lo = max(1, training.global_batch // per_step) * per_step
@@ -110,10 +118,5 @@ def check(shape: ModelShape, layout: Layout, training: Training, world_size: int
             f"{training.micro_batch} × dp {layout.dp} = {per_step}; use {lo} or {lo + per_step}"
         )
     m = training.global_batch // per_step
-    if layout.schedule == "interleaved" and m % layout.pp:
-        raise PlanError(
-            f"the interleaved schedule needs the micro-batches per step ({m} = global_batch "
-            f"{training.global_batch} / (micro_batch {training.micro_batch} × dp {layout.dp})) to be a "
-            f"multiple of pp {layout.pp}"
-        )
+    _refuse(interleaved_problem(layout.schedule, layout.pp, training.global_batch, training.micro_batch, layout.dp))
     return m

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..dims import compression_problem, sequence_split_problem
 from ..zero.offload import MIN_STAGE as OFFLOAD_MIN_STAGE
 from ..zero.offload import OFFLOAD_MODES
 from .cp import cp_choices
@@ -42,7 +43,7 @@ def candidate_layouts(
             continue
         cps = cp_choices(shape, world_size, tp, hw.gpus_per_node) if cp_routes(moe) else [1]
         for cp in cps:  # long sequences: context parallel too (MoE: dropless only, moe.cp_routes)
-            sp = tp > 1 and shape.seq_len // cp % tp == 0 and moe is None
+            sp = tp > 1 and not sequence_split_problem(shape.seq_len, tp, cp) and moe is None
             for pp in _divisors(world_size // (tp * cp)):
                 if pp > shape.n_layers:
                     break
@@ -103,7 +104,9 @@ def _fitting(shape, world_size, training, hw, count_params, micro_batches, check
                     training,
                     micro_batch=mb,
                     checkpointing=ckpt,
-                    compression=training.compression if layout.zero == 0 else "none",
+                    compression="none"
+                    if compression_problem(training.compression, layout.zero)
+                    else training.compression,
                 )
                 try:
                     p = plan_layout(shape, layout, tr, hw, count_params)

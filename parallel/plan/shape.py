@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ..dims import tp_split_problem
 from ..layers.embedding import padded_vocab_size
 from ..pipeline.partition import partition_layers
 from .hardware import PlanError
@@ -49,10 +50,9 @@ class ModelShape:
 
     def check_tp(self, tp: int) -> None:
         """Refuse a tp that does not split the heads, kv heads or MLP width."""
-        for what, n in (("n_heads", self.n_heads), ("n_kv_heads", self.n_kv_heads), ("d_ff", self.d_ff)):
-            if n % tp:
-                divisors = [d for d in range(1, n + 1) if n % d == 0 and d <= 64]
-                raise PlanError(f"tp={tp} does not divide {what}={n}; choose tp among {divisors}")
+        problem = tp_split_problem(self.n_heads, self.n_kv_heads, self.d_ff, tp)  # the one home: parallel.dims
+        if problem:
+            raise PlanError(problem)
 
 
 def layer_costs(shape: ModelShape) -> dict[str, float]:

@@ -28,6 +28,7 @@ import math
 import torch
 
 from .. import comm
+from ..dims import topk_ratio_problem
 from .layout import ZeroConfigError
 
 COMPRESSIONS = ("none", "topk")  # the one home of the names (config: comm.compression)
@@ -36,8 +37,8 @@ INDEX_BYTES = 4  # each kept entry travels with its int32 index
 
 def topk_count(numel: int, ratio: float) -> int:
     """Entries kept per bucket: ``ceil(ratio · numel)``, at least 1."""
-    if not 0 < ratio <= 1:
-        raise ZeroConfigError(f"topk_ratio must be in (0, 1], got {ratio}")
+    if topk_ratio_problem(ratio):  # the rule's one home: parallel.dims
+        raise ZeroConfigError(topk_ratio_problem(ratio))
     return max(1, math.ceil(ratio * numel))
 
 

@@ -80,6 +80,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..dims import accumulate_problem, compression_problem
 from ..overlap import REDUCTIONS_IN_FLIGHT
 from ..params import is_expert, wants_weight_decay
 from ..precision import TORCH_DTYPES
@@ -92,7 +93,7 @@ from .packing import extra_reduce as packing_extra_reduce
 from .policy import ZERO_STAGES, policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
-from .theory import ZERO_ACCUMULATE, accumulate_applies, grad_comm_dtype
+from .theory import ZERO_ACCUMULATE, accumulate_applies, grad_comm_dtype  # noqa: F401 (re-exported)
 from .units import UnitGatherer
 
 DTYPES = TORCH_DTYPES  # one home: parallel.precision
@@ -136,19 +137,13 @@ def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_r
         raise ZeroConfigError(f"ZeRO stage must be {stages}, got {stage}")
     if accumulate not in ZERO_ACCUMULATE:
         raise ZeroConfigError(f"accumulate must be one of {ZERO_ACCUMULATE}, got {accumulate!r}")
-    if accumulate == "unsharded" and not accumulate_applies(stage):
-        raise ZeroConfigError(
-            f"accumulate='unsharded' is a choice of stages 2-3 (stages 0-1 keep full gradients and reduce "
-            f"once per step anyway), got stage {stage}; use stage=2 or 3, or accumulate='sharded'"
-        )
+    if accumulate_problem(accumulate, stage):  # the rule's one home: parallel.dims
+        raise ZeroConfigError(accumulate_problem(accumulate, stage))
     if compression not in (None, *COMPRESSIONS):
         raise ZeroConfigError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
     compression = None if compression == "none" else compression
-    if compression and policy(stage).reduce != "all_reduce":
-        raise ZeroConfigError(
-            f"top-k compression needs stage 0 (it replaces the all-reduce), got stage {stage}; "
-            f"use stage=0 or compression=None"
-        )
+    if compression_problem(compression, stage):  # the rule's one home: parallel.dims
+        raise ZeroConfigError(compression_problem(compression, stage))
     if grad_clip is not None and grad_clip <= 0:
         raise ZeroConfigError(f"grad_clip must be positive or None, got {grad_clip}")
     if bucket_mb <= 0:

@@ -36,10 +36,11 @@ import contextlib
 
 import torch
 
+from ..dims import OFFLOAD_MIN_STAGE, offload_problem
+from ..dims import OFFLOAD_MODES as OFFLOAD_MODES  # re-exported: the names' one home is parallel.dims
 from .layout import ZeroConfigError
 
-OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")  # one home (config: parallel.offload)
-MIN_STAGE = {"none": 0, "optimizer": 1, "optimizer+params": 3}
+MIN_STAGE = OFFLOAD_MIN_STAGE  # the names and the rule's one home: parallel.dims
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32, per shard element
 MASTER_BYTES = 4
 HOST_GRAD_BYTES = 4  # the fp32 gradient shard copied device → host
@@ -48,15 +49,9 @@ HOST_GRAD_BYTES = 4  # the fp32 gradient shard copied device → host
 def check_offload(mode: str, stage: int) -> str:
     """Refuse an unknown mode or one the ZeRO ``stage`` cannot carry (same on every rank); return it."""
     mode = "none" if mode in (None, False) else mode
-    if mode not in OFFLOAD_MODES:
-        raise ZeroConfigError(f"offload must be one of {OFFLOAD_MODES}, got {mode!r}")
-    need = MIN_STAGE[mode]
-    if stage < need:
-        fix = "zero=3" if need == 3 else "zero=1 (or 2, 3)"
-        raise ZeroConfigError(
-            f"offload={mode} needs ZeRO stage ≥ {need} (the offloaded state is this rank's shard), "
-            f"got stage {stage}; set {fix} or offload=none"
-        )
+    problem = offload_problem(mode, stage)
+    if problem:
+        raise ZeroConfigError(problem)
     return mode
 
 

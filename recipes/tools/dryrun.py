@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from parallel.dims import local_seq_len
+
 from ..config import RecipeConfig, bad
 from ..training.trainer import Trainer
 from ..validation import validate
@@ -68,7 +70,7 @@ class SyntheticTokens:
         cp_rank=0,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         n = global_batch // dp // micro_batch
-        return [(torch.zeros(micro_batch, self.seq_len // cp, dtype=torch.long),) * 2 for _ in range(n)]
+        return [(torch.zeros(micro_batch, local_seq_len(self.seq_len, cp), dtype=torch.long),) * 2 for _ in range(n)]
 
 
 class DryRunTrainer(Trainer):

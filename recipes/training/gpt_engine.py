@@ -42,7 +42,7 @@ def build_gpt_engine(
 ) -> tuple[list[range], StepEngine]:
     """The layer split (the planner's, so its per-stage predictions describe this very run)
     and this rank's GPT chunks in a step engine."""
-    p, mc, t, cm = rc.parallel, layout.model, rc.train, rc.comm
+    p, mc, t, cm, dims = rc.parallel, layout.model, rc.train, rc.comm, layout.dims
     ranges = layer_partition(ModelShape.of(mc), p.pp, p.vpp, p.pp_layers)
     chunks = [
         build_model(
@@ -61,19 +61,17 @@ def build_gpt_engine(
         )
         for c, layers in enumerate(stage_chunks(ranges, p.pp, g.pp_rank))
     ]
-    seq = mc.seq_len // p.cp  # context parallelism: this rank's load-balanced slice of each sample
-    seq = seq // p.tp if p.sequence_parallel else seq
     engine = StepEngine(
         chunks,
         build_schedule(p.pp_schedule, p.pp, layout.grad_accum, p.vpp)[g.pp_rank],
         loss_fn=chunks[-1].loss,  # used on the last virtual stage only, which holds the head
-        dp_group=g.dpcp,  # gradients (and the loss) averaged over dp × cp: the mean over all tokens
+        dp_group=getattr(g, dims.dense_grad_group),  # averaged over dp × cp: the mean over all tokens
         pp_group=g.pp,
         tp_group=g.tp,
         embedding_group=g.embedding,
-        activation_shape=(layout.micro_batch, seq, mc.d_model),
+        activation_shape=dims.activation_shape(layout.micro_batch, mc.d_model),  # cp's and SP's local slice
         compute_dtype=dtype,
-        sequence_parallel=p.sequence_parallel,
+        sequence_parallel=dims.sp_enabled,
         stage=p.zero,
         offload=p.offload,
         optimizer_factory=optimizer_factory(rc, device),
@@ -87,7 +85,7 @@ def build_gpt_engine(
         compression=cm.compression,
         topk_ratio=cm.topk_ratio,
         accumulate=p.zero_accumulate,
-        expert_group=g.edp,
+        expert_group=getattr(g, dims.expert_grad_group),  # the ranks holding the same experts (dp/ep × cp)
         ep_group=g.ep,
     )
     for m in (m for ch in chunks for m in ch.modules() if isinstance(m, MoELayer)):

@@ -25,7 +25,7 @@ def test_valid_moe_layout():
     "rc,match",
     [
         (_rc(dp=4, ep=3), r"parallel.ep=3: ep 3 does not divide dp 4.*divisors of dp 4: \[1, 2, 4\]"),
-        (_rc(preset="llama_tiny", dp=2, ep=2), r"parallel.ep=2 needs an MoE model"),
+        (_rc(preset="llama_tiny", dp=2, ep=2), r"parallel.ep=2: ep=2 needs an MoE model \(moe_experts > 0\); use ep=1"),
         (_rc(dp=4, ep=4, moe_experts=6), r"num_experts=6 is not divisible by ep=4"),
         (_rc(moe_top_k=5), r"top_k=5 must be between 1 and num_experts=4"),
     ],

@@ -51,7 +51,7 @@ def test_recommend_through_the_config(tmp_path, capsys):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["parallel.tp=3"], r"tp=3 does not divide n_heads=4; choose tp among \[1, 2, 4\]"),
+        (["parallel.tp=3"], r"n_heads 4 is not divisible by tp 3; choose tp among the divisors of 4: \[1, 2, 4\]"),
         (["parallel.pp=8"], "pp 8 × vpp 1 = 8 stages but the model has 4 layers"),
         (["parallel.dp=3", "train.global_batch=16"], "global_batch 16 is not a multiple"),
         (["plan.hardware=tpu_v9"], "unknown hardware profile 'tpu_v9'"),
