@@ -9,8 +9,8 @@ import json
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from recipes import dryrun
 from recipes.main import register
+from recipes.tools import dryrun
 from recipes.tools.plan import plan_from_config
 
 

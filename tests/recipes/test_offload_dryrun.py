@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from recipes import dryrun
+from recipes.tools import dryrun
 from recipes.tools.plan import plan_from_config
 
 from .test_dryrun import recipe

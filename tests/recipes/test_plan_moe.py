@@ -2,7 +2,7 @@
 meta tensors, balanced routing) of mixtral_tiny at dp=4, ep=2 — model states to the byte, every group's
 bytes (the ep all-to-alls, the experts' gradients on edp, the dense ones on dp) as the byte counter saw."""
 
-from recipes import dryrun
+from recipes.tools import dryrun
 from recipes.tools.plan import plan_from_config
 
 from .test_dryrun import recipe

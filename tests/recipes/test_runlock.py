@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from recipes import main, runlock
+from recipes import main
+from recipes.training import runlock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLAN = ["mode=plan", "hydra/job_logging=none"]  # the cheapest real run: the CLI, Hydra, the lock, no workers

@@ -72,7 +72,7 @@ def test_wandb_online_check_names_what_is_missing(tmp_path):
 
 def test_wandb_online_without_network_falls_back_to_offline_with_one_warning(tmp_path, monkeypatch, capsys):
     pytest.importorskip("wandb")
-    from recipes import runlog
+    from recipes.training import runlog
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from recipes import reports
+from recipes.training import reports
 
 
 @pytest.mark.parametrize("read", [False, True])
