@@ -48,7 +48,7 @@ COMMON = [
     "plan.hardware=a100_80gb",
 ]
 BEGIN, END = "<!-- BEGIN published (generated) -->", "<!-- END published (generated) -->"
-DOC = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
 
 
 def paper_flops(batch: int, layers: int, hidden: int) -> float:
