@@ -54,6 +54,7 @@ The profile (``hardware.json``, the :class:`~parallel.plan.Hardware` fields) and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -187,7 +188,7 @@ def block_overhead_us(rc: RecipeConfig, fields: dict, block_s: float) -> float:
     from parallel.plan.hardware import Hardware
 
     mc = model_config(rc.model)
-    hw = Hardware("calibrating", **{**fields, "block_overhead_us": 0.0})
+    hw = Hardware.from_fields("calibrating", {**fields, "block_overhead_us": 0.0})
     work = layer_time(ModelShape.of(mc), rc.train.micro_batch, 1, False, hw, rc.train.precision)
     return max(0.0, block_s - work.forward - work.backward) * 1e6
 
@@ -223,7 +224,7 @@ def host_overheads_us(rc: RecipeConfig, fields: dict, device: torch.device) -> t
     # the block as the planner's block time is taken: the median of its calls (speed_probe, _time)
     fns = {"mb_s": lambda: model.loss(model(ids), ids).backward(), "block_s": block}
     rounds = _paired(fns, device, MB_REPS, stats={"block_s": statistics.median})
-    hw = Hardware("calibrating", **{**fields, "microbatch_overhead_us": 0.0, "step_overhead_us": 0.0})
+    hw = Hardware.from_fields("calibrating", {**fields, "microbatch_overhead_us": 0.0, "step_overhead_us": 0.0})
     head = head_time(ModelShape.of(mc), b, 1, hw, rc.train.precision)
     # the planner's blocks (work + block_overhead_us, the probe's block time) at the round's block time
     residual = statistics.median(r["mb_s"] - mc.n_layers * r["block_s"] for r in rounds)
@@ -450,7 +451,7 @@ def fit_tp_call_us(row: dict | None, rc: RecipeConfig, fields: dict) -> float:
     from parallel.plan.traffic import AxisTraffic, tp_traffic
 
     mc = model_config(rc.model)
-    hw = Hardware("calibrating", **{**fields, "tp_call_us": 0.0})
+    hw = Hardware.from_fields("calibrating", {**fields, "tp_call_us": 0.0})
     tp, mb, precision = row["tp"], row["micro_batch"], rc.train.precision
     shape, work_hw = ModelShape.of(mc), colocated(hw, tp)
     layer, head = layer_time(shape, mb, tp, False, work_hw, precision), head_time(shape, mb, tp, work_hw, precision)
@@ -669,10 +670,11 @@ def calibrate(rc: RecipeConfig, run_dir: str, *, ranks: int | None = None) -> di
     fields["block_overhead_us"] = block_overhead_us(rc, fields, probe["block_s"])
     fields["microbatch_overhead_us"], fields["step_overhead_us"] = host_overheads_us(rc, fields, device)
     fields["tp_call_us"] = fit_tp_call_us(per_rank[0].get("tp_block") if per_rank else None, rc, fields)
-    hardware_profile("calibrated", {"calibrated": fields})  # refuse what the planner would refuse
+    profile = hardware_profile("calibrated", {"calibrated": fields})  # refuse what the planner would refuse
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "hardware.json").write_text(json.dumps(fields, indent=1))
+    nested = {k: v for k, v in dataclasses.asdict(profile).items() if k != "name"}  # host costs under "host"
+    (out / "hardware.json").write_text(json.dumps(nested, indent=1))
     raw = {
         "threads": threads,
         "gemm_fp32": rows32,

@@ -25,7 +25,7 @@ def test_calibrated_profile_round_trips_and_plans(tmp_path):
     fields = calibrate(scenario_config(TINY), str(tmp_path), ranks=1)  # one rank: no collectives spawned
     path = tmp_path / "hardware.json"
     hw = hardware_profile(str(path))
-    assert hw.name == "hardware" and {k: getattr(hw, k) for k in fields} == fields
+    assert hw.name == "hardware" and {k: hw.fields()[k] for k in fields} == fields
     assert fields["peak_tflops_32"] > 0 and fields["hbm_gbps"] > 0 and 0 < fields["attention_efficiency"] <= 1
     assert fields["microbatch_overhead_us"] >= 0 and fields["step_overhead_us"] >= 0  # measured, in the file
     # one rank: nothing shares the host or the collectives, and the file says so
@@ -80,7 +80,7 @@ def test_fixed_host_costs_round_trip_and_enter_the_step_as_documented(tmp_path):
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps({**base, **extra}))
     hw = hardware_profile(str(paths["fixed"]))
-    assert (hw.microbatch_overhead_us, hw.step_overhead_us) == (700.0, 3000.0)
+    assert (hw.host.microbatch_overhead_us, hw.host.step_overhead_us) == (700.0, 3000.0)
     layout = ["train.global_batch=4", "train.micro_batch=1"]  # m = 4
     plain, fixed = (
         plan_from_config(scenario_config(TINY + layout + [f"plan.hardware={paths[n]}"])) for n in ("plain", "fixed")
@@ -141,7 +141,7 @@ def test_host_terms_round_trip_through_the_profile_file_and_bad_ones_are_refused
     del good["name"]
     path = tmp_path / "hw.json"
     path.write_text(json.dumps({**good, field: 0.5}))
-    assert getattr(hardware_profile(str(path)), field) == 0.5
+    assert hardware_profile(str(path)).fields()[field] == 0.5
     for bad in (-1.0, float("nan")):
         path.write_text(json.dumps({**good, field: bad}))
         with pytest.raises(PlanError, match=f"{field}="):
