@@ -54,7 +54,9 @@ from .schedules import (
 
 @dataclass(frozen=True)
 class Span:
-    """One action (or batch of transfers, ``action`` a tuple) on one stage, in seconds."""
+    """One action (or batch of transfers, ``action`` a tuple) on one stage, from ``start`` to ``end``
+    seconds: the unit of a simulated timeline (:class:`SimResult`) and of a recorded one (the executor's),
+    which :func:`parallel.pipeline.timeline.draw_timeline` draws."""
 
     action: object
     start: float
