@@ -7,6 +7,7 @@ model's parameters per pipeline chunk (``recipes.tools.plan.meta_param_counter``
 See ``docs/planner.md``.
 """
 
+from .count import count_module
 from .hardware import PROFILES, Hardware, PlanError, hardware_profile
 from .inputs import Layout, Training, check
 from .memory import StageParams, layer_activation_bytes, model_state_bytes, stage_activation_bytes
@@ -29,6 +30,7 @@ __all__ = [
     "Training",
     "candidate_layouts",
     "check",
+    "count_module",
     "hardware_profile",
     "layer_activation_bytes",
     "layer_partition",
