@@ -10,7 +10,7 @@ GEMM rate 94 GFLOP/s against 112–115 in the others; the same layout 40 ms in o
 66 ms a minute later), as much as the planner's error being measured. So every layout is measured
 in :data:`ROUNDS` rounds, the layout order reversed in every other round (:func:`round_orders`), and
 right before each measurement (not during it) a speed probe runs in this process
-(:func:`recipes.tools.calibrate.speed_probe`: the model's block forward + backward at the calibration's
+(:func:`recipes.tools.calibrate_timing.speed_probe`: the model's block forward + backward at the calibration's
 micro-batch, one second; the calibration took the same probe before and after measuring), taken
 again (:func:`least_disturbed`, up to :data:`ATTEMPTS` times) while other jobs used more than
 :data:`QUIET_CORES` cores during it (``probe_other_cores`` in each round's row). The
@@ -212,13 +212,13 @@ def combine(name: str, measurements: list[dict]) -> dict:
 
 def run(out: Path, rounds: int = ROUNDS) -> list[dict]:
     """Calibrate, then train every layout in ``rounds`` rounds (:func:`round_orders`), each right after
-    a speed probe (:func:`recipes.tools.calibrate.speed_probe`); the calibrated profile is rescaled
+    a speed probe (:func:`recipes.tools.calibrate_timing.speed_probe`); the calibrated profile is rescaled
     (:meth:`parallel.plan.Hardware.time_scaled`) by the median factor of the last
     :data:`PROBE_WINDOW` probes, all taken before the layout; return one row per layout (:func:`combine`)."""
     import torch
 
     from parallel.plan import hardware_profile
-    from recipes.tools.calibrate import probe_factor, speed_probe
+    from recipes.tools.calibrate_timing import probe_factor, speed_probe
 
     hw, cal_other, cal_probe = _calibrate(out)
     profile = hardware_profile(str(hw))

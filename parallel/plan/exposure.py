@@ -42,7 +42,7 @@ def exposed_dp_time(
     (:func:`partly_hidden`), and none of the seconds priced with a measured ``ahead_call_us``
     (``measured_per_mb``, ``measured_per_step``: stage 3's calls launched ahead of their wait,
     :meth:`parallel.plan.traffic.AxisTraffic.add`): calibration measured those as what is left exposed
-    after overlap (``recipes.tools.calibrate.fit_launched_ahead``), so their share of what the overlap table
+    after overlap (``recipes.tools.calibrate_fit.fit_launched_ahead``), so their share of what the overlap table
     hides stays exposed; with no measured cost (the GPU profiles) nothing changes."""
     last = 1.0 / max(1, reductions)
     per_mb = max(

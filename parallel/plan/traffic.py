@@ -113,7 +113,7 @@ class AxisTraffic:
         wire = sent / hw.kind_bandwidth(kind, self.crosses_node)
         one = wire + fixed
         # calibrate measured ahead_call_us as what a unit's calls launched ahead leave exposed, their
-        # bytes included (recipes.tools.calibrate.fit_launched_ahead): those seconds are already net of overlap
+        # bytes included (recipes.tools.calibrate_fit.fit_launched_ahead): those seconds are already net of overlap
         self.measured_s = (wire * n_ahead / calls + ahead) if host.ahead_call_us > 0 and n_ahead else 0.0
         self.bytes += count * sent
         self.time_s += count * one

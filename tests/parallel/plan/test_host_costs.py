@@ -179,7 +179,7 @@ def test_tp_call_cost_of_hidable_collectives_is_not_hidden():
 
 def test_calls_priced_with_the_measured_ahead_cost_are_not_hidden_again():
     """calibrate measures ``ahead_call_us`` as what a unit's calls launched ahead leave exposed beyond
-    their bytes (``recipes.tools.calibrate.fit_launched_ahead``): those calls' seconds, bytes included, are
+    their bytes (``recipes.tools.calibrate_fit.fit_launched_ahead``): those calls' seconds, bytes included, are
     already net of overlap, so ``overlap_fraction`` hides none of them. Only ZeRO-3 launches calls
     ahead (its prefetched gathers, its reductions from backward hooks); the first unit's and the
     rest's calls block and stay hideable. Without a measured cost (the GPU profiles) nothing is."""
