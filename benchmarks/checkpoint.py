@@ -33,7 +33,7 @@ import time
 def _rank(kwargs: dict, rounds: int, steps_between: int, run_dir: str):
     import torch.distributed as dist
 
-    from recipes import checkpointing
+    from recipes.training import checkpointing
     from recipes.training.trainer import Trainer
 
     from .pipeline import zb_recipe
