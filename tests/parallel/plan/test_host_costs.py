@@ -3,6 +3,8 @@ collective call (``collective_overhead_us``), the busy-rank slowdown of ranks sh
 (``colocated_slowdown``), the share of overlapped communication really hidden (``overlap_fraction``),
 and the last gradient bucket's reduction after backward. Pure: no process is started."""
 
+import dataclasses
+
 import pytest
 
 from parallel.plan import Layout, PlanError, Training, hardware_profile, plan_layout
@@ -206,3 +208,35 @@ def test_calls_priced_with_the_measured_ahead_cost_are_not_hidden_again():
     half = _exposed_dp_time({**dp, "measured_per_mb": 0.015}, 2, 1.0, 1.0, True, 4, 1.0)
     none = _exposed_dp_time({**dp, "measured_per_mb": 0.0}, 2, 1.0, 1.0, True, 4, 1.0)
     assert none == pytest.approx(2 * 0.01 / 4) and half == pytest.approx(none + 2 * 0.5 * (0.03 - 0.01 / 4))
+
+
+def test_gpu_profiles_have_no_host_costs_and_files_nest_them(tmp_path):
+    """Host costs are a separate object (``Hardware.host``), absent on every stock profile; a profile
+    file nests them under ``host`` (what mode=calibrate writes) and the older flat form still loads."""
+    import json
+
+    from parallel.plan import PROFILES
+    from parallel.plan.hardware import NO_HOST_COSTS, HostCosts, host_costs
+
+    assert all(hw.host is None and host_costs(hw) == NO_HOST_COSTS == HostCosts() for hw in PROFILES.values())
+    costly = HW.replace(tp_call_us=5.0)
+    assert costly.host == HostCosts(tp_call_us=5.0) and costly.replace(tp_call_us=0.0).host is None
+    fields = {k: v for k, v in dataclasses.asdict(costly).items() if k != "name"}
+    (tmp_path / "nested.json").write_text(json.dumps(fields))
+    (tmp_path / "flat.json").write_text(json.dumps(costly.fields()))
+    for name in ("nested", "flat"):
+        assert hardware_profile(str(tmp_path / f"{name}.json")).replace(name="cpu") == costly
+
+
+def test_the_run_queue_clock_only_with_a_calibrated_cpu_profile(tmp_path):
+    import json
+
+    from recipes.tools.plan_scenarios import scenario_config
+    from recipes.training.reports import cpu_wait_clock, runqueue_seconds
+
+    path = tmp_path / "calibrated.json"
+    path.write_text(
+        json.dumps({k: v for k, v in dataclasses.asdict(HW.replace(block_overhead_us=9.0)).items() if k != "name"})
+    )
+    assert cpu_wait_clock(scenario_config(["model.preset=gpt_tiny", f"plan.hardware={path}"])) is runqueue_seconds
+    assert cpu_wait_clock(scenario_config(["model.preset=gpt_tiny", "plan.hardware=a100_80gb"])) is None
