@@ -9,7 +9,7 @@ itself: the separate host master and gradient buffers, the per-bucket copies out
 of the updated parameters back, stage 3's paging of parameter shards — not PCIe time.
 
 Also measures ``AdamW(fused=True)`` on one core over 8 M fp32 elements: the per-core rate
-quoted in :mod:`parallel.plan.offload` (``MEASURED_FUSED_ADAMW_PER_CORE``).
+quoted in ``docs/performance.md`` ("The host AdamW rate").
 """
 
 from __future__ import annotations

@@ -5,34 +5,13 @@ then trains a small GPT in each of :data:`LAYOUTS` (dp, tp, pp, ZeRO stages, acc
 recipe's own launcher and ``plan.hardware=<that file>``; the trainer's first-step report prints the
 planner's step time beside the measured one (:func:`recipes.training.reports.time_report`), which this collects.
 
-**The machine's speed at the time.** This CPU's speed drifts by up to ≈ 20 % over minutes (one run's
-GEMM rate 94 GFLOP/s against 112–115 in the others; the same layout 40 ms in one measurement and
-66 ms a minute later), as much as the planner's error being measured. So every layout is measured
-in :data:`ROUNDS` rounds, the layout order reversed in every other round (:func:`round_orders`), and
-right before each measurement (not during it) a speed probe runs in this process
-(:func:`recipes.tools.calibrate.speed_probe`: the model's block forward + backward at the calibration's
-micro-batch, one second; the calibration took the same probe before and after measuring), taken
-again (:func:`least_disturbed`, up to :data:`ATTEMPTS` times) while other jobs used more than
-:data:`QUIET_CORES` cores during it (``probe_other_cores`` in each round's row). The
-layout is then predicted with the calibrated profile rescaled by the median of the last
-:data:`PROBE_WINDOW` probes' factors (the probe's time over the calibration's; the median, as one
-probe moves ±5 % within seconds) (:meth:`parallel.plan.Hardware.time_scaled`: every rate divided, every
-fixed time multiplied by it; so the plan's step is exactly that factor times the calibration's).
-The prediction never sees the layout's own step. The table gives per layout the rounds' mean
-predicted over their mean measured, each round's ratio, the ratio with the profile as calibrated
-(``raw``, not rescaled) and the mean factor.
-
-The measured time in ``plan.md`` / ``plan.json`` is the median over steps 3–16 of rank 0's wall time per
-step less the part of its main thread's wait for a CPU (``runqueue_s`` in ``metrics.jsonl``,
-:func:`recipes.training.reports.runqueue_seconds`) that other jobs can account for (:func:`step_seconds`: at
-most the cores they used during the run times the step). Until this round all of that wait was
-subtracted, to keep other jobs' load out; but with the machine quiet (other jobs ≤ 0.02 cores under
-the shared CPU lock) the wait is the layout's own: on 2 cores its two ranks' main threads compete
-with gloo's transport threads, which run the collectives launched ahead (ZeRO-3's main thread waited
-7–10 ms of a 48–49 ms step in runs 5–8, the single process none), and the calibration's measurements of those
-collectives (``ahead_call_us``, wall time with the threads competing) include it. The old figure
-(``wall − all CPU wait``) and the wall time are reported beside it. Waits for the other ranks (the
-pipeline bubble, collectives) stay in.
+Each layout is measured in :data:`ROUNDS` rounds (the order reversed in every other round,
+:func:`round_orders`), right after a speed probe (:func:`recipes.tools.calibrate_timing.speed_probe`);
+it is predicted with the calibrated profile rescaled by the median of the last :data:`PROBE_WINDOW`
+probes' factors (:meth:`parallel.plan.Hardware.time_scaled`), never from its own step. The measured
+time is the median over steps 3–16 of rank 0's wall time per step less the part of its wait for a
+CPU that other jobs can account for (:func:`step_seconds`). Why, and what was measured:
+``docs/performance.md`` ("The plan benchmark's method").
 
 Other jobs on the machine: before calibrating and before each layout the benchmark waits (up to
 :data:`QUIET_WAIT_S`) until the machine's other processes use under :data:`QUIET_CORES` of a core
@@ -212,13 +191,13 @@ def combine(name: str, measurements: list[dict]) -> dict:
 
 def run(out: Path, rounds: int = ROUNDS) -> list[dict]:
     """Calibrate, then train every layout in ``rounds`` rounds (:func:`round_orders`), each right after
-    a speed probe (:func:`recipes.tools.calibrate.speed_probe`); the calibrated profile is rescaled
+    a speed probe (:func:`recipes.tools.calibrate_timing.speed_probe`); the calibrated profile is rescaled
     (:meth:`parallel.plan.Hardware.time_scaled`) by the median factor of the last
     :data:`PROBE_WINDOW` probes, all taken before the layout; return one row per layout (:func:`combine`)."""
     import torch
 
     from parallel.plan import hardware_profile
-    from recipes.tools.calibrate import probe_factor, speed_probe
+    from recipes.tools.calibrate_timing import probe_factor, speed_probe
 
     hw, cal_other, cal_probe = _calibrate(out)
     profile = hardware_profile(str(hw))
@@ -311,117 +290,11 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _timed(fn, into: list[float]):
-    """``fn`` that appends each call's host seconds to ``into`` (a timing hook on one instance)."""
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            into.append(time.perf_counter() - t0)
-
-    return wrapper
-
-
-def _breakdown_worker(rc, run_dir: str, steps: int, skip: int) -> dict:
-    """One spawned rank: train ``steps`` steps of ``rc`` with the recipe's :class:`~recipes.training.trainer.Trainer`
-    and, on the steps after the first ``skip``, time the step's parts on the host: the executor's run
-    (forwards, backwards, pipeline transfers, the collectives issued and waited inside them), the ZeRO step
-    (reductions at the step, clipping's norm, the optimizer, the after-step gathers), the rest (the
-    loss's broadcast and all-reduce, the loop); and inside them the time blocked in each collective kind
-    (``parallel.comm``'s counter: a blocking call's duration, an asynchronous handle's ``wait()``) per
-    group and operation, with its call count; and this process's wait for a CPU (``runqueue_s``).
-    Returns the medians over the timed steps of every figure (:func:`recipes.training.reports.measured_parts`)."""
-    from parallel import comm
-    from recipes.training.reports import measured_parts, runqueue_seconds
-    from recipes.training.trainer import Trainer
-
-    trainer = Trainer(rc, run_dir)
-    engine = trainer.engine
-    run_s: list[float] = []
-    opt_s: list[float] = []
-    executor_run = engine.executor.run
-    run_counter = comm.CommCounter()  # the run's own waits: the loss's reduction comes after it
-
-    def counted_run(*args, **kwargs):
-        with run_counter:
-            return executor_run(*args, **kwargs)
-
-    engine.executor.run = _timed(counted_run, run_s)
-    zero_step = engine.zero.step
-    opt_counter = comm.CommCounter()
-
-    def counted_step(*args, **kwargs):
-        with opt_counter:
-            return zero_step(*args, **kwargs)
-
-    engine.zero.step = _timed(counted_step, opt_s)
-    samples = []
-    for step in range(steps):
-        run_s.clear(), opt_s.clear(), opt_counter.reset(), run_counter.reset()
-        rq0, t0 = runqueue_seconds(), time.perf_counter()
-        trainer.train_step(step, read=True)
-        wall, rq = time.perf_counter() - t0, runqueue_seconds() - rq0
-        if step >= skip:
-            samples.append(
-                dict(
-                    step_s=wall,
-                    runqueue_s=rq,
-                    run_s=sum(run_s),
-                    optimizer_step_s=sum(opt_s),
-                    comm=engine.last_comm.summary(),
-                    comm_in_optimizer_step=opt_counter.summary(),
-                    comm_in_run=run_counter.summary(),
-                )
-            )
-    comm.barrier()
-    return measured_parts(samples)
-
-
-def breakdown(name: str, args: list[str], hw: Path, out: Path, steps: int = 16, skip: int = 2) -> dict:
-    """The measured parts of one layout's step (:func:`_breakdown_worker`, rank 0's, and every
-    rank's step time) beside the planner's parts of the same layout (:func:`recipes.training.reports.predicted_parts`)."""
-    from launch.local import spawn_local
-    from recipes.tools.plan import plan_from_config
-    from recipes.training.reports import predicted_parts
-    from recipes.validation import validate
-
-    rc = _config([*TRAIN, *args, f"plan.hardware={hw}", f"train.max_steps={steps}"])
-
-    layout = validate(rc, world_size=None)
-    run_dir = out / ("breakdown_" + re.sub(r"\W+", "_", name))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    per_rank, other = _disturbance(
-        lambda: spawn_local(_breakdown_worker, layout.world_size, rc, str(run_dir), steps, skip)
-    )
-    plan = plan_from_config(rc)
-    last = (rc.parallel.pp - 1) * layout.world_size // rc.parallel.pp  # the last stage's first rank
-    return {
-        "layout": name,
-        "measured": per_rank[0],
-        "predicted": predicted_parts(plan),
-        "last_stage": None if last == 0 else {"measured": per_rank[last], "predicted": predicted_parts(plan, -1)},
-        "measured_step_s_per_rank": [per_rank[r]["step_s"] for r in sorted(per_rank)],
-        "other_cores": other,
-    }
-
-
-def format_layout_breakdown(part: dict) -> str:
-    """:func:`recipes.training.reports.format_breakdown` of rank 0 and, with pp > 1, of the last stage."""
-    from recipes.training.reports import format_breakdown
-
-    other = f" (other jobs {part['other_cores']:.2f} cores)" if "other_cores" in part else ""
-    text = format_breakdown(f"{part['layout']}, rank 0{other}", part["measured"], part["predicted"])
-    if part.get("last_stage"):
-        last = part["last_stage"]
-        text += "\n" + format_breakdown(f"{part['layout']}, last stage", last["measured"], last["predicted"])
-    return text
-
-
 def main(out: str | Path = "benchmarks/results", with_breakdown: bool = False) -> list[dict]:
     """Calibrate, train every layout, write ``plan.md`` / ``plan.json``; ``with_breakdown``: also each
-    layout's measured parts beside the planner's (:func:`breakdown`), in both files."""
+    layout's measured parts beside the planner's (:func:`benchmarks.plan_breakdown.breakdown`), in both files."""
+    from .plan_breakdown import breakdown, format_layout_breakdown
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = run(out / "plan_runs")
@@ -450,6 +323,8 @@ if __name__ == "__main__":
     ap.add_argument("--only", help="comma-separated substrings of layout names (with --hardware)")
     a = ap.parse_args()
     if a.hardware:
+        from benchmarks.plan_breakdown import breakdown, format_layout_breakdown
+
         for name, args in LAYOUTS:
             if a.only and not any(o in name for o in a.only.split(",")):
                 continue

@@ -14,7 +14,7 @@ constants that drive the engine's behaviour live here and are imported by it:
   ahead of the one about to compute, in forward (``u + 1 …``) and backward (``u − 1 …``)
   (``parallel.zero.units``); the planner counts ``1 +`` that many gathered units of buffer.
 
-The planner's exposed-time arithmetic (``parallel.plan.planner._exposed_dp_time``, ring
+The planner's exposed-time arithmetic (``parallel.plan.exposure.exposed_dp_time``, ring
 attention in ``parallel.plan.cp``, offload in ``parallel.plan.offload``, TP in
 ``_stage_numbers``) asks the rows (:meth:`Overlap.exposed`) instead of assuming; flipping
 a row changes the plan (``tests/parallel/test_overlap.py``). :func:`table_markdown` renders

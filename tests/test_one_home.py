@@ -143,12 +143,12 @@ def test_cross_entropy_all_reduce_bytes_have_one_home():
 
 
 def test_zero3_accumulation_formulas_have_one_home():
-    import parallel.plan.planner as planner
+    import parallel.plan.buffers as plan_buffers
     import recipes.validation as validation
 
     assert plan_traffic.grad_reductions_per_step is zero_theory.grad_reductions_per_step
     assert bench.grad_reductions_per_step is zero_theory.grad_reductions_per_step
-    assert planner.accumulation_grad_bytes is zero_theory.accumulation_grad_bytes
+    assert plan_buffers.accumulation_grad_bytes is zero_theory.accumulation_grad_bytes
     assert validation.ZERO_ACCUMULATE is zero_theory.ZERO_ACCUMULATE is zero_engine.ZERO_ACCUMULATE
     assert validation.accumulate_applies is zero_theory.accumulate_applies is zero_engine.accumulate_applies
 
@@ -156,25 +156,28 @@ def test_zero3_accumulation_formulas_have_one_home():
 def test_overlap_facts_have_one_home():
     """What overlaps (parallel/overlap.py): the engine's constants and the planner's rows are its objects."""
     import parallel.overlap as overlap
+    import parallel.plan.buffers as plan_buffers
     import parallel.plan.cp as plan_cp
+    import parallel.plan.exposure as plan_exposure
     import parallel.plan.offload as plan_offload
-    import parallel.plan.planner as planner
+    import parallel.plan.pipeline as plan_pipeline
+    import parallel.plan.stage as plan_stage
     import parallel.zero.units as units
 
     assert zero_theory.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
     import parallel.zero.packing as packing  # the planner's in-flight count is packing.reduction_buffer_bytes
 
     assert zero_engine.REDUCTIONS_IN_FLIGHT is packing.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
-    assert units.ZERO3_PREFETCH_UNITS is planner.ZERO3_PREFETCH_UNITS is overlap.ZERO3_PREFETCH_UNITS
-    rows = (
-        "DP_REDUCTION",
-        "ZERO3_GATHER",
-        "PARAM_GATHER_AFTER_STEP",
-        "PIPELINE_P2P",
-        "TP_COLLECTIVES",
-        "TP_SP_BACKWARD",
-    )
-    for name in rows:
+    assert units.ZERO3_PREFETCH_UNITS is plan_buffers.ZERO3_PREFETCH_UNITS is overlap.ZERO3_PREFETCH_UNITS
+    rows = {
+        "DP_REDUCTION": plan_exposure,
+        "ZERO3_GATHER": plan_exposure,
+        "PARAM_GATHER_AFTER_STEP": plan_exposure,
+        "PIPELINE_P2P": plan_pipeline,
+        "TP_COLLECTIVES": plan_stage,
+        "TP_SP_BACKWARD": plan_stage,
+    }
+    for name, planner in rows.items():
         assert getattr(planner, name) is getattr(overlap, name) and getattr(overlap, name) in overlap.TABLE
     assert plan_cp.RING_ATTENTION is overlap.RING_ATTENTION
     assert plan_offload.OFFLOAD_PARAM_PAGING is overlap.OFFLOAD_PARAM_PAGING

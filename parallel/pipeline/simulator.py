@@ -54,7 +54,9 @@ from .schedules import (
 
 @dataclass(frozen=True)
 class Span:
-    """One action (or batch of transfers, ``action`` a tuple) on one stage, in seconds."""
+    """One action (or batch of transfers, ``action`` a tuple) on one stage, from ``start`` to ``end``
+    seconds: the unit of a simulated timeline (:class:`SimResult`) and of a recorded one (the executor's),
+    which :func:`parallel.pipeline.timeline.draw_timeline` draws."""
 
     action: object
     start: float
@@ -117,6 +119,45 @@ class _Stage:
         self.spans: list[Span] = []
 
 
+def _message_key(st: _Stage, a: P2P, pp: int) -> tuple:
+    """What a send or receive of stage ``st`` carries: (kind, micro-batch, receiving virtual stage)."""
+    v = virtual_stage(a.chunk, st.index, pp)
+    if isinstance(a, SendActivation):
+        return ("activation", a.mb, v + 1)
+    if isinstance(a, RecvActivation):
+        return ("activation", a.mb, v)
+    if isinstance(a, SendGrad):
+        return ("grad", a.mb, v - 1)
+    return ("grad", a.mb, v)
+
+
+def _check_p2p(st: _Stage, a: P2P, pp: int, vpp: int) -> None:
+    """Refuse a transfer to the wrong peer, or a send before what it sends was computed."""
+    v = virtual_stage(a.chunk, st.index, pp)
+    want = peer_of(v, pp, vpp, to_next=points_next(a))
+    if want is None:
+        raise ScheduleError(f"stage {st.index}: {a} has no peer (virtual stage {v} of {pp * vpp})")
+    if a.peer != want:
+        raise ScheduleError(f"stage {st.index}: {a} names peer {a.peer}, virtual stage {v}'s is {want}")
+    if isinstance(a, SendActivation) and ("fwd", a.mb, a.chunk) not in st.done:
+        raise ScheduleError(f"stage {st.index}: {a} before its Forward")
+    if isinstance(a, SendGrad) and ("bwd", a.mb, a.chunk) not in st.done:
+        raise ScheduleError(f"stage {st.index}: {a} before its backward")
+
+
+def _check_compute(st: _Stage, a: Compute, pp: int, last: int) -> None:
+    """Refuse a computation before its inputs arrived or were computed."""
+    v = a.chunk * pp + st.index
+    if isinstance(a, Forward) and v > 0 and ("act", a.mb, a.chunk) not in st.done:
+        raise ScheduleError(f"stage {st.index}: {a} before its RecvActivation")
+    if isinstance(a, GRAD_PRODUCERS) and v < last and ("grad", a.mb, a.chunk) not in st.done:
+        raise ScheduleError(f"stage {st.index}: {a} before its RecvGrad")
+    if not isinstance(a, Forward) and ("fwd", a.mb, a.chunk) not in st.done:
+        raise ScheduleError(f"stage {st.index}: {a} before its Forward")
+    if isinstance(a, BackwardWeight) and ("bwd", a.mb, a.chunk) not in st.done:
+        raise ScheduleError(f"stage {st.index}: {a} before its BackwardInput")
+
+
 def simulate(
     schedule: list[list[Action]],
     *,
@@ -144,36 +185,14 @@ def simulate(
     sends: dict[tuple[int, int], list] = {}
     recvs: dict[tuple[int, int], list] = {}
 
-    def key_of(st: _Stage, a: P2P) -> tuple:
-        v = virtual_stage(a.chunk, st.index, pp)
-        if isinstance(a, SendActivation):
-            return ("activation", a.mb, v + 1)
-        if isinstance(a, RecvActivation):
-            return ("activation", a.mb, v)
-        if isinstance(a, SendGrad):
-            return ("grad", a.mb, v - 1)
-        return ("grad", a.mb, v)
-
-    def check_p2p(st: _Stage, a: P2P) -> None:
-        v = virtual_stage(a.chunk, st.index, pp)
-        want = peer_of(v, pp, vpp, to_next=points_next(a))
-        if want is None:
-            raise ScheduleError(f"stage {st.index}: {a} has no peer (virtual stage {v} of {last + 1})")
-        if a.peer != want:
-            raise ScheduleError(f"stage {st.index}: {a} names peer {a.peer}, virtual stage {v}'s is {want}")
-        if isinstance(a, SendActivation) and ("fwd", a.mb, a.chunk) not in st.done:
-            raise ScheduleError(f"stage {st.index}: {a} before its Forward")
-        if isinstance(a, SendGrad) and ("bwd", a.mb, a.chunk) not in st.done:
-            raise ScheduleError(f"stage {st.index}: {a} before its backward")
-
     def post(st: _Stage, batch: list[P2P]) -> None:
         st.posted = []
         for a in batch:
-            check_p2p(st, a)
+            _check_p2p(st, a, pp, vpp)
             sending = isinstance(a, (SendActivation, SendGrad))
             chan = (st.index, a.peer) if sending else (a.peer, st.index)
             side = sends if sending else recvs
-            side.setdefault(chan, []).append((key_of(st, a), st.clock))
+            side.setdefault(chan, []).append((_message_key(st, a, pp), st.clock))
             st.posted.append(("send" if sending else "recv", chan, len(side[chan]) - 1, a))
 
     def try_complete(st: _Stage, batch: list[P2P] | None) -> bool:
@@ -207,15 +226,7 @@ def simulate(
         return True
 
     def compute(st: _Stage, a: Compute) -> None:
-        v = a.chunk * pp + st.index
-        if isinstance(a, Forward) and v > 0 and ("act", a.mb, a.chunk) not in st.done:
-            raise ScheduleError(f"stage {st.index}: {a} before its RecvActivation")
-        if isinstance(a, GRAD_PRODUCERS) and v < last and ("grad", a.mb, a.chunk) not in st.done:
-            raise ScheduleError(f"stage {st.index}: {a} before its RecvGrad")
-        if not isinstance(a, Forward) and ("fwd", a.mb, a.chunk) not in st.done:
-            raise ScheduleError(f"stage {st.index}: {a} before its Forward")
-        if isinstance(a, BackwardWeight) and ("bwd", a.mb, a.chunk) not in st.done:
-            raise ScheduleError(f"stage {st.index}: {a} before its BackwardInput")
+        _check_compute(st, a, pp, last)
         if isinstance(a, Forward):
             st.done.add(("fwd", a.mb, a.chunk))
             st.stored += 1

@@ -7,11 +7,14 @@ model's parameters per pipeline chunk (``recipes.tools.plan.meta_param_counter``
 See ``docs/planner.md``.
 """
 
+from .count import count_module
 from .hardware import PROFILES, Hardware, PlanError, hardware_profile
 from .inputs import Layout, Training, check
 from .memory import StageParams, layer_activation_bytes, model_state_bytes, stage_activation_bytes
-from .planner import Plan, RankClass, pipeline_time, plan_layout
+from .pipeline import pipeline_time
+from .planner import plan_layout
 from .report import predicted_vs_measured
+from .result import Plan, RankClass
 from .search import candidate_layouts, recommend
 from .shape import ModelShape, layer_partition, model_flops_per_token
 
@@ -27,6 +30,7 @@ __all__ = [
     "Training",
     "candidate_layouts",
     "check",
+    "count_module",
     "hardware_profile",
     "layer_activation_bytes",
     "layer_partition",

@@ -21,8 +21,8 @@ Three kinds of work, each timed by what limits it on the given :class:`~.hardwar
   head and loss launches, the engine's loop), charged to the chunk holding the head
   (:func:`head_time`), and ``step_overhead_us`` once per step (zero_grad, the gradient norm, the
   optimizer's launches, :func:`step_overhead_seconds`). Both split like the block's: a third
-  forward, two thirds backward for the micro-batch's. 0 on the GPU profiles; ``mode=calibrate``
-  measures them on a CPU.
+  forward, two thirds backward for the micro-batch's. These and the slowdown below are the profile's
+  :class:`~.hardware.HostCosts`: none on a GPU profile; ``mode=calibrate`` measures them on a CPU.
 
 Costs ``forward`` and ``backward`` per layer and for the head feed the pipeline model; the
 optimizer step (memory-bound, :func:`optimizer_seconds`) follows backward.
@@ -32,15 +32,14 @@ ranks share the hardware they compute on (a CPU's cores share memory bandwidth, 
 the package's clock budget) each runs slower than it would alone. The planner times all of the above
 with the profile :func:`colocated` returns for the ranks one host runs at once
 (``min(world size, gpus_per_node)``): rates divided and fixed host costs multiplied by
-``1 + colocated_slowdown · (k − 1)``. 0 on the GPU profiles (one device per rank); ``mode=calibrate``
-measures it by running the configured model's block on 1 and on k ranks at once.
+``1 + colocated_slowdown · (k − 1)`` (1 on a GPU profile: one device per rank).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .hardware import Hardware
+from .hardware import Hardware, host_costs
 
 
 def gemm_seconds(m: float, k: float, n: float, hw: Hardware, precision: str, batch: float = 1.0) -> float:
@@ -110,7 +109,7 @@ def layer_time(
         scores = heads * s * s * (4 * e + 1) / hw.hbm_bytes_per_s
         attn, attn_bwd = bmm + scores, 2 * bmm + 2.5 * scores
     elementwise = elementwise_bytes(shape, T, t, sequence_parallel, e) / hw.hbm_bytes_per_s
-    elementwise += hw.block_overhead_us * 1e-6 / 3  # fixed cost per block: a third forward, two backward
+    elementwise += host_costs(hw).block_overhead_us * 1e-6 / 3  # host cost per block: a third forward, two backward
     return LayerTime(gemm, attn, elementwise, attn_bwd, column)
 
 
@@ -120,7 +119,7 @@ def head_time(shape, micro_batch: int, tp: int, hw: Hardware, precision: str) ->
     plus the profile's ``microbatch_overhead_us`` (module docstring)."""
     T, V = micro_batch * shape.seq_len, shape.padded_vocab(tp) / tp
     gemm = gemm_seconds(T, shape.d_model, V, hw, precision)
-    fixed = hw.microbatch_overhead_us * 1e-6 / 3  # the micro-batch's fixed cost: a third forward, two backward
+    fixed = host_costs(hw).microbatch_overhead_us * 1e-6 / 3  # host cost: a third forward, two backward
     return LayerTime(gemm, 0.0, 12 * T * V / hw.hbm_bytes_per_s + fixed, 0.0)
 
 
@@ -137,7 +136,7 @@ def optimizer_seconds(params_per_rank: float, hw: Hardware) -> float:
 def colocated_factor(hw: Hardware, ranks_on_host: int) -> float:
     """How much slower a busy rank computes when ``ranks_on_host`` ranks of one host compute at once:
     ``1 + colocated_slowdown · (k − 1)``; 1 for one rank per host (module docstring)."""
-    return 1.0 + hw.colocated_slowdown * max(0, ranks_on_host - 1)
+    return 1.0 + host_costs(hw).colocated_slowdown * max(0, ranks_on_host - 1)
 
 
 def colocated(hw: Hardware, ranks_on_host: int) -> Hardware:
@@ -147,16 +146,17 @@ def colocated(hw: Hardware, ranks_on_host: int) -> Hardware:
     f = colocated_factor(hw, ranks_on_host)
     if f == 1.0:
         return hw
+    h = hw.host
     return hw.replace(
         peak_tflops_16=hw.peak_tflops_16 / f,
         peak_tflops_32=hw.peak_tflops_32 / f,
         hbm_gbps=hw.hbm_gbps / f,
-        block_overhead_us=hw.block_overhead_us * f,
-        microbatch_overhead_us=hw.microbatch_overhead_us * f,
-        step_overhead_us=hw.step_overhead_us * f,
+        block_overhead_us=h.block_overhead_us * f,
+        microbatch_overhead_us=h.microbatch_overhead_us * f,
+        step_overhead_us=h.step_overhead_us * f,
     )
 
 
 def step_overhead_seconds(hw: Hardware) -> float:
-    """The step's fixed host cost beyond its work (``Hardware.step_overhead_us``): once per step."""
-    return hw.step_overhead_us * 1e-6
+    """The step's fixed host cost beyond its work (``HostCosts.step_overhead_us``): once per step."""
+    return host_costs(hw).step_overhead_us * 1e-6

@@ -50,7 +50,8 @@ def _check_field(profile: str, name: str, value) -> None:
     naming the profile, the field, the value and the fix."""
     where = f"hardware {profile!r}: {name}={value!r}"
     stock = globals().get("PROFILES", {}).get("a100_80gb")
-    example = f" (the stock a100_80gb has {getattr(stock, name)!r})" if stock else ""
+    stock_value = getattr(stock.host or NO_HOST_COSTS, name) if name in HOST_FIELDS else getattr(stock, name, None)
+    example = f" (the stock a100_80gb has {stock_value!r})" if stock else ""
     fix = f"fix plan.profiles.{profile}.{name} or the plan.* key that overrides it{example}"
     if name == "gpus_per_node":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -62,6 +63,58 @@ def _check_field(profile: str, name: str, value) -> None:
     if value < lo or (value == lo and not closed) or value > hi:
         want = f"in {'[' if closed else '('}{lo:g}, {hi:g}]" if hi != math.inf else ("≥ 0" if closed else "> 0")
         raise PlanError(f"{where} must be {want}; {fix}")
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What a rank's host adds to its device's work, where nothing queues ahead of the hardware (a
+    CPU rank: every launch, every line of Python and every wake-up is on the step's critical path).
+
+    ``mode=calibrate`` measures them on a CPU (``recipes.tools.calibrate``; how, in
+    ``docs/planner.md``). A GPU profile has none (``Hardware.host`` is None): the host enqueues
+    kernels and NCCL calls ahead of the device, each rank has its own device, and NCCL runs every
+    collective kind as a ring at the link's rate beside the compute. The defaults are that case,
+    so :func:`host_costs` of a GPU profile prices nothing."""
+
+    block_overhead_us: float = 0.0  # per block forward + backward beyond its work: launches, Python, autograd
+    microbatch_overhead_us: float = 0.0  # per micro-batch beyond its blocks' and head's work: embedding, loss, loop
+    step_overhead_us: float = 0.0  # per optimizer step beyond its memory-bound work: zero_grad, norm, launches
+    collective_overhead_us: float = 0.0  # per collective or p2p message the rank waits on at issue, beyond latency
+    colocated_slowdown: float = 0.0  # a busy rank's slowdown per other busy rank on its host (plan.compute.colocated)
+    overlap_fraction: float = 1.0  # of the communication parallel.overlap hides behind compute, the share hidden
+    ahead_call_us: float = 0.0  # a collective launched ahead of its wait: its fixed cost; 0: its ring latency steps
+    tp_call_us: float = 0.0  # a TP collective inside the model's autograd, beyond collective_overhead_us
+    all_gather_bw_scale: float = 1.0  # an all-gather's bandwidth over the ring's (the all-reduce's)
+    reduce_scatter_bw_scale: float = 1.0  # a reduce-scatter's likewise
+
+    def kind_scale(self, kind: str) -> float:
+        """The bandwidth scale of a collective of ``kind`` (1 but for all-gathers and reduce-scatters)."""
+        return {"all_gather": self.all_gather_bw_scale, "reduce_scatter": self.reduce_scatter_bw_scale}.get(kind, 1.0)
+
+
+NO_HOST_COSTS = HostCosts()
+HOST_FIELDS = tuple(f.name for f in dataclasses.fields(HostCosts))
+
+
+def host_costs(hw: Hardware) -> HostCosts:
+    """The one place the planner reads host costs from: ``hw.host``, or none (zeros) on a GPU profile."""
+    return hw.host or NO_HOST_COSTS
+
+
+def _nest_host(fields: dict) -> dict:
+    """``fields`` (of :class:`Hardware`, its host costs nested under ``host`` as a dict or
+    :class:`HostCosts`, or flat among the others: both forms are read) as :class:`Hardware`'s
+    keywords; host costs that are all the defaults become ``host=None``."""
+    fields = dict(fields)
+    host = fields.pop("host", None)
+    host = dict(dataclasses.asdict(host) if isinstance(host, HostCosts) else host or {})
+    host.update({k: fields.pop(k) for k in HOST_FIELDS if k in fields})
+    unknown = set(host) - set(HOST_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown host cost fields {sorted(unknown)}")
+    nested = HostCosts(**host)
+    fields["host"] = None if nested == NO_HOST_COSTS else nested
+    return fields
 
 
 @dataclass(frozen=True)
@@ -77,24 +130,28 @@ class Hardware:
     latency_us: float = 5.0  # per ring step of a collective or per p2p message
     hbm_gbps: float = 2000.0  # device memory bandwidth, GB/s: elementwise work, small GEMMs' operands
     attention_efficiency: float = 0.5  # achieved / peak of flash attention (SDPA), forward
-    block_overhead_us: float = 0.0  # per block forward + backward beyond its work: launches, Python, autograd
-    microbatch_overhead_us: float = 0.0  # per micro-batch beyond its blocks' and head's work: embedding, loss, loop
-    step_overhead_us: float = 0.0  # per optimizer step beyond its memory-bound work: zero_grad, norm, launches
-    collective_overhead_us: float = 0.0  # per collective or p2p message issued, beyond latency_us and bandwidth
-    colocated_slowdown: float = 0.0  # a busy rank's slowdown per other busy rank on its host (plan.compute.colocated)
-    overlap_fraction: float = 1.0  # of the communication parallel.overlap hides behind compute, the share really hidden
-    ahead_call_us: float = 0.0  # a collective launched ahead of its wait: its fixed cost; 0: its ring latency steps
-    tp_call_us: float = 0.0  # a TP collective inside the model's autograd, beyond collective_overhead_us: resuming
-    all_gather_bw_scale: float = 1.0  # an all-gather's bandwidth over the ring's (the all-reduce's): 1 on GPUs
-    reduce_scatter_bw_scale: float = 1.0  # a reduce-scatter's likewise
     host_ram_gb: float = 1024.0  # GiB of host memory per node (ZeRO-Offload's state lives there)
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
     host_memory_gbps: float = 51.2  # GB/s host memory per GPU: bounds the host AdamW (plan.offload); DGX A100
+    host: HostCosts | None = None  # a calibrated CPU's host costs; None on GPU profiles
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if f.name != "name":
+            if f.name not in ("name", "host"):
                 _check_field(self.name, f.name, getattr(self, f.name))
+        if self.host is not None:
+            for k in HOST_FIELDS:
+                _check_field(self.name, k, getattr(self.host, k))
+
+    @classmethod
+    def from_fields(cls, name: str, fields: dict) -> Hardware:
+        """The profile ``name`` of ``fields``, its host costs nested under ``host`` or flat."""
+        return cls(name=name, **_nest_host(fields))
+
+    def fields(self) -> dict:
+        """Every field but ``name``, flat: the host costs (their defaults on a GPU profile) among the others."""
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "host")}
+        return {**flat, **dataclasses.asdict(host_costs(self))}
 
     def peak_flops(self, precision: str) -> float:
         """Peak FLOP/s for ``precision`` (``fp32`` or 16-bit ``bf16``/``fp16``)."""
@@ -106,35 +163,37 @@ class Hardware:
 
     def kind_bandwidth(self, kind: str, crosses_node: bool) -> float:
         """Bytes per second one rank sends at in a collective of ``kind``: the ring's
-        (:meth:`bandwidth`) times the profile's measured scale for all-gathers and reduce-scatters
-        (1 on the GPU profiles: NCCL runs every kind as a ring at the link's rate)."""
-        scale = {"all_gather": self.all_gather_bw_scale, "reduce_scatter": self.reduce_scatter_bw_scale}.get(kind, 1.0)
-        return self.bandwidth(crosses_node) * scale
+        (:meth:`bandwidth`), times the host's measured scale for its kind where it has one."""
+        return self.bandwidth(crosses_node) * host_costs(self).kind_scale(kind)
 
     @property
     def hbm_bytes_per_s(self) -> float:
         return 1e9 * self.hbm_gbps
 
     def replace(self, **changes) -> Hardware:
-        return dataclasses.replace(self, **changes)
+        """This profile with ``changes``; host cost fields may be named flat (they go into ``host``)."""
+        if not set(changes) & {"host", *HOST_FIELDS}:
+            return dataclasses.replace(self, **changes)
+        merged = {"host": self.host, **changes}
+        return dataclasses.replace(self, **_nest_host(merged))
 
     def time_scaled(self, factor: float) -> Hardware:
         """This profile on a machine ``factor`` times slower (> 1) or faster (< 1) at everything: every
-        rate (:data:`RATE_FIELDS`) divided by ``factor``, every fixed time (:data:`TIME_FIELDS`)
-        multiplied by it, the rest (sizes, fractions, counts) kept. Every time the planner derives is a
-        sum or maximum of ``work / rate`` and fixed times, so a plan's every time with the result is
-        exactly ``factor`` times this profile's (``benchmarks/plan.py`` rescales a calibration by a
-        speed probe taken just before each layout)."""
+        rate (:data:`RATE_FIELDS`) divided by ``factor``, every fixed time (:data:`TIME_FIELDS`, the
+        host's included) multiplied by it, the rest (sizes, fractions, counts) kept. Every time the
+        planner derives is a sum or maximum of ``work / rate`` and fixed times, so a plan's every time
+        with the result is exactly ``factor`` times this profile's."""
         if isinstance(factor, bool) or not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
             raise PlanError(f"hardware {self.name!r}: time scale factor={factor!r} must be a finite number > 0")
-        changes = {k: getattr(self, k) / factor for k in RATE_FIELDS}
-        changes.update({k: getattr(self, k) * factor for k in TIME_FIELDS})
+        values = self.fields()
+        changes = {k: values[k] / factor for k in RATE_FIELDS}
+        changes.update({k: values[k] * factor for k in TIME_FIELDS})
         return self.replace(**changes)
 
 
 #: the fields that are rates (FLOP/s, bytes/s) and fixed times (µs): what :meth:`Hardware.time_scaled`
-#: divides and multiplies; every other field is a size, a fraction or a count (a test holds that the
-#: three sets cover every field)
+#: divides and multiplies; every other field (of :class:`Hardware` and :class:`HostCosts`) is a size,
+#: a fraction or a count (a test holds that the three sets cover every field)
 RATE_FIELDS = (
     "peak_tflops_16",
     "peak_tflops_32",
@@ -172,44 +231,8 @@ SCALE_FREE_FIELDS = (
 # H100/H200: 0.7, an estimate from cuBLAS' published large-GEMM throughput (not fitted to a run).
 # ``attention_efficiency``: FlashAttention-2's forward, ≈ 60 % of peak on A100 (Dao 2023), ≈ 40 % on
 # H100. ``hbm_gbps``: the datasheets' memory bandwidth (A100 80GB 2,039; H100 SXM 3,350; H100 PCIe
-# 2,000; H200 4,800 GB/s). ``block_overhead_us``: 0 on the GPU profiles (at these sizes kernels queue
-# ahead of the device); on a CPU eager ops cost tens of µs each. ``microbatch_overhead_us`` and
-# ``step_overhead_us`` likewise 0 on the GPU profiles: the host's Python per micro-batch (embedding, loss,
-# the engine's loop) and per step (zero_grad, the gradient norm, the optimizer's launches) is a few ms at
-# most and runs ahead of the device queue at the sizes these profiles plan (PyTorch's CUDA caching and
-# asynchronous launches; our engine reads the device once per logged step); on a CPU nothing queues, so
-# the host's time is the step's. ``collective_overhead_us``: 0 on the GPU profiles, whose ``latency_us`` is
-# the whole fixed cost of a collective (the host enqueues NCCL kernels ahead of the device, so the Python
-# launch and the waiting rank's wake-up do not delay the device); on a CPU a blocking gloo collective that
-# follows compute costs its ring latency plus the host's launch and the wake-up of the rank that arrived
-# first (measured by ``mode=calibrate``, ≈ 1 ms on the 2-core VM this was written on, against ≈ 0.2 ms
-# per ring step in a tight loop). ``colocated_slowdown``: 0 on the GPU profiles, where each rank has its
-# own device (its SMs, HBM and caches are not shared with the node's other ranks); on a CPU the ranks of a
-# host share memory bandwidth, last-level cache and the cores' clock budget, and ``mode=calibrate`` measures
-# how much slower a block runs with k ranks busy at once than alone. ``overlap_fraction``: 1 on the GPU
-# profiles and the stock cpu one (NCCL's kernels and copy engines run beside the compute kernels: what
-# ``parallel.overlap`` calls hidden is hidden, up to the compute it hides behind); on a CPU whose cores
-# all run ranks, an asynchronous gloo collective's copies and reductions run on the same cores as the
-# compute, and ``mode=calibrate`` measures the share an all-reduce launched before a block's forward +
-# backward really hides (≈ 0.1–0.3 with 2 ranks on 2 cores). ``ahead_call_us``: 0 on the GPU profiles,
-# meaning a collective launched ahead of its wait (ZeRO-3's prefetched gathers, reductions launched from
-# backward hooks) costs its ring latency steps like any other (NCCL runs it on its own stream, the host
-# does not take part); on a CPU such a call's fixed cost is what the host's transport threads take from
-# the ranks' compute, which ``mode=calibrate`` measures directly (≈ 0.4–0.8 ms on the 2-core VM this was
-# written on, against 0.45–1 ms per ring step in a tight loop). For the CPU profile, or any machine,
-# ``mode=calibrate`` measures them all. ``tp_call_us``: 0 on the GPU profiles (the host enqueues a TP
-# collective and the compute after it ahead of the device; what the device pays per call is
-# ``latency_us``); on a CPU each of TP's blocking collectives sits inside the model's autograd between
-# two pieces of a block's compute, and costs more than the same call after a tight GEMM loop
-# (``collective_overhead_us``): the autograd Function around it, and the compute after the wake-up
-# resuming with the block's weights and activations out of the core's caches. ``mode=calibrate``
-# measures it in situ: the configured model's block at tp = 2 on two ranks, forward + backward, less
-# what the planner gives that block with the other fields, per TP collective (≈ 0.1–0.4 ms on the
-# 2-core VM this was written on). ``all_gather_bw_scale`` / ``reduce_scatter_bw_scale``: 1 on the GPU
-# profiles (NCCL runs both as rings at the link's rate: the ring formulas of ``.traffic``); on gloo
-# ``parallel.comm`` runs a sum reduce-scatter as an all-to-all and a large all-gather as broadcasts,
-# and gloo's own all-gather is slower than its all-reduce at a ZeRO unit's size, so ``mode=calibrate``
-# measures each kind through ``parallel.comm`` at the configured model's unit payload.
+# 2,000; H200 4,800 GB/s). No profile here has host costs (:class:`HostCosts`): ``mode=calibrate``
+# measures them for a CPU.
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
     # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU
@@ -309,8 +332,9 @@ def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrid
 
     A ``name`` ending in ``.json`` is a file of :class:`Hardware` fields (``mode=calibrate`` writes one).
 
-    ``custom`` maps names to the fields of :class:`Hardware` (all but ``name``),
-    e.g. from a config file. Raises :class:`PlanError` for an unknown name or field.
+    ``custom`` maps names to the fields of :class:`Hardware` (all but ``name``), e.g. from a config
+    file; host costs nested under ``host`` or flat among them. ``overrides`` may name host cost
+    fields too. Raises :class:`PlanError` for an unknown name or field.
     """
     if name.endswith(".json"):  # a profile file (mode=calibrate writes one): its fields, named by its stem
         try:
@@ -324,16 +348,17 @@ def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrid
         return hardware_profile(stem, {stem: fields_in_file}, **overrides)
     key = name.lower()
     custom = {k.lower(): v for k, v in (custom or {}).items()}
-    fields = {f.name for f in dataclasses.fields(Hardware)} - {"name"}
+    fields = ({f.name for f in dataclasses.fields(Hardware)} | set(HOST_FIELDS)) - {"name"}
     if key in custom:
-        unknown = set(custom[key]) - fields
+        host = custom[key].get("host") or {}
+        unknown = (set(custom[key]) - fields) | (set(host) - set(HOST_FIELDS) if isinstance(host, dict) else set())
         if unknown:
             raise PlanError(f"hardware profile {name!r}: unknown fields {sorted(unknown)}; known: {sorted(fields)}")
         missing = {f.name for f in dataclasses.fields(Hardware) if f.default is dataclasses.MISSING} - {"name"}
         missing -= set(custom[key])
         if missing:
             raise PlanError(f"hardware profile {name!r}: missing fields {sorted(missing)}")
-        hw = Hardware(name=key, **custom[key])
+        hw = Hardware.from_fields(key, custom[key])
     else:
         key = ALIASES.get(key, key)
         if key not in PROFILES:

@@ -21,9 +21,7 @@ Host AdamW rate. Fused AdamW reads parameter, gradient and both moments and writ
 parameter and moments: :data:`HOST_ADAM_BYTES_PER_PARAM` = 28 B of host memory traffic
 per element, so it is bound by host memory bandwidth, not cores: a DGX A100 has two AMD
 EPYC 7742 with 8 channels of DDR4-3200 each (204.8 GB/s per socket), 409.6 GB/s for 8
-GPUs, 51.2 GB/s per GPU → 1.83 G elements/s per GPU. Measured here (``benchmarks/offload.py``,
-torch's ``AdamW(fused=True)`` on one core of this machine's CPU, 8 M elements): 0.69 G/s
-per core, so three of the node's 16 cores per GPU reach the bandwidth bound.
+GPUs, 51.2 GB/s per GPU → 1.83 G elements/s per GPU (``docs/performance.md``: the cores that takes).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from .hardware import GiB, Hardware
 HOST_ADAM_BYTES_PER_PARAM = 28  # fp32 p, g, m, v read; p, m, v written
 HOST_MEMORY_GBPS_PER_GPU = Hardware.host_memory_gbps  # the profile's default: DGX A100, 2 × 204.8 GB/s over 8 GPUs
 HOST_ADAM_PARAMS_PER_S = HOST_MEMORY_GBPS_PER_GPU * 1e9 / HOST_ADAM_BYTES_PER_PARAM
-MEASURED_FUSED_ADAMW_PER_CORE = 0.69e9  # elements/s, one core of this CPU (benchmarks/offload.py)
 
 
 def host_adam_params_per_s(hw: Hardware) -> float:

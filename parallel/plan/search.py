@@ -21,7 +21,8 @@ from .cp import cp_choices
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training
 from .moe import cp_routes, ep_choices, moe_shape
-from .planner import ParamCounter, Plan, plan_layout
+from .planner import plan_layout
+from .result import ParamCounter, Plan
 from .shape import ModelShape
 
 

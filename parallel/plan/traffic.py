@@ -21,7 +21,7 @@ from ..overlap import DP_REDUCTION, ZERO3_GATHER
 from ..zero.compression import INDEX_BYTES, topk_count
 from ..zero.policy import policy
 from ..zero.theory import grad_reductions_per_step
-from .hardware import Hardware
+from .hardware import Hardware, host_costs
 
 RING_STEPS = {
     "all_reduce": 2,
@@ -103,18 +103,18 @@ class AxisTraffic:
             sent, steps = SENT_FRACTION[kind](n) * payload, RING_STEPS[kind] * (n - 1)
         calls = max(1, calls)
         blocking = calls if blocking is None else min(calls, max(0, blocking))
-        ring = steps * hw.latency_us * 1e-6
+        ring, host = steps * hw.latency_us * 1e-6, host_costs(hw)
         n_ahead = calls - blocking
-        if hw.ahead_call_us > 0:  # measured on this host: once per launch of calls issued together
-            ahead = min(n_ahead, n_ahead if launches is None else max(0, launches)) * hw.ahead_call_us * 1e-6
+        if host.ahead_call_us > 0:  # measured on this host: once per launch of calls issued together
+            ahead = min(n_ahead, n_ahead if launches is None else max(0, launches)) * host.ahead_call_us * 1e-6
         else:
             ahead = n_ahead * ring
-        fixed = blocking * (ring + hw.collective_overhead_us * 1e-6) + ahead
+        fixed = blocking * (ring + host.collective_overhead_us * 1e-6) + ahead
         wire = sent / hw.kind_bandwidth(kind, self.crosses_node)
         one = wire + fixed
         # calibrate measured ahead_call_us as what a unit's calls launched ahead leave exposed, their
-        # bytes included (recipes.tools.calibrate.fit_launched_ahead): those seconds are already net of overlap
-        self.measured_s = (wire * n_ahead / calls + ahead) if hw.ahead_call_us > 0 and n_ahead else 0.0
+        # bytes included (recipes.tools.calibrate_fit.fit_launched_ahead): those seconds are already net of overlap
+        self.measured_s = (wire * n_ahead / calls + ahead) if host.ahead_call_us > 0 and n_ahead else 0.0
         self.bytes += count * sent
         self.time_s += count * one
         kind_sum = self.by_kind.setdefault(kind, {"calls": 0.0, "seconds": 0.0})
@@ -252,7 +252,7 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
         # hidable: the seconds returned are the collective's alone, its calls' cost goes to bwd
         if not count or axis.group_size <= 1:
             return 0.0
-        wire, calls = count * axis.add(kind, payload, count * m, hw, what), count * hw.tp_call_us * 1e-6
+        wire, calls = count * axis.add(kind, payload, count * m, hw, what), count * host_costs(hw).tp_call_us * 1e-6
         if hidable:
             calls_apart[0] += calls
             return wire

@@ -17,44 +17,21 @@ from pathlib import Path
 from typing import Any
 
 from models.config import ModelConfig, ModelConfigError
-from parallel.params import init_key, is_expert, is_shared_embedding, tp_shard_dim
-from parallel.plan import Layout, Plan, PlanError, StageParams, Training, hardware_profile, plan_layout, recommend
-from parallel.zero.packing import CLASSES, bucket_class, class_index
+from parallel.plan import (
+    Layout,
+    Plan,
+    PlanError,
+    StageParams,
+    Training,
+    count_module,
+    hardware_profile,
+    plan_layout,
+    recommend,
+)
 
 from ..config import ConfigError, RecipeConfig, model_config
 
 GB = 1e9
-
-
-def _count_module(module, tp: int, *, is_block: bool, sequence_parallel: bool = False) -> StageParams:
-    numel = replicated = full = tied = shared = expert = 0
-    groups: list[list[int]] = [[] for _ in CLASSES]  # ZeRO's bucket classes (parallel/zero/packing.py)
-    experts: list[list[int]] = [[] for _ in CLASSES]  # MoE experts: their own buckets (over edp)
-    for p in module.parameters():
-        n = p.numel()
-        sharded = tp_shard_dim(p) is not None
-        local = n // tp if sharded else n
-        full += n
-        numel += local
-        replicated += 0 if sharded else n
-        tied += n if init_key(p) is not None else 0  # the head's copy of a tied embedding
-        shared += local if is_shared_embedding(p) else 0
-        expert += local if is_expert(p) else 0
-        # built at tp=1, the layers mark nothing sequence-parallel: what tp > 1 marks (packing.extra_reduce)
-        kind = class_index(*bucket_class(p, sequence_parallel=sequence_parallel and tp > 1 and not sharded))
-        (experts if is_expert(p) else groups)[kind].append(local)
-    classes = tuple(map(tuple, groups))
-    return StageParams(
-        numel,
-        replicated,
-        full,
-        tied,
-        shared,
-        blocks=(classes,) if is_block else (),
-        root=((),) * len(CLASSES) if is_block else classes,
-        expert=expert,
-        expert_blocks=(tuple(map(tuple, experts)),) if expert else (),
-    )
 
 
 def meta_param_counter(cfg: ModelConfig, sequence_parallel: bool = False):
@@ -78,7 +55,7 @@ def meta_param_counter(cfg: ModelConfig, sequence_parallel: bool = False):
             raise PlanError(str(e)) from None
         padded = cfg.replace(vocab_multiple=cfg.vocab_multiple * tp)
         stage = build_model(padded, layers=layers, has_embedding=has_embedding, has_head=has_head, device="meta")
-        return _count_module(stage, tp, is_block=len(layers) == 1, sequence_parallel=sequence_parallel)
+        return count_module(stage, tp, is_block=len(layers) == 1, sequence_parallel=sequence_parallel)
 
     def count(layers: range, has_embedding: bool, has_head: bool, tp: int) -> StageParams:
         moe = [i for i in layers if cfg.is_moe_layer(i)]  # MoE blocks (experts) differ from dense ones

@@ -13,8 +13,8 @@ import torch
 
 from parallel import comm
 from parallel.memory import peak_memory_bytes
+from parallel.pipeline import Span
 from parallel.pipeline.schedules import Backward, Forward
-from parallel.pipeline.simulator import Span
 from parallel.pipeline.timeline import bubble_fraction, draw_timeline
 
 
@@ -166,6 +166,19 @@ def format_time_comparison(plan, measured_s: float, read: bool = True) -> str:
             f"mode=calibrate measures this machine (plan.hardware=<file>)"
         )
     return "\n".join(lines)
+
+
+def cpu_wait_clock(rc):
+    """:func:`runqueue_seconds` where the run plans with a calibrated CPU profile (one with host
+    costs: the first-step report and ``benchmarks/plan.py`` compare the plan with a step less that
+    wait), else None: a GPU run, or one planned on a stock profile, reads nothing from ``/proc``."""
+    from parallel.plan import PlanError, hardware_profile
+
+    try:
+        profile = hardware_profile(rc.plan.hardware, dict(rc.plan.profiles or {}))
+    except (PlanError, AttributeError):
+        return None
+    return runqueue_seconds if profile.host is not None else None
 
 
 def runqueue_seconds() -> float:

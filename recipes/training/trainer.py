@@ -37,7 +37,7 @@ from .data import open_data
 from .exits import finish_distributed
 from .gpt_engine import build_gpt_engine
 from .profiling import StepProfiler, profile_steps
-from .reports import memory_report, runqueue_seconds, time_report, timeline_step
+from .reports import cpu_wait_clock, memory_report, time_report, timeline_step
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
 
 COMPUTE_DTYPES = TORCH_DTYPES  # one home: parallel.precision
@@ -175,7 +175,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
     try:
         first = trainer.step  # 0, or the step a resumed checkpoint continues from
         window_start, window_steps = time.perf_counter(), 0  # wall time and steps since the last read
-        window_rq = runqueue_seconds()  # this process's wait for a CPU since then (a shared machine)
+        cpu_wait = cpu_wait_clock(rc)  # calibrated CPU profiles only: this process's wait for a CPU
+        window_rq = cpu_wait() if cpu_wait else 0.0
         for step in range(first, t.max_steps):
             checkpointing.fault_drill(t.fault, trainer.rank, step + 1)  # checkpoint: fault drills
             eval_due = bool(t.eval_every) and ((step + 1) % t.eval_every == 0 or step + 1 == t.max_steps)
@@ -205,7 +206,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             window_steps += 1
             if read:  # the device has done every step since the last read: wall time is its time
                 rec["tokens_per_s"] = tokens_per_step * window_steps / (time.perf_counter() - window_start)
-                rec["runqueue_s"] = (runqueue_seconds() - window_rq) / window_steps  # per step
+                if cpu_wait:  # per step
+                    rec["runqueue_s"] = (cpu_wait() - window_rq) / window_steps
                 if peak:
                     rec["mfu"] = model_tflops_per_device(rec["tokens_per_s"], trainer.model_cfg, world) / peak
             if read:  # MoE models: router loss, tokens per expert, dropped (one host read, logged steps only)
@@ -237,7 +239,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             # --- end checkpoint ---
             if read:  # evaluation, logging and saving are not training time
                 window_start, window_steps = time.perf_counter(), 0
-                window_rq = runqueue_seconds()
+                window_rq = cpu_wait() if cpu_wait else 0.0
         if (done := saver.close()) is not None:  # the end of training waits for the last save
             log.info(f"checkpoint {done} published")
     finally:

@@ -4,7 +4,7 @@ rounds' mean predicted over their mean measured, raw and rescaled. Pure."""
 import pytest
 
 from benchmarks.plan import combine, markdown, round_orders, step_seconds
-from recipes.tools.calibrate import probe_factor
+from recipes.tools.calibrate_timing import probe_factor
 
 
 def test_rounds_alternate_the_order():

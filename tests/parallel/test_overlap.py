@@ -13,9 +13,12 @@ import pytest
 import torch
 
 import parallel.overlap as ov
+import parallel.plan.buffers as plan_buffers
 import parallel.plan.cp as plan_cp
+import parallel.plan.exposure as plan_exposure
 import parallel.plan.offload as plan_offload
-import parallel.plan.planner as planner
+import parallel.plan.pipeline as plan_pipeline
+import parallel.plan.stage as plan_stage
 from parallel.plan import Layout, Training, plan_layout
 from parallel.testing import run_ranks
 
@@ -57,20 +60,20 @@ def test_dp_reduction_row_drives_the_overlap_flag(monkeypatch):
     buckets = {"bucket_mb": 0.01}  # several: the last bucket's reduction always follows backward
     on, off = (_plan(Layout(dp=8, zero=2), SLOW, overlap=o, **buckets).step["dp_exposed_s"] for o in (True, False))
     assert on < off
-    monkeypatch.setattr(planner, "DP_REDUCTION", dataclasses.replace(ov.DP_REDUCTION, needs_overlap_flag=False))
+    monkeypatch.setattr(plan_exposure, "DP_REDUCTION", dataclasses.replace(ov.DP_REDUCTION, needs_overlap_flag=False))
     assert _plan(Layout(dp=8, zero=2), SLOW, overlap=False, **buckets).step["dp_exposed_s"] == pytest.approx(on)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_zero3_prefetch_hides_gathers_whatever_the_flag(monkeypatch, overlap):
     hidden = _plan(Layout(dp=8, zero=3), SLOW, overlap=overlap).step["dp_exposed_s"]
-    monkeypatch.setattr(planner, "ZERO3_GATHER", dataclasses.replace(ov.ZERO3_GATHER, **EXPOSED))
+    monkeypatch.setattr(plan_exposure, "ZERO3_GATHER", dataclasses.replace(ov.ZERO3_GATHER, **EXPOSED))
     assert _plan(Layout(dp=8, zero=3), SLOW, overlap=overlap).step["dp_exposed_s"] > hidden
 
 
 def test_prefetch_depth_sizes_the_gathered_buffers(monkeypatch):
     one = _plan(Layout(dp=8, zero=3)).ranks[0].memory["buffers"]
-    monkeypatch.setattr(planner, "ZERO3_PREFETCH_UNITS", ov.ZERO3_PREFETCH_UNITS + 1)
+    monkeypatch.setattr(plan_buffers, "ZERO3_PREFETCH_UNITS", ov.ZERO3_PREFETCH_UNITS + 1)
     unit = count(range(0, 1), False, False, 1).numel * 2  # bf16
     assert _plan(Layout(dp=8, zero=3)).ranks[0].memory["buffers"] == pytest.approx(one + unit)
 
@@ -78,8 +81,8 @@ def test_prefetch_depth_sizes_the_gathered_buffers(monkeypatch):
 @pytest.mark.parametrize(
     ("module", "row", "layout", "key"),
     [
-        (planner, "TP_COLLECTIVES", Layout(tp=4), "step_time_s"),
-        (planner, "PIPELINE_P2P", Layout(pp=4), "pipeline_s"),
+        (plan_stage, "TP_COLLECTIVES", Layout(tp=4), "step_time_s"),
+        (plan_pipeline, "PIPELINE_P2P", Layout(pp=4), "pipeline_s"),
     ],
 )
 def test_exposed_rows_hidden_would_shorten_the_step(monkeypatch, module, row, layout, key):
@@ -92,7 +95,7 @@ def test_exposed_rows_hidden_would_shorten_the_step(monkeypatch, module, row, la
     ("module", "row", "layout", "key"),
     [
         (plan_cp, "RING_ATTENTION", Layout(cp=2), "step_time_s"),
-        (planner, "TP_SP_BACKWARD", Layout(tp=4, sequence_parallel=True), "step_time_s"),
+        (plan_stage, "TP_SP_BACKWARD", Layout(tp=4, sequence_parallel=True), "step_time_s"),
         (plan_offload, "OFFLOAD_PARAM_PAGING", Layout(dp=8, zero=3, offload="optimizer+params"), "offload_s"),
     ],
 )

@@ -6,15 +6,15 @@ import json
 import pytest
 
 from parallel.plan import PlanError, hardware_profile
-from recipes.tools.calibrate import (
-    LARGE,
-    calibrate,
+from recipes.tools.calibrate import calibrate
+from recipes.tools.calibrate_fit import (
     fit_collective_overhead,
     fit_colocated_slowdown,
     fit_launched_ahead,
     fit_links,
     fit_overlap_fraction,
 )
+from recipes.tools.calibrate_timing import LARGE
 from recipes.tools.plan import plan_from_config
 from recipes.tools.plan_scenarios import scenario_config
 
@@ -25,7 +25,7 @@ def test_calibrated_profile_round_trips_and_plans(tmp_path):
     fields = calibrate(scenario_config(TINY), str(tmp_path), ranks=1)  # one rank: no collectives spawned
     path = tmp_path / "hardware.json"
     hw = hardware_profile(str(path))
-    assert hw.name == "hardware" and {k: getattr(hw, k) for k in fields} == fields
+    assert hw.name == "hardware" and {k: hw.fields()[k] for k in fields} == fields
     assert fields["peak_tflops_32"] > 0 and fields["hbm_gbps"] > 0 and 0 < fields["attention_efficiency"] <= 1
     assert fields["microbatch_overhead_us"] >= 0 and fields["step_overhead_us"] >= 0  # measured, in the file
     # one rank: nothing shares the host or the collectives, and the file says so
@@ -80,7 +80,7 @@ def test_fixed_host_costs_round_trip_and_enter_the_step_as_documented(tmp_path):
         paths[name] = tmp_path / f"{name}.json"
         paths[name].write_text(json.dumps({**base, **extra}))
     hw = hardware_profile(str(paths["fixed"]))
-    assert (hw.microbatch_overhead_us, hw.step_overhead_us) == (700.0, 3000.0)
+    assert (hw.host.microbatch_overhead_us, hw.host.step_overhead_us) == (700.0, 3000.0)
     layout = ["train.global_batch=4", "train.micro_batch=1"]  # m = 4
     plain, fixed = (
         plan_from_config(scenario_config(TINY + layout + [f"plan.hardware={paths[n]}"])) for n in ("plain", "fixed")
@@ -141,7 +141,7 @@ def test_host_terms_round_trip_through_the_profile_file_and_bad_ones_are_refused
     del good["name"]
     path = tmp_path / "hw.json"
     path.write_text(json.dumps({**good, field: 0.5}))
-    assert getattr(hardware_profile(str(path)), field) == 0.5
+    assert hardware_profile(str(path)).fields()[field] == 0.5
     for bad in (-1.0, float("nan")):
         path.write_text(json.dumps({**good, field: bad}))
         with pytest.raises(PlanError, match=f"{field}="):
@@ -151,7 +151,7 @@ def test_host_terms_round_trip_through_the_profile_file_and_bad_ones_are_refused
 def test_tp_call_cost_is_the_in_situ_residual_per_tp_call():
     """``tp_call_us``: a micro-batch through the model at tp = 2 measured ``δ`` slower than another
     gives ``δ / calls`` more per call; nothing measured (one rank) gives 0, never negative."""
-    from recipes.tools.calibrate import fit_tp_call_us
+    from recipes.tools.calibrate_fit import fit_tp_call_us
 
     rc = scenario_config(TINY)
     fields = dict(hardware_profile("cpu").__dict__)
@@ -165,7 +165,7 @@ def test_tp_call_cost_is_the_in_situ_residual_per_tp_call():
 
 def test_kind_scales_take_each_kinds_bytes_rate_and_price_the_planners_calls():
     from parallel.plan.traffic import AxisTraffic
-    from recipes.tools.calibrate import fit_kind_scales
+    from recipes.tools.calibrate_fit import fit_kind_scales
 
     gbps, n, payload, small = 2.0, 2, 8e5, 4096
     sent = (n - 1) / n * (payload - small)
@@ -201,7 +201,8 @@ def _unit_rank():
     import torch.distributed as dist
 
     from recipes.config import model_config
-    from recipes.tools.calibrate import _block, _launched_ahead, _unit_kinds, unit_buckets
+    from recipes.tools.calibrate_collectives import _launched_ahead, _unit_kinds
+    from recipes.tools.calibrate_timing import _block, unit_buckets
 
     torch.set_num_threads(1)
     mc = model_config(scenario_config(TINY).model)
@@ -214,7 +215,7 @@ def _unit_rank():
 
 def test_unit_collectives_are_measured_as_the_engine_packs_a_unit():
     from parallel.testing import run_ranks
-    from recipes.tools.calibrate import fit_kind_scales
+    from recipes.tools.calibrate_fit import fit_kind_scales
 
     numel, buckets, kinds, ahead = run_ranks(_unit_rank, 2, timeout=120)[0]
     assert len(buckets) == 2 and sum(buckets) == numel  # weights; biases and norms (packing.bucket_class)
@@ -232,7 +233,7 @@ def test_the_microbatch_residual_takes_the_block_as_the_planner_does(monkeypatch
 
     import torch
 
-    import recipes.tools.calibrate as cal
+    import recipes.tools.calibrate_timing as cal
 
     seen, paired = {}, cal._paired
 
@@ -260,7 +261,7 @@ def test_a_unit_is_split_into_buckets_above_bucket_mb_as_the_engine_packs_it():
     import torch
 
     from recipes.config import model_config
-    from recipes.tools.calibrate import _block, unit_buckets
+    from recipes.tools.calibrate_timing import _block, unit_buckets
 
     block, _ = _block(model_config(scenario_config(TINY).model), 1, torch.float32, torch.device("cpu"))
     numels = [p.numel() for p in block.parameters()]

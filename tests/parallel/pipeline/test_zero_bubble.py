@@ -167,7 +167,7 @@ def test_output_independent_of_the_input_runs_the_whole_backward_in_b():
 
 
 def test_planner_prices_zb_h1_below_1f1b_at_the_same_peak():
-    from parallel.plan.planner import pipeline_time
+    from parallel.plan.pipeline import pipeline_time
 
     for pp, m, f, b, d in [(4, 8, 1.0, 2.0, 0.1), (8, 16, 1.0, 2.3, 0.05), (3, 2, 0.5, 1.5, 0.0)]:
         exact = pipeline_time("zb-h1", pp, m, 1, f, b, d)  # the planner simulates ZB-H1 (no closed form)

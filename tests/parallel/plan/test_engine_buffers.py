@@ -164,7 +164,7 @@ def _norm_on_unread_steps():
 def test_norm_every_step_is_the_engines_condition():
     """planner.norm_every_step against a real ZeroDataParallel (dp = 1): an unread step
     (step(norm=False)) computes the norm exactly when the planner says every step does."""
-    from parallel.plan.planner import norm_every_step
+    from parallel.plan.exposure import norm_every_step
 
     for (clip, precision, offload), computed in run_ranks(_norm_on_unread_steps, 1, timeout=90)[0]:
         assert computed == norm_every_step(clip, precision, offload), (clip, precision, offload)

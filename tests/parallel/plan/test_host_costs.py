@@ -17,7 +17,7 @@ HW = hardware_profile("cpu")  # 1 device per node: no colocation unless a test s
 
 
 def test_every_call_pays_latency_steps_and_the_fixed_cost():
-    hw = dataclasses.replace(HW, latency_us=30.0, collective_overhead_us=500.0)
+    hw = HW.replace(latency_us=30.0, collective_overhead_us=500.0)
     axis = AxisTraffic(4, False)
     one = axis.add("all_reduce", 8e6, 3, hw, "x", calls=5)
     sent = 2 * 3 / 4 * 8e6  # ring all-reduce over 4 ranks
@@ -28,7 +28,7 @@ def test_every_call_pays_latency_steps_and_the_fixed_cost():
 
 
 def test_buckets_and_units_are_separate_calls():
-    hw = dataclasses.replace(HW, latency_us=0.0, collective_overhead_us=1000.0)
+    hw = HW.replace(latency_us=0.0, collective_overhead_us=1000.0)
     kw = dict(psi=10**6, micro_batches=2, param_bytes=4, comm_bytes=4)
     one = dp_traffic(hw, AxisTraffic(2, False), zero=0, **kw)
     four = dp_traffic(hw, AxisTraffic(2, False), zero=0, buckets=4, **kw)
@@ -48,8 +48,8 @@ def test_collectives_launched_ahead_skip_the_blocking_cost():
     ends (the first unit's and the rest's) pay ``collective_overhead_us``; every call pays its latency."""
     kw = dict(psi=10**6, micro_batches=2, param_bytes=4, comm_bytes=4, zero=3)
     calls = dict(buckets=10, units=8, root_calls=2, first_unit_calls=2)
-    free = dataclasses.replace(HW, latency_us=10.0, collective_overhead_us=0.0)
-    costly = dataclasses.replace(free, collective_overhead_us=1000.0)
+    free = HW.replace(latency_us=10.0, collective_overhead_us=0.0)
+    costly = free.replace(collective_overhead_us=1000.0)
     for overlap, gathers, reductions in ((True, 2, 4), (False, 2, 10)):
         a = dp_traffic(free, AxisTraffic(2, False), overlap=overlap, **calls, **kw)
         b = dp_traffic(costly, AxisTraffic(2, False), overlap=overlap, **calls, **kw)
@@ -57,7 +57,7 @@ def test_collectives_launched_ahead_skip_the_blocking_cost():
         assert b["param_bwd_per_mb"] - a["param_bwd_per_mb"] == pytest.approx(gathers * 1e-3)
         assert b["grad_per_mb"] - a["grad_per_mb"] == pytest.approx(reductions * 1e-3)
     # a measured cost per call launched ahead replaces their latency steps (0: latency steps)
-    measured = dataclasses.replace(costly, ahead_call_us=300.0)
+    measured = costly.replace(ahead_call_us=300.0)
     c = dp_traffic(measured, AxisTraffic(2, False), **calls, **kw)
     b = dp_traffic(costly, AxisTraffic(2, False), **calls, **kw)
     assert c["param_fwd_per_mb"] - b["param_fwd_per_mb"] == pytest.approx((8 - 2) * (300e-6 - 10e-6))
@@ -67,7 +67,7 @@ def test_collectives_launched_ahead_skip_the_blocking_cost():
     assert d["param_fwd_per_mb"] - b["param_fwd_per_mb"] == pytest.approx((4 - 1) * 300e-6 - (8 - 2) * 10e-6)
     assert d["grad_per_mb"] - b["grad_per_mb"] == pytest.approx((4 - 1) * 300e-6 - (10 - 4) * 10e-6)
     latency_only = dp_traffic(free, AxisTraffic(2, False), **calls, **kw)
-    nothing = dp_traffic(dataclasses.replace(free, latency_us=0.0), AxisTraffic(2, False), **calls, **kw)
+    nothing = dp_traffic(free.replace(latency_us=0.0), AxisTraffic(2, False), **calls, **kw)
     assert latency_only["param_fwd_per_mb"] - nothing["param_fwd_per_mb"] == pytest.approx(8 * 10e-6)
 
 
@@ -103,29 +103,29 @@ def _plan(layout, hw, **training):
 
 def test_a_collective_overhead_delays_each_pipeline_message():
     base = _plan(Layout(pp=2), HW)
-    slow = _plan(Layout(pp=2), dataclasses.replace(HW, collective_overhead_us=2000.0))
-    m = 8  # 1F1B with pp = 2 puts m + 1 transfers on the critical path (parallel.plan.planner.closed_form)
+    slow = _plan(Layout(pp=2), HW.replace(collective_overhead_us=2000.0))
+    m = 8  # 1F1B with pp = 2 puts m + 1 transfers on the critical path (parallel.plan.pipeline.closed_form)
     assert slow.step["pipeline_s"] - base.step["pipeline_s"] == pytest.approx((m + 1) * 2e-3, rel=1e-9)
 
 
 def test_ranks_sharing_a_host_compute_slower_by_the_calibrated_factor():
-    shared = dataclasses.replace(HW, gpus_per_node=2, colocated_slowdown=0.5)
+    shared = HW.replace(gpus_per_node=2, colocated_slowdown=0.5)
     assert colocated_factor(shared, 1) == 1.0 and colocated_factor(shared, 3) == 2.0
     assert colocated(shared, 2).peak_flops("fp32") == pytest.approx(shared.peak_flops("fp32") / 1.5)
-    apart = _plan(Layout(dp=2), dataclasses.replace(shared, colocated_slowdown=0.0))
+    apart = _plan(Layout(dp=2), shared.replace(colocated_slowdown=0.0))
     together = _plan(Layout(dp=2), shared)
     assert together.ranks[0].compute_s == pytest.approx(1.5 * apart.ranks[0].compute_s, rel=1e-9)
     assert together.step["colocated_factor"] == 1.5 and apart.step["colocated_factor"] == 1.0
-    one_per_node = _plan(Layout(dp=2), dataclasses.replace(shared, gpus_per_node=1))
+    one_per_node = _plan(Layout(dp=2), shared.replace(gpus_per_node=1))
     assert one_per_node.ranks[0].compute_s == pytest.approx(apart.ranks[0].compute_s, rel=1e-12)
     assert together.hardware["peak_tflops_32"] == shared.peak_tflops_32  # the plan records the profile as given
 
 
 def test_overlap_fraction_zero_exposes_what_overlap_would_hide():
-    slow = dataclasses.replace(HW, intra_node_gbps=0.01, inter_node_gbps=0.01, gpus_per_node=8)
+    slow = HW.replace(intra_node_gbps=0.01, inter_node_gbps=0.01, gpus_per_node=8)
     kw = dict(bucket_mb=0.01)  # many buckets: with full hiding most of the reduction is hidden
     hidden = _plan(Layout(dp=4), slow, overlap=True, **kw)
-    none = _plan(Layout(dp=4), dataclasses.replace(slow, overlap_fraction=0.0), overlap=True, **kw)
+    none = _plan(Layout(dp=4), slow.replace(overlap_fraction=0.0), overlap=True, **kw)
     serial = _plan(Layout(dp=4), slow, overlap=False, **kw)
     assert hidden.step["dp_exposed_s"] < none.step["dp_exposed_s"]
     assert none.step["dp_exposed_s"] == pytest.approx(serial.step["dp_exposed_s"], rel=1e-9)
@@ -154,7 +154,7 @@ def test_bad_host_terms_are_refused(field, bad):
 def test_the_steps_tp_and_pp_scalars_are_exposed():
     """After backward the step all-reduces the gradient norm over tp and pp and broadcasts the loss from
     the last stage: nothing hides them, each pays its latency steps and the blocking cost."""
-    hw = dataclasses.replace(HW, latency_us=100.0, collective_overhead_us=1000.0)
+    hw = HW.replace(latency_us=100.0, collective_overhead_us=1000.0)
     pp = _plan(Layout(pp=2), hw)
     bw = hw.bandwidth(True)  # the cpu profile: one rank per node, so every group crosses nodes
     one = 1 * 100e-6 + 1e-3 + 1 / 2 * 4 / bw  # a 4-byte broadcast over 2 ranks: 1 ring step, half sent
@@ -173,7 +173,7 @@ def test_tp_call_cost_of_hidable_collectives_is_not_hidden():
 
     kw = dict(n_layers=2, has_embedding=False, has_head=False, mb=1, m=1, e=2, sp=True, ckpt=None)
     free = tp_traffic(SHAPE, AxisTraffic(2, False), HW, **kw)
-    costly = tp_traffic(SHAPE, AxisTraffic(2, False), dataclasses.replace(HW, tp_call_us=1000.0), **kw)
+    costly = tp_traffic(SHAPE, AxisTraffic(2, False), HW.replace(tp_call_us=1000.0), **kw)
     assert costly[2] == free[2]  # the hidable collectives: their wire time only
     calls = 2 * 2 * 2 + 3 * 2 * 2  # forward: 2 pairs per block; backward: all-gathers, scatters, re-gathers
     assert (costly[0] + costly[1]) - (free[0] + free[1]) == pytest.approx(calls * 1e-3)
@@ -181,15 +181,15 @@ def test_tp_call_cost_of_hidable_collectives_is_not_hidden():
 
 def test_calls_priced_with_the_measured_ahead_cost_are_not_hidden_again():
     """calibrate measures ``ahead_call_us`` as what a unit's calls launched ahead leave exposed beyond
-    their bytes (``recipes.tools.calibrate.fit_launched_ahead``): those calls' seconds, bytes included, are
+    their bytes (``recipes.tools.calibrate_fit.fit_launched_ahead``): those calls' seconds, bytes included, are
     already net of overlap, so ``overlap_fraction`` hides none of them. Only ZeRO-3 launches calls
     ahead (its prefetched gathers, its reductions from backward hooks); the first unit's and the
     rest's calls block and stay hideable. Without a measured cost (the GPU profiles) nothing is."""
-    from parallel.plan.planner import _exposed_dp_time
+    from parallel.plan.exposure import exposed_dp_time as _exposed_dp_time
 
     kw = dict(psi=10**6, micro_batches=2, param_bytes=4, comm_bytes=4)
     calls = dict(buckets=10, units=8, root_calls=2, first_unit_calls=2, unit_count=4)
-    measured = dataclasses.replace(HW, latency_us=10.0, collective_overhead_us=100.0, ahead_call_us=300.0)
+    measured = HW.replace(latency_us=10.0, collective_overhead_us=100.0, ahead_call_us=300.0)
     for zero in (0, 1, 2):
         t = dp_traffic(measured, AxisTraffic(2, False), zero=zero, **calls, **kw)
         assert t["measured_per_mb"] == t["measured_per_step"] == 0.0
@@ -208,3 +208,35 @@ def test_calls_priced_with_the_measured_ahead_cost_are_not_hidden_again():
     half = _exposed_dp_time({**dp, "measured_per_mb": 0.015}, 2, 1.0, 1.0, True, 4, 1.0)
     none = _exposed_dp_time({**dp, "measured_per_mb": 0.0}, 2, 1.0, 1.0, True, 4, 1.0)
     assert none == pytest.approx(2 * 0.01 / 4) and half == pytest.approx(none + 2 * 0.5 * (0.03 - 0.01 / 4))
+
+
+def test_gpu_profiles_have_no_host_costs_and_files_nest_them(tmp_path):
+    """Host costs are a separate object (``Hardware.host``), absent on every stock profile; a profile
+    file nests them under ``host`` (what mode=calibrate writes) and the older flat form still loads."""
+    import json
+
+    from parallel.plan import PROFILES
+    from parallel.plan.hardware import NO_HOST_COSTS, HostCosts, host_costs
+
+    assert all(hw.host is None and host_costs(hw) == NO_HOST_COSTS == HostCosts() for hw in PROFILES.values())
+    costly = HW.replace(tp_call_us=5.0)
+    assert costly.host == HostCosts(tp_call_us=5.0) and costly.replace(tp_call_us=0.0).host is None
+    fields = {k: v for k, v in dataclasses.asdict(costly).items() if k != "name"}
+    (tmp_path / "nested.json").write_text(json.dumps(fields))
+    (tmp_path / "flat.json").write_text(json.dumps(costly.fields()))
+    for name in ("nested", "flat"):
+        assert hardware_profile(str(tmp_path / f"{name}.json")).replace(name="cpu") == costly
+
+
+def test_the_run_queue_clock_only_with_a_calibrated_cpu_profile(tmp_path):
+    import json
+
+    from recipes.tools.plan_scenarios import scenario_config
+    from recipes.training.reports import cpu_wait_clock, runqueue_seconds
+
+    path = tmp_path / "calibrated.json"
+    path.write_text(
+        json.dumps({k: v for k, v in dataclasses.asdict(HW.replace(block_overhead_us=9.0)).items() if k != "name"})
+    )
+    assert cpu_wait_clock(scenario_config(["model.preset=gpt_tiny", f"plan.hardware={path}"])) is runqueue_seconds
+    assert cpu_wait_clock(scenario_config(["model.preset=gpt_tiny", "plan.hardware=a100_80gb"])) is None

@@ -7,7 +7,7 @@ import pytest
 from parallel.pipeline.schedules import build_schedule
 from parallel.pipeline.simulator import simulate
 from parallel.plan import pipeline_time
-from parallel.plan.planner import closed_form
+from parallel.plan.pipeline import closed_form
 
 # (forward, backward, p2p): backward ≥ forward as in every plan, p2p from nothing to above a forward
 COSTS = [(1.0, 2.0, 0.0), (1.0, 2.0, 0.01), (1.0, 1.0, 0.7), (0.5, 2.0, 1.5), (0.3, 0.9, 0.0001)]
@@ -79,7 +79,7 @@ def test_uneven_stages_fill_and_drain_faster():
     every stage: up to +70 %), exact when the last stage is the slowest; equal costs change nothing."""
     import random
 
-    from parallel.plan.planner import uneven_stages_saving
+    from parallel.plan.pipeline import uneven_stages_saving
 
     rng = random.Random(0)
     assert uneven_stages_saving([3.0, 3.0, 3.0]) == 0.0

@@ -5,7 +5,7 @@ compares like with like."""
 
 import pytest
 
-from parallel.plan.planner import norm_every_step
+from parallel.plan.exposure import norm_every_step
 from recipes.tools.plan import plan_from_config
 from recipes.tools.plan_scenarios import scenario_config
 from recipes.training.reports import format_time_comparison
@@ -21,7 +21,7 @@ def _one_scalar(plan) -> float:
     """One blocking 4-byte all-reduce over dp=2 on the profile: the ring's two latency steps and the
     host's fixed cost (its 4 bytes take nanoseconds)."""
     hw = plan.hardware
-    return 2 * hw["latency_us"] * 1e-6 + hw["collective_overhead_us"] * 1e-6
+    return 2 * hw["latency_us"] * 1e-6 + (hw["host"] or {"collective_overhead_us": 0})["collective_overhead_us"] * 1e-6
 
 
 @pytest.mark.parametrize("zero", [0, 1])
@@ -44,7 +44,7 @@ def test_a_logged_step_adds_the_loss_and_unless_clipping_the_norm(zero):
 def test_pipeline_reading_adds_the_loss_broadcast_and_the_norm():
     clip, no_clip = _plan("parallel.pp=2"), _plan("parallel.pp=2", "train.grad_clip=0")
     hw = clip.hardware
-    assert hw["collective_overhead_us"] == 0  # the stock profile: a scalar costs its ring's latency steps
+    assert hw["host"] is None  # the stock profile: a scalar costs its ring's latency steps
     step = hw["latency_us"] * 1e-6
     # the last stage's loss, broadcast over pp=2 (one step); without clipping + the norm's all-reduce (two)
     assert clip.step["read_extra_s"] == pytest.approx(step, rel=1e-3)
@@ -85,7 +85,6 @@ def test_a_bad_grad_clip_is_refused(bad):
 def test_a_middle_zero3_stage_blocks_on_no_phantom_reduction():
     """A pipeline stage holding blocks only has no rest unit: the reductions that block when its
     backward ends are its first unit's buckets (weights; biases and norms), not one more."""
-    import dataclasses
 
     from parallel.plan import hardware_profile, plan_layout
     from parallel.plan.inputs import Layout
@@ -95,8 +94,7 @@ def test_a_middle_zero3_stage_blocks_on_no_phantom_reduction():
     rc = scenario_config(TINY + ["model.n_layers=8", "train.global_batch=8", "train.micro_batch=2"])
     mc = model_config(rc.model)  # pp=4: two blocks per stage, four buckets
     # only the fixed cost of a blocking call is priced: 1 ms each, nothing else
-    hw = dataclasses.replace(
-        hardware_profile("cpu"),
+    hw = hardware_profile("cpu").replace(
         latency_us=0.0,
         collective_overhead_us=1000.0,
         ahead_call_us=0.0,
@@ -115,7 +113,6 @@ def test_tp_call_cost_enters_each_tp_collective_of_the_model():
     """``tp_call_us`` (the in-situ cost of TP's collectives, ``mode=calibrate``): every TP collective
     the model issues adds it to the step, the step's norm scalar does not (it is not inside the model),
     and nothing at tp = 1; the collectives' own seconds (what the breakdown times) are unchanged."""
-    import dataclasses
 
     from parallel.plan import hardware_profile, plan_layout
     from parallel.plan.inputs import Layout
@@ -125,7 +122,7 @@ def test_tp_call_cost_enters_each_tp_collective_of_the_model():
     rc = scenario_config(TINY + ["train.global_batch=8", "train.micro_batch=2"])
     mc = model_config(rc.model)
     base = hardware_profile("cpu")
-    costly = dataclasses.replace(base, tp_call_us=250.0)
+    costly = base.replace(tp_call_us=250.0)
 
     def plan(hw, tp):
         return plan_layout(mc, Layout(tp=tp), _training(rc, mc), hw, meta_param_counter(mc))

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from parallel.plan import PlanError, hardware_profile
-from parallel.plan.hardware import RATE_FIELDS, SCALE_FREE_FIELDS, TIME_FIELDS, Hardware
+from parallel.plan.hardware import HOST_FIELDS, RATE_FIELDS, SCALE_FREE_FIELDS, TIME_FIELDS, Hardware
 from recipes.tools.plan import plan_from_config
 from recipes.tools.plan_scenarios import scenario_config
 
@@ -28,7 +28,7 @@ HOST = dict(
 
 
 def test_every_field_is_a_rate_a_time_or_scale_free():
-    fields = {f.name for f in dataclasses.fields(Hardware)} - {"name"}
+    fields = ({f.name for f in dataclasses.fields(Hardware)} | set(HOST_FIELDS)) - {"name", "host"}
     sets = [set(RATE_FIELDS), set(TIME_FIELDS), set(SCALE_FREE_FIELDS)]
     assert sum(len(s) for s in sets) == len(fields) and set().union(*sets) == fields
     for bad in (0.0, True, float("nan")):

@@ -1,0 +1,59 @@
+"""What compute hides of the communication, as :mod:`parallel.overlap`'s table says and the
+profile's host lets it (``HostCosts.overlap_fraction``; all of it on a GPU profile)."""
+
+from __future__ import annotations
+
+from ..overlap import DP_REDUCTION, PARAM_GATHER_AFTER_STEP, ZERO3_GATHER, exposed_sharing
+
+
+def norm_every_step(grad_clip: float, precision: str, offload: str) -> bool:
+    """Whether every step computes the gradient norm (its scalar collectives), read or not: the
+    engine (``parallel.zero.engine.ZeroDataParallel.step``) skips it on an unread step only without
+    clipping (``grad_clip`` 0), without fp16's loss scaler and without offload (its host step reads
+    the skip flag). tests/parallel/plan/test_engine_buffers.py holds this against a real engine."""
+    return grad_clip > 0 or precision == "fp16" or offload != "none"
+
+
+def partly_hidden(comm_s: float, exposed_s: float, fraction: float) -> float:
+    """Seconds exposed when compute hides only ``fraction`` of what the overlap table hides
+    (``HostCosts.overlap_fraction``): ``exposed + (1 − fraction)·(comm − exposed)``."""
+    return exposed_s + (1.0 - fraction) * max(0.0, comm_s - exposed_s)
+
+
+def unmeasured(fraction: float, measured_s: float, comm_s: float) -> float:
+    """``fraction`` of the hideable seconds that compute hides when ``measured_s`` of ``comm_s`` were
+    measured net of overlap already (hidden: none of them): ``fraction · (1 − measured/comm)``."""
+    if comm_s <= 0.0 or measured_s <= 0.0:
+        return fraction
+    return fraction * max(0.0, 1.0 - measured_s / comm_s)
+
+
+def exposed_dp_time(
+    dp: dict, m: int, fwd: float, bwd: float, overlap: bool, reductions: int = 1, fraction: float = 1.0
+) -> float:
+    """DP seconds compute cannot hide, as :mod:`parallel.overlap`'s rows say: gradient reductions
+    (``DP_REDUCTION``, with ``overlap``) under the backward — stages 0–1 the last micro-batch's,
+    stages 2–3 every one's — sharing it with stage 3's backward gathers (``ZERO3_GATHER``,
+    prefetched whatever ``overlap``); stage 3's forward gathers under the forward; the all-gather
+    after the optimizer step (``PARAM_GATHER_AFTER_STEP``) exposed. The gradients are reduced as
+    ``reductions`` collectives (buckets; ZeRO-3's units), each launched when its last gradient is
+    ready: the last one's starts when backward ends, so at least that ``1/reductions`` share is
+    exposed whatever the overlap (one bucket: all of it). Compute hides only ``fraction`` of the rest
+    (:func:`partly_hidden`), and none of the seconds priced with a measured ``ahead_call_us``
+    (``measured_per_mb``, ``measured_per_step``: stage 3's calls launched ahead of their wait,
+    :meth:`parallel.plan.traffic.AxisTraffic.add`): calibration measured those as what is left exposed
+    after overlap (``recipes.tools.calibrate_fit.fit_launched_ahead``), so their share of what the overlap table
+    hides stays exposed; with no measured cost (the GPU profiles) nothing changes."""
+    last = 1.0 / max(1, reductions)
+    per_mb = max(
+        exposed_sharing(
+            bwd, (DP_REDUCTION, dp["grad_per_mb"]), (ZERO3_GATHER, dp["param_bwd_per_mb"]), overlap=overlap
+        ),
+        last * dp["grad_per_mb"],
+    ) + ZERO3_GATHER.exposed(dp["param_fwd_per_mb"], fwd, overlap)
+    comm = dp["grad_per_mb"] + dp["param_bwd_per_mb"] + dp["param_fwd_per_mb"]
+    per_mb = partly_hidden(comm, per_mb, unmeasured(fraction, dp.get("measured_per_mb", 0.0), comm))
+    once = max(DP_REDUCTION.exposed(dp["grad_per_step"], bwd, overlap), last * dp["grad_per_step"])
+    step_fraction = unmeasured(fraction, dp.get("measured_per_step", 0.0), dp["grad_per_step"])
+    once = partly_hidden(dp["grad_per_step"], once, step_fraction)
+    return m * per_mb + once + PARAM_GATHER_AFTER_STEP.exposed(dp["param_after_step"], 0.0, overlap)

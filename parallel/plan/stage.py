@@ -1,0 +1,115 @@
+"""One pipeline stage's numbers: its parameters, its chunks' forward and backward seconds per
+micro-batch (TP, CP and EP collectives as they sit on the critical path), their activations and
+the step's compute; stages with the same chunk shapes share them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from ..overlap import TP_COLLECTIVES, TP_SP_BACKWARD
+from . import compute as C
+from . import memory as M
+from . import moe as MoE
+from .cp import cp_traffic, extra_activation_bytes, local_shape
+from .exposure import partly_hidden
+from .hardware import host_costs
+from .traffic import AxisTraffic, group_crosses_node, tp_traffic
+
+
+class Stage(NamedTuple):
+    """A stage's chunks ``[(virtual index, layers)]`` and their numbers (:func:`stage_numbers`)."""
+
+    chunks: list[tuple[int, range]]
+    params: M.StageParams
+    tp: AxisTraffic
+    cp: AxisTraffic
+    ep: AxisTraffic
+    forward_s: float
+    backward_s: float
+    activations: list[float]  # per chunk, one micro-batch
+    flops_s: float  # one micro-batch's compute, recomputation included
+
+
+def stage_flags(v: int, n_virtual: int) -> tuple[bool, bool]:
+    """(has the embedding, has the head) of virtual stage ``v``."""
+    return v == 0, v == n_virtual - 1
+
+
+def stages(shape, moe, ranges, count_params, hw, training, L, m, peak_flops) -> list[Stage]:
+    """Every pipeline stage's :class:`Stage`; stages alike share the numbers, not the traffic ledgers."""
+    out, alike = [], {}
+    for s in range(L.pp):
+        chunks = [(v, ranges[v]) for v in range(s, L.pp * L.vpp, L.pp)]
+        key = tuple((len(r), MoE.moe_layers_in(moe, r)) + stage_flags(v, L.pp * L.vpp) for v, r in chunks)
+        if key not in alike:
+            alike[key] = stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, moe)
+        params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis = alike[key]
+        out.append(Stage(chunks, params, tp_axis.copy(), cp_axis, ep_axis.copy(), fwd, bwd, acts, flops_s))
+    return out
+
+
+def stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, moe=None):
+    """Parameters, TP and CP traffic, per-micro-batch forward/backward seconds, activations per
+    chunk, the step's compute seconds and the ep traffic of a rank holding ``chunks``."""
+    t, sp, ckpt, mb = L.tp, L.sequence_parallel, training.checkpointing, training.micro_batch
+    e = M.PRECISION_BYTES[training.precision]
+    local = local_shape(shape, L.cp)  # activations and TP messages: s/cp tokens; FLOPs: those tokens over all s
+    params = M.StageParams(0)
+    tp_axis = AxisTraffic(t, group_crosses_node(1, t, hw.gpus_per_node))
+    cp_axis = AxisTraffic(L.cp, group_crosses_node(t, L.cp, hw.gpus_per_node))
+    fwd = bwd = flops_s = 0.0
+    acts = []
+    layer = C.layer_time(local, mb, t, sp, hw, training.precision, training.attention)
+    if L.cp > 1:  # each cp rank's s/cp queries attend over all s keys: cp × the local square
+        layer = dataclasses.replace(
+            layer, attention=layer.attention * L.cp, attention_backward=layer.attention_backward * L.cp
+        )
+    moe_layer = MoE.layer_time(moe, layer, local, mb, t, hw, training.precision) if moe else layer
+    ep_axis = AxisTraffic(L.ep, group_crosses_node(t * L.cp, L.ep, hw.gpus_per_node))
+    for v, r in chunks:
+        first, last = stage_flags(v, L.pp * L.vpp)
+        params = params + count_params(r, first, last, t)
+        n, n_moe = len(r), MoE.moe_layers_in(moe, r)
+        head = C.head_time(local, mb, t, hw, training.precision) if last else C.LayerTime(0.0, 0.0, 0.0)
+        blocks_f = (n - n_moe) * layer.forward + n_moe * moe_layer.forward
+        blocks_b = (n - n_moe) * layer.backward + n_moe * moe_layer.backward
+        recompute = {"full": blocks_f, "selective": n * layer.attention}.get(ckpt, 0.0)
+        tf, tb, (regather, scatter) = tp_traffic(
+            local, tp_axis, hw, n_layers=n, has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
+        )
+        cf, cb = cp_traffic(
+            shape, cp_axis, hw, n_layers=n, mb=mb, m=m, e=e, tp=t, ckpt=ckpt, impl=L.cp_impl, peak_flops=peak_flops
+        )
+        ef, eb = (
+            (0.0, 0.0)
+            if not n_moe
+            else MoE.ep_traffic(moe, ep_axis, hw, n_moe=n_moe, tokens=mb * local.seq_len, m=m, e=e, checkpointing=ckpt)
+        )  # exposed: the MoE layer waits for its exchanges
+        if n_moe:  # cp > 1: the router statistics summed over the cp group
+            sf, sb = MoE.cp_stats_traffic(moe, cp_axis, hw, n_moe=n_moe, m=m, checkpointing=ckpt)
+            cf, cb = cf + sf, cb + sb
+        f_s = blocks_f + head.forward
+        b_s = blocks_b + head.backward + recompute
+        fwd += f_s + TP_COLLECTIVES.exposed(tf, n * layer.gemm) + cf + ef  # exposed: TP collectives block
+        column = n * layer.column_gemm  # input-gradient matmuls hide the re-gathers, weight-gradient ones the scatters
+        sp_b = TP_SP_BACKWARD.exposed(regather, column) + TP_SP_BACKWARD.exposed(scatter, column)
+        sp_b = partly_hidden(regather + scatter, sp_b, host_costs(hw).overlap_fraction)
+        bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb + eb
+        flops_s += f_s + b_s
+        acts.append(
+            M.stage_activation_bytes(
+                local,
+                mb,
+                len(r),
+                has_embedding=first,
+                has_head=last,
+                tp=t,
+                sequence_parallel=sp,
+                checkpointing=ckpt,
+                precision=training.precision,
+            )
+            + len(r) * extra_activation_bytes(shape, mb, cp=L.cp, tp=t, impl=L.cp_impl, checkpointing=ckpt, e=e)
+            + (n_moe and n_moe * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=L.ep))
+        )
+    return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis
