@@ -115,7 +115,7 @@ RING_ATTENTION = Overlap(
     "what exceeds one block per hop; the last dK/dV hop exposed",
 )
 ULYSSES_ALL_TO_ALL = Overlap(
-    "Ulysses all-to-alls", "", False, "layers/ring_attention.py ulysses_attention: blocking", "exposed"
+    "Ulysses all-to-alls", "", False, "layers/ulysses.py ulysses_attention: blocking", "exposed"
 )
 OFFLOAD_STEP = Overlap(
     "offload: gradient shard to host, host AdamW, parameters back",

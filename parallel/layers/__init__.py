@@ -24,9 +24,9 @@ from .ring_attention import (
     cp_positions,
     cp_slice,
     ring_attention,
-    ulysses_attention,
 )
 from .tokens import check_token_ids, check_token_ids_together
+from .ulysses import ulysses_attention
 
 __all__ = [
     "ColumnParallelLinear",

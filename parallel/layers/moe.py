@@ -27,10 +27,7 @@ segment: a loop over the ``L`` local experts, never over tokens. ``torch._groupe
 for recent CUDA GPUs, not on the CPU path this project tests, so the segment loop is used
 everywhere.
 
-**Capacity.** ``capacity_factor=None`` (default) is dropless. Otherwise each expert accepts at
-most ``ceil(capacity_factor · T · k / num_experts)`` of *this rank's* assignments (``T`` local
-tokens), in priority order: all first choices (token order) before all second choices (GShard);
-dropped assignments contribute nothing (weights are not renormalised).
+**Routing and capacity**: :mod:`.moe_routing`.
 
 **Gradients.** Expert parameters (marked :func:`parallel.params.mark_expert`) receive the
 gradient of every ep rank's tokens routed to them; dense parameters (router, shared experts) only
@@ -46,7 +43,6 @@ refused (the router's gradient would need a TP reduction that is not wired).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,147 +51,18 @@ from torch import nn
 from .. import comm
 from ..params import mark_expert, mark_no_weight_decay
 from .init import reset_default_
-from .linear import LayerConfigError
-from .mlp import ACTIVATIONS, ParallelMLP
-
-
-class MoEConfigError(LayerConfigError):
-    """An MoE configuration that cannot run (sizes, top-k, expert split)."""
-
-
-#: the refusal of sequence parallelism in MoE layers (the layer's and the planner's)
-SEQUENCE_PARALLEL_REFUSED = "MoE: sequence parallelism is not supported in MoE layers; set sequence_parallel=False"
-#: the refusal of capacity-limited routing under context parallelism (the layer's and the recipe's): which
-#: assignments an expert drops depends on the arrival order of every token of the micro-batch, and a cp rank
-#: holds a slice of each sequence
-CONTEXT_PARALLEL_CAPACITY_REFUSED = (
-    "MoE with context parallelism (cp > 1) routes dropless only: with a capacity factor an expert's drops "
-    "depend on every token of the micro-batch, and a cp rank routes a slice of each sequence; set "
-    "model.moe_capacity_factor=null (dropless) or cp=1"
+from .mlp import ParallelMLP
+from .moe_routing import (  # noqa: F401 - the router's public names, re-exported
+    CONTEXT_PARALLEL_CAPACITY_REFUSED,
+    SEQUENCE_PARALLEL_REFUSED,
+    MoEConfig,
+    MoEConfigError,
+    Routing,
+    all_reduce_sum_both_ways,
+    aux_losses,
+    kept_assignments,
+    route,
 )
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """One MoE layer's shape and routing.
-
-    ``num_shared_experts`` always-on experts of width ``shared_d_ff`` each (default ``d_ff``) are
-    fused into one MLP of width ``num_shared_experts · shared_d_ff``. ``aux_loss_weight`` scales
-    the Switch load-balancing loss ``E · Σ_e f_e · P_e`` (``f_e``: fraction of the ``T·k``
-    assignments to expert ``e`` before dropping, ``P_e``: mean router probability);
-    ``z_loss_weight`` the router z-loss ``mean(logsumexp(logits)²)``.
-    """
-
-    num_experts: int
-    d_ff: int
-    top_k: int = 2
-    activation: str = "swiglu"
-    bias: bool = False
-    num_shared_experts: int = 0
-    shared_d_ff: int | None = None
-    capacity_factor: float | None = None
-    aux_loss_weight: float = 0.01
-    z_loss_weight: float = 0.0
-    normalize_top_k: bool = True
-
-    def check(self, ep_size: int = 1) -> None:
-        """Raise :class:`MoEConfigError` naming the numbers and the fix when this cannot run."""
-        E, k = self.num_experts, self.top_k
-        if E < 1 or self.d_ff < 1:
-            raise MoEConfigError(f"MoE: num_experts={E} and d_ff={self.d_ff} must be ≥ 1")
-        if not 1 <= k <= E:
-            raise MoEConfigError(f"MoE: top_k={k} must be between 1 and num_experts={E}; lower top_k")
-        if E % ep_size:
-            raise MoEConfigError(
-                f"MoE: num_experts={E} is not divisible by ep={ep_size}; choose ep among "
-                f"{[d for d in range(1, E + 1) if E % d == 0]}"
-            )
-        if self.activation not in ACTIVATIONS:
-            raise MoEConfigError(f"MoE: activation {self.activation!r} not in {ACTIVATIONS}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise MoEConfigError(f"MoE: capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
-        if self.num_shared_experts < 0:
-            raise MoEConfigError(f"MoE: num_shared_experts={self.num_shared_experts} must be ≥ 0")
-
-    def capacity(self, tokens: int) -> int | None:
-        """Assignments each expert accepts from ``tokens`` local tokens (None: dropless)."""
-        if self.capacity_factor is None:
-            return None
-        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
-
-
-@dataclass
-class Routing:
-    """The router's decision for ``T`` tokens: ``experts``/``weights`` ``[T, k]``, ``probs`` ``[T, E]``."""
-
-    experts: torch.Tensor
-    weights: torch.Tensor
-    probs: torch.Tensor
-    logits: torch.Tensor
-
-
-def route(logits: torch.Tensor, cfg: MoEConfig) -> Routing:
-    """Top-k softmax gating in fp32 (ties broken by ``torch.topk``)."""
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    weights, experts = probs.topk(cfg.top_k, dim=-1)
-    if cfg.normalize_top_k:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return Routing(experts, weights, probs, logits)
-
-
-def aux_losses(r: Routing, cfg: MoEConfig, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(load-balancing loss, z-loss) of one routing, unweighted.
-
-    ``cp_group``: the context-parallel ranks holding the other slices of these sequences. The
-    balance loss ``E·Σ_e f_e·P_e`` is a product of two means over *all* of a micro-batch's tokens
-    (``f``: the fraction of assignments to expert e, ``P``: its mean router probability), so the
-    assignment counts and probability sums are summed over the cp group first (one all-reduce of
-    ``2E`` floats, whose backward all-reduces the gradient: every cp rank adds the same loss, and
-    the gradient average over dp·cp then gives one process's gradient). The z-loss is a mean over
-    tokens, like the cross-entropy: each cp rank's mean of its equal share averages to the whole."""
-    E = cfg.num_experts
-    counts = torch.zeros(E, device=r.probs.device).index_add_(
-        0, r.experts.reshape(-1), torch.ones(r.experts.numel(), device=r.probs.device)
-    )
-    cp = comm.tp_world_size(cp_group)
-    sums = torch.cat([r.probs.sum(dim=0), counts])
-    if cp > 1:
-        sums = all_reduce_sum_both_ways(sums, cp_group)
-    tokens = r.probs.shape[0] * cp
-    frac = sums[E:] / max(tokens * r.experts.shape[-1], 1)
-    balance = E * (frac * sums[:E] / max(tokens, 1)).sum()
-    z = torch.logsumexp(r.logits, dim=-1).square().mean()
-    return balance, z
-
-
-class _AllReduceBothWays(torch.autograd.Function):
-    """Sum over the group; backward sums the gradient over the group too (each rank's loss uses the sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.all_reduce_sum(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_reduce_sum(grad.contiguous(), ctx.group), None
-
-
-def all_reduce_sum_both_ways(x: torch.Tensor, group) -> torch.Tensor:
-    """``x`` summed over ``group``, differentiably: the gradient is summed over the group as well."""
-    return _AllReduceBothWays.apply(x, group)
-
-
-def kept_assignments(experts: torch.Tensor, cfg: MoEConfig) -> torch.Tensor | None:
-    """Bool ``[T, k]``: which assignments fit their expert's capacity (None: dropless, all)."""
-    cap = cfg.capacity(experts.shape[0])
-    if cap is None:
-        return None
-    slot_major = experts.t().reshape(-1)  # first choices of every token, then second choices …
-    onehot = F.one_hot(slot_major, cfg.num_experts)
-    position = (onehot.cumsum(dim=0) * onehot).sum(dim=-1) - 1  # arrival order within its expert
-    return (position < cap).view(cfg.top_k, -1).t()
 
 
 def _count(index: torch.Tensor, n: int) -> torch.Tensor:

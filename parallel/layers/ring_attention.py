@@ -22,7 +22,7 @@ Two ways to attend over the whole sequence:
   log-sum-exp and whose backward takes the merged output and log-sum-exp (exact fp32);
   on other devices an exact fp32 math kernel in query-row tiles (a CUDA flash kernel
   with the same contract is the drop-in, not done here).
-* :func:`ulysses_attention` — DeepSpeed-Ulysses: an all-to-all turns
+* :func:`~parallel.layers.ulysses.ulysses_attention` — DeepSpeed-Ulysses (:mod:`.ulysses`): an all-to-all turns
   ``[b, h, s/cp, d]`` into ``[b, h/cp, s, d]`` for q, k and v, SDPA runs on whole
   sequences of ``h/cp`` heads, and an all-to-all turns the output back. Needs
   the (TP-local) query and kv heads divisible by cp (:func:`check_ulysses_heads`).
@@ -365,78 +365,10 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, group, causal, scale)
 
 
-# ---------------------------------------------------------------- Ulysses
-
-
-def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    """``[b, h, s/cp, d]`` → ``[b, h/cp, s, d]`` (the sequence in rank order, not global order)."""
-    cp = comm.group_size(group)
-    b, h, s, d = x.shape
-    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # chunk j: heads for rank j
-    recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, group=group)  # chunk i: my heads, rank i's tokens
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
-
-
-def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """Inverse of :func:`_seq_to_heads`: ``[b, h/cp, s, d]`` → ``[b, h, s/cp, d]``."""
-    cp = comm.group_size(group)
-    b, hl, s, d = x.shape
-    send = x.reshape(b, hl, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # chunk i: rank i's tokens
-    recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, group=group)  # chunk j: rank j's heads, my tokens
-    # [b, s/cp, h, d] in memory (as SDPA's kernels store their output): [b, s/cp, h·d] is a view
-    return recv.permute(1, 3, 0, 2, 4).reshape(b, s // cp, cp * hl, d).transpose(1, 2)
-
-
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
-
-
-def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool = True, scale: float | None = None
-) -> torch.Tensor:
-    """The same contract as :func:`ring_attention`, by all-to-all (DeepSpeed-Ulysses).
-
-    Four all-to-alls on ``group`` forward (q, k, v in; the output back) and four
-    backward, each moving ``(cp−1)/cp`` of its tensor (:func:`ulysses_bytes`).
-    Heads must divide by cp (:func:`check_ulysses_heads` refuses up front)."""
-    _check_qkv(q, k, v, "ulysses_attention")
-    cp = comm.group_size(group) if group is not None else 1
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    gqa = q.shape[1] != k.shape[1]
-    if cp == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
-    check_ulysses_heads(q.shape[1], k.shape[1], cp, 1)
-    s_local = q.shape[2]
-    # rank order → global order: token j of the gathered sequence sits at global position order[j]
-    order = torch.cat([cp_positions(s_local * cp, cp, r, device=q.device) for r in range(cp)])
-    inverse = torch.argsort(order)
-    qs, ks, vs = (_SeqToHeads.apply(t.contiguous(), group).index_select(2, inverse) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=gqa)
-    return _HeadsToSeq.apply(out.index_select(2, order).contiguous(), group)
-
-
 def context_parallel_attention(q, k, v, group, *, impl: str = "ring", causal: bool = True, scale=None):
     """Dispatch to :func:`ring_attention` or :func:`ulysses_attention` (``impl`` in :data:`CP_IMPLS`)."""
     check_cp_impl(impl)
+    from .ulysses import ulysses_attention  # it imports this module's layout helpers
+
     fn = ring_attention if impl == "ring" else ulysses_attention
     return fn(q, k, v, group, causal=causal, scale=scale)
