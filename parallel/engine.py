@@ -33,7 +33,7 @@ from torch import nn
 from . import comm
 from .checkpoint import prepare_optimizer_state, publish, zero_state_pieces
 from .memory import SavedActivationMeter, peak_memory_bytes
-from .params import init_key, mark_main_grad
+from .params import init_key
 from .pipeline.executor import PipelineExecutor
 from .pipeline.partition import partition_layers, stage_chunks
 from .pipeline.schedules import Action, build_schedule
@@ -220,13 +220,6 @@ class StepEngine:
             # ZeRO 0-1 run the step under no_sync(); each chunk's last backward launches its DP reduction
             final_backward=lambda chunk: self.zero.sync_gradients(),
         )
-        # a zero-bubble split backward runs a chunk's nodes under autograd.grad, in B and again in W, where
-        # nothing is accumulated in place: a fused linear cannot fuse there and, being one Python node, would
-        # work out its input gradient again in W. Those chunks keep autograd's own linear
-        # (parallel.params.main_grad; the fused path is correct there, only slower)
-        for c in self.executor.split_chunks:
-            for p in self.model.chunks[c].parameters():
-                mark_main_grad(p, False)
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self.activation_bytes = 0.0  # saved activations at the schedule's peak (a measured step)
         self.model_state_bytes: dict = {}
