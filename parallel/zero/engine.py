@@ -230,15 +230,10 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self._sync = True
         self._callback_queued = False
         self._in_flight: deque[FlatBucket] = deque()  # stages 2-3: reduce-scatters not yet waited for
-        # fp32 at stages 0-1 accumulates straight into flat_grad (the .grad are views): a hook has
-        # work only in a backward whose reductions can launch (dp > 1, not under no_sync)
-        self._hooks_on_demand = (
-            self.param_dtype == torch.float32 and not self.policy.shards_grads and not self.policy.shards_params
-        )
-        self._hooks: list = []  # one list object for the engine's life: the finalizer below holds it
+        hook = _weak_hook(self, "_on_grad_ready")
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._param_bucket]
         # the parameters outlive an engine that is dropped (a model wrapped again): its hooks go with it
         weakref.finalize(self, _remove_hooks, self._hooks)
-        self._update_hooks()
         if self.policy.gathers_per_unit:
             self._unit_gatherer = UnitGatherer(self.module, self.units, self._unit_buckets)
 
@@ -324,12 +319,10 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without communicating (stages 0–1; see the module docstring)."""
         previous, self._sync = self._sync, False
-        self._update_hooks()
         try:
             yield
         finally:
             self._sync = previous
-            self._update_hooks()
 
     @contextlib.contextmanager
     def sync_gradients(self) -> Iterator[None]:
@@ -341,30 +334,13 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         last backward (``PipelineExecutor(final_backward=...)``); a bucket that spans chunks
         launches once the gradients of all of them are final."""
         previous, self._sync = self._sync, True
-        self._update_hooks()
         try:
             yield
         finally:
             self._sync = previous
-            self._update_hooks()
 
     def _communicates_now(self) -> bool:
         return self._sync or (self.policy.reduce_every_microbatch and not self.keep_full)
-
-    def _update_hooks(self) -> None:
-        """Have a post-accumulate-grad hook on every parameter only while one can do work.
-
-        Always at stages 2-3 and in 16-bit precision (each micro-batch's gradient is taken
-        into the fp32 buffer or sent). fp32 at stages 0-1 only while this backward communicates
-        over more than one DP rank (the hooks launch each bucket's reduction as it fills):
-        at dp=1 and under ``no_sync`` no Python runs per parameter, and :meth:`step` takes in
-        any gradient that is not a view of ``flat_grad`` (``model.zero_grad()`` set it to None)."""
-        want = not self._hooks_on_demand or (self.dp_size > 1 and self._communicates_now())
-        if want and not self._hooks:
-            hook = _weak_hook(self, "_on_grad_ready")
-            self._hooks.extend(p.register_post_accumulate_grad_hook(hook) for p in self._param_bucket)
-        elif not want and self._hooks:
-            _remove_hooks(self._hooks)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket = self._param_bucket[param]
@@ -387,7 +363,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
                     bucket.free_params()
             return
         if once and self.dp_size == 1:
-            return  # one rank (16-bit hooks): nothing to overlap, the step reduces the accumulated gradient once
+            return  # one rank: nothing to overlap, the step reduces the accumulated gradient once
         bucket.ready += 1
         if self.overlap and bucket.ready == len(bucket.params):
             self._reduce(bucket, wait=False)
@@ -455,9 +431,6 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         """Reduce what backward left unreduced (unused parameters, no_sync); return fp32 grads, averaged."""
         for b in self.buckets:
             if b.has_unreduced_grads():
-                if self._hooks_on_demand:  # no hook saw these gradients: adopt any that is not a view
-                    for i, p in enumerate(b.params):
-                        b.take_grad(p, i)
                 self._reduce(b, wait=True)
             b.finish_reduction()
         self._in_flight.clear()
