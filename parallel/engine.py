@@ -38,7 +38,7 @@ from .pipeline.executor import PipelineExecutor
 from .pipeline.partition import partition_layers, stage_chunks
 from .pipeline.schedules import Action, build_schedule
 from .timing import StepClock
-from .zero import ZeroDataParallel
+from .zero import DynamicLossScaler, ZeroConfig, ZeroDataParallel
 
 READ_KEYS = ("loss", "grad_norm", "skipped")  # the values a step leaves on the device unless read
 
@@ -183,8 +183,9 @@ class StepEngine:
         activation_shape: one micro-batch's activation between stages.
         compute_dtype: the dtype of activations (and of ZeRO's compute parameters).
         sequence_parallel: activations between stages are sequence-sharded over TP.
-        zero: keyword arguments of :class:`~parallel.zero.ZeroDataParallel` (``stage``,
-            ``optimizer_factory``, ``precision``, ``units`` ...).
+        zero: ZeRO's settings (:class:`~parallel.zero.ZeroConfig`); ``optimizer_factory``,
+            ``units``, ``loss_scaler`` and the further groups (``clip_groups``, ``expert_group``,
+            ``ep_group``) go to :class:`~parallel.zero.ZeroDataParallel` as they are.
     """
 
     def __init__(
@@ -193,20 +194,36 @@ class StepEngine:
         actions: Sequence[Action] | Sequence[Sequence[Action]],
         *,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        zero: ZeroConfig,
+        optimizer_factory: Callable[[list[dict]], torch.optim.Optimizer],
         dp_group: dist.ProcessGroup | None,
         pp_group: dist.ProcessGroup,
         tp_group: dist.ProcessGroup | None = None,
         embedding_group: dist.ProcessGroup | None = None,
+        clip_groups: Sequence[dist.ProcessGroup | None] = (),
+        expert_group: dist.ProcessGroup | None = None,
+        ep_group: dist.ProcessGroup | None = None,
+        units: Sequence[nn.Module] | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
         activation_shape: Sequence[int],
         compute_dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
-        **zero: Any,
     ):
         self.model = ModelChunks(chunks)
         self.dp_group = dp_group
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.zero = ZeroDataParallel(
-            self.model, dp_group=dp_group, tp_group=tp_group, embedding_group=embedding_group, **zero
+            self.model,
+            zero,
+            optimizer_factory=optimizer_factory,
+            dp_group=dp_group,
+            tp_group=tp_group,
+            embedding_group=embedding_group,
+            clip_groups=clip_groups,
+            expert_group=expert_group,
+            ep_group=ep_group,
+            units=units,
+            loss_scaler=loss_scaler,
         )
         self.executor = PipelineExecutor(
             [_ChunkCall(self.zero, c) for c in range(len(chunks))],

@@ -19,6 +19,7 @@ import parallel.plan.memory as plan_memory
 import parallel.plan.traffic as plan_traffic
 import parallel.precision as precision
 import parallel.zero.compression as compression
+import parallel.zero.config as zero_config
 import parallel.zero.engine as zero_engine
 import parallel.zero.layout as layout
 import parallel.zero.policy as policy
@@ -55,7 +56,7 @@ def test_checkpointing_modes_have_one_home():
 def test_precision_tables_have_one_home():
     assert zero_theory.DTYPE_BYTES is precision.DTYPE_BYTES
     assert plan_memory.PRECISION_BYTES is precision.DTYPE_BYTES
-    assert zero_engine.DTYPES is precision.TORCH_DTYPES
+    assert zero_config.DTYPES is precision.TORCH_DTYPES
     assert trainer.COMPUTE_DTYPES is precision.TORCH_DTYPES
     for name, dtype in precision.TORCH_DTYPES.items():
         assert torch.empty((), dtype=dtype).element_size() == precision.DTYPE_BYTES[name]
@@ -149,8 +150,8 @@ def test_zero3_accumulation_formulas_have_one_home():
     assert plan_traffic.grad_reductions_per_step is zero_theory.grad_reductions_per_step
     assert bench.grad_reductions_per_step is zero_theory.grad_reductions_per_step
     assert planner.accumulation_grad_bytes is zero_theory.accumulation_grad_bytes
-    assert validation.ZERO_ACCUMULATE is zero_theory.ZERO_ACCUMULATE is zero_engine.ZERO_ACCUMULATE
-    assert validation.accumulate_applies is zero_theory.accumulate_applies is zero_engine.accumulate_applies
+    assert validation.ZERO_ACCUMULATE is zero_theory.ZERO_ACCUMULATE is zero_config.ZERO_ACCUMULATE
+    assert validation.accumulate_applies is zero_theory.accumulate_applies is zero_config.accumulate_applies
 
 
 def test_overlap_facts_have_one_home():

@@ -2,7 +2,7 @@
 
 Wrap any ``nn.Module``; each DP rank feeds its own slice of the global batch::
 
-    zdp = ZeroDataParallel(model, dp_group=groups.dp, stage=2,
+    zdp = ZeroDataParallel(model, ZeroConfig(stage=2), dp_group=groups.dp,
                            optimizer_factory=lambda groups: torch.optim.AdamW(groups, lr=1e-3))
     for micro in range(n_micro):
         with zdp.no_sync() if micro < n_micro - 1 else contextlib.nullcontext():
@@ -82,28 +82,17 @@ from torch import nn
 from .. import comm
 from ..overlap import REDUCTIONS_IN_FLIGHT
 from ..params import is_expert, wants_weight_decay
-from ..precision import TORCH_DTYPES
 from .bucket import FlatBucket
-from .compression import COMPRESSIONS, TopKCompressor, topk_count
+from .compression import TopKCompressor
+from .config import ZeroConfig
 from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
-from .offload import HostCopier, check_offload, host_step
+from .offload import HostCopier, host_step
 from .packing import extra_reduce as packing_extra_reduce
-from .policy import ZERO_STAGES, policy
+from .policy import policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
-from .theory import ZERO_ACCUMULATE, accumulate_applies, grad_comm_dtype
 from .units import UnitGatherer
-
-DTYPES = TORCH_DTYPES  # one home: parallel.precision
-
-
-def _dtype(name, what: str) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ZeroConfigError(f"{what} must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
 
 
 def _extra_reduce(name: str, p: nn.Parameter, zdp) -> str:
@@ -129,90 +118,45 @@ def host_flag(flag: torch.Tensor) -> bool:
     return bool(flag)
 
 
-def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float, accumulate="sharded"):
-    """Refuse impossible settings (the same on every rank, before any collective); return the compression."""
-    if stage not in ZERO_STAGES:
-        stages = ", ".join(map(str, ZERO_STAGES[:-1])) + f" or {ZERO_STAGES[-1]}"
-        raise ZeroConfigError(f"ZeRO stage must be {stages}, got {stage}")
-    if accumulate not in ZERO_ACCUMULATE:
-        raise ZeroConfigError(f"accumulate must be one of {ZERO_ACCUMULATE}, got {accumulate!r}")
-    if accumulate == "unsharded" and not accumulate_applies(stage):
-        raise ZeroConfigError(
-            f"accumulate='unsharded' is a choice of stages 2-3 (stages 0-1 keep full gradients and reduce "
-            f"once per step anyway), got stage {stage}; use stage=2 or 3, or accumulate='sharded'"
-        )
-    if compression not in (None, *COMPRESSIONS):
-        raise ZeroConfigError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
-    compression = None if compression == "none" else compression
-    if compression and policy(stage).reduce != "all_reduce":
-        raise ZeroConfigError(
-            f"top-k compression needs stage 0 (it replaces the all-reduce), got stage {stage}; "
-            f"use stage=0 or compression=None"
-        )
-    if grad_clip is not None and grad_clip <= 0:
-        raise ZeroConfigError(f"grad_clip must be positive or None, got {grad_clip}")
-    if bucket_mb <= 0:
-        raise ZeroConfigError(f"bucket_mb must be positive, got {bucket_mb}")
-    if compression:
-        topk_count(1, topk_ratio)  # refuses a ratio outside (0, 1]
-    return compression
-
-
 class ZeroDataParallel(StateDictMixin, nn.Module):
-    """Wrap ``module`` for ZeRO ``stage`` data parallelism over ``dp_group`` (see the module docstring).
+    """Wrap ``module`` for ZeRO data parallelism over ``dp_group`` as ``config`` says
+    (:class:`~parallel.zero.config.ZeroConfig`; see the module docstring).
 
     ``optimizer_factory(param_groups)`` builds any elementwise torch optimizer
     over the flat fp32 shards (group 0 with weight decay, group 1 with
-    ``weight_decay=0``). ``units``: stage 3's gather granularity. ``bucket_mb``:
-    the most bytes per flat bucket (one collective each). ``loss_scaler``: fp16's
-    :class:`DynamicLossScaler` (default settings if None). ``offload``: ``"optimizer"``
-    or ``"optimizer+params"`` keep model state in host memory (:mod:`parallel.zero.offload`).
+    ``weight_decay=0``). ``units``: stage 3's gather granularity. ``loss_scaler``: fp16's
+    :class:`DynamicLossScaler` (default settings if None). The process groups are
+    the module docstring's; None where that dimension is 1.
     """
 
     def __init__(
         self,
         module: nn.Module,
+        config: ZeroConfig,
         *,
-        dp_group: dist.ProcessGroup | None,
-        stage: int,
         optimizer_factory: Callable[[list[dict]], torch.optim.Optimizer],
-        units: Sequence[nn.Module] | None = None,
-        precision: str = "fp32",
-        comm_dtype: str | None = None,
-        bucket_mb: float = 25,
-        overlap: bool = True,
-        grad_clip: float | None = None,
+        dp_group: dist.ProcessGroup | None,
         tp_group: dist.ProcessGroup | None = None,
         embedding_group: dist.ProcessGroup | None = None,
         clip_groups: Sequence[dist.ProcessGroup | None] = (),
-        compression: str | None = None,
-        topk_ratio: float = 0.01,
-        loss_scaler: DynamicLossScaler | None = None,
-        offload: str = "none",
-        accumulate: str = "sharded",
         expert_group: dist.ProcessGroup | None = None,
         ep_group: dist.ProcessGroup | None = None,
+        units: Sequence[nn.Module] | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
     ):
         super().__init__()
-        compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio, accumulate)
-        self.offload = check_offload(offload, stage)
-        self.keep_full = accumulate == "unsharded"  # ZeRO-2/3: one reduce-scatter per step (theory.ZERO_ACCUMULATE)
-        if self.keep_full and self.offload != "none":
-            raise ZeroConfigError(
-                f"accumulate='unsharded' keeps the full fp32 gradients on the device across micro-batches, "
-                f"which undoes offload={self.offload!r} (it exists to free device memory); use one of them"
-            )
-        self.param_dtype = _dtype(precision, "precision")
-        self.comm_dtype = _dtype(grad_comm_dtype(comm_dtype), "comm_dtype")
+        self.config = config
+        stage, self.offload, self.keep_full = config.stage, config.offload, config.keep_full
+        self.param_dtype, self.comm_dtype = config.param_dtype, config.wire_dtype
         self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
         for name, p in module.named_parameters():
             _extra_reduce(name, p, self)
         # every setting is checked above, on every rank, before the first collective
-        self.module, self.stage, self.dp_group, self.overlap = module, stage, dp_group, overlap
+        self.module, self.stage, self.dp_group, self.overlap = module, stage, dp_group, config.overlap
         self.policy = policy(stage)  # the stage's behaviour, read by name below (parallel/zero/policy.py)
         self.dp_size = comm.group_size(dp_group)
         self.dp_rank = torch.distributed.get_rank(dp_group) if self.dp_size > 1 else 0
-        self.grad_clip, self.tp_group = grad_clip, tp_group
+        self.grad_clip, self.tp_group = config.grad_clip, tp_group
         self.expert_group = expert_group if expert_group is not None else dp_group
         self.expert_norm_group = None if self.policy.shards_optimizer else ep_group  # stage 0: experts differ over ep
         self.norm_groups = (
@@ -220,7 +164,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         )
         self.scaler = (loss_scaler or DynamicLossScaler()) if self.param_dtype == torch.float16 else None
         self.units = list(units or [])
-        self._build_buckets(bucket_mb, compression, topk_ratio)
+        self._build_buckets(config.bucket_mb, config.compression, config.topk_ratio)
         groups = [
             {"params": [b.master for b in self.buckets if b.layout.weight_decay]},
             {"params": [b.master for b in self.buckets if not b.layout.weight_decay], "weight_decay": 0.0},

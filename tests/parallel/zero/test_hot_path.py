@@ -8,7 +8,7 @@ import torch
 
 from parallel import comm
 from parallel.testing import run_ranks
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 from parallel.zero.norm import local_sq_norm
 
 from .toy import adamw, batches, make_model
@@ -28,7 +28,7 @@ def _unread_step():
     import torch.distributed as dist
 
     def run(norm):
-        zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw)
+        zdp = ZeroDataParallel(make_model(), ZeroConfig(stage=1), dp_group=dist.group.WORLD, optimizer_factory=adamw)
         with comm.CommCounter() as counter:
             stats, params = _train(zdp, norm=norm)
         return stats, params, counter
@@ -41,7 +41,9 @@ def _unread_step():
     assert torch.is_tensor(s_on["grad_norm"]) and s_off["grad_norm"] is None and s_off["skipped"] is None
     for a, b in zip(p_on, p_off):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    clipped = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw, grad_clip=1.0)
+    clipped = ZeroDataParallel(
+        make_model(), ZeroConfig(stage=1, grad_clip=1.0), dp_group=dist.group.WORLD, optimizer_factory=adamw
+    )
     stats, _ = _train(clipped, norm=False)
     assert torch.is_tensor(stats["grad_norm"])  # clipping needs the norm: computed anyway
 
@@ -68,7 +70,10 @@ def _in_flight_peak(stage):
 
     def run():
         zdp = ZeroDataParallel(
-            make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, bucket_mb=1e-4, overlap=True
+            make_model(),
+            ZeroConfig(stage=stage, bucket_mb=1e-4, overlap=True),
+            dp_group=dist.group.WORLD,
+            optimizer_factory=adamw,
         )
         assert len(zdp.buckets) > REDUCTIONS_IN_FLIGHT + 1  # enough buckets for the cap to matter
         peak = [0]
@@ -110,7 +115,7 @@ def _second_communicating_backward(stage, overlap):
     import torch.distributed as dist
 
     zdp = ZeroDataParallel(
-        make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, overlap=overlap
+        make_model(), ZeroConfig(stage=stage, overlap=overlap), dp_group=dist.group.WORLD, optimizer_factory=adamw
     )
     (x, y), *_ = batches(steps=1)
     zdp.backward(((zdp(x) - y) ** 2).mean())  # communicates: this step's one reduction starts
@@ -131,7 +136,7 @@ def _one_rank_accumulates_without_no_sync(stage):
 
     def run(use_no_sync):
         zdp = ZeroDataParallel(
-            make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, precision="bf16"
+            make_model(), ZeroConfig(stage=stage, precision="bf16"), dp_group=dist.group.WORLD, optimizer_factory=adamw
         )
         (x, y), *_ = batches(steps=1)
         for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):
@@ -158,7 +163,7 @@ def _stage1_in_place():
     from parallel.comm import collectives
 
     collectives.GLOO_GATHER_BY_BROADCAST_BYTES = 0  # the path of large buckets (gloo's own is not in place)
-    zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw)
+    zdp = ZeroDataParallel(make_model(), ZeroConfig(stage=1), dp_group=dist.group.WORLD, optimizer_factory=adamw)
     fresh = []
     original, clone = torch.empty, torch.Tensor.clone
     x, y = batches(steps=1)[0]
@@ -186,7 +191,7 @@ def _abandoned_step(comm_dtype):
     import torch.distributed as dist
 
     zdp = ZeroDataParallel(
-        make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw, comm_dtype=comm_dtype
+        make_model(), ZeroConfig(stage=1, comm_dtype=comm_dtype), dp_group=dist.group.WORLD, optimizer_factory=adamw
     )
     x, y = batches(steps=1)[0]
     zdp.backward(((zdp(x) - y) ** 2).mean())  # communicating: reductions in flight
