@@ -2,17 +2,17 @@
 
 The engine owns, each exactly once: the rank's model chunks (one per virtual
 pipeline stage it holds) under ZeRO data parallelism, the pipeline schedule and
-its executor, the fp16 loss scale, the gradient reductions (DP through ZeRO —
-each chunk's last backward launches its reduction; the tied embedding and
-replicated tensor-parallel parameters are reduced by ZeRO, on its shard), the
-clipping and the optimizer step (ZeRO's ``step``). Following one batch:
+its executor, the gradient reductions (DP through ZeRO — each chunk's last backward
+launches its reduction; the tied embedding and replicated tensor-parallel parameters
+are reduced by ZeRO, on its shard), the clipping and the optimizer step (ZeRO's
+``step``). The fp16 loss scale is ZeRO's: ``zero.scale_loss`` applies it, ``zero.step``
+(gradients) and ``zero.unscale_loss`` (the loss value) remove it. Following one batch:
 
-    step(inputs, targets) → executor.run (forwards/backwards of the schedule; the
-    loss function multiplies by the loss scale; ZeRO 0–1 accumulate under
-    ``no_sync`` and reduce in each chunk's final backward) → ZeroDataParallel.step
-    (unscale ÷ dp·scale, clip, optimizer, publish) → the loss, unscaled, averaged
-    over DP when the step is read (:class:`PendingLoss`: an unread step issues no loss
-    collective).
+    step(inputs, targets) → executor.run (forwards/backwards of the schedule on
+    ``zero.scale_loss(loss)``; ZeRO 0–1 accumulate under ``no_sync`` and reduce in each
+    chunk's final backward) → ``zero.unscale_loss`` of the summed loss → ZeroDataParallel.step
+    (÷ dp·scale, clip, optimizer, publish) → the loss averaged over DP when the step is
+    read (:class:`PendingLoss`: an unread step issues no loss collective).
 
 It takes process groups and modules as arguments and knows nothing of the
 models or the recipes (the dependency rule of ``docs/architecture.md``).
@@ -46,12 +46,12 @@ READ_KEYS = ("loss", "grad_norm", "skipped")  # the values a step leaves on the 
 class PendingLoss:
     """A step's loss before its reductions: what an unread step leaves in its record.
 
-    It holds this rank's mean micro-batch loss (meaningful on the last pipeline stage
-    only) and what turns it into the global-batch mean. :meth:`reduce` issues, once,
+    It holds this rank's mean micro-batch loss, the loss scale already removed (meaningful
+    on the last pipeline stage only), and what turns it into the global-batch mean. :meth:`reduce` issues, once,
     the collectives an unread step skipped: the ``broadcast`` of the last stage's
     value over ``pp_group`` (:meth:`PipelineExecutor.share_loss
     <parallel.pipeline.executor.PipelineExecutor.share_loss>`), then an ``all_reduce``
-    (sum) over ``dp_group``, divided by the loss scale and ``dp``: 4 bytes each, the
+    (sum) over ``dp_group``, divided by ``dp``: 4 bytes each, the
     same as a read step sends. Every rank of both groups must reduce the same steps,
     in the same order (the trainer decides which steps it reads from the step number
     alone); the result is a device tensor, cached, so reading a record twice issues
@@ -65,9 +65,8 @@ class PendingLoss:
         share: Callable[[torch.Tensor], None],
         dp_group: dist.ProcessGroup | None,
         dp: int,
-        scale: float = 1.0,
     ):
-        self._local, self._share, self._dp_group, self._dp, self._scale = local, share, dp_group, dp, scale
+        self._local, self._share, self._dp_group, self._dp = local, share, dp_group, dp
         self._value: torch.Tensor | None = None
 
     @property
@@ -80,8 +79,6 @@ class PendingLoss:
         if self._value is None:
             loss = self._local.detach().float()
             self._share(loss)  # the last stage's value to every stage (in place)
-            if self._scale != 1.0:
-                loss = loss / self._scale
             comm.all_reduce(loss, group=self._dp_group)  # sum over the DP replicas
             self._value = loss / self._dp if self._dp > 1 else loss
             self._local = self._share = None  # type: ignore[assignment]
@@ -231,7 +228,7 @@ class StepEngine:
             pp_group=pp_group,
             activation_shape=activation_shape,
             dtype=compute_dtype,
-            loss_fn=lambda out, targets: self._scaled(loss_fn(out, targets)),
+            loss_fn=lambda out, targets: self.zero.scale_loss(loss_fn(out, targets)),
             tp_group=None if sequence_parallel else tp_group,
             embedding_group=None,  # ZeRO sums the tied-embedding gradient (on its shard, any stage)
             # ZeRO 0-1 run the step under no_sync(); each chunk's last backward launches its DP reduction
@@ -269,15 +266,6 @@ class StepEngine:
         return cls(chunks, actions, loss_fn=loss_fn, pp_group=pp_group, **kwargs)
 
     # ---------------------------------------------------------------- the step
-    @property
-    def loss_scale(self) -> float:
-        """The fp16 loss scale the step multiplies the loss by (1 without a scaler); ZeRO
-        divides the gradients by it (fused with the DP mean) before clipping."""
-        return self.zero.scaler.scale if self.zero.scaler else 1.0
-
-    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.zero.scaler.scale if self.zero.scaler else loss  # fp32/bf16: no extra op
-
     def set_lr(self, lr: float) -> None:
         """Set every parameter group's learning rate (the loop's schedule)."""
         for group in self.zero.optimizer.param_groups:
@@ -307,13 +295,13 @@ class StepEngine:
         at the schedule's peak) and :attr:`model_state_bytes`. ``norm``: compute the gradient
         norm (its collectives) even unread; None: when read (a dry run of a logged step passes True).
         """
-        scale = self.loss_scale
         counter = comm.CommCounter()
         clock = StepClock(self.device)  # CUDA events on a GPU (host clocks would time enqueueing)
         t0, host_t0 = clock.mark(), time.perf_counter()
         meter = SavedActivationMeter(self.model.parameters()) if measure_memory else None
         with counter, self.zero.no_sync(), meter or contextlib.nullcontext():
             loss = self.executor.run(inputs, targets, share_loss=False)  # shared when read (PendingLoss)
+        loss = self.zero.unscale_loss(loss)  # before the step, which may change the scale
         if meter is not None:  # per (micro-batch, chunk) × the most the schedule held at once
             pairs = len(inputs or targets) * len(self.model.chunks)
             self.activation_bytes = meter.bytes / pairs * self.executor.peak_activations
@@ -323,7 +311,7 @@ class StepEngine:
             self.model_state_bytes = self.zero.held_bytes()
         # the mean over the DP replicas (the global batch), reduced only when read: an unread step
         # issues no loss collective (torchtitan likewise reduces the loss on logged steps only)
-        pending = PendingLoss(loss, share=self.executor.share_loss, dp_group=self.dp_group, dp=self.dp, scale=scale)
+        pending = PendingLoss(loss, share=self.executor.share_loss, dp_group=self.dp_group, dp=self.dp)
         rec = {
             "loss": pending,
             "grad_norm": stats["grad_norm"],
@@ -351,7 +339,7 @@ class StepEngine:
         averaged over DP: a device tensor, unread."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for inputs, targets in batches:  # each batch's mean, summed on the last stage; shared once at the end
-            total += self.executor.run(inputs, targets, forward_only=True, share_loss=False).float() / self.loss_scale
+            total += self.zero.unscale_loss(self.executor.run(inputs, targets, forward_only=True, share_loss=False))
         self.executor.share_loss(total)
         comm.all_reduce(total, group=self.dp_group)
         return total / (len(batches) * self.dp)

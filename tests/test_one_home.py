@@ -20,7 +20,7 @@ import parallel.plan.traffic as plan_traffic
 import parallel.precision as precision
 import parallel.zero.compression as compression
 import parallel.zero.config as zero_config
-import parallel.zero.engine as zero_engine
+import parallel.zero.grads as zero_grads
 import parallel.zero.layout as layout
 import parallel.zero.policy as policy
 import parallel.zero.theory as zero_theory
@@ -165,7 +165,7 @@ def test_overlap_facts_have_one_home():
     assert zero_theory.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
     import parallel.zero.packing as packing  # the planner's in-flight count is packing.reduction_buffer_bytes
 
-    assert zero_engine.REDUCTIONS_IN_FLIGHT is packing.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
+    assert zero_grads.REDUCTIONS_IN_FLIGHT is packing.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
     assert units.ZERO3_PREFETCH_UNITS is planner.ZERO3_PREFETCH_UNITS is overlap.ZERO3_PREFETCH_UNITS
     rows = (
         "DP_REDUCTION",

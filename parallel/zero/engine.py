@@ -68,10 +68,8 @@ an inf/NaN on any rank of the DP, TP or ``clip_groups`` is skipped on all.
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -80,11 +78,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..overlap import REDUCTIONS_IN_FLIGHT
 from ..params import is_expert, wants_weight_decay
 from .bucket import FlatBucket
 from .compression import TopKCompressor
 from .config import ZeroConfig
+from .grads import GradientSync
 from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
 from .offload import HostCopier, host_step
@@ -118,7 +116,7 @@ def host_flag(flag: torch.Tensor) -> bool:
     return bool(flag)
 
 
-class ZeroDataParallel(StateDictMixin, nn.Module):
+class ZeroDataParallel(GradientSync, StateDictMixin, nn.Module):
     """Wrap ``module`` for ZeRO data parallelism over ``dp_group`` as ``config`` says
     (:class:`~parallel.zero.config.ZeroConfig`; see the module docstring).
 
@@ -174,10 +172,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self._sync = True
         self._callback_queued = False
         self._in_flight: deque[FlatBucket] = deque()  # stages 2-3: reduce-scatters not yet waited for
-        hook = _weak_hook(self, "_on_grad_ready")
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._param_bucket]
-        # the parameters outlive an engine that is dropped (a model wrapped again): its hooks go with it
-        weakref.finalize(self, _remove_hooks, self._hooks)
+        self._register_hooks()
         if self.policy.gathers_per_unit:
             self._unit_gatherer = UnitGatherer(self.module, self.units, self._unit_buckets)
 
@@ -257,137 +252,25 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, with the fp16 loss scale applied."""
-        (loss.float() * self.scaler.scale if self.scaler else loss).backward()
+        self.scale_loss(loss).backward()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without communicating (stages 0–1; see the module docstring)."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
+    # the fp16 loss scale: applied and removed here, nowhere else ----------------------
+    @property
+    def loss_scale(self) -> float:
+        """The scale this step's backwards multiply the loss by (1 unless fp16); :meth:`step`
+        divides the gradients by it (with the DP mean) and then may change it."""
+        return self.scaler.scale if self.scaler else 1.0
 
-    @contextlib.contextmanager
-    def sync_gradients(self) -> Iterator[None]:
-        """Communicate during this backward even inside :meth:`no_sync` (stages 0–1).
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` × :attr:`loss_scale` in fp32, what backward differentiates (fp32/bf16: ``loss``)."""
+        return loss.float() * self.scaler.scale if self.scaler else loss
 
-        For the last backward of a micro-batch loop that runs under ``no_sync()``: each
-        bucket's reduction launches (with ``overlap``) as soon as its last gradient is
-        accumulated — a pipeline with several model chunks enters it around each chunk's
-        last backward (``PipelineExecutor(final_backward=...)``); a bucket that spans chunks
-        launches once the gradients of all of them are final."""
-        previous, self._sync = self._sync, True
-        try:
-            yield
-        finally:
-            self._sync = previous
-
-    def _communicates_now(self) -> bool:
-        return self._sync or (self.policy.reduce_every_microbatch and not self.keep_full)
-
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        bucket = self._param_bucket[param]
-        once = not self.policy.reduce_every_microbatch and self._communicates_now()  # stages 0-1, this backward
-        # before the gradient is taken in (a 16-bit gradient is then not added; an fp32 view of flat_grad
-        # already was, by autograd: the step must not be taken after the refusal either way)
-        if once and self.dp_size > 1:
-            self._check_first_reduction(bucket, param)
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if bucket.flat_grad is not None:
-            bucket.take_grad(param, self._slot_index[param])
-        elif self.keep_full:
-            bucket.accumulate_full(param, self._slot_index[param])
-        if not self._communicates_now():
-            if self.keep_full:  # all of a unit's gradients are in: its backward is over, free its parameters
-                bucket.ready += 1
-                if bucket.ready == len(bucket.params) and self._frees_after_backward(bucket):
-                    bucket.free_params()
-            return
-        if once and self.dp_size == 1:
-            return  # one rank: nothing to overlap, the step reduces the accumulated gradient once
-        bucket.ready += 1
-        if self.overlap and bucket.ready == len(bucket.params):
-            self._reduce(bucket, wait=False)
-            if self._frees_after_backward(bucket):
-                bucket.free_params()  # this micro-batch's backward of its unit is over
-
-    def _check_first_reduction(self, bucket: FlatBucket, param: torch.Tensor) -> None:
-        """Stages 0-1 reduce the accumulated gradient once per step: refuse (on every rank, as
-        every rank runs the same backwards) a gradient that arrives in a communicating backward
-        after its bucket's reduction started, or a second time in this step."""
-        slot = self._slot_index[param]
-        if bucket.reduced or bucket.arrived[slot]:
-            name = next(n for n, q in self.module.named_parameters() if q is param)
-            self._callback_queued = False  # an aborted backward runs no callback: the next one queues its own
-            raise RuntimeError(
-                f"ZeroDataParallel (stage {self.stage}): a second backward that communicates "
-                f"before step(): the gradient of {name} arrived for a bucket "
-                "already reduced over DP in this step (stages 0-1 reduce the accumulated gradient "
-                "once per step; a gradient added after that reduction started would be lost or race "
-                "with it). Run every backward but the last of an accumulation under "
-                "`with zdp.no_sync():`, then step()"
-            )
-        bucket.arrived[slot] = 1
-
-    def _reduce(self, bucket: FlatBucket, wait: bool) -> None:
-        bucket.launch_reduction()
-        if wait:
-            bucket.finish_reduction()
-        elif self.policy.reduce_every_microbatch:
-            # the reduce-scatter's input is a temporary full gradient, alive until waited for: keep at
-            # most REDUCTIONS_IN_FLIGHT (on NCCL the wait orders the stream; the host does not block)
-            self._in_flight.append(bucket)
-            while len(self._in_flight) > REDUCTIONS_IN_FLIGHT:
-                self._in_flight.popleft().finish_reduction()
-
-    def _end_of_backward(self) -> None:
-        self._callback_queued = False
-        if not self._communicates_now():
-            for b in self.buckets if self.keep_full else ():
-                b.ready = 0
-                if self._frees_after_backward(b):
-                    b.free_params()
-            return
-        for b in self.buckets:
-            if not self.overlap and b.ready == len(b.params) and b.has_unreduced_grads():
-                self._reduce(b, wait=False)
-        self._in_flight.clear()
-        for b in self.buckets:
-            if self.policy.reduce_every_microbatch:  # the shard takes this micro-batch's reduce-scatter before the next
-                b.finish_reduction()
-                b.ready = 0
-            # stages 0-1 reduce once per step: step() waits, so with interleaving a chunk's reductions
-            # overlap the other chunks' remaining backwards instead of blocking at this chunk's end
-            if self._frees_after_backward(b) and not b.has_unreduced_grads():
-                b.free_params()
-
-    def _frees_after_backward(self, bucket: FlatBucket) -> bool:
-        """Stage 3 frees a block unit once its backward has run (the unit's grad hook gathers
-        it again for the next micro-batch's backward); the root unit has no such hook, so it
-        stays gathered until the optimizer step publishes new parameters."""
-        return self.policy.gathers_per_unit and bucket.layout.unit != len(self.units)
+    def unscale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss value :meth:`scale_loss` produced, divided back (fp32/bf16: ``loss``); before
+        :meth:`step`, which may change the scale."""
+        return loss.detach().float() / self.scaler.scale if self.scaler else loss
 
     # the optimizer step -------------------------------------------------------------
-    def _finish_gradients(self) -> list[torch.Tensor]:
-        """Reduce what backward left unreduced (unused parameters, no_sync); return fp32 grads, averaged."""
-        for b in self.buckets:
-            if b.has_unreduced_grads():
-                self._reduce(b, wait=True)
-            b.finish_reduction()
-        self._in_flight.clear()
-        divisor = self.dp_size * (self.scaler.scale if self.scaler else 1.0)
-        grads = [b.main_grad() for b in self.buckets]
-        for b, g in zip(self.buckets, grads):
-            if divisor != 1:  # one process without a loss scale: nothing to average (a pass saved)
-                g.div_(divisor)
-            if b.layout.extra_reduce:  # tied embedding: + the other stage's; sequence parallel: + other TP ranks'
-                comm.all_reduce(g, group=self.extra_groups[b.layout.extra_reduce])
-            if self._host_copier is not None:  # offload: device -> host now, while later buckets finish
-                self._host_copier.copy(b.host_grad, g)
-        return grads
 
     def step(self, norm: bool = True) -> dict:
         """Reduce gradients, clip, step the optimizer on this rank's shard, publish parameters.
@@ -450,31 +333,8 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         for b in self.buckets:
             b.master.grad = None
         self.zero_grad()
-        return {"grad_norm": norm, "skipped": found_inf, "loss_scale": self.scaler.scale if self.scaler else 1.0}
+        return {"grad_norm": norm, "skipped": found_inf, "loss_scale": self.loss_scale}
 
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.zero_grad()
-
-
-def _remove_hooks(handles: list) -> None:
-    """Remove every hook in ``handles`` and empty the list (it stays the same object)."""
-    for h in handles:
-        h.remove()
-    handles.clear()
-
-
-def _weak_hook(owner: Any, name: str) -> Callable[[torch.Tensor], None]:
-    """A hook that calls ``owner.<name>(tensor)`` while ``owner`` lives, holding it only weakly.
-
-    A tensor hook is kept by the tensor's C++ side, which Python's garbage collector cannot see
-    through: a hook holding the engine (a bound method) would keep the engine, its model and its
-    buffers alive after the last reference to them is gone (a GPU's memory never returned)."""
-    ref = weakref.ref(owner)
-
-    def hook(tensor: torch.Tensor) -> None:
-        obj = ref()
-        if obj is not None:
-            getattr(obj, name)(tensor)
-
-    return hook

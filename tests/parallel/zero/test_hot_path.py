@@ -65,7 +65,7 @@ def test_fused_norm_equals_the_sum_of_slices():
 def _in_flight_peak(stage):
     import torch.distributed as dist
 
-    import parallel.zero.engine as engine
+    import parallel.zero.grads as engine
     from parallel.zero.theory import REDUCTIONS_IN_FLIGHT
 
     def run():
