@@ -295,38 +295,29 @@ class ZeroDataParallel(GradientSync, StateDictMixin, nn.Module):
         (``offload``), the host step reads the skip flag anyway, so the norm is always computed.
         """
         grads = self._finish_gradients()
-        if not norm and self.grad_clip is None and self.scaler is None and self._host_copier is None:
-            for b, g in zip(self.buckets, grads):
-                b.master.grad = g
-            if getattr(self.optimizer, "_step_supports_amp_scaling", False):
-                self.optimizer.found_inf = None  # no skip decided: the fused kernels step
-            self.optimizer.step()
-            for b in self.buckets:
-                b.publish_master()
-                b.master.grad = None
-            self.zero_grad()
-            return {"grad_norm": None, "skipped": None, "loss_scale": 1.0}
-        local = local_sq_norm(grads, [b.norm_ranges for b in self.buckets])
-        if self.expert_norm_group is not None and any(b.expert for b in self.buckets):  # stage 0 MoE:
-            expert = local_sq_norm(grads, [b.norm_ranges if b.expert else [] for b in self.buckets])
-            local = local - expert + global_norm(expert, [self.expert_norm_group]).square()  # + other ep ranks'
-        norm = global_norm(local, self.norm_groups)
-        found_inf = ~torch.isfinite(norm)
-        coef = clip_coefficient(norm, self.grad_clip)
-        if self._host_copier is not None:
-            return host_step(self, norm, found_inf, coef)
+        wanted, norm, found_inf, coef = norm, None, None, None
+        if wanted or self.grad_clip is not None or self.scaler is not None or self._host_copier is not None:
+            local = local_sq_norm(grads, [b.norm_ranges for b in self.buckets])
+            if self.expert_norm_group is not None and any(b.expert for b in self.buckets):  # stage 0 MoE:
+                expert = local_sq_norm(grads, [b.norm_ranges if b.expert else [] for b in self.buckets])
+                local = local - expert + global_norm(expert, [self.expert_norm_group]).square()  # + other ep ranks'
+            norm = global_norm(local, self.norm_groups)
+            found_inf = ~torch.isfinite(norm)
+            coef = clip_coefficient(norm, self.grad_clip)
+            if self._host_copier is not None:
+                return host_step(self, norm, found_inf, coef)
         for b, g in zip(self.buckets, grads):
             b.master.grad = g.mul_(coef) if coef is not None else g
         device_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
-        skipped = None if device_skip and not self.scaler else host_flag(found_inf)
+        skipped = None if found_inf is None or (device_skip and not self.scaler) else host_flag(found_inf)
         if self.scaler:
             self.scaler.update(skipped)
-        for b in self.buckets:
+        for b in self.buckets if found_inf is not None else ():
             if b.compressor is not None:  # a skipped step's gradients leave no error-feedback residual
                 b.compressor.residual.masked_fill_(found_inf, 0.0)
-        if device_skip:
-            self.optimizer.found_inf = found_inf.float()  # the fused kernels leave params and state as they were
-        if skipped is None or not skipped:
+        if device_skip:  # the fused kernels leave params and state as they were (None: no skip decided)
+            self.optimizer.found_inf = found_inf.float() if found_inf is not None else None
+        if not skipped:
             self.optimizer.step()
             for b in self.buckets:
                 b.publish_master()
