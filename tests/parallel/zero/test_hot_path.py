@@ -181,7 +181,7 @@ def _stage1_in_place():
 def test_stage1_reduces_and_gathers_in_place():
     """ZeRO-1 in fp32 reduce-scatters into this rank's range of the gradient buffer and gathers the
     parameters from this rank's range of the flat parameters: no fresh host buffer (page faults at
-    every step: 3-5 % of a 25.6 M step on CPU, issue 17) and no copy of the shard."""
+    every step; docs/performance.md, sixth round) and no copy of the shard."""
     for views, fresh in run_ranks(_stage1_in_place, 2, timeout=60):
         assert views and all(same and offset == 0 for same, offset in views)
         assert fresh == []
