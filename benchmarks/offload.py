@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from parallel.testing import run_ranks
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 
 CASES = [(1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"),
          (3, "optimizer+params")]  # fmt: skip
@@ -47,13 +47,10 @@ def _rank(args) -> dict:
         model = nn.Sequential(*[Block(args.d) for _ in range(args.blocks)])
         engines[f"zero{stage} {offload}"] = ZeroDataParallel(
             model,
+            ZeroConfig(stage=stage, precision=args.precision, offload=offload, bucket_mb=4),
             dp_group=dist.group.WORLD,
-            stage=stage,
             units=list(model),
-            precision=args.precision,
-            offload=offload,
             optimizer_factory=lambda g: torch.optim.AdamW(g, lr=1e-4, fused=True),
-            bucket_mb=4,
         )
     x = torch.randn(args.batch, args.d)
     for i in range(args.steps):  # interleaved: a shared machine's load falls on every case alike

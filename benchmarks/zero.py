@@ -30,7 +30,7 @@ from torch import nn
 
 from parallel import comm
 from parallel.testing import run_ranks
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 
 from .common import COUNT_TORCH, count_torch_collectives, ddp_comm_hook, torch_state_bytes
 
@@ -58,7 +58,7 @@ def _build(kind: str, d: int, blocks: int):
     if kind.startswith("ours"):
         stage = int(kind[-1])
         zdp = ZeroDataParallel(
-            model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, units=list(model)[:-1]
+            model, ZeroConfig(stage=stage), dp_group=dist.group.WORLD, optimizer_factory=adamw, units=list(model)[:-1]
         )
         return zdp, zdp.backward, zdp.step, lambda: zdp.held_bytes()["total"]
     if kind in ("ddp", "zero_redundancy"):

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 from recipes.tools.deepspeed import load_deepspeed_json
 
 CONFIG = dict(global_batch=16, micro_batch=4, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -60,9 +60,9 @@ def train(cfg: dict, steps: int) -> list[float]:
     make_optimizer = lambda params: torch.optim.AdamW(
         params, lr=cfg["lr"], betas=cfg["betas"], eps=cfg["eps"], weight_decay=cfg["weight_decay"]
     )
-    model = ZeroDataParallel(Net(), dp_group=dist.group.WORLD, optimizer_factory=make_optimizer, grad_clip=cfg["grad_clip"],
-        stage=cfg["zero"], precision=cfg["precision"], overlap=cfg["overlap"], comm_dtype=cfg["dtype"], bucket_mb=cfg["bucket_mb"],
-    )  # fmt: skip
+    zero = ZeroConfig(stage=cfg["zero"], precision=cfg["precision"], overlap=cfg["overlap"], comm_dtype=cfg["dtype"],
+        bucket_mb=cfg["bucket_mb"], grad_clip=cfg["grad_clip"])  # fmt: skip
+    model = ZeroDataParallel(Net(), zero, dp_group=dist.group.WORLD, optimizer_factory=make_optimizer)
     opt = model.optimizer
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg["warmup_steps"]))
     losses = []

@@ -21,6 +21,7 @@ from torch import nn
 from parallel.engine import StepEngine
 from parallel.layers import ColumnParallelLinear, LayerNorm, ParallelMLP, VocabParallelEmbedding
 from parallel.layers.cross_entropy import vocab_parallel_cross_entropy
+from parallel.zero import ZeroConfig
 
 VOCAB, D_MODEL, D_FF, N_BLOCKS, SEQ = 64, 32, 64, 4, 8
 GLOBAL_BATCH, MICRO_BATCH, STEPS, LR = 8, 2, 4, 1e-2
@@ -89,8 +90,8 @@ def train_grid(dp: int = 2, pp: int = 2, tp: int = 2, zero: int = 1) -> list[flo
         dp_group=groups.dp,
         tp_group=groups.tp,
         activation_shape=(MICRO_BATCH, SEQ, D_MODEL),
-        stage=zero,
         optimizer_factory=optimizer,
+        zero=ZeroConfig(stage=zero),
     )
     losses = []
     for step in range(STEPS):

@@ -35,7 +35,7 @@ from torch import nn
 from parallel.groups import ParallelGroups, build_groups
 from parallel.layers import ColumnParallelLinear, LayerNorm, ParallelMLP, RowParallelLinear, divide, init_parameters_
 from parallel.topology import Topology
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 
 IMAGE, PATCH, CHANNELS, CLASSES = 8, 4, 3, 10
 LR, WEIGHT_DECAY, GRAD_CLIP, GLOBAL_BATCH = 3e-3, 0.1, 1.0, 8
@@ -108,11 +108,10 @@ def train(groups: ParallelGroups | None, *, stage: int, steps: int, global_batch
     model = init_parameters_(ViT(tp_group=tp), seed=0, tp_group=tp)  # the same full weights at any tp
     zdp = ZeroDataParallel(
         model,
+        ZeroConfig(stage=stage, grad_clip=GRAD_CLIP),
         dp_group=dp,
         tp_group=tp,
-        stage=stage,
         units=list(model.blocks),  # stage 3 gathers one block at a time
-        grad_clip=GRAD_CLIP,
         optimizer_factory=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY),
     )
     losses = []

@@ -2,17 +2,17 @@
 
 The engine owns, each exactly once: the rank's model chunks (one per virtual
 pipeline stage it holds) under ZeRO data parallelism, the pipeline schedule and
-its executor, the fp16 loss scale, the gradient reductions (DP through ZeRO —
-each chunk's last backward launches its reduction; the tied embedding and
-replicated tensor-parallel parameters are reduced by ZeRO, on its shard), the
-clipping and the optimizer step (ZeRO's ``step``). Following one batch:
+its executor, the gradient reductions (DP through ZeRO — each chunk's last backward
+launches its reduction; the tied embedding and replicated tensor-parallel parameters
+are reduced by ZeRO, on its shard), the clipping and the optimizer step (ZeRO's
+``step``). The fp16 loss scale is ZeRO's: ``zero.scale_loss`` applies it, ``zero.step``
+(gradients) and ``zero.unscale_loss`` (the loss value) remove it. Following one batch:
 
-    step(inputs, targets) → executor.run (forwards/backwards of the schedule; the
-    loss function multiplies by the loss scale; ZeRO 0–1 accumulate under
-    ``no_sync`` and reduce in each chunk's final backward) → ZeroDataParallel.step
-    (unscale ÷ dp·scale, clip, optimizer, publish) → the loss, unscaled, averaged
-    over DP when the step is read (:class:`PendingLoss`: an unread step issues no loss
-    collective).
+    step(inputs, targets) → executor.run (forwards/backwards of the schedule on
+    ``zero.scale_loss(loss)``; ZeRO 0–1 accumulate under ``no_sync`` and reduce in each
+    chunk's final backward) → ``zero.unscale_loss`` of the summed loss → ZeroDataParallel.step
+    (÷ dp·scale, clip, optimizer, publish) → the loss averaged over DP when the step is
+    read (:class:`PendingLoss`: an unread step issues no loss collective).
 
 It takes process groups and modules as arguments and knows nothing of the
 models or the recipes (the dependency rule of ``docs/architecture.md``).
@@ -33,12 +33,12 @@ from torch import nn
 from . import comm
 from .checkpoint import prepare_optimizer_state, publish, zero_state_pieces
 from .memory import SavedActivationMeter, peak_memory_bytes
-from .params import init_key, mark_main_grad
+from .params import init_key
 from .pipeline.executor import PipelineExecutor
 from .pipeline.partition import partition_layers, stage_chunks
 from .pipeline.schedules import Action, build_schedule
 from .timing import StepClock
-from .zero import ZeroDataParallel
+from .zero import DynamicLossScaler, ZeroConfig, ZeroDataParallel
 
 READ_KEYS = ("loss", "grad_norm", "skipped")  # the values a step leaves on the device unless read
 
@@ -46,12 +46,12 @@ READ_KEYS = ("loss", "grad_norm", "skipped")  # the values a step leaves on the 
 class PendingLoss:
     """A step's loss before its reductions: what an unread step leaves in its record.
 
-    It holds this rank's mean micro-batch loss (meaningful on the last pipeline stage
-    only) and what turns it into the global-batch mean. :meth:`reduce` issues, once,
+    It holds this rank's mean micro-batch loss, the loss scale already removed (meaningful
+    on the last pipeline stage only), and what turns it into the global-batch mean. :meth:`reduce` issues, once,
     the collectives an unread step skipped: the ``broadcast`` of the last stage's
     value over ``pp_group`` (:meth:`PipelineExecutor.share_loss
     <parallel.pipeline.executor.PipelineExecutor.share_loss>`), then an ``all_reduce``
-    (sum) over ``dp_group``, divided by the loss scale and ``dp``: 4 bytes each, the
+    (sum) over ``dp_group``, divided by ``dp``: 4 bytes each, the
     same as a read step sends. Every rank of both groups must reduce the same steps,
     in the same order (the trainer decides which steps it reads from the step number
     alone); the result is a device tensor, cached, so reading a record twice issues
@@ -65,9 +65,8 @@ class PendingLoss:
         share: Callable[[torch.Tensor], None],
         dp_group: dist.ProcessGroup | None,
         dp: int,
-        scale: float = 1.0,
     ):
-        self._local, self._share, self._dp_group, self._dp, self._scale = local, share, dp_group, dp, scale
+        self._local, self._share, self._dp_group, self._dp = local, share, dp_group, dp
         self._value: torch.Tensor | None = None
 
     @property
@@ -80,8 +79,6 @@ class PendingLoss:
         if self._value is None:
             loss = self._local.detach().float()
             self._share(loss)  # the last stage's value to every stage (in place)
-            if self._scale != 1.0:
-                loss = loss / self._scale
             comm.all_reduce(loss, group=self._dp_group)  # sum over the DP replicas
             self._value = loss / self._dp if self._dp > 1 else loss
             self._local = self._share = None  # type: ignore[assignment]
@@ -183,8 +180,9 @@ class StepEngine:
         activation_shape: one micro-batch's activation between stages.
         compute_dtype: the dtype of activations (and of ZeRO's compute parameters).
         sequence_parallel: activations between stages are sequence-sharded over TP.
-        zero: keyword arguments of :class:`~parallel.zero.ZeroDataParallel` (``stage``,
-            ``optimizer_factory``, ``precision``, ``units`` ...).
+        zero: ZeRO's settings (:class:`~parallel.zero.ZeroConfig`); ``optimizer_factory``,
+            ``units``, ``loss_scaler`` and the further groups (``clip_groups``, ``expert_group``,
+            ``ep_group``) go to :class:`~parallel.zero.ZeroDataParallel` as they are.
     """
 
     def __init__(
@@ -193,20 +191,36 @@ class StepEngine:
         actions: Sequence[Action] | Sequence[Sequence[Action]],
         *,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        zero: ZeroConfig,
+        optimizer_factory: Callable[[list[dict]], torch.optim.Optimizer],
         dp_group: dist.ProcessGroup | None,
         pp_group: dist.ProcessGroup,
         tp_group: dist.ProcessGroup | None = None,
         embedding_group: dist.ProcessGroup | None = None,
+        clip_groups: Sequence[dist.ProcessGroup | None] = (),
+        expert_group: dist.ProcessGroup | None = None,
+        ep_group: dist.ProcessGroup | None = None,
+        units: Sequence[nn.Module] | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
         activation_shape: Sequence[int],
         compute_dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
-        **zero: Any,
     ):
         self.model = ModelChunks(chunks)
         self.dp_group = dp_group
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.zero = ZeroDataParallel(
-            self.model, dp_group=dp_group, tp_group=tp_group, embedding_group=embedding_group, **zero
+            self.model,
+            zero,
+            optimizer_factory=optimizer_factory,
+            dp_group=dp_group,
+            tp_group=tp_group,
+            embedding_group=embedding_group,
+            clip_groups=clip_groups,
+            expert_group=expert_group,
+            ep_group=ep_group,
+            units=units,
+            loss_scaler=loss_scaler,
         )
         self.executor = PipelineExecutor(
             [_ChunkCall(self.zero, c) for c in range(len(chunks))],
@@ -214,19 +228,12 @@ class StepEngine:
             pp_group=pp_group,
             activation_shape=activation_shape,
             dtype=compute_dtype,
-            loss_fn=lambda out, targets: self._scaled(loss_fn(out, targets)),
+            loss_fn=lambda out, targets: self.zero.scale_loss(loss_fn(out, targets)),
             tp_group=None if sequence_parallel else tp_group,
             embedding_group=None,  # ZeRO sums the tied-embedding gradient (on its shard, any stage)
             # ZeRO 0-1 run the step under no_sync(); each chunk's last backward launches its DP reduction
             final_backward=lambda chunk: self.zero.sync_gradients(),
         )
-        # a zero-bubble split backward runs a chunk's nodes under autograd.grad, in B and again in W, where
-        # nothing is accumulated in place: a fused linear cannot fuse there and, being one Python node, would
-        # work out its input gradient again in W. Those chunks keep autograd's own linear
-        # (parallel.params.main_grad; the fused path is correct there, only slower)
-        for c in self.executor.split_chunks:
-            for p in self.model.chunks[c].parameters():
-                mark_main_grad(p, False)
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self.activation_bytes = 0.0  # saved activations at the schedule's peak (a measured step)
         self.model_state_bytes: dict = {}
@@ -259,15 +266,6 @@ class StepEngine:
         return cls(chunks, actions, loss_fn=loss_fn, pp_group=pp_group, **kwargs)
 
     # ---------------------------------------------------------------- the step
-    @property
-    def loss_scale(self) -> float:
-        """The fp16 loss scale the step multiplies the loss by (1 without a scaler); ZeRO
-        divides the gradients by it (fused with the DP mean) before clipping."""
-        return self.zero.scaler.scale if self.zero.scaler else 1.0
-
-    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.zero.scaler.scale if self.zero.scaler else loss  # fp32/bf16: no extra op
-
     def set_lr(self, lr: float) -> None:
         """Set every parameter group's learning rate (the loop's schedule)."""
         for group in self.zero.optimizer.param_groups:
@@ -297,13 +295,13 @@ class StepEngine:
         at the schedule's peak) and :attr:`model_state_bytes`. ``norm``: compute the gradient
         norm (its collectives) even unread; None: when read (a dry run of a logged step passes True).
         """
-        scale = self.loss_scale
         counter = comm.CommCounter()
         clock = StepClock(self.device)  # CUDA events on a GPU (host clocks would time enqueueing)
         t0, host_t0 = clock.mark(), time.perf_counter()
         meter = SavedActivationMeter(self.model.parameters()) if measure_memory else None
         with counter, self.zero.no_sync(), meter or contextlib.nullcontext():
             loss = self.executor.run(inputs, targets, share_loss=False)  # shared when read (PendingLoss)
+        loss = self.zero.unscale_loss(loss)  # before the step, which may change the scale
         if meter is not None:  # per (micro-batch, chunk) × the most the schedule held at once
             pairs = len(inputs or targets) * len(self.model.chunks)
             self.activation_bytes = meter.bytes / pairs * self.executor.peak_activations
@@ -313,7 +311,7 @@ class StepEngine:
             self.model_state_bytes = self.zero.held_bytes()
         # the mean over the DP replicas (the global batch), reduced only when read: an unread step
         # issues no loss collective (torchtitan likewise reduces the loss on logged steps only)
-        pending = PendingLoss(loss, share=self.executor.share_loss, dp_group=self.dp_group, dp=self.dp, scale=scale)
+        pending = PendingLoss(loss, share=self.executor.share_loss, dp_group=self.dp_group, dp=self.dp)
         rec = {
             "loss": pending,
             "grad_norm": stats["grad_norm"],
@@ -341,7 +339,7 @@ class StepEngine:
         averaged over DP: a device tensor, unread."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for inputs, targets in batches:  # each batch's mean, summed on the last stage; shared once at the end
-            total += self.executor.run(inputs, targets, forward_only=True, share_loss=False).float() / self.loss_scale
+            total += self.zero.unscale_loss(self.executor.run(inputs, targets, forward_only=True, share_loss=False))
         self.executor.share_loss(total)
         comm.all_reduce(total, group=self.dp_group)
         return total / (len(batches) * self.dp)

@@ -22,11 +22,6 @@ they survive ``.to()`` and ``named_parameters()``.
 * ``init_key``: the name whose initial values this parameter takes, when it is a second copy of
   another one (the head of a tied embedding on a stage without the embedding); initialisation and
   checkpoints key it by that name (:func:`init_key`).
-* ``main_grad``: the parameter's ``.grad`` is a persistent fp32 buffer its owner keeps across
-  micro-batches and reads itself (ZeRO stages 0–1 in fp32: a view of the bucket's ``flat_grad``),
-  so a layer may add a weight gradient straight into it wherever autograd would add it in place
-  (gradient-accumulation fusion, :func:`parallel.layers.linear.linear`; Megatron-LM's
-  ``gradient_accumulation_fusion``).
 * ``expert_shard``: a mixture-of-experts expert's parameter (:mod:`parallel.layers.moe`), stacked
   over experts along dim 0, each ep rank holding its slice of the global experts, so it is data-parallel over the ``edp`` group, not ``dp``, and a global
   gradient norm sums it over ``ep`` too.
@@ -118,14 +113,3 @@ def expert_shard(param: torch.Tensor) -> tuple[int, int] | None:
 def is_expert(param: torch.Tensor) -> bool:
     """True for an MoE expert's parameter (sharded over ep, data-parallel over edp)."""
     return expert_shard(param) is not None
-
-
-def mark_main_grad(param: torch.nn.Parameter, on: bool = True) -> torch.nn.Parameter:
-    """Mark (``on``) or unmark ``param``'s ``.grad`` as a persistent accumulation buffer (module docstring)."""
-    param.main_grad = on
-    return param
-
-
-def has_main_grad(param: torch.Tensor) -> bool:
-    """True where a layer may accumulate ``param``'s gradient straight into its ``.grad``."""
-    return bool(getattr(param, "main_grad", False))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.testing import run_ranks
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 
 from .parallel.zero.toy import LR, WD, batches, make_model, reference_run
 from .recipes.test_train_e2e import tiny_recipe
@@ -56,12 +56,10 @@ def _zero_on_device(stage):
     model = make_model().to(device)
     zdp = ZeroDataParallel(
         model,
+        ZeroConfig(stage=stage, overlap=True, grad_clip=None),
         dp_group=dist.group.WORLD,
-        stage=stage,
         optimizer_factory=_fused_adamw,
         units=list(model.blocks),
-        overlap=True,
-        grad_clip=None,
     )
     losses = []
     for x, y in batches():

@@ -19,7 +19,8 @@ import parallel.plan.memory as plan_memory
 import parallel.plan.traffic as plan_traffic
 import parallel.precision as precision
 import parallel.zero.compression as compression
-import parallel.zero.engine as zero_engine
+import parallel.zero.config as zero_config
+import parallel.zero.grads as zero_grads
 import parallel.zero.layout as layout
 import parallel.zero.policy as policy
 import parallel.zero.theory as zero_theory
@@ -55,7 +56,7 @@ def test_checkpointing_modes_have_one_home():
 def test_precision_tables_have_one_home():
     assert zero_theory.DTYPE_BYTES is precision.DTYPE_BYTES
     assert plan_memory.PRECISION_BYTES is precision.DTYPE_BYTES
-    assert zero_engine.DTYPES is precision.TORCH_DTYPES
+    assert zero_config.DTYPES is precision.TORCH_DTYPES
     assert trainer.COMPUTE_DTYPES is precision.TORCH_DTYPES
     for name, dtype in precision.TORCH_DTYPES.items():
         assert torch.empty((), dtype=dtype).element_size() == precision.DTYPE_BYTES[name]
@@ -149,8 +150,8 @@ def test_zero3_accumulation_formulas_have_one_home():
     assert plan_traffic.grad_reductions_per_step is zero_theory.grad_reductions_per_step
     assert bench.grad_reductions_per_step is zero_theory.grad_reductions_per_step
     assert plan_buffers.accumulation_grad_bytes is zero_theory.accumulation_grad_bytes
-    assert validation.ZERO_ACCUMULATE is zero_theory.ZERO_ACCUMULATE is zero_engine.ZERO_ACCUMULATE
-    assert validation.accumulate_applies is zero_theory.accumulate_applies is zero_engine.accumulate_applies
+    assert validation.ZERO_ACCUMULATE is zero_theory.ZERO_ACCUMULATE is zero_config.ZERO_ACCUMULATE
+    assert validation.accumulate_applies is zero_theory.accumulate_applies is zero_config.accumulate_applies
 
 
 def test_overlap_facts_have_one_home():
@@ -167,7 +168,7 @@ def test_overlap_facts_have_one_home():
     assert zero_theory.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
     import parallel.zero.packing as packing  # the planner's in-flight count is packing.reduction_buffer_bytes
 
-    assert zero_engine.REDUCTIONS_IN_FLIGHT is packing.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
+    assert zero_grads.REDUCTIONS_IN_FLIGHT is packing.REDUCTIONS_IN_FLIGHT is overlap.REDUCTIONS_IN_FLIGHT
     assert units.ZERO3_PREFETCH_UNITS is plan_buffers.ZERO3_PREFETCH_UNITS is overlap.ZERO3_PREFETCH_UNITS
     rows = {
         "DP_REDUCTION": plan_exposure,
@@ -206,7 +207,7 @@ def test_topk_needs_stage_0_has_one_home():
 
     msg = dims.compression_problem("topk", 2)
     with pytest.raises(ZeroConfigError) as e:
-        zero_engine._check_settings(2, "topk", None, 25.0, 0.1)
+        zero_config.ZeroConfig(stage=2, compression="topk")
     assert str(e.value) == msg
     with pytest.raises(PlanError) as e:
         check(ModelShape.of(ModelConfig()), Layout(dp=2, zero=2), Training(16, 2, compression="topk"))
@@ -352,7 +353,7 @@ def test_unsharded_accumulation_rule_has_one_home():
     from parallel.zero.layout import ZeroConfigError
 
     with pytest.raises(ZeroConfigError) as e:
-        zero_engine._check_settings(1, None, None, 25.0, 0.1, accumulate="unsharded")
+        zero_config.ZeroConfig(stage=1, accumulate="unsharded")
     assert str(e.value) == dims.accumulate_problem("unsharded", 1)
     with pytest.raises(dims.LayoutError) as e:
         dims.ParallelDims(zero=1, accumulate="unsharded")

@@ -22,17 +22,8 @@ from torch import nn
 
 from .. import comm
 from ..comm.autograd import SEQ_DIM
-from ..params import has_main_grad, mark_no_weight_decay, mark_sequence_parallel, mark_tp_sharded
+from ..params import mark_no_weight_decay, mark_sequence_parallel, mark_tp_sharded
 from .init import reset_default_
-
-WGRAD_FUSION_MIN_NUMEL = 2**17
-"""The smallest weight (elements) whose gradient :func:`linear` adds straight into a marked ``.grad``.
-
-Below it the fused path's Python ``autograd.Function`` costs more host time than the separate
-accumulation it saves. Measured on this CPU (issue 17, one thread, the suite's GPT, same-process A/B
-of the whole step, fused / unfused, ``docs/performance.md``): every weight fused, 0.87 M parameters
-(d 128, 16–64 K-element weights) 1.022; only the 64 K ones 1.012; with this threshold 3.3 M (d 256:
-its 256 K-element MLP weights) 0.996 and 0.9955, 25.6 M (d 512, 131 K–1 M) 1.0085 and 0.996 (noise)."""
 
 
 class LayerConfigError(ValueError):
@@ -47,95 +38,6 @@ def divide(numerator: int, tp: int, what: str) -> int:
             f"choose {what} as a multiple of {tp} or a tp that divides {numerator}"
         )
     return numerator // tp
-
-
-class _LinearIntoMainGrad(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` whose backward adds ``dyᵀ·x`` into ``weight.grad`` in one
-    ``addmm_`` (a GEMM with β = 1) instead of handing autograd a fresh gradient that
-    ``AccumulateGrad`` then adds: one pass over the weight gradient less per micro-batch, and no
-    allocation. Only where that is what autograd would do anyway (:func:`_adds_into_grad`); a
-    backward that does not reach the weight computes no weight gradient; otherwise it is returned
-    as usual; likewise no input gradient where the input's is not wanted (autograd's own linear
-    computes only what a backward asks for). The input gradient and the bias's are autograd's."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        flat_g = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0] and _reaches(ctx.next_functions[0][0]) is not False:
-            grad_x = flat_g.mm(weight).view(*grad_out.shape[:-1], weight.shape[1])
-        if ctx.needs_input_grad[1]:
-            # the weight's AccumulateGrad node; its .variable is the Parameter itself (under a saved-tensor
-            # hook, e.g. activation checkpointing or a memory meter, the saved ``weight`` is an alias
-            # without the Parameter's .grad and hooks)
-            node = ctx.next_functions[1][0]
-            reached = _reaches(node)
-            if reached is not False:
-                flat_x = x.reshape(-1, x.shape[-1])
-                param = getattr(node, "variable", None)
-                if reached and param is not None and _adds_into_grad(param):
-                    param.grad.addmm_(flat_g.t(), flat_x)
-                else:
-                    grad_w = flat_g.t().mm(flat_x)
-        if ctx.needs_input_grad[2]:
-            grad_b = flat_g.sum(0)
-        return grad_x, grad_w, grad_b
-
-
-def _reaches(node) -> bool | None:
-    """Whether the running backward runs ``node`` (the weight's ``AccumulateGrad``, or the node an
-    input's gradient flows into): True for ``.backward()`` and ``backward(inputs=)`` naming that
-    tensor, False where its gradient is not wanted (``backward(inputs=)`` or ``torch.autograd.grad``
-    for other tensors only), None where ``torch.autograd.grad`` asks for that leaf itself (the engine
-    refuses to say: the gradient is handed back, never accumulated)."""
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError:
-        return None
-
-
-def _adds_into_grad(param: torch.Tensor) -> bool:
-    """Whether ``AccumulateGrad``, given ``param``'s gradient in a backward that reaches it, would
-    just add it into ``param.grad`` in place: ``.grad`` exists, ``param`` still requires grad, no
-    graph is being built of the backward (``create_graph`` adds out of place), and no tensor hook or
-    post-accumulate-grad hook (ZeRO's bucket hooks of a communicating backward) would see it. Hooks
-    registered on the ``AccumulateGrad`` node itself (``Node.register_prehook``) cannot be seen from
-    Python: a weight with such a hook must not be marked."""
-    return not (
-        param.grad is None
-        or not param.requires_grad
-        or torch.is_grad_enabled()
-        or param._backward_hooks
-        or param._post_accumulate_grad_hooks
-    )
-
-
-def _autocasting(device_type: str) -> bool:
-    """``torch.autocast`` is on for ``device_type`` (never on a device it does not know: ``meta``, the
-    dry run's, where asking would raise)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; for a weight marked :func:`~parallel.params.mark_main_grad` with at least
-    :data:`WGRAD_FUSION_MIN_NUMEL` elements, computed by :class:`_LinearIntoMainGrad` (gradient
-    accumulation fusion: same values, up to the rounding of one fused multiply-add order). Not under
-    ``torch.autocast``, whose casts the fused backward does not replay, nor ``torch.func`` transforms."""
-    if (
-        has_main_grad(weight)
-        and weight.numel() >= WGRAD_FUSION_MIN_NUMEL
-        and torch.is_grad_enabled()
-        and not _autocasting(x.device.type)
-        and not torch._C._are_functorch_transforms_active()  # torch.func: no setup_context here
-    ):
-        return _LinearIntoMainGrad.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
 
 
 def _check_last_dim(x: torch.Tensor, expected: int, who: str) -> None:
@@ -265,17 +167,17 @@ class ColumnParallelLinear(nn.Module):
             if (layer.tp_group, layer.sequence_parallel) != (first.tp_group, first.sequence_parallel):
                 raise LayerConfigError("shared_forward: the layers must share tp_group and sequence_parallel")
         if first.tp_size == 1:  # nothing to copy or gather: one linear each (no per-call group lookups)
-            return tuple(linear(x, layer.weight, layer.bias) for layer in layers)
+            return tuple(F.linear(x, layer.weight, layer.bias) for layer in layers)
         if first.sequence_parallel:
             params = [t for layer in layers for t in (layer.weight, layer.bias)]
             return _SequenceParallelColumns.apply(x, first.tp_group, *params)
         h = comm.copy_to_tp_region(x, first.tp_group)
-        return tuple(linear(h, layer.weight, layer.bias) for layer in layers)
+        return tuple(F.linear(h, layer.weight, layer.bias) for layer in layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # the hot path of one process: one check and the matmul
             _check_last_dim(x, self.in_features, type(self).__name__)
-            return linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)
         (y,) = self.shared_forward(x, self)
         return comm.gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
@@ -344,8 +246,8 @@ class RowParallelLinear(nn.Module):
             _check_last_dim(x, self.in_features, type(self).__name__)
             x = comm.scatter_to_tp_region(x, self.tp_group)
         if self.tp_size == 1:  # nothing to reduce: the bias joins the matmul (one addmm, as nn.Linear)
-            return linear(x, self.weight, self.bias)
-        partial = linear(x, self.weight)
+            return F.linear(x, self.weight, self.bias)
+        partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

@@ -4,6 +4,7 @@ one data-parallel process group. See ``docs/zero.md``.
 """
 
 from .compression import TopKCompressor, topk_count, topk_sent_bytes
+from .config import ZeroConfig
 from .engine import ZeroDataParallel
 from .layout import BucketLayout, ParamSlot, ZeroConfigError, plan_buckets
 from .scaler import DynamicLossScaler
@@ -14,6 +15,7 @@ __all__ = [
     "DynamicLossScaler",
     "ParamSlot",
     "TopKCompressor",
+    "ZeroConfig",
     "ZeroConfigError",
     "ZeroDataParallel",
     "model_state_bytes",

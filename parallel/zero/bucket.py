@@ -19,9 +19,7 @@ buffer            stages 0 / 1 / 2            stage 3
 
 Gradients accumulate in fp32 at every precision (Megatron's main gradient;
 :data:`parallel.zero.theory.GRAD_BYTES`). In fp32 the parameters' ``.grad`` are
-views into ``flat_grad`` and autograd accumulates there; they are marked
-:func:`~parallel.params.mark_main_grad`, so a large linear layer adds its weight gradient
-into them in one GEMM (:func:`parallel.layers.linear.linear`) where autograd would add it. In bf16/fp16 autograd
+views into ``flat_grad`` and autograd accumulates there. In bf16/fp16 autograd
 produces a 16-bit ``.grad`` per micro-batch; :meth:`take_grad` (from the
 post-accumulate-grad hook) adds it into ``flat_grad`` and drops it, so at most one
 micro-batch's 16-bit gradient of a parameter exists at a time. Stages 2–3 send
@@ -47,7 +45,6 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..params import mark_main_grad
 from .compression import TopKCompressor
 from .layout import BucketLayout
 from .offload import host_copy, host_empty, to_device
@@ -107,8 +104,6 @@ class FlatBucket:
         self.flat_grad = None
         self.grad_shard = None
         self.grad_views = not pol.shards_grads and param_dtype == torch.float32  # .grad are views of flat_grad
-        for p in self.params:  # layers may add weight gradients straight into those views (params.main_grad)
-            mark_main_grad(p, self.grad_views)
         if not pol.shards_grads:
             self.flat_grad = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
             for p, slot in zip(self.params, layout.slots) if self.grad_views else ():

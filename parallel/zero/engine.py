@@ -2,7 +2,7 @@
 
 Wrap any ``nn.Module``; each DP rank feeds its own slice of the global batch::
 
-    zdp = ZeroDataParallel(model, dp_group=groups.dp, stage=2,
+    zdp = ZeroDataParallel(model, ZeroConfig(stage=2), dp_group=groups.dp,
                            optimizer_factory=lambda groups: torch.optim.AdamW(groups, lr=1e-3))
     for micro in range(n_micro):
         with zdp.no_sync() if micro < n_micro - 1 else contextlib.nullcontext():
@@ -68,10 +68,8 @@ an inf/NaN on any rank of the DP, TP or ``clip_groups`` is skipped on all.
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -80,31 +78,19 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..dims import accumulate_problem, compression_problem
-from ..overlap import REDUCTIONS_IN_FLIGHT
 from ..params import is_expert, wants_weight_decay
-from ..precision import TORCH_DTYPES
 from .bucket import FlatBucket
-from .compression import COMPRESSIONS, TopKCompressor, topk_count
+from .compression import TopKCompressor
+from .config import ZeroConfig
+from .grads import GradientSync
 from .layout import ZeroConfigError, plan_buckets
 from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
-from .offload import HostCopier, check_offload, host_step
+from .offload import HostCopier, host_step
 from .packing import extra_reduce as packing_extra_reduce
-from .policy import ZERO_STAGES, policy
+from .policy import policy
 from .scaler import DynamicLossScaler
 from .state import StateDictMixin
-from .theory import ZERO_ACCUMULATE, accumulate_applies, grad_comm_dtype  # noqa: F401 (re-exported)
 from .units import UnitGatherer
-
-DTYPES = TORCH_DTYPES  # one home: parallel.precision
-
-
-def _dtype(name, what: str) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ZeroConfigError(f"{what} must be one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
 
 
 def _extra_reduce(name: str, p: nn.Parameter, zdp) -> str:
@@ -130,84 +116,45 @@ def host_flag(flag: torch.Tensor) -> bool:
     return bool(flag)
 
 
-def _check_settings(stage: int, compression, grad_clip, bucket_mb: float, topk_ratio: float, accumulate="sharded"):
-    """Refuse impossible settings (the same on every rank, before any collective); return the compression."""
-    if stage not in ZERO_STAGES:
-        stages = ", ".join(map(str, ZERO_STAGES[:-1])) + f" or {ZERO_STAGES[-1]}"
-        raise ZeroConfigError(f"ZeRO stage must be {stages}, got {stage}")
-    if accumulate not in ZERO_ACCUMULATE:
-        raise ZeroConfigError(f"accumulate must be one of {ZERO_ACCUMULATE}, got {accumulate!r}")
-    if accumulate_problem(accumulate, stage):  # the rule's one home: parallel.dims
-        raise ZeroConfigError(accumulate_problem(accumulate, stage))
-    if compression not in (None, *COMPRESSIONS):
-        raise ZeroConfigError(f"compression must be None or one of {COMPRESSIONS}, got {compression!r}")
-    compression = None if compression == "none" else compression
-    if compression_problem(compression, stage):  # the rule's one home: parallel.dims
-        raise ZeroConfigError(compression_problem(compression, stage))
-    if grad_clip is not None and grad_clip <= 0:
-        raise ZeroConfigError(f"grad_clip must be positive or None, got {grad_clip}")
-    if bucket_mb <= 0:
-        raise ZeroConfigError(f"bucket_mb must be positive, got {bucket_mb}")
-    if compression:
-        topk_count(1, topk_ratio)  # refuses a ratio outside (0, 1]
-    return compression
-
-
-class ZeroDataParallel(StateDictMixin, nn.Module):
-    """Wrap ``module`` for ZeRO ``stage`` data parallelism over ``dp_group`` (see the module docstring).
+class ZeroDataParallel(GradientSync, StateDictMixin, nn.Module):
+    """Wrap ``module`` for ZeRO data parallelism over ``dp_group`` as ``config`` says
+    (:class:`~parallel.zero.config.ZeroConfig`; see the module docstring).
 
     ``optimizer_factory(param_groups)`` builds any elementwise torch optimizer
     over the flat fp32 shards (group 0 with weight decay, group 1 with
-    ``weight_decay=0``). ``units``: stage 3's gather granularity. ``bucket_mb``:
-    the most bytes per flat bucket (one collective each). ``loss_scaler``: fp16's
-    :class:`DynamicLossScaler` (default settings if None). ``offload``: ``"optimizer"``
-    or ``"optimizer+params"`` keep model state in host memory (:mod:`parallel.zero.offload`).
+    ``weight_decay=0``). ``units``: stage 3's gather granularity. ``loss_scaler``: fp16's
+    :class:`DynamicLossScaler` (default settings if None). The process groups are
+    the module docstring's; None where that dimension is 1.
     """
 
     def __init__(
         self,
         module: nn.Module,
+        config: ZeroConfig,
         *,
-        dp_group: dist.ProcessGroup | None,
-        stage: int,
         optimizer_factory: Callable[[list[dict]], torch.optim.Optimizer],
-        units: Sequence[nn.Module] | None = None,
-        precision: str = "fp32",
-        comm_dtype: str | None = None,
-        bucket_mb: float = 25,
-        overlap: bool = True,
-        grad_clip: float | None = None,
+        dp_group: dist.ProcessGroup | None,
         tp_group: dist.ProcessGroup | None = None,
         embedding_group: dist.ProcessGroup | None = None,
         clip_groups: Sequence[dist.ProcessGroup | None] = (),
-        compression: str | None = None,
-        topk_ratio: float = 0.01,
-        loss_scaler: DynamicLossScaler | None = None,
-        offload: str = "none",
-        accumulate: str = "sharded",
         expert_group: dist.ProcessGroup | None = None,
         ep_group: dist.ProcessGroup | None = None,
+        units: Sequence[nn.Module] | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
     ):
         super().__init__()
-        compression = _check_settings(stage, compression, grad_clip, bucket_mb, topk_ratio, accumulate)
-        self.offload = check_offload(offload, stage)
-        self.keep_full = accumulate == "unsharded"  # ZeRO-2/3: one reduce-scatter per step (theory.ZERO_ACCUMULATE)
-        if self.keep_full and self.offload != "none":
-            raise ZeroConfigError(
-                f"accumulate='unsharded' keeps the full fp32 gradients on the device across micro-batches, "
-                f"which undoes offload={self.offload!r} (it exists to free device memory); use one of them"
-            )
-        self.param_dtype = _dtype(precision, "precision")
-        self.comm_dtype = _dtype(grad_comm_dtype(comm_dtype), "comm_dtype")
+        self.config = config
+        stage, self.offload, self.keep_full = config.stage, config.offload, config.keep_full
+        self.param_dtype, self.comm_dtype = config.param_dtype, config.wire_dtype
         self.extra_groups = {"tp": tp_group, "embedding": embedding_group}
         for name, p in module.named_parameters():
             _extra_reduce(name, p, self)
         # every setting is checked above, on every rank, before the first collective
-        self.module, self.stage, self.dp_group, self.overlap = module, stage, dp_group, overlap
+        self.module, self.stage, self.dp_group, self.overlap = module, stage, dp_group, config.overlap
         self.policy = policy(stage)  # the stage's behaviour, read by name below (parallel/zero/policy.py)
         self.dp_size = comm.group_size(dp_group)
         self.dp_rank = torch.distributed.get_rank(dp_group) if self.dp_size > 1 else 0
-        self.grad_clip, self.tp_group = grad_clip, tp_group
+        self.grad_clip, self.tp_group = config.grad_clip, tp_group
         self.expert_group = expert_group if expert_group is not None else dp_group
         self.expert_norm_group = None if self.policy.shards_optimizer else ep_group  # stage 0: experts differ over ep
         self.norm_groups = (
@@ -215,7 +162,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         )
         self.scaler = (loss_scaler or DynamicLossScaler()) if self.param_dtype == torch.float16 else None
         self.units = list(units or [])
-        self._build_buckets(bucket_mb, compression, topk_ratio)
+        self._build_buckets(config.bucket_mb, config.compression, config.topk_ratio)
         groups = [
             {"params": [b.master for b in self.buckets if b.layout.weight_decay]},
             {"params": [b.master for b in self.buckets if not b.layout.weight_decay], "weight_decay": 0.0},
@@ -225,15 +172,7 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         self._sync = True
         self._callback_queued = False
         self._in_flight: deque[FlatBucket] = deque()  # stages 2-3: reduce-scatters not yet waited for
-        # fp32 at stages 0-1 accumulates straight into flat_grad (the .grad are views): a hook has
-        # work only in a backward whose reductions can launch (dp > 1, not under no_sync)
-        self._hooks_on_demand = (
-            self.param_dtype == torch.float32 and not self.policy.shards_grads and not self.policy.shards_params
-        )
-        self._hooks: list = []  # one list object for the engine's life: the finalizer below holds it
-        # the parameters outlive an engine that is dropped (a model wrapped again): its hooks go with it
-        weakref.finalize(self, _remove_hooks, self._hooks)
-        self._update_hooks()
+        self._register_hooks()
         if self.policy.gathers_per_unit:
             self._unit_gatherer = UnitGatherer(self.module, self.units, self._unit_buckets)
 
@@ -313,159 +252,25 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, with the fp16 loss scale applied."""
-        (loss.float() * self.scaler.scale if self.scaler else loss).backward()
+        self.scale_loss(loss).backward()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without communicating (stages 0–1; see the module docstring)."""
-        previous, self._sync = self._sync, False
-        self._update_hooks()
-        try:
-            yield
-        finally:
-            self._sync = previous
-            self._update_hooks()
+    # the fp16 loss scale: applied and removed here, nowhere else ----------------------
+    @property
+    def loss_scale(self) -> float:
+        """The scale this step's backwards multiply the loss by (1 unless fp16); :meth:`step`
+        divides the gradients by it (with the DP mean) and then may change it."""
+        return self.scaler.scale if self.scaler else 1.0
 
-    @contextlib.contextmanager
-    def sync_gradients(self) -> Iterator[None]:
-        """Communicate during this backward even inside :meth:`no_sync` (stages 0–1).
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` × :attr:`loss_scale` in fp32, what backward differentiates (fp32/bf16: ``loss``)."""
+        return loss.float() * self.scaler.scale if self.scaler else loss
 
-        For the last backward of a micro-batch loop that runs under ``no_sync()``: each
-        bucket's reduction launches (with ``overlap``) as soon as its last gradient is
-        accumulated — a pipeline with several model chunks enters it around each chunk's
-        last backward (``PipelineExecutor(final_backward=...)``); a bucket that spans chunks
-        launches once the gradients of all of them are final."""
-        previous, self._sync = self._sync, True
-        self._update_hooks()
-        try:
-            yield
-        finally:
-            self._sync = previous
-            self._update_hooks()
-
-    def _communicates_now(self) -> bool:
-        return self._sync or (self.policy.reduce_every_microbatch and not self.keep_full)
-
-    def _update_hooks(self) -> None:
-        """Have a post-accumulate-grad hook on every parameter only while one can do work.
-
-        Always at stages 2-3 and in 16-bit precision (each micro-batch's gradient is taken
-        into the fp32 buffer or sent). fp32 at stages 0-1 only while this backward communicates
-        over more than one DP rank (the hooks launch each bucket's reduction as it fills):
-        at dp=1 and under ``no_sync`` no Python runs per parameter, and :meth:`step` takes in
-        any gradient that is not a view of ``flat_grad`` (``model.zero_grad()`` set it to None)."""
-        want = not self._hooks_on_demand or (self.dp_size > 1 and self._communicates_now())
-        if want and not self._hooks:
-            hook = _weak_hook(self, "_on_grad_ready")
-            self._hooks.extend(p.register_post_accumulate_grad_hook(hook) for p in self._param_bucket)
-        elif not want and self._hooks:
-            _remove_hooks(self._hooks)
-
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        bucket = self._param_bucket[param]
-        once = not self.policy.reduce_every_microbatch and self._communicates_now()  # stages 0-1, this backward
-        # before the gradient is taken in (a 16-bit gradient is then not added; an fp32 view of flat_grad
-        # already was, by autograd: the step must not be taken after the refusal either way)
-        if once and self.dp_size > 1:
-            self._check_first_reduction(bucket, param)
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if bucket.flat_grad is not None:
-            bucket.take_grad(param, self._slot_index[param])
-        elif self.keep_full:
-            bucket.accumulate_full(param, self._slot_index[param])
-        if not self._communicates_now():
-            if self.keep_full:  # all of a unit's gradients are in: its backward is over, free its parameters
-                bucket.ready += 1
-                if bucket.ready == len(bucket.params) and self._frees_after_backward(bucket):
-                    bucket.free_params()
-            return
-        if once and self.dp_size == 1:
-            return  # one rank (16-bit hooks): nothing to overlap, the step reduces the accumulated gradient once
-        bucket.ready += 1
-        if self.overlap and bucket.ready == len(bucket.params):
-            self._reduce(bucket, wait=False)
-            if self._frees_after_backward(bucket):
-                bucket.free_params()  # this micro-batch's backward of its unit is over
-
-    def _check_first_reduction(self, bucket: FlatBucket, param: torch.Tensor) -> None:
-        """Stages 0-1 reduce the accumulated gradient once per step: refuse (on every rank, as
-        every rank runs the same backwards) a gradient that arrives in a communicating backward
-        after its bucket's reduction started, or a second time in this step."""
-        slot = self._slot_index[param]
-        if bucket.reduced or bucket.arrived[slot]:
-            name = next(n for n, q in self.module.named_parameters() if q is param)
-            self._callback_queued = False  # an aborted backward runs no callback: the next one queues its own
-            raise RuntimeError(
-                f"ZeroDataParallel (stage {self.stage}): a second backward that communicates "
-                f"before step(): the gradient of {name} arrived for a bucket "
-                "already reduced over DP in this step (stages 0-1 reduce the accumulated gradient "
-                "once per step; a gradient added after that reduction started would be lost or race "
-                "with it). Run every backward but the last of an accumulation under "
-                "`with zdp.no_sync():`, then step()"
-            )
-        bucket.arrived[slot] = 1
-
-    def _reduce(self, bucket: FlatBucket, wait: bool) -> None:
-        bucket.launch_reduction()
-        if wait:
-            bucket.finish_reduction()
-        elif self.policy.reduce_every_microbatch:
-            # the reduce-scatter's input is a temporary full gradient, alive until waited for: keep at
-            # most REDUCTIONS_IN_FLIGHT (on NCCL the wait orders the stream; the host does not block)
-            self._in_flight.append(bucket)
-            while len(self._in_flight) > REDUCTIONS_IN_FLIGHT:
-                self._in_flight.popleft().finish_reduction()
-
-    def _end_of_backward(self) -> None:
-        self._callback_queued = False
-        if not self._communicates_now():
-            for b in self.buckets if self.keep_full else ():
-                b.ready = 0
-                if self._frees_after_backward(b):
-                    b.free_params()
-            return
-        for b in self.buckets:
-            if not self.overlap and b.ready == len(b.params) and b.has_unreduced_grads():
-                self._reduce(b, wait=False)
-        self._in_flight.clear()
-        for b in self.buckets:
-            if self.policy.reduce_every_microbatch:  # the shard takes this micro-batch's reduce-scatter before the next
-                b.finish_reduction()
-                b.ready = 0
-            # stages 0-1 reduce once per step: step() waits, so with interleaving a chunk's reductions
-            # overlap the other chunks' remaining backwards instead of blocking at this chunk's end
-            if self._frees_after_backward(b) and not b.has_unreduced_grads():
-                b.free_params()
-
-    def _frees_after_backward(self, bucket: FlatBucket) -> bool:
-        """Stage 3 frees a block unit once its backward has run (the unit's grad hook gathers
-        it again for the next micro-batch's backward); the root unit has no such hook, so it
-        stays gathered until the optimizer step publishes new parameters."""
-        return self.policy.gathers_per_unit and bucket.layout.unit != len(self.units)
+    def unscale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss value :meth:`scale_loss` produced, divided back (fp32/bf16: ``loss``); before
+        :meth:`step`, which may change the scale."""
+        return loss.detach().float() / self.scaler.scale if self.scaler else loss
 
     # the optimizer step -------------------------------------------------------------
-    def _finish_gradients(self) -> list[torch.Tensor]:
-        """Reduce what backward left unreduced (unused parameters, no_sync); return fp32 grads, averaged."""
-        for b in self.buckets:
-            if b.has_unreduced_grads():
-                if self._hooks_on_demand:  # no hook saw these gradients: adopt any that is not a view
-                    for i, p in enumerate(b.params):
-                        b.take_grad(p, i)
-                self._reduce(b, wait=True)
-            b.finish_reduction()
-        self._in_flight.clear()
-        divisor = self.dp_size * (self.scaler.scale if self.scaler else 1.0)
-        grads = [b.main_grad() for b in self.buckets]
-        for b, g in zip(self.buckets, grads):
-            if divisor != 1:  # one process without a loss scale: nothing to average (a pass saved)
-                g.div_(divisor)
-            if b.layout.extra_reduce:  # tied embedding: + the other stage's; sequence parallel: + other TP ranks'
-                comm.all_reduce(g, group=self.extra_groups[b.layout.extra_reduce])
-            if self._host_copier is not None:  # offload: device -> host now, while later buckets finish
-                self._host_copier.copy(b.host_grad, g)
-        return grads
 
     def step(self, norm: bool = True) -> dict:
         """Reduce gradients, clip, step the optimizer on this rank's shard, publish parameters.
@@ -490,69 +295,37 @@ class ZeroDataParallel(StateDictMixin, nn.Module):
         (``offload``), the host step reads the skip flag anyway, so the norm is always computed.
         """
         grads = self._finish_gradients()
-        if not norm and self.grad_clip is None and self.scaler is None and self._host_copier is None:
-            for b, g in zip(self.buckets, grads):
-                b.master.grad = g
-            if getattr(self.optimizer, "_step_supports_amp_scaling", False):
-                self.optimizer.found_inf = None  # no skip decided: the fused kernels step
-            self.optimizer.step()
-            for b in self.buckets:
-                b.publish_master()
-                b.master.grad = None
-            self.zero_grad()
-            return {"grad_norm": None, "skipped": None, "loss_scale": 1.0}
-        local = local_sq_norm(grads, [b.norm_ranges for b in self.buckets])
-        if self.expert_norm_group is not None and any(b.expert for b in self.buckets):  # stage 0 MoE:
-            expert = local_sq_norm(grads, [b.norm_ranges if b.expert else [] for b in self.buckets])
-            local = local - expert + global_norm(expert, [self.expert_norm_group]).square()  # + other ep ranks'
-        norm = global_norm(local, self.norm_groups)
-        found_inf = ~torch.isfinite(norm)
-        coef = clip_coefficient(norm, self.grad_clip)
-        if self._host_copier is not None:
-            return host_step(self, norm, found_inf, coef)
+        wanted, norm, found_inf, coef = norm, None, None, None
+        if wanted or self.grad_clip is not None or self.scaler is not None or self._host_copier is not None:
+            local = local_sq_norm(grads, [b.norm_ranges for b in self.buckets])
+            if self.expert_norm_group is not None and any(b.expert for b in self.buckets):  # stage 0 MoE:
+                expert = local_sq_norm(grads, [b.norm_ranges if b.expert else [] for b in self.buckets])
+                local = local - expert + global_norm(expert, [self.expert_norm_group]).square()  # + other ep ranks'
+            norm = global_norm(local, self.norm_groups)
+            found_inf = ~torch.isfinite(norm)
+            coef = clip_coefficient(norm, self.grad_clip)
+            if self._host_copier is not None:
+                return host_step(self, norm, found_inf, coef)
         for b, g in zip(self.buckets, grads):
             b.master.grad = g.mul_(coef) if coef is not None else g
         device_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
-        skipped = None if device_skip and not self.scaler else host_flag(found_inf)
+        skipped = None if found_inf is None or (device_skip and not self.scaler) else host_flag(found_inf)
         if self.scaler:
             self.scaler.update(skipped)
-        for b in self.buckets:
+        for b in self.buckets if found_inf is not None else ():
             if b.compressor is not None:  # a skipped step's gradients leave no error-feedback residual
                 b.compressor.residual.masked_fill_(found_inf, 0.0)
-        if device_skip:
-            self.optimizer.found_inf = found_inf.float()  # the fused kernels leave params and state as they were
-        if skipped is None or not skipped:
+        if device_skip:  # the fused kernels leave params and state as they were (None: no skip decided)
+            self.optimizer.found_inf = found_inf.float() if found_inf is not None else None
+        if not skipped:
             self.optimizer.step()
             for b in self.buckets:
                 b.publish_master()
         for b in self.buckets:
             b.master.grad = None
         self.zero_grad()
-        return {"grad_norm": norm, "skipped": found_inf, "loss_scale": self.scaler.scale if self.scaler else 1.0}
+        return {"grad_norm": norm, "skipped": found_inf, "loss_scale": self.loss_scale}
 
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.zero_grad()
-
-
-def _remove_hooks(handles: list) -> None:
-    """Remove every hook in ``handles`` and empty the list (it stays the same object)."""
-    for h in handles:
-        h.remove()
-    handles.clear()
-
-
-def _weak_hook(owner: Any, name: str) -> Callable[[torch.Tensor], None]:
-    """A hook that calls ``owner.<name>(tensor)`` while ``owner`` lives, holding it only weakly.
-
-    A tensor hook is kept by the tensor's C++ side, which Python's garbage collector cannot see
-    through: a hook holding the engine (a bound method) would keep the engine, its model and its
-    buffers alive after the last reference to them is gone (a GPU's memory never returned)."""
-    ref = weakref.ref(owner)
-
-    def hook(tensor: torch.Tensor) -> None:
-        obj = ref()
-        if obj is not None:
-            getattr(obj, name)(tensor)
-
-    return hook

@@ -157,4 +157,4 @@ def host_step(zdp, norm: torch.Tensor, found_inf: torch.Tensor, coef: torch.Tens
             b.publish_master()
             b.master.grad = None
     zdp.zero_grad()
-    return {"grad_norm": norm, "skipped": found_inf, "loss_scale": zdp.scaler.scale if zdp.scaler else 1.0}
+    return {"grad_norm": norm, "skipped": found_inf, "loss_scale": zdp.loss_scale}

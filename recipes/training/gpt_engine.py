@@ -12,6 +12,7 @@ from parallel.layers.moe import MoELayer
 from parallel.pipeline.partition import stage_chunks
 from parallel.pipeline.schedules import build_schedule
 from parallel.plan.shape import ModelShape, layer_partition
+from parallel.zero import ZeroConfig
 
 from ..config import Layout, RecipeConfig
 
@@ -61,32 +62,35 @@ def build_gpt_engine(
         )
         for c, layers in enumerate(stage_chunks(ranges, p.pp, g.pp_rank))
     ]
-    engine = StepEngine(
-        chunks,
-        build_schedule(p.pp_schedule, p.pp, layout.grad_accum, p.vpp)[g.pp_rank],
-        loss_fn=chunks[-1].loss,  # used on the last virtual stage only, which holds the head
-        dp_group=getattr(g, dims.dense_grad_group),  # averaged over dp × cp: the mean over all tokens
-        pp_group=g.pp,
-        tp_group=g.tp,
-        embedding_group=g.embedding,
-        activation_shape=dims.activation_shape(layout.micro_batch, mc.d_model),  # cp's and SP's local slice
-        compute_dtype=dtype,
-        sequence_parallel=dims.sp_enabled,
+    zero = ZeroConfig(
         stage=p.zero,
-        offload=p.offload,
-        optimizer_factory=optimizer_factory(rc, device),
-        units=[b for ch in chunks for b in ch.blocks.values()],
         precision=t.precision,
         comm_dtype=cm.dtype,
         bucket_mb=cm.bucket_mb,
         overlap=cm.overlap,
         grad_clip=t.grad_clip or None,
-        clip_groups=[g.pp],
         compression=cm.compression,
         topk_ratio=cm.topk_ratio,
+        offload=p.offload,
         accumulate=p.zero_accumulate,
+    )
+    engine = StepEngine(
+        chunks,
+        build_schedule(p.pp_schedule, p.pp, layout.grad_accum, p.vpp)[g.pp_rank],
+        loss_fn=chunks[-1].loss,  # used on the last virtual stage only, which holds the head
+        zero=zero,
+        optimizer_factory=optimizer_factory(rc, device),
+        dp_group=getattr(g, dims.dense_grad_group),  # averaged over dp × cp: the mean over all tokens
+        pp_group=g.pp,
+        tp_group=g.tp,
+        embedding_group=g.embedding,
+        clip_groups=[g.pp],
         expert_group=getattr(g, dims.expert_grad_group),  # the ranks holding the same experts (dp/ep × cp)
         ep_group=g.ep,
+        units=[b for ch in chunks for b in ch.blocks.values()],
+        activation_shape=dims.activation_shape(layout.micro_batch, mc.d_model),  # cp's and SP's local slice
+        compute_dtype=dtype,
+        sequence_parallel=dims.sp_enabled,
     )
     for m in (m for ch in chunks for m in ch.modules() if isinstance(m, MoELayer)):
         m.aux_loss_scale = 1 / layout.grad_accum  # like the main loss: the mean over the step's micro-batches

@@ -23,6 +23,7 @@ def _steps(dp: int, pp: int):
     from parallel.groups import build_groups
     from parallel.layers.cross_entropy import vocab_parallel_cross_entropy
     from parallel.topology import Topology
+    from parallel.zero import ZeroConfig
 
     groups = build_groups(Topology(dp, pp, 1, world_size=dist.get_world_size()))
     first, blocks, last = ex.build_pieces()
@@ -35,8 +36,7 @@ def _steps(dp: int, pp: int):
         microbatches=ex.GLOBAL_BATCH // dp // ex.MICRO_BATCH,
         dp_group=groups.dp,
         activation_shape=(ex.MICRO_BATCH, ex.SEQ, ex.D_MODEL),
-        stage=1,
-        grad_clip=None,  # no clipping: an unread step needs no norm (issue 17)
+        zero=ZeroConfig(stage=1, grad_clip=None),  # no clipping: an unread step needs no norm (issue 17)
         optimizer_factory=ex.optimizer,
     )
     recs, step_calls = [], []

@@ -114,7 +114,7 @@ def _zero_order(stage: int, overlap: bool, depth: int | None = None):
     import torch.distributed as dist
 
     import parallel.zero.units as units
-    from parallel.zero import ZeroDataParallel
+    from parallel.zero import ZeroConfig, ZeroDataParallel
     from parallel.zero.bucket import FlatBucket
 
     from .zero.toy import adamw, batches, make_model
@@ -125,12 +125,10 @@ def _zero_order(stage: int, overlap: bool, depth: int | None = None):
     blocks = list(model.blocks)
     zdp = ZeroDataParallel(
         model,
+        ZeroConfig(stage=stage, bucket_mb=1e-4, overlap=overlap),
         dp_group=dist.group.WORLD,
-        stage=stage,
         optimizer_factory=adamw,
         units=blocks,
-        bucket_mb=1e-4,
-        overlap=overlap,
     )
     events = []
     start, launch = FlatBucket.start_gather, FlatBucket.launch_reduction

@@ -58,15 +58,14 @@ def _fused_skip():
     import torch.distributed as dist
     from torch import nn
 
-    from parallel.zero import ZeroDataParallel
+    from parallel.zero import ZeroConfig, ZeroDataParallel
     from tests.parallel.zero.toy import batches, make_model
 
     model = make_model()
     zdp = ZeroDataParallel(
         model,
+        ZeroConfig(stage=1, precision="bf16"),
         dp_group=dist.group.WORLD,
-        stage=1,
-        precision="bf16",
         optimizer_factory=lambda groups: torch.optim.AdamW(groups, lr=1e-2, fused=True),
     )
     ((x, y),) = batches(1)

@@ -25,12 +25,10 @@ def _zero_step(rc, stage):
     model = build_model(cfg, seed=0)
     z = zero.ZeroDataParallel(
         model,
+        zero.ZeroConfig(stage=stage, precision=rc.train.precision, bucket_mb=rc.comm.bucket_mb),
         dp_group=groups.dp,
-        stage=stage,
         optimizer_factory=torch.optim.AdamW,
         units=list(model.blocks.values()),
-        precision=rc.train.precision,
-        bucket_mb=rc.comm.bucket_mb,
     )
     ids = torch.randint(0, cfg.vocab_size, (rc.train.micro_batch, cfg.seq_len))
     counter = comm.CommCounter()

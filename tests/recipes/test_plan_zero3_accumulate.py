@@ -12,7 +12,7 @@ from parallel.groups import build_groups
 from parallel.plan.memory import zero_bucket_numels
 from parallel.testing import run_ranks
 from parallel.topology import Topology
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 from parallel.zero.packing import reduction_buffer_bytes
 from parallel.zero.theory import accumulation_grad_bytes
 from recipes.config import ConfigError, model_config
@@ -49,12 +49,10 @@ def _sent(rc) -> float:
     model = build_model(cfg, seed=0)
     z = ZeroDataParallel(
         model,
+        ZeroConfig(stage=rc.parallel.zero, bucket_mb=rc.comm.bucket_mb, accumulate=rc.parallel.zero_accumulate),
         dp_group=groups.dp,
-        stage=rc.parallel.zero,
         optimizer_factory=torch.optim.AdamW,
         units=list(model.blocks.values()),
-        bucket_mb=rc.comm.bucket_mb,
-        accumulate=rc.parallel.zero_accumulate,
     )
     counter = comm.CommCounter()
     with counter:

@@ -230,7 +230,7 @@ def _zero_step(stage, pp, m, schedule="zb-h1"):
     from parallel.pipeline.executor import PipelineExecutor
     from parallel.pipeline.partition import partition_layers, stage_chunks
     from parallel.topology import Topology
-    from parallel.zero import ZeroDataParallel
+    from parallel.zero import ZeroConfig, ZeroDataParallel
 
     from ..zero.test_pipeline_overlap import _Chunks, _View
     from .toy import ACTIVATION_SHAPE, Stage, data, loss_fn
@@ -241,9 +241,8 @@ def _zero_step(stage, pp, m, schedule="zb-h1"):
     chunk = Stage(layers, mine, first=g.pp_rank == 0, last=g.pp_rank == pp - 1, tied=False)
     zdp = ZeroDataParallel(
         _Chunks([chunk]),
+        ZeroConfig(stage=stage, bucket_mb=1e-3),
         dp_group=g.dp,
-        stage=stage,
-        bucket_mb=1e-3,
         clip_groups=[g.pp],
         units=list(chunk.blocks.values()) if stage == 3 else None,
         optimizer_factory=lambda groups: torch.optim.SGD(groups, lr=0.1),

@@ -7,7 +7,7 @@ from torch import nn
 from parallel.overlap import REDUCTIONS_IN_FLIGHT
 from parallel.precision import DTYPE_BYTES
 from parallel.testing import run_ranks
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 from parallel.zero.packing import comm_copy_bytes, reduction_buffer_bytes
 
 from ..zero.toy import adamw, batches, make_model
@@ -19,7 +19,7 @@ def _pending_bytes_peak(stage):
     torch.manual_seed(0)  # six equal buckets (one weight each): the count shows in the bytes
     model = nn.Sequential(*(nn.Linear(16, 16, bias=False) for _ in range(6)))
     zdp = ZeroDataParallel(
-        model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, bucket_mb=1e-4, overlap=True
+        model, ZeroConfig(stage=stage, bucket_mb=1e-4, overlap=True), dp_group=dist.group.WORLD, optimizer_factory=adamw
     )
     peak = [0]
     for b in zdp.buckets:
@@ -62,12 +62,9 @@ def _wire_copies_at(stage, comm_dtype):
 
     zdp = ZeroDataParallel(
         make_model(),
+        ZeroConfig(stage=stage, precision="bf16", comm_dtype=comm_dtype, bucket_mb=1e-3),
         dp_group=dist.group.WORLD,
-        stage=stage,
         optimizer_factory=adamw,
-        precision="bf16",
-        comm_dtype=comm_dtype,
-        bucket_mb=1e-3,
     )
     copies = {}
     real = bucket_mod.comm
@@ -147,13 +144,10 @@ def _norm_on_unread_steps():
     for clip, precision, offload in itertools.product((0.0, 1.0), ("bf16", "fp16"), ("none", "optimizer")):
         zdp = ZeroDataParallel(
             make_model(),
+            ZeroConfig(stage=1, precision=precision, grad_clip=clip or None, offload=offload),
             dp_group=dist.group.WORLD,
-            stage=1,
             optimizer_factory=adamw,
-            precision=precision,
-            grad_clip=clip or None,
             loss_scaler=DynamicLossScaler() if precision == "fp16" else None,
-            offload=offload,
         )
         x, y = next(iter(batches(steps=1)))
         zdp.backward(((zdp(x) - y) ** 2).mean())

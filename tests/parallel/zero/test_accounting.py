@@ -7,7 +7,7 @@ from torch import nn
 
 from parallel import comm
 from parallel.testing import run_ranks
-from parallel.zero import ZeroDataParallel, model_state_bytes, step_sent_bytes, topk_sent_bytes
+from parallel.zero import ZeroConfig, ZeroDataParallel, model_state_bytes, step_sent_bytes, topk_sent_bytes
 
 from .toy import BATCH, adamw, batches, make_model, reference_run
 
@@ -17,7 +17,11 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 def _zdp(stage, **kw):
     model = make_model()
     return ZeroDataParallel(
-        model, dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, units=list(model.blocks), **kw
+        model,
+        ZeroConfig(stage=stage, **kw),
+        dp_group=dist.group.WORLD,
+        optimizer_factory=adamw,
+        units=list(model.blocks),
     )
 
 
@@ -175,7 +179,9 @@ class _Recomputed(nn.Module):
 
 def _backward_gathers(recompute: bool):
     model = _Recomputed() if recompute else make_model()
-    zdp = ZeroDataParallel(model, dp_group=dist.group.WORLD, stage=3, optimizer_factory=adamw, units=list(model.blocks))
+    zdp = ZeroDataParallel(
+        model, ZeroConfig(stage=3), dp_group=dist.group.WORLD, optimizer_factory=adamw, units=list(model.blocks)
+    )
     n_units = len(zdp.units)
     peak = [0]
 

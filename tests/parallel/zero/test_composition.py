@@ -15,7 +15,7 @@ from parallel.groups import build_groups
 from parallel.params import mark_no_weight_decay, mark_sequence_parallel, mark_shared_embedding, mark_tp_sharded
 from parallel.testing import run_ranks
 from parallel.topology import Topology
-from parallel.zero import ZeroConfigError, ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroConfigError, ZeroDataParallel
 
 from .toy import BATCH, Block, D, adamw, batches, make_model, reference_run
 
@@ -84,7 +84,7 @@ def _dp_tp():
     for stage in range(4):
         model = Mlp(g.tp)
         zdp = ZeroDataParallel(
-            model, dp_group=g.dp, stage=stage, optimizer_factory=adamw, grad_clip=CLIP, tp_group=g.tp
+            model, ZeroConfig(stage=stage, grad_clip=CLIP), dp_group=g.dp, optimizer_factory=adamw, tp_group=g.tp
         )
         losses, norms = [], []
         for x, y in batches(STEPS):
@@ -161,11 +161,10 @@ def _dp_pp(stage, tied):
     part, units, names = _split(tied, g.pp_rank)
     zdp = ZeroDataParallel(
         part,
+        ZeroConfig(stage=stage, grad_clip=CLIP),
         dp_group=g.dp,
-        stage=stage,
         optimizer_factory=adamw,
         units=units,
-        grad_clip=CLIP,
         clip_groups=(g.pp,),
         embedding_group=g.embedding,
     )
@@ -250,7 +249,7 @@ def _dp_tp_sequence_parallel(stage):
     g = build_groups(Topology(dp=2, pp=1, tp=2))
     model = SeqParallelToy(g.tp)
     zdp = ZeroDataParallel(
-        model, dp_group=g.dp, stage=stage, optimizer_factory=adamw, grad_clip=CLIP, tp_group=g.tp
+        model, ZeroConfig(stage=stage, grad_clip=CLIP), dp_group=g.dp, optimizer_factory=adamw, tp_group=g.tp
     )  # one default bucket would hold both params: separation matters
     per = BATCH // 2
     norms = []
@@ -275,4 +274,4 @@ def test_sequence_parallel_grads_are_summed_over_tp_and_tp_sharded_ones_are_not(
 
 def test_a_marked_parameter_without_its_group_is_refused_with_the_fix():
     with pytest.raises(ZeroConfigError, match=r"'emb' is marked a tied embedding.*embedding_group=groups.embedding"):
-        ZeroDataParallel(Tied(), dp_group=None, stage=0, optimizer_factory=adamw)
+        ZeroDataParallel(Tied(), ZeroConfig(stage=0), dp_group=None, optimizer_factory=adamw)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.testing import run_ranks
-from parallel.zero import TopKCompressor, ZeroConfigError, ZeroDataParallel, topk_count
+from parallel.zero import TopKCompressor, ZeroConfig, ZeroConfigError, ZeroDataParallel, topk_count
 
 from .toy import batches, make_model
 
@@ -54,11 +54,9 @@ def _train(compression, steps=150):
     rank = dist.get_rank()
     zdp = ZeroDataParallel(
         make_model(),
+        ZeroConfig(stage=0, compression=compression, topk_ratio=0.05),
         dp_group=dist.group.WORLD,
-        stage=0,
         optimizer_factory=lambda g: torch.optim.AdamW(g, lr=3e-3, weight_decay=0.0),
-        compression=compression,
-        topk_ratio=0.05,
     )
     ((ex, ey),) = batches(1, batch=256, seed=7)
     with torch.no_grad():
@@ -83,7 +81,7 @@ def test_topk_5_percent_converges_within_a_few_percent_of_uncompressed():
 
 def test_compression_beyond_stage_0_is_refused_with_the_fix():
     with pytest.raises(ZeroConfigError, match="stage=0"):
-        ZeroDataParallel(make_model(), dp_group=None, stage=2, optimizer_factory=None, compression="topk")
+        ZeroDataParallel(make_model(), ZeroConfig(stage=2, compression="topk"), dp_group=None, optimizer_factory=None)
 
 
 @pytest.mark.parametrize(
@@ -100,4 +98,4 @@ def test_compression_beyond_stage_0_is_refused_with_the_fix():
 )
 def test_bad_settings_are_refused_before_any_communication(kwargs, match):
     with pytest.raises(ZeroConfigError, match=match):
-        ZeroDataParallel(make_model(), dp_group=None, optimizer_factory=None, **kwargs)
+        ZeroDataParallel(make_model(), ZeroConfig(**kwargs), dp_group=None, optimizer_factory=None)

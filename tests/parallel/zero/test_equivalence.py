@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.testing import run_ranks
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 
 from .toy import BATCH, adamw, batches, make_model, reference_run
 
@@ -16,13 +16,10 @@ def _train(stage, overlap, grad_clip, bucket_mb):
     model = make_model()
     zdp = ZeroDataParallel(
         model,
+        ZeroConfig(stage=stage, overlap=overlap, grad_clip=grad_clip, bucket_mb=bucket_mb),
         dp_group=dist.group.WORLD,
-        stage=stage,
         optimizer_factory=adamw,
         units=list(model.blocks),
-        overlap=overlap,
-        grad_clip=grad_clip,
-        bucket_mb=bucket_mb,
     )
     per = BATCH // dp
     losses, norms = [], []

@@ -1,5 +1,5 @@
-"""The step does only the work it must (issue 17 item 2): no per-parameter hooks where no
-reduction can launch, the norm only when something needs it, as one fused reduction."""
+"""The step does only the work it must (issue 17 item 2): the norm only when something needs it,
+as one fused reduction; reductions in flight capped; stage 1 in place."""
 
 import contextlib
 
@@ -8,17 +8,15 @@ import torch
 
 from parallel import comm
 from parallel.testing import run_ranks
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 from parallel.zero.norm import local_sq_norm
 
 from .toy import adamw, batches, make_model
 
 
-def _train(zdp: ZeroDataParallel, micro: int = 4, norm: bool = True, reset_grads: bool = False):
+def _train(zdp: ZeroDataParallel, micro: int = 4, norm: bool = True):
     for x, y in batches(steps=3):
         for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
-            if reset_grads and i == 0:
-                zdp.module.zero_grad(set_to_none=True)  # .grad no longer views of the flat buffer
             last = i == micro - 1
             with zdp.no_sync() if not last else torch.enable_grad():
                 zdp.backward(((zdp(xm) - ym) ** 2).mean() / micro)
@@ -26,68 +24,11 @@ def _train(zdp: ZeroDataParallel, micro: int = 4, norm: bool = True, reset_grads
     return stats, [p.detach().clone() for p in zdp.module.parameters()]
 
 
-def _hook_calls(zdp: ZeroDataParallel) -> list[int]:
-    calls = [0]
-    inner = zdp._on_grad_ready
-
-    def counting(p):
-        calls[0] += 1
-        inner(p)
-
-    zdp._on_grad_ready = counting
-    for h in zdp._hooks:  # re-register through the counting wrapper
-        h.remove()
-    zdp._hooks = []
-    zdp._update_hooks()
-    return calls
-
-
-def _dp1_hooks(stage):
-    import torch.distributed as dist
-
-    zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw)
-    assert zdp._hooks == []
-    _, ours = _train(zdp, reset_grads=True)  # gradients set to None are adopted at the step
-    same = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw)
-    same._hooks_on_demand = False  # the old path: a hook on every parameter, every micro-batch
-    same._update_hooks()
-    assert len(same._hooks) == len(list(same.module.parameters()))
-    _, theirs = _train(same, reset_grads=True)
-    for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("stage", [0, 1])
-def test_dp1_fp32_has_no_hooks_and_equals_the_hooked_path(stage):
-    run_ranks(_dp1_hooks, 1, stage, timeout=60)
-
-
-def _dp2_hooks(stage):
-    import torch.distributed as dist
-
-    zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw)
-    calls = _hook_calls(zdp)
-    with zdp.no_sync():
-        assert zdp._hooks == [] or stage >= 2
-    _, params = _train(zdp, micro=4)
-    return calls[0], len(list(zdp.module.parameters())), params
-
-
-@pytest.mark.parametrize("stage", [1, 2])
-def test_hooks_run_only_in_communicating_backwards(stage):
-    out = run_ranks(_dp2_hooks, 2, stage, timeout=120)
-    for calls, n, _ in out:
-        # 3 steps × 4 micro-batches: stage 1 hooks only the last micro-batch, stage 2 every one
-        assert calls == 3 * n * (1 if stage == 1 else 4)
-    for a, b in zip(out[0][2], out[1][2]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
 def _unread_step():
     import torch.distributed as dist
 
     def run(norm):
-        zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw)
+        zdp = ZeroDataParallel(make_model(), ZeroConfig(stage=1), dp_group=dist.group.WORLD, optimizer_factory=adamw)
         with comm.CommCounter() as counter:
             stats, params = _train(zdp, norm=norm)
         return stats, params, counter
@@ -100,7 +41,9 @@ def _unread_step():
     assert torch.is_tensor(s_on["grad_norm"]) and s_off["grad_norm"] is None and s_off["skipped"] is None
     for a, b in zip(p_on, p_off):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    clipped = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw, grad_clip=1.0)
+    clipped = ZeroDataParallel(
+        make_model(), ZeroConfig(stage=1, grad_clip=1.0), dp_group=dist.group.WORLD, optimizer_factory=adamw
+    )
     stats, _ = _train(clipped, norm=False)
     assert torch.is_tensor(stats["grad_norm"])  # clipping needs the norm: computed anyway
 
@@ -122,12 +65,15 @@ def test_fused_norm_equals_the_sum_of_slices():
 def _in_flight_peak(stage):
     import torch.distributed as dist
 
-    import parallel.zero.engine as engine
+    import parallel.zero.grads as engine
     from parallel.zero.theory import REDUCTIONS_IN_FLIGHT
 
     def run():
         zdp = ZeroDataParallel(
-            make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, bucket_mb=1e-4, overlap=True
+            make_model(),
+            ZeroConfig(stage=stage, bucket_mb=1e-4, overlap=True),
+            dp_group=dist.group.WORLD,
+            optimizer_factory=adamw,
         )
         assert len(zdp.buckets) > REDUCTIONS_IN_FLIGHT + 1  # enough buckets for the cap to matter
         peak = [0]
@@ -169,7 +115,7 @@ def _second_communicating_backward(stage, overlap):
     import torch.distributed as dist
 
     zdp = ZeroDataParallel(
-        make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, overlap=overlap
+        make_model(), ZeroConfig(stage=stage, overlap=overlap), dp_group=dist.group.WORLD, optimizer_factory=adamw
     )
     (x, y), *_ = batches(steps=1)
     zdp.backward(((zdp(x) - y) ** 2).mean())  # communicates: this step's one reduction starts
@@ -190,7 +136,7 @@ def _one_rank_accumulates_without_no_sync(stage):
 
     def run(use_no_sync):
         zdp = ZeroDataParallel(
-            make_model(), dp_group=dist.group.WORLD, stage=stage, optimizer_factory=adamw, precision="bf16"
+            make_model(), ZeroConfig(stage=stage, precision="bf16"), dp_group=dist.group.WORLD, optimizer_factory=adamw
         )
         (x, y), *_ = batches(steps=1)
         for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):
@@ -217,7 +163,7 @@ def _stage1_in_place():
     from parallel.comm import gloo
 
     gloo.GLOO_GATHER_BY_BROADCAST_BYTES = 0  # the path of large buckets (gloo's own is not in place)
-    zdp = ZeroDataParallel(make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw)
+    zdp = ZeroDataParallel(make_model(), ZeroConfig(stage=1), dp_group=dist.group.WORLD, optimizer_factory=adamw)
     fresh = []
     original, clone = torch.empty, torch.Tensor.clone
     x, y = batches(steps=1)[0]
@@ -235,7 +181,7 @@ def _stage1_in_place():
 def test_stage1_reduces_and_gathers_in_place():
     """ZeRO-1 in fp32 reduce-scatters into this rank's range of the gradient buffer and gathers the
     parameters from this rank's range of the flat parameters: no fresh host buffer (page faults at
-    every step: 3-5 % of a 25.6 M step on CPU, issue 17) and no copy of the shard."""
+    every step; docs/performance.md, sixth round) and no copy of the shard."""
     for views, fresh in run_ranks(_stage1_in_place, 2, timeout=60):
         assert views and all(same and offset == 0 for same, offset in views)
         assert fresh == []
@@ -245,7 +191,7 @@ def _abandoned_step(comm_dtype):
     import torch.distributed as dist
 
     zdp = ZeroDataParallel(
-        make_model(), dp_group=dist.group.WORLD, stage=1, optimizer_factory=adamw, comm_dtype=comm_dtype
+        make_model(), ZeroConfig(stage=1, comm_dtype=comm_dtype), dp_group=dist.group.WORLD, optimizer_factory=adamw
     )
     x, y = batches(steps=1)[0]
     zdp.backward(((zdp(x) - y) ** 2).mean())  # communicating: reductions in flight

@@ -12,7 +12,7 @@ from parallel.groups import build_groups
 from parallel.layers.moe import MoEConfig, MoELayer
 from parallel.testing import run_ranks
 from parallel.topology import Topology
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 
 D, T, DP, EP, STEPS, CLIP = 8, 6, 4, 2, 3, 0.05
 CFG = MoEConfig(4, 12, top_k=2, num_shared_experts=1, z_loss_weight=1e-3, aux_loss_weight=0.1)
@@ -61,13 +61,12 @@ def _train_all_stages():
         model = Net(groups.ep)
         zdp = ZeroDataParallel(
             model,
+            ZeroConfig(stage=stage, grad_clip=CLIP),
             dp_group=groups.dp,
             expert_group=groups.edp,
             ep_group=groups.ep,
-            stage=stage,
             optimizer_factory=_adamw,
             units=[model.moe] if stage == 3 else None,
-            grad_clip=CLIP,
         )
         norms = []
         for step in range(STEPS):

@@ -10,7 +10,7 @@ from torch import nn
 from parallel.groups import build_groups
 from parallel.testing import run_ranks
 from parallel.topology import Topology
-from parallel.zero import ZeroConfigError, ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroConfigError, ZeroDataParallel
 from parallel.zero.offload import check_offload, host_state_bytes
 from parallel.zero.theory import model_state_bytes
 
@@ -25,15 +25,17 @@ def _train(g, make, stage, offload, precision="fp32", overflow_at=None, units=Tr
     model = make()
     zdp = ZeroDataParallel(
         model,
+        ZeroConfig(
+            stage=stage,
+            precision=precision,
+            grad_clip=CLIP,
+            offload=offload,
+            bucket_mb=0.001,  # several buckets: several copies per step
+        ),
         dp_group=g.dp,
-        stage=stage,
         optimizer_factory=adamw,
         units=list(getattr(model, "blocks", [])) if units else None,
-        precision=precision,
-        grad_clip=CLIP,
         tp_group=g.tp if g.tp_size > 1 else None,
-        offload=offload,
-        bucket_mb=0.001,  # several buckets: several copies per step
     )
     per = BATCH // g.dp_size
     mine = slice(g.dp_rank * per, (g.dp_rank + 1) * per)

@@ -13,7 +13,7 @@ from parallel.pipeline.partition import partition_layers, stage_chunks
 from parallel.pipeline.schedules import build_schedule
 from parallel.testing import run_ranks
 from parallel.topology import Topology
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 
 from ..pipeline.toy import ACTIVATION_SHAPE, Stage, data, loss_fn
 
@@ -50,9 +50,8 @@ def _step(stage, schedule, vpp):
     ]
     zdp = ZeroDataParallel(
         _Chunks(chunks),
+        ZeroConfig(stage=stage, bucket_mb=1e-3),
         dp_group=g.dp,
-        stage=stage,
-        bucket_mb=1e-3,
         clip_groups=[g.pp],
         optimizer_factory=lambda groups: torch.optim.SGD(groups, lr=LR),
     )

@@ -6,21 +6,20 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.testing import run_ranks
-from parallel.zero import DynamicLossScaler, ZeroDataParallel
+from parallel.zero import DynamicLossScaler, ZeroConfig, ZeroDataParallel
 
 from .toy import adamw, batches, make_model
 
 
-def _zdp(stage, precision, optimizer_factory=adamw, **kw):
+def _zdp(stage, precision, optimizer_factory=adamw, loss_scaler=None, **settings):
     model = make_model()
     return ZeroDataParallel(
         model,
+        ZeroConfig(stage=stage, precision=precision, **settings),
         dp_group=dist.group.WORLD,
-        stage=stage,
         optimizer_factory=optimizer_factory,
         units=list(model.blocks),
-        precision=precision,
-        **kw,
+        loss_scaler=loss_scaler,
     )
 
 

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.testing import run_ranks
-from parallel.zero import ZeroConfigError, ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroConfigError, ZeroDataParallel
 
 from .toy import BATCH, adamw, batches, make_model, reference_param_groups, reference_run
 
@@ -27,11 +27,10 @@ def _zdp(stage):
     model = make_model()
     return ZeroDataParallel(
         model,
+        ZeroConfig(stage=stage, bucket_mb=0.0005),
         dp_group=dist.group.WORLD,
-        stage=stage,
         optimizer_factory=adamw,
         units=list(model.blocks),
-        bucket_mb=0.0005,
     )
 
 

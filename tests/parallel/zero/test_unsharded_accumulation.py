@@ -11,7 +11,7 @@ import torch.distributed as dist
 from parallel import comm
 from parallel.comm import SENT_FRACTION
 from parallel.testing import run_ranks
-from parallel.zero import ZeroDataParallel
+from parallel.zero import ZeroConfig, ZeroDataParallel
 from parallel.zero.layout import ZeroConfigError
 from parallel.zero.theory import accumulation_grad_bytes, grad_reductions_per_step
 
@@ -24,12 +24,10 @@ def _run(accumulate: str, precision: str = "fp32", stage: int = 3):
     model = make_model()
     zdp = ZeroDataParallel(
         model,
+        ZeroConfig(stage=stage, precision=precision, accumulate=accumulate),
         dp_group=dist.group.WORLD,
-        stage=stage,
         optimizer_factory=adamw,
         units=list(model.blocks),
-        precision=precision,
-        accumulate=accumulate,
     )
     dp, rank = dist.get_world_size(), dist.get_rank()
     counter, held = comm.CommCounter(), 0
@@ -69,10 +67,12 @@ def test_unsharded_accumulation_equals_sharded_and_theory(stage, precision, tol)
 
 def test_unsharded_accumulation_is_refused_below_stage_2():
     with pytest.raises(ZeroConfigError, match="stage=2 or 3"):
-        ZeroDataParallel(make_model(), dp_group=None, stage=1, optimizer_factory=adamw, accumulate="unsharded")
+        ZeroDataParallel(
+            make_model(), ZeroConfig(stage=1, accumulate="unsharded"), dp_group=None, optimizer_factory=adamw
+        )
     assert accumulation_grad_bytes(1000, 1, "unsharded") == 0 and grad_reductions_per_step(1, 4, "unsharded") == 1
     with pytest.raises(ZeroConfigError, match="accumulate must be"):
-        ZeroDataParallel(make_model(), dp_group=None, stage=3, optimizer_factory=adamw, accumulate="full")
+        ZeroDataParallel(make_model(), ZeroConfig(stage=3, accumulate="full"), dp_group=None, optimizer_factory=adamw)
     with pytest.raises(ValueError):
         grad_reductions_per_step(3, 4, "full")
 
