@@ -48,8 +48,8 @@ def check_token_ids(
 
 def check_token_ids_together(named: Sequence[tuple[torch.Tensor, str]], vocab_size: int) -> None:
     """:func:`check_token_ids` on every ``(ids, what)`` of ``named``, in order, with the same
-    refusals and messages, but one min/max over all of them together (issue 17: a step's
-    micro-batch inputs and targets in one pass, not two numpy reductions per micro-batch).
+    refusals and messages, but one min/max over all of them together (a step's micro-batch
+    inputs and targets in one pass).
 
     Only when that joint range is outside ``[0, vocab_size)`` (or a tensor is not an integer
     host tensor) are the tensors checked one by one, to name the first bad one."""
