@@ -108,8 +108,11 @@ class StageTransfers:
             self._pending_sends, self._send_buffers = posted.sends, sent
         for handle in posted.sends_alone if own_recvs else ():  # see the module docstring
             handle.wait()
+        # where the receives' handles also complete the sends (a batch completing as a whole), the sent
+        # tensors stay alive until a receive is awaited; where the sends completed on their own, nothing does
+        kept = [] if posted.sends_alone else sent
         for (key, buf), waits in zip(landing, posted.receives):
-            self._received[key] = _InFlight(buf, waits, sent)
+            self._received[key] = _InFlight(buf, waits, kept)
 
     def _complete_sends(self) -> None:
         """Wait for the sends still pending (of the last batch of sends alone)."""

@@ -44,7 +44,9 @@ def backend_mentions(source: str) -> list[str]:
     found = []
     for node in ast.walk(tree):
         # the name ``gloo`` alone is the seam module (``comm.gloo.transport``)
-        if isinstance(node, ast.Name) and BACKEND.search(node.id) and node.id != "gloo":
+        if isinstance(node, ast.alias) and BACKEND.search(node.name) and node.name != "gloo":
+            found.append(f"{getattr(node, 'lineno', 0)}: import {node.name}")  # renaming it would hide it
+        elif isinstance(node, ast.Name) and BACKEND.search(node.id) and node.id != "gloo":
             found.append(f"{node.lineno}: {node.id}")
         elif isinstance(node, ast.Attribute) and BACKEND.search(node.attr) and node.attr != "gloo":
             found.append(f"{node.lineno}: .{node.attr}")
@@ -60,6 +62,9 @@ def test_the_scan_sees_a_gloo_branch_and_not_a_docstring_or_comment():
     assert backend_mentions('if "gloo" in str(dist.get_backend(g)):\n    pass\n') == ["1: 'gloo'", "1: .get_backend"]
     assert backend_mentions("from .gloo import transport\nfrom . import gloo\nt = gloo.transport(g, d)\n") == []
     assert backend_mentions('x = "the fake backend"\n') == ["1: 'the fake backend'"]
+    assert backend_mentions("from .gloo import runs_on_gloo as on_cpu\nif on_cpu(g, d):\n    pass\n") == [
+        "1: import runs_on_gloo"
+    ]
 
 
 def test_no_backend_is_named_outside_the_seam():
@@ -88,10 +93,16 @@ def _chosen_per_group():
     g = build_groups(Topology(2, 1, 1))
     made_with_group = dict(gloo._CHOSEN.get(g.dp, {}))  # decided when the group was made
     world = comm.transport(None, "cpu")
+    decided, probe = [], gloo.runs_on_gloo  # count the decisions taken from here on
+    gloo.runs_on_gloo = lambda *a: decided.append(a) or probe(*a)
+    try:
+        again = comm.transport(g.dp, "cpu"), comm.transport(None, "cpu"), comm.transport(g.dp, "cpu")
+    finally:
+        gloo.runs_on_gloo = probe
     return (
         world_chosen_before,
         {kind: type(t).__name__ for kind, t in made_with_group.items()},
-        comm.transport(g.dp, "cpu") is made_with_group["cpu"],  # cached, not decided again
+        again[0] is made_with_group["cpu"] and again[1] is world and not decided,  # cached, not decided again
         type(comm.transport(g.dp, "meta")).__name__,
         type(world).__name__,
         comm.transport(None, "cpu") is world and comm.transport(dist.group.WORLD, "cpu") is world,
@@ -129,3 +140,21 @@ def _chosen_under_fake():
 
 def test_the_fake_backend_gets_the_plain_transport():
     assert run_ranks(_chosen_under_fake, 1, timeout=60) == [{"cpu": "Transport", "meta": "Transport"}]
+
+
+class _Work:
+    def __init__(self, name):
+        self.name = name
+
+
+def test_posted_says_which_handles_complete_what():
+    """The contract the executor relies on: per-op handles (gloo: the sends first) or one batch (NCCL)."""
+    from parallel.comm.gloo import Posted
+
+    s0, s1, r0, r1 = (_Work(n) for n in ("s0", "s1", "r0", "r1"))
+    per_op = Posted([s0, s1, r0, r1], n_sends=2, n_recvs=2, per_op=True)
+    assert per_op.sends == per_op.sends_alone == [s0, s1] and per_op.receives == [[r0], [r1]]
+    batch = _Work("batch")
+    whole = Posted([batch], n_sends=2, n_recvs=2, per_op=False)
+    assert whole.sends == [batch] and whole.sends_alone == [] and whole.receives == [[batch], [batch]]
+    assert list(whole) == [batch] and list(per_op) == [s0, s1, r0, r1]  # still the list of handles
