@@ -182,7 +182,9 @@ class StepEngine:
         sequence_parallel: activations between stages are sequence-sharded over TP.
         zero: ZeRO's settings (:class:`~parallel.zero.ZeroConfig`); ``optimizer_factory``,
             ``units``, ``loss_scaler`` and the further groups (``clip_groups``, ``expert_group``,
-            ``ep_group``) go to :class:`~parallel.zero.ZeroDataParallel` as they are.
+            ``ep_group``) go to :class:`~parallel.zero.ZeroDataParallel` as they are, except that the
+            gradient norm always sums over ``pp_group`` too (listed or not: counted once), so every
+            stage clips by the whole model's norm, as one process does.
     """
 
     def __init__(
@@ -216,7 +218,8 @@ class StepEngine:
             dp_group=dp_group,
             tp_group=tp_group,
             embedding_group=embedding_group,
-            clip_groups=clip_groups,
+            # the norm spans the whole model: every pipeline stage's gradients, whatever the caller lists
+            clip_groups=[pp_group, *(g for g in clip_groups if g is not pp_group)],
             expert_group=expert_group,
             ep_group=ep_group,
             units=units,
