@@ -76,8 +76,9 @@ class Theirs:
     gathered between micro-batches, ``set_reshard_after_backward``), ``dtensor_tp``
     (``torch.distributed.tensor.parallel`` on the blocks: q/k/v/fc_in column-wise, o/fc_out row-wise: the plan torch's TP tutorial gives, on
     separate q/k/v projections as ours has), ``torch_1f1b`` /
-    ``torch_interleaved`` (``torch.distributed.pipelining``). DP kinds use the
-    whole world as the data-parallel group."""
+    ``torch_interleaved`` (``torch.distributed.pipelining``), ``fsdp2_zero3_each`` (``fsdp2_zero3``
+    with its default gradient sync: a reduce-scatter after every micro-batch's backward, into sharded
+    gradients). DP kinds use the whole world as the data-parallel group."""
 
     def __init__(self, kind: str, ours: Ours):
         self.kind, tr = kind, ours.trainer
@@ -121,7 +122,7 @@ class Theirs:
             from torch.distributed.fsdp import fully_shard
 
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-            reshard = kind == "fsdp2_zero3"
+            reshard = kind != "fsdp2_zero2"
             for block in model.blocks.values():
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
             return fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
@@ -170,7 +171,8 @@ class Theirs:
         for i, (x, y) in enumerate(batches):
             last = i == m - 1
             if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
-                self.model.set_requires_gradient_sync(last)  # accumulate unsharded, one reduce-scatter
+                # accumulate unsharded, one reduce-scatter; or (its default) reduce every micro-batch
+                self.model.set_requires_gradient_sync(last or self.kind == "fsdp2_zero3_each")
                 if self.kind == "fsdp2_zero2":  # as ours keeps ZeRO-2's parameters: no re-gather per micro-batch
                     self.model.set_reshard_after_backward(last)
             sync = self.model.no_sync() if hasattr(self.model, "no_sync") and not last else contextlib.nullcontext()
@@ -189,6 +191,6 @@ class Theirs:
         return torch_state_bytes(self.model, self._held_optimizer)
 
 
-DP_KINDS = ("ddp", "zero_redundancy", "fsdp2_zero2", "fsdp2_zero3")
+DP_KINDS = ("ddp", "zero_redundancy", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_zero3_each")
 INVISIBLE = ("dtensor_tp", "torch_1f1b", "torch_interleaved")
 KINDS = ("plain", *DP_KINDS, *INVISIBLE)

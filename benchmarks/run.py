@@ -6,14 +6,19 @@
 Rows (all ranks are forked gloo CPU processes, one thread each):
 
 * ``single``: our trainer step at dp=pp=tp=1 vs a plain PyTorch GPT step (same weights);
-* ``dp ZeRO-k`` (2 ranks): ZeRO stages 0/1/2/3 vs DDP / ZeroRedundancyOptimizer /
-  FSDP2 without / with resharding after forward (ZeRO-2 accumulating unsharded gradients, one
-  reduce-scatter per step, as FSDP2 does), and ZeRO-3 accumulating unsharded too vs FSDP2 with resharding;
+* ``dp ZeRO-k`` (2 ranks), each against the PyTorch configuration that runs its algorithm, or the
+  nearest one, named as such: ZeRO-0 vs DDP; ZeRO-1 vs DDP + ZeroRedundancyOptimizer (which broadcasts
+  every parameter, 1.5x the bytes) and vs FSDP2 without resharding (equal bytes, but it shards the
+  parameters too); ZeRO-2 accumulating unsharded vs FSDP2 without resharding (nearest: it shards the
+  parameters at rest); ZeRO-3 accumulating sharded vs FSDP2 reducing every micro-batch, and ZeRO-3
+  accumulating unsharded vs FSDP2 with gradient sync off until the last micro-batch;
 * ``tp`` (2 ranks): our Megatron TP vs ``torch.distributed.tensor.parallel``;
 * ``pp 1f1b`` / ``pp interleaved`` (2 ranks): our executor vs ``torch.distributed.pipelining``
   ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``;
 * ``3d`` (8 ranks): ours at (dp, pp, tp) = (2, 2, 2) vs DDP at (8, 1, 1).
 
+Both sides call gloo's own collectives (the algorithms NCCL runs); rows with ZeRO 1-3 also time
+ours with the gloo seam's CPU-only rewrites (the "gloo-tuned" column, :func:`gloo_tuned_column`).
 In each row both contenders live in the same processes and alternate step by step
 (a row's contenders all take one turn per round), so machine drift hits both; the
 ratio ours/theirs is taken per round (slowest rank of each) and reported as median
@@ -40,6 +45,7 @@ from pathlib import Path
 import torch
 
 from parallel import comm
+from parallel.comm.gloo import tune_gloo
 from parallel.pipeline.timeline import bubble_fraction
 from parallel.testing import run_ranks
 
@@ -55,10 +61,15 @@ SECTIONS: dict[str, tuple[int, list[tuple[str, dict, str]]]] = {
         2,
         [
             ("dp ZeRO-0", dict(zero=0), "ddp"),
+            # different algorithms, said so: ZeroRedundancyOptimizer broadcasts every parameter (1.5x our bytes);
+            # FSDP2 without resharding sends our bytes but also shards the parameters at rest
             ("dp ZeRO-1", dict(zero=1), "zero_redundancy"),
-            # like with like: FSDP2 reduces once per step, so ours accumulates unsharded too (issue 17)
+            ("dp ZeRO-1 vs equal bytes", dict(zero=1), "fsdp2_zero2"),
+            # the nearest FSDP2 has: it reduces once per step, so ours accumulates unsharded too (issue 17)
             ("dp ZeRO-2", dict(zero=2, zero_accumulate="unsharded"), "fsdp2_zero2"),
-            ("dp ZeRO-3", dict(zero=3), "fsdp2_zero3"),
+            # same algorithm, same row: sharded accumulation vs FSDP2 reducing every micro-batch ...
+            ("dp ZeRO-3", dict(zero=3), "fsdp2_zero3_each"),
+            # ... unsharded accumulation vs FSDP2 with gradient sync off until the last micro-batch
             ("dp ZeRO-3 unsharded acc.", dict(zero=3, zero_accumulate="unsharded"), "fsdp2_zero3"),
         ],
     ),
@@ -75,9 +86,10 @@ SECTIONS: dict[str, tuple[int, list[tuple[str, dict, str]]]] = {
 LABELS = {
     "plain": "plain PyTorch",
     "ddp": "DDP",
-    "zero_redundancy": "DDP + ZeroRedundancyOptimizer",
-    "fsdp2_zero2": "FSDP2 (no reshard)",
-    "fsdp2_zero3": "FSDP2 (reshard)",
+    "zero_redundancy": "DDP + ZeroRedundancyOptimizer (broadcasts: 1.5x bytes)",
+    "fsdp2_zero2": "FSDP2 no reshard (nearest: also shards parameters)",
+    "fsdp2_zero3": "FSDP2 reshard, sync on the last micro-batch",
+    "fsdp2_zero3_each": "FSDP2 reshard, sync every micro-batch",
     "dtensor_tp": "DTensor TP",
     "torch_1f1b": "pipelining Schedule1F1B",
     "torch_interleaved": "pipelining ScheduleInterleaved1F1B",
@@ -104,14 +116,31 @@ def expected_bytes(ours: Ours) -> float:
     return sent
 
 
+def gloo_tuned_column(parallel: dict) -> bool:
+    """Whether a row gets the second column: ours with the gloo seam's CPU-only rewrites of
+    reduce-scatter and all-gather (:mod:`parallel.comm.gloo`), which ZeRO stages 1-3 call; the
+    headline runs gloo's own collectives on both sides, the algorithms NCCL runs."""
+    return parallel.get("zero", 0) >= 1
+
+
+def _ours(rc, tuned: bool) -> Ours:
+    previous = tune_gloo(tuned)  # decided when the trainer's groups are made
+    try:
+        return Ours(rc)
+    finally:
+        tune_gloo(previous)
+
+
 def _section_rank(
     pairs: list[tuple[str, dict, str]], quick: bool, steps: int, warmup: int, size: str = "small"
 ) -> list[dict]:
     """This rank's measurements of every pair of a section at model ``size`` (run under run_ranks)."""
     contenders = {}
     for name, parallel, kind in pairs:
-        ours = Ours(suite_recipe(quick=quick, size=size, **parallel))
+        ours = _ours(suite_recipe(quick=quick, size=size, **parallel), tuned=False)
         contenders[f"{name}|ours"], contenders[f"{name}|theirs"] = ours, Theirs(kind, ours)
+        if gloo_tuned_column(parallel):
+            contenders[f"{name}|tuned"] = _ours(suite_recipe(quick=quick, size=size, **parallel), tuned=True)
     cpu: dict[str, list[float]] = {}
     times = time_alternating({k: c.step for k, c in contenders.items()}, steps, warmup, cpu=cpu)
     for name, parallel, _ in pairs:  # the bubble: one more step, recorded (the timed ones record nothing,
@@ -122,9 +151,12 @@ def _section_rank(
     out = []
     for name, parallel, kind in pairs:
         ours, theirs = contenders[f"{name}|ours"], contenders[f"{name}|theirs"]
-        g = ours.trainer.groups
+        g, tuned = ours.trainer.groups, contenders.get(f"{name}|tuned")
         out.append(
             {
+                "tuned_s": times.get(f"{name}|tuned"),
+                "tuned_cpu_s": cpu.get(f"{name}|tuned"),
+                "tuned_sent": None if tuned is None else tuned.sent_bytes,
                 "ours_s": times[f"{name}|ours"],
                 "theirs_s": times[f"{name}|theirs"],
                 "ours_cpu_s": cpu[f"{name}|ours"],
@@ -157,6 +189,16 @@ def summarize(name: str, parallel: dict, kind: str, world: int, ranks: list[dict
     row.update(compare(slowest_rank([r["ours_s"] for r in ranks]), slowest_rank([r["theirs_s"] for r in ranks])))
     cpu = compare(slowest_rank([r["ours_cpu_s"] for r in ranks]), slowest_rank([r["theirs_cpu_s"] for r in ranks]))
     row.update({f"cpu_{k}": v for k, v in cpu.items() if k != "rounds"})
+    if ranks[0]["tuned_s"] is not None:  # the second column: ours gloo-tuned vs the same PyTorch side
+        theirs_s, theirs_cpu = (
+            slowest_rank([r["theirs_s"] for r in ranks]),
+            slowest_rank([r["theirs_cpu_s"] for r in ranks]),
+        )
+        row["tuned_ratio"] = compare(slowest_rank([r["tuned_s"] for r in ranks]), theirs_s)["ratio"]
+        row["tuned_cpu_ratio"] = compare(slowest_rank([r["tuned_cpu_s"] for r in ranks]), theirs_cpu)["ratio"]
+        row["tuned_sent_MB"] = _mean([r["tuned_sent"] for r in ranks]) / 2**20
+    else:
+        row["tuned_ratio"] = row["tuned_cpu_ratio"] = row["tuned_sent_MB"] = None
     mb = 2**20
     row["ours_state_MB"] = max(r["ours_state"] for r in ranks) / mb
     row["theirs_state_MB"] = max(r["theirs_state"] for r in ranks) / mb
@@ -201,17 +243,21 @@ def _fmt(x, spec, none="—"):
 
 
 def markdown(rows: list[dict]) -> str:
+    """The suite's table. Both sides call gloo's own collectives in every ratio but the "gloo-tuned"
+    column, ours with the seam's CPU-only rewrites (:func:`gloo_tuned_column`), which NCCL never runs."""
     head = (
         "| row | size | ranks | PyTorch | ours ms | PyTorch ms | ours/PyTorch [IQR] | CPU ours/PyTorch [IQR] "
-        "| state MB/rank ours / PyTorch | sent MB/rank ours / PyTorch / theory (Δ) | bubble ours / theory |"
+        "| CPU gloo-tuned ours/PyTorch | state MB/rank ours / PyTorch | sent MB/rank ours / PyTorch / theory (Δ) "
+        "| bubble ours / theory |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         delta = "" if r["sent_vs_theory"] is None else f" ({r['sent_vs_theory']:+.1%})"
         lines.append(
             f"| {r['row']} | {r['size']} | {r['world']} | {r['theirs']} | {r['ours_ms']:.1f} | {r['theirs_ms']:.1f} "
             f"| {r['ratio']:.2f} [{r['ratio_lo']:.2f}–{r['ratio_hi']:.2f}] "
             f"| {r['cpu_ratio']:.2f} [{r['cpu_ratio_lo']:.2f}–{r['cpu_ratio_hi']:.2f}] "
+            f"| {_fmt(r['tuned_cpu_ratio'], '.2f')} "
             f"| {r['ours_state_MB']:.2f} / {r['theirs_state_MB']:.2f} "
             f"| {_fmt(r['ours_sent_MB'], '.3f')} / {_fmt(r['theirs_sent_MB'], '.3f')} / "
             f"{_fmt(r['theory_sent_MB'], '.3f')}{delta} "

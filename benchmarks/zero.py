@@ -3,7 +3,8 @@
     python -m benchmarks.zero [--ranks 2] [--d 256] [--blocks 4] [--steps 20] [--batch 32]
 
 Same model (an MLP of pre-norm residual blocks), same data, same AdamW, the
-same CPU ranks (gloo, one thread each). Per configuration:
+same CPU ranks (gloo, one thread each), and gloo's own collectives on both sides
+(:func:`parallel.comm.gloo.tune_gloo` off). Per configuration:
 
 * ``step_ms``: median wall time of forward + backward + optimizer step, and its
   ratio to DDP's;
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel import comm
+from parallel.comm.gloo import tune_gloo
 from parallel.testing import run_ranks
 from parallel.zero import ZeroConfig, ZeroDataParallel
 
@@ -93,6 +95,7 @@ def _build(kind: str, d: int, blocks: int):
 
 
 def _run(kinds, d, blocks, steps, batch):
+    tune_gloo(False)  # gloo's own collectives on both sides (the algorithms NCCL runs), before any is chosen
     count_torch_collectives()
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(1)

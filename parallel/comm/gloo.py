@@ -13,13 +13,17 @@ on a gloo group, or on the ``cpu:`` half of a mixed ``"cpu:gloo,cuda:nccl"`` one
 * point-to-point: one handle per op (an op completes alone, a send once its receive is posted), so
   a pipeline stage posts its receives early (``posts_receives_early``). A plain batch completes as a whole.
 
-Both paths move and count the same bytes. The decision is made when :func:`parallel.groups.build_groups`
+Both paths move and count the same bytes. :func:`tune_gloo` (or ``GRIDTRAIN_GLOO_TUNED=0`` in the
+environment) turns the two collective rewrites off for groups made afterwards: gloo's own
+reduce-scatter and all-gather then run, the algorithms NCCL runs, so that a CPU benchmark compares
+like with like (p2p keeps one handle per op: that is gloo's semantics, not tuning). The decision is made when :func:`parallel.groups.build_groups`
 makes a group, or on first use for any other group (WORLD, groups made by the user), and cached
 per (group, device type). The measurements behind these choices: ``docs/performance.md``.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections import OrderedDict
 
@@ -118,7 +122,30 @@ class GlooTransport(Transport):
         return super().all_gather(output, input, group=group, async_op=async_op, in_place=False)
 
 
-PLAIN, GLOO = Transport(), GlooTransport()
+class GlooNativeTransport(GlooTransport):
+    """gloo on CPU tensors through gloo's own reduce-scatter and all-gather (:func:`tune_gloo` off)."""
+
+    def reduce_scatter(self, output, input, *, op, group, async_op: bool, in_place: bool):
+        input = input.clone() if in_place else input
+        return Transport.reduce_scatter(self, output, input, op=op, group=group, async_op=async_op, in_place=False)
+
+    def all_gather(self, output, input, *, group, async_op: bool, in_place: bool):
+        input = input.clone() if in_place else input
+        return Transport.all_gather(self, output, input, group=group, async_op=async_op, in_place=False)
+
+
+PLAIN, GLOO, GLOO_NATIVE = Transport(), GlooTransport(), GlooNativeTransport()
+TUNED_ENV = "GRIDTRAIN_GLOO_TUNED"
+_TUNING = {"on": os.environ.get(TUNED_ENV, "1") != "0"}
+
+
+def tune_gloo(enabled: bool) -> bool:
+    """Whether gloo groups chosen from now on rewrite reduce-scatter and all-gather (the module
+    docstring); groups already chosen keep theirs. Returns the previous setting."""
+    previous, _TUNING["on"] = _TUNING["on"], bool(enabled)
+    return previous
+
+
 _CHOSEN: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, Transport]] = weakref.WeakKeyDictionary()
 
 
@@ -130,7 +157,7 @@ def transport(group: dist.ProcessGroup | None, device: torch.device | str) -> Tr
     chosen = _CHOSEN.setdefault(group if group is not None else dist.group.WORLD, {})
     kind = torch.device(device).type
     if kind not in chosen:
-        chosen[kind] = GLOO if runs_on_gloo(group, kind) else PLAIN
+        chosen[kind] = (GLOO if _TUNING["on"] else GLOO_NATIVE) if runs_on_gloo(group, kind) else PLAIN
     return chosen[kind]
 
 

@@ -37,12 +37,35 @@ def test_pytorch_traffic_is_counted_where_visible(two_rank_rows):
     m, rs = 4, two_rank_rows["dp ZeRO-0"]["theory_sent_MB"] / 2  # all-reduce 2ρ·Ψ·4 B; its half ρ·Ψ·4 B
     assert two_rank_rows["dp ZeRO-2"]["theirs_sent_MB"] == pytest.approx(2 * rs, rel=0.02)
     assert two_rank_rows["dp ZeRO-2"]["ours_sent_MB"] == pytest.approx(2 * rs, rel=0.02)
-    # FSDP2 resharding: all-gathers in forward and backward of every micro-batch, one reduce-scatter
-    assert two_rank_rows["dp ZeRO-3"]["theirs_sent_MB"] == pytest.approx((2 * m + 1) * rs, rel=0.02)
+    # FSDP2 resharding and reducing every micro-batch: all-gathers in forward and backward and a
+    # reduce-scatter, each micro-batch; with gradient sync off until the last: one reduce-scatter
+    assert two_rank_rows["dp ZeRO-3"]["theirs_sent_MB"] == pytest.approx(3 * m * rs, rel=0.02)
+    assert two_rank_rows["dp ZeRO-3 unsharded acc."]["theirs_sent_MB"] == pytest.approx((2 * m + 1) * rs, rel=0.02)
     # ours accumulating unsharded at stage 3: FSDP2's gradient traffic, one reduce-scatter per step
     ours3, fsdp3 = two_rank_rows["dp ZeRO-3 unsharded acc."], two_rank_rows["dp ZeRO-3"]
     assert ours3["ours_sent_MB"] == pytest.approx(fsdp3["ours_sent_MB"] - (m - 1) * rs, rel=0.02)
     assert two_rank_rows["tp=2"]["theirs_sent_MB"] is None  # DTensor's functional collectives: not seen
+
+
+def test_where_the_algorithms_match_ours_sends_and_holds_no_more(two_rank_rows):
+    for name in ("dp ZeRO-0", "dp ZeRO-1 vs equal bytes", "dp ZeRO-3", "dp ZeRO-3 unsharded acc."):
+        row = two_rank_rows[name]
+        assert row["ours_sent_MB"] <= row["theirs_sent_MB"] * (1 + 1e-9), name
+    for name in ("dp ZeRO-0", "dp ZeRO-3", "dp ZeRO-3 unsharded acc."):  # FSDP2 shards parameters: not ZeRO-1/2
+        row = two_rank_rows[name]
+        assert row["ours_state_MB"] <= row["theirs_state_MB"] * (1 + 1e-9), name
+    # ZeroRedundancyOptimizer broadcasts every parameter after the all-reduce: 1.5x, as its label says
+    zro = two_rank_rows["dp ZeRO-1"]
+    assert zro["theirs_sent_MB"] == pytest.approx(1.5 * zro["ours_sent_MB"], rel=0.02)
+
+
+def test_the_gloo_tuned_column_is_ours_with_the_same_bytes_only_where_zero_shards(two_rank_rows):
+    for name, row in two_rank_rows.items():
+        if name.startswith("dp ZeRO-") and not name.startswith("dp ZeRO-0"):
+            assert row["tuned_sent_MB"] == pytest.approx(row["ours_sent_MB"], rel=1e-9), name
+            assert row["tuned_cpu_ratio"] > 0 and row["tuned_ratio"] > 0, name
+        else:
+            assert row["tuned_sent_MB"] is None and row["tuned_cpu_ratio"] is None, name
 
 
 def test_bubble_is_measured_only_for_pipelines(two_rank_rows):

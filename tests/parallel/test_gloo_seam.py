@@ -158,3 +158,48 @@ def test_posted_says_which_handles_complete_what():
     whole = Posted([batch], n_sends=2, n_recvs=2, per_op=False)
     assert whole.sends == [batch] and whole.sends_alone == [] and whole.receives == [[batch], [batch]]
     assert list(whole) == [batch] and list(per_op) == [s0, s1, r0, r1]  # still the list of handles
+
+
+def _native_when_untuned():
+    import torch
+
+    from parallel import comm
+    from parallel.comm.gloo import tune_gloo
+    from parallel.groups import build_groups
+    from parallel.topology import Topology
+
+    called = []
+    originals = {n: getattr(dist, n) for n in ("all_to_all_single", "broadcast")}
+    for name, fn in originals.items():
+        setattr(dist, name, lambda *a, _n=name, _f=fn, **k: called.append(_n) or _f(*a, **k))
+    results = {}
+    try:
+        for tuned in (True, False):
+            previous = tune_gloo(tuned)
+            try:
+                g = build_groups(Topology(2, 1, 1))
+            finally:
+                tune_gloo(previous)
+            called.clear()
+            rank = dist.get_rank()
+            x = torch.arange(2 * 300_000, dtype=torch.float32) * (rank + 1)  # 2.3 MB: over the broadcast bar
+            out = torch.empty(300_000)
+            comm.reduce_scatter(out, x, group=g.dp)
+            gathered = torch.empty(2 * 300_000)
+            comm.all_gather(gathered, out, group=g.dp)
+            results[tuned] = (type(comm.transport(g.dp, "cpu")).__name__, sorted(set(called)), gathered)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    same = torch.equal(results[True][2], results[False][2]) and torch.equal(
+        results[False][2], torch.arange(2 * 300_000, dtype=torch.float32) * 3
+    )
+    return results[True][:2], results[False][:2], same
+
+
+def test_untuned_gloo_runs_its_own_collectives_with_the_same_result():
+    """``tune_gloo(False)``: a benchmark's like-with-like setting; the rewrites are gone, the sums stay."""
+    for tuned, native, same in run_ranks(_native_when_untuned, 2, timeout=60):
+        assert tuned == ("GlooTransport", ["all_to_all_single", "broadcast"])
+        assert native == ("GlooNativeTransport", [])
+        assert same
