@@ -2,7 +2,8 @@
 
 Token files are flat arrays of uint16 or uint32 token ids (the nanoGPT /
 Megatron ``.bin`` convention) beside a ``meta.json`` saying ``dtype`` and
-``vocab_size``; ``python -m recipes.prepare`` writes them from text files.
+``vocab_size``; ``python -m recipes.prepare`` writes them (as shards, with a
+document index) from text files and datasets.
 
 The embedded corpus is real text with no download: the Python standard
 library's own source files, read as bytes (vocabulary 256), built on first use
@@ -85,10 +86,24 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
-def split_tokens(path: str | Path, split: str, meta: dict) -> np.ndarray:
-    """The token ids of ``<path>/<split>.bin`` (memory-mapped), checked against ``meta``:
-    present, non-empty, a whole number of ids, as many as the header records."""
-    bin_path = Path(path) / f"{split}.bin"
+def split_tokens(path: str | Path, split: str, meta: dict) -> np.ndarray | ShardedTokens:
+    """The token ids of one split, memory-mapped: the shards ``meta["shards"][split]`` lists (what
+    ``recipes.prepare`` writes), else ``<split>.bin``; each checked against ``meta``: present,
+    non-empty, a whole number of ids, and as many in all as the header records."""
+    names = (meta.get("shards") or {}).get(split) if isinstance(meta.get("shards"), dict) else None
+    parts = [_one_file(Path(path) / name, split, meta) for name in (names or [f"{split}.bin"])]
+    total = sum(p.size for p in parts)
+    want = (meta.get("tokens") or {}).get(split) if isinstance(meta.get("tokens"), dict) else None
+    if want is not None and want != total:
+        where = Path(path) / (f"{split}-*.bin" if names else f"{split}.bin")
+        raise DataError(
+            f"{where} holds {total:,} tokens but meta.json says {want:,} (truncated or "
+            f"replaced); write the directory again with recipes.tools.prepare"
+        )
+    return parts[0] if len(parts) == 1 else ShardedTokens(parts)
+
+
+def _one_file(bin_path: Path, split: str, meta: dict) -> np.ndarray:
     if not bin_path.is_file():
         raise DataError(
             f"{bin_path} is missing (the {split!r} split); write the directory again with recipes.tools.prepare"
@@ -100,17 +115,37 @@ def split_tokens(path: str | Path, split: str, meta: dict) -> np.ndarray:
             f"{bin_path} has {size} bytes, not a positive multiple of {item} ({meta['dtype']}); "
             f"it is empty or truncated: write it again with recipes.tools.prepare"
         )
-    want = (meta.get("tokens") or {}).get(split) if isinstance(meta.get("tokens"), dict) else None
-    if want is not None and want != size // item:
-        raise DataError(
-            f"{bin_path} holds {size // item:,} tokens but meta.json says {want:,} (truncated or "
-            f"replaced); write the directory again with recipes.tools.prepare"
-        )
     return np.memmap(bin_path, dtype=DTYPES[meta["dtype"]], mode="r")
 
 
-def max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+class ShardedTokens:
+    """Several memory-mapped shards read as one array: ``size``, ``dtype``, slices and integer-array
+    indexing (a window may span two shards)."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts, self.dtype = parts, parts[0].dtype
+        self.starts = np.cumsum([0] + [p.size for p in parts])
+        self.size = int(self.starts[-1])
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self[np.arange(*index.indices(self.size))]
+        index = np.asarray(index)
+        shard = np.searchsorted(self.starts, index, side="right") - 1
+        out = np.empty(index.shape, dtype=self.dtype)
+        for s in np.unique(shard):
+            sel = shard == s
+            out[sel] = self.parts[s][index[sel] - self.starts[s]]
+        return out
+
+
+def max_token(tokens: np.ndarray | ShardedTokens, chunk: int = 1 << 24) -> int:
     """The largest id in ``tokens``, read in chunks (bounded memory)."""
+    if isinstance(tokens, ShardedTokens):
+        return max(max_token(p, chunk) for p in tokens.parts)
     return max(int(tokens[i : i + chunk].max()) for i in range(0, tokens.size, chunk))
 
 

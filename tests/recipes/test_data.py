@@ -67,8 +67,10 @@ def test_prepare_command_writes_what_the_trainer_reads(tmp_path):
     (src / "b.txt").write_text("gridtrain " * 50)
     assert prepare.main(["--output", str(tmp_path / "out"), str(src)]) == 0
     ds = open_data("memmap", str(tmp_path / "out"), "train", seq_len=8)
-    raw = b"hello world " * 50 + b"gridtrain " * 50
-    assert ds.tokens.astype(np.uint8).tobytes() == raw[: ds.tokens.size]
+    val = open_data("memmap", str(tmp_path / "out"), "val", seq_len=8)
+    # one document per file, each ended by byte 0; split by document (two: one each)
+    assert ds.tokens.astype(np.uint8).tobytes() == b"hello world " * 50 + b"\0"
+    assert val.tokens.astype(np.uint8).tobytes() == b"gridtrain " * 50 + b"\0"
     assert prepare.main(["--output", str(tmp_path / "x"), str(tmp_path / "nope")]) == 2
 
 
