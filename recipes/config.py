@@ -105,9 +105,10 @@ class CommConfig:
 @dataclass
 class DataConfig:
     source: str = "embedded"  # embedded | memmap
-    path: Optional[str] = None  # memmap: directory with train.bin / val.bin / meta.json
+    path: Optional[str] = None  # memmap: a directory recipes.prepare wrote (shards, index, meta.json)
     val_fraction: float = 0.05  # embedded corpus held out for validation
     embedded_mb: float = 4.0  # size of the embedded corpus
+    sampling: str = "auto"  # epoch (each window once per epoch) | random | auto: epoch for memmap, else random
 
 
 @dataclass

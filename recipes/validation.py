@@ -35,6 +35,7 @@ from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies  # noqa: F4
 from .config import ConfigError, Layout, ParallelConfig, _show, bad, model_config
 from .keys import check_keys, check_overrides, check_values, key_error, schema_keys, unknown_keys
 from .training.runlog import LR_SCHEDULES
+from .training.sampling import SAMPLINGS
 
 # The typed choices of the config, each tuple imported from where the library defines the names.
 # OmegaConf 2.3's structured configs refuse ``Literal`` annotations ("Unexpected type annotation"),
@@ -49,6 +50,7 @@ CHOICES = {
     "comm.compression": COMPRESSIONS,
     "comm.dtype": (None, *PRECISIONS),
     "data.source": ("embedded", "memmap"),
+    "data.sampling": ("auto", *SAMPLINGS),
     "logger.wandb": ("disabled", "offline", "online"),
     "parallel.zero": ZERO_STAGES,
     "parallel.offload": OFFLOAD_MODES,

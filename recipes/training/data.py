@@ -32,6 +32,8 @@ import torch
 
 from parallel.layers import cp_slice
 
+from .sampling import SAMPLINGS, permute
+
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -211,14 +213,28 @@ def embedded_corpus(mb: float = 4.0, val_fraction: float = 0.05) -> Path:
 
 @dataclass
 class TokenDataset:
-    """One split of a token directory, memory-mapped; samples fixed-length windows."""
+    """One split of a token directory, memory-mapped; samples fixed-length windows.
+
+    ``sampling="random"``: each step draws its windows' starts anywhere, with replacement.
+    ``"epoch"``: the split is cut into :meth:`n_windows` windows (stride ``seq_len``), and the global
+    batches walk a seeded permutation of them, a fresh one per epoch: each window is read once per
+    epoch. Both are functions of (seed, step, global batch) alone, so any layout reads the same."""
 
     tokens: np.ndarray
     vocab_size: int
     seq_len: int
+    sampling: str = "random"
+
+    def n_windows(self) -> int:
+        """Windows of an epoch: ``seq_len`` inputs each, consecutive ones sharing one token (the target)."""
+        return (self.tokens.size - 1) // self.seq_len
+
+    def epochs_done(self, steps: int, global_batch: int) -> float:
+        """Epochs read after ``steps`` steps of ``global_batch`` windows (epoch sampling's count)."""
+        return steps * global_batch / self.n_windows()
 
     @classmethod
-    def open(cls, path: str | Path, split: str, seq_len: int) -> TokenDataset:
+    def open(cls, path: str | Path, split: str, seq_len: int, sampling: str = "random") -> TokenDataset:
         path = Path(path)
         try:
             meta = read_meta(path)
@@ -230,11 +246,23 @@ class TokenDataset:
                 f"{path / (split + '.bin')} holds {tokens.size:,} tokens, fewer than one window of "
                 f"seq_len {seq_len} + 1 = {window_tokens(seq_len):,}"
             )
-        return cls(tokens=tokens, vocab_size=int(meta["vocab_size"]), seq_len=seq_len)
+        if sampling not in SAMPLINGS:
+            raise DataError(f"data.sampling must be one of {SAMPLINGS}, got {sampling!r}")
+        return cls(tokens=tokens, vocab_size=int(meta["vocab_size"]), seq_len=seq_len, sampling=sampling)
 
     def offsets(self, step: int, count: int, seed: int) -> np.ndarray:
-        """The ``count`` window starts of ``step``: a function of (seed, step) only; every
-        window that fits is a candidate (start + seq_len + 1 ≤ tokens)."""
+        """The ``count`` window starts of ``step`` (0-based), a function of (seed, step, count) only.
+        Random sampling: any window that fits (start + seq_len + 1 ≤ tokens); epoch sampling: windows
+        ``step·count … step·count + count − 1`` of the epoch-by-epoch permutation."""
+        if self.sampling == "epoch":
+            n = self.n_windows()
+            walk = np.arange(step * count, (step + 1) * count, dtype=np.int64)
+            epoch, pos = walk // n, walk % n
+            out = np.empty(count, dtype=np.int64)
+            for e in np.unique(epoch):
+                mine = epoch == e
+                out[mine] = permute(pos[mine], n, (seed, int(e)))
+            return out * self.seq_len
         rng = np.random.default_rng([seed, step])
         return rng.integers(0, self.tokens.size - window_tokens(self.seq_len) + 1, size=count)
 
@@ -269,11 +297,20 @@ class TokenDataset:
 
 
 def open_data(
-    source: str, path: str | None, split: str, seq_len: int, embedded_mb: float = 4.0, val_fraction: float = 0.05
+    source: str,
+    path: str | None,
+    split: str,
+    seq_len: int,
+    embedded_mb: float = 4.0,
+    val_fraction: float = 0.05,
+    sampling: str = "auto",
 ) -> TokenDataset:
-    """The dataset a recipe's ``data`` config names."""
+    """The dataset a recipe's ``data`` config names; ``sampling="auto"``: epochs for memmap data,
+    random windows for the embedded corpus."""
+    if sampling == "auto":
+        sampling = "epoch" if source == "memmap" else "random"
     if source == "embedded":
         path = embedded_corpus(embedded_mb, val_fraction)
     elif source != "memmap":
         raise DataError(f"unknown data.source {source!r}; expected 'embedded' or 'memmap'")
-    return TokenDataset.open(path, split, seq_len)
+    return TokenDataset.open(path, split, seq_len, sampling)

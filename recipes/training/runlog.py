@@ -58,7 +58,7 @@ WANDB_CHECK_TIMEOUT_S = 3.0
 #: columns the bar keeps for itself ("train:  45%|███▌    | 135/300 [00:12<00:15, 10.51step/s, ")
 BAR_COLUMNS = 64
 #: the metrics a progress line shows, most important first (the ones that do not fit are left out)
-SHOWN = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_frac", "mem_gb")
+SHOWN = ("loss", "val_loss", "epoch", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_frac", "mem_gb")
 
 
 def terminal_columns(stream=None) -> int:

@@ -77,7 +77,7 @@ class Trainer:
     def open_data(self, split: str):
         """The token dataset of ``split`` ("train" / "val") that ``rc.data`` names."""
         d = self.rc.data
-        return open_data(d.source, d.path, split, self.model_cfg.seq_len, d.embedded_mb, d.val_fraction)
+        return open_data(d.source, d.path, split, self.model_cfg.seq_len, d.embedded_mb, d.val_fraction, d.sampling)
 
     def microbatches(self, step: int, data=None, seed: int | None = None):
         """This rank's micro-batches of ``step``: its DP slice of the layout-independent global batch."""
@@ -210,6 +210,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                     rec["runqueue_s"] = (cpu_wait() - window_rq) / window_steps
                 if peak:
                     rec["mfu"] = model_tflops_per_device(rec["tokens_per_s"], trainer.model_cfg, world) / peak
+            if read and trainer.train_data.sampling == "epoch":  # epochs read so far (1.25: a quarter into the 2nd)
+                rec["epoch"] = trainer.train_data.epochs_done(step + 1, t.global_batch)
             if read:  # MoE models: router loss, tokens per expert, dropped (one host read, logged steps only)
                 rec.update(moe_metrics(trainer.engine.model))
             if eval_due:

@@ -50,5 +50,7 @@ def test_the_readme_commands_train_on_a_jsonl_folder_with_a_transformers_tokeniz
     steps += ["model.seq_len=64", "train.global_batch=8", "train.micro_batch=8", "train.ckpt_every=0"]
     p = run(train_cmd.replace("VOCAB", str(vocab)), *steps, f"hydra.run.dir={tmp_path / 'run'}")
     assert p.returncode == 0, p.stderr[-3000:]
-    loss = [json.loads(line)["loss"] for line in open(tmp_path / "run" / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    loss, epochs = [r["loss"] for r in rows], [r["epoch"] for r in rows]  # prepared data is read in epochs
+    assert epochs == sorted(epochs) and epochs[0] > 0
     assert len(loss) == 30 and sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 0.5, loss
