@@ -296,6 +296,12 @@ class TokenDataset:
         return [(cp_slice(x, cp, cp_rank), cp_slice(y, cp, cp_rank)) for x, y in mbs]
 
 
+def data_metrics(data: TokenDataset, steps: int, global_batch: int) -> dict:
+    """What a logged row says about the data after ``steps`` steps: the epochs read (1.25: a quarter
+    into the second) under epoch sampling, else nothing."""
+    return {"epoch": data.epochs_done(steps, global_batch)} if data.sampling == "epoch" else {}
+
+
 def open_data(
     source: str,
     path: str | None,

@@ -33,7 +33,7 @@ from parallel.topology import Topology
 from ..config import Layout, RecipeConfig
 from ..validation import validate
 from . import checkpointing
-from .data import open_data
+from .data import data_metrics, open_data
 from .exits import finish_distributed
 from .gpt_engine import build_gpt_engine
 from .profiling import StepProfiler, profile_steps
@@ -210,10 +210,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                     rec["runqueue_s"] = (cpu_wait() - window_rq) / window_steps
                 if peak:
                     rec["mfu"] = model_tflops_per_device(rec["tokens_per_s"], trainer.model_cfg, world) / peak
-            if read and trainer.train_data.sampling == "epoch":  # epochs read so far (1.25: a quarter into the 2nd)
-                rec["epoch"] = trainer.train_data.epochs_done(step + 1, t.global_batch)
-            if read:  # MoE models: router loss, tokens per expert, dropped (one host read, logged steps only)
-                rec.update(moe_metrics(trainer.engine.model))
+                rec.update(data_metrics(trainer.train_data, step + 1, t.global_batch))
+                rec.update(moe_metrics(trainer.engine.model))  # router loss, tokens per expert (one host read)
             if eval_due:
                 rec["val_loss"] = trainer.evaluate()
             last = rec
