@@ -108,6 +108,7 @@ class DataConfig:
     path: Optional[str] = None  # memmap: a directory recipes.prepare wrote (shards, index, meta.json)
     val_fraction: float = 0.05  # embedded corpus held out for validation
     embedded_mb: float = 4.0  # size of the embedded corpus
+    blend: Optional[str] = None  # "0.7 data/a 0.3 data/b": prepared corpora mixed by weight (instead of source/path)
     sampling: str = "auto"  # epoch (each window once per epoch) | random | auto: epoch for memmap, else random
 
 

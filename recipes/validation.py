@@ -300,7 +300,9 @@ def _check_run(cfg: Any) -> None:
     t, p = cfg.train, cfg.parallel
     if t.eval_every and t.eval_batches < 1:
         raise ConfigError(f"train.eval_batches must be ≥ 1 when train.eval_every={t.eval_every} (or set eval_every=0)")
-    if cfg.data.source == "memmap" and not cfg.data.path:
+    if cfg.data.blend and cfg.data.path:
+        raise ConfigError("data.blend names its corpora itself: leave data.path unset (or drop data.blend)")
+    if cfg.data.source == "memmap" and not cfg.data.path and not cfg.data.blend:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
     from .training.profiling import profile_steps  # logger.profile
 

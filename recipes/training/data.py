@@ -32,7 +32,7 @@ import torch
 
 from parallel.layers import cp_slice
 
-from .sampling import SAMPLINGS, permute
+from .sampling import SAMPLINGS, epoch_walk
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -125,7 +125,7 @@ class ShardedTokens:
     indexing (a window may span two shards)."""
 
     def __init__(self, parts: list[np.ndarray]):
-        self.parts, self.dtype = parts, parts[0].dtype
+        self.parts, self.dtype = parts, np.result_type(*(p.dtype for p in parts))
         self.starts = np.cumsum([0] + [p.size for p in parts])
         self.size = int(self.starts[-1])
 
@@ -233,6 +233,11 @@ class TokenDataset:
         """Epochs read after ``steps`` steps of ``global_batch`` windows (epoch sampling's count)."""
         return steps * global_batch / self.n_windows()
 
+    def metrics(self, steps: int, global_batch: int) -> dict:
+        """What a logged row says about the data after ``steps`` steps: the epochs read (1.25: a
+        quarter into the second) under epoch sampling, else nothing."""
+        return {"epoch": self.epochs_done(steps, global_batch)} if self.sampling == "epoch" else {}
+
     @classmethod
     def open(cls, path: str | Path, split: str, seq_len: int, sampling: str = "random") -> TokenDataset:
         path = Path(path)
@@ -255,14 +260,7 @@ class TokenDataset:
         Random sampling: any window that fits (start + seq_len + 1 ≤ tokens); epoch sampling: windows
         ``step·count … step·count + count − 1`` of the epoch-by-epoch permutation."""
         if self.sampling == "epoch":
-            n = self.n_windows()
-            walk = np.arange(step * count, (step + 1) * count, dtype=np.int64)
-            epoch, pos = walk // n, walk % n
-            out = np.empty(count, dtype=np.int64)
-            for e in np.unique(epoch):
-                mine = epoch == e
-                out[mine] = permute(pos[mine], n, (seed, int(e)))
-            return out * self.seq_len
+            return epoch_walk(step * count, count, self.n_windows(), (seed,)) * self.seq_len
         rng = np.random.default_rng([seed, step])
         return rng.integers(0, self.tokens.size - window_tokens(self.seq_len) + 1, size=count)
 
@@ -296,12 +294,6 @@ class TokenDataset:
         return [(cp_slice(x, cp, cp_rank), cp_slice(y, cp, cp_rank)) for x, y in mbs]
 
 
-def data_metrics(data: TokenDataset, steps: int, global_batch: int) -> dict:
-    """What a logged row says about the data after ``steps`` steps: the epochs read (1.25: a quarter
-    into the second) under epoch sampling, else nothing."""
-    return {"epoch": data.epochs_done(steps, global_batch)} if data.sampling == "epoch" else {}
-
-
 def open_data(
     source: str,
     path: str | None,
@@ -310,11 +302,17 @@ def open_data(
     embedded_mb: float = 4.0,
     val_fraction: float = 0.05,
     sampling: str = "auto",
+    blend: str | None = None,
 ) -> TokenDataset:
-    """The dataset a recipe's ``data`` config names; ``sampling="auto"``: epochs for memmap data,
-    random windows for the embedded corpus."""
+    """The dataset a recipe's ``data`` config names: ``blend`` (prepared corpora mixed by weight,
+    :mod:`.blend`), else ``source``. ``sampling="auto"``: epochs for prepared data, random windows
+    for the embedded corpus."""
     if sampling == "auto":
-        sampling = "epoch" if source == "memmap" else "random"
+        sampling = "epoch" if source == "memmap" or blend else "random"
+    if blend:
+        from .blend import open_blend
+
+        return open_blend(blend, split, seq_len, sampling)
     if source == "embedded":
         path = embedded_corpus(embedded_mb, val_fraction)
     elif source != "memmap":

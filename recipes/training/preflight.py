@@ -85,13 +85,26 @@ def _split(path: Path, split: str, meta: dict, key: str, value: Any, seq_len: in
         )
 
 
-def check_data(rc: Any, mc: ModelConfig) -> Path:
-    """The token directory the run reads (the embedded corpus is built and cached here):
-    a prepared directory with a sound header, non-empty splits of the recorded sizes, each
-    holding one window of ``seq_len + 1`` tokens, ids and vocabulary within the model's."""
-    from .data import DataError, embedded_corpus, read_meta
+def check_data(rc: Any, mc: ModelConfig) -> list[Path]:
+    """The token directories the run reads (the embedded corpus is built and cached here; a
+    ``data.blend`` names several): each a prepared directory with a sound header, non-empty splits
+    of the recorded sizes, each holding one window of ``seq_len + 1`` tokens, ids and vocabulary
+    within the model's."""
+    from .blend import parse_blend
+    from .data import DataError, embedded_corpus
 
     d = rc.data
+    if d.blend:
+        try:
+            pairs = parse_blend(d.blend)
+        except DataError as e:
+            raise bad(
+                "data.blend",
+                d.blend,
+                str(e).removeprefix("data.blend: "),
+                "give pairs of weight > 0 and a prepared folder",
+            ) from None
+        return [_check_dir(rc, mc, "data.blend", d.blend, Path(p)) for _, p in pairs]
     if d.source == "embedded":
         key, value = "data.embedded_mb", d.embedded_mb
         try:
@@ -103,6 +116,12 @@ def check_data(rc: Any, mc: ModelConfig) -> Path:
             key, value = "model.seq_len", mc.seq_len
     else:
         key, value, path = "data.path", d.path, Path(d.path)
+    return [_check_dir(rc, mc, key, value, path)]
+
+
+def _check_dir(rc: Any, mc: ModelConfig, key: str, value: Any, path: Path) -> Path:
+    from .data import DataError, read_meta
+
     try:
         meta = read_meta(path)
     except DataError as e:

@@ -38,3 +38,15 @@ def permute(index: np.ndarray, n: int, key: tuple[int, ...]) -> np.ndarray:
         x[todo] = (left << np.uint64(half)) | right
         todo[todo] = x[todo] >= np.uint64(n)
     return x.astype(np.int64)
+
+
+def epoch_walk(first: int, count: int, n: int, key: tuple[int, ...]) -> np.ndarray:
+    """Entries ``first … first + count − 1`` of the walk through ``range(n)`` that visits each index
+    once per epoch, epoch ``e`` in the order ``permute(·, n, key + (e,))``."""
+    walk = np.arange(first, first + count, dtype=np.int64)
+    epoch, pos = walk // n, walk % n
+    out = np.empty(count, dtype=np.int64)
+    for e in np.unique(epoch):
+        mine = epoch == e
+        out[mine] = permute(pos[mine], n, (*key, int(e)))
+    return out

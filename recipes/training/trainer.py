@@ -33,7 +33,7 @@ from parallel.topology import Topology
 from ..config import Layout, RecipeConfig
 from ..validation import validate
 from . import checkpointing
-from .data import data_metrics, open_data
+from .data import open_data
 from .exits import finish_distributed
 from .gpt_engine import build_gpt_engine
 from .profiling import StepProfiler, profile_steps
@@ -77,7 +77,8 @@ class Trainer:
     def open_data(self, split: str):
         """The token dataset of ``split`` ("train" / "val") that ``rc.data`` names."""
         d = self.rc.data
-        return open_data(d.source, d.path, split, self.model_cfg.seq_len, d.embedded_mb, d.val_fraction, d.sampling)
+        seq = self.model_cfg.seq_len
+        return open_data(d.source, d.path, split, seq, d.embedded_mb, d.val_fraction, d.sampling, d.blend)
 
     def microbatches(self, step: int, data=None, seed: int | None = None):
         """This rank's micro-batches of ``step``: its DP slice of the layout-independent global batch."""
@@ -210,7 +211,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                     rec["runqueue_s"] = (cpu_wait() - window_rq) / window_steps
                 if peak:
                     rec["mfu"] = model_tflops_per_device(rec["tokens_per_s"], trainer.model_cfg, world) / peak
-                rec.update(data_metrics(trainer.train_data, step + 1, t.global_batch))
+                rec.update(trainer.train_data.metrics(step + 1, t.global_batch))
                 rec.update(moe_metrics(trainer.engine.model))  # router loss, tokens per expert (one host read)
             if eval_due:
                 rec["val_loss"] = trainer.evaluate()
