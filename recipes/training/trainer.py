@@ -36,6 +36,7 @@ from . import checkpointing
 from .data import open_data
 from .exits import finish_distributed
 from .gpt_engine import build_gpt_engine
+from .prefetch import Prefetcher
 from .profiling import StepProfiler, profile_steps
 from .reports import cpu_wait_clock, memory_report, time_report, timeline_step
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
@@ -72,6 +73,7 @@ class Trainer:
                 f"{self.train_data.vocab_size}"
             )
         self.val_data = self.open_data("val") if t.eval_every else None
+        self.prefetch = Prefetcher(self.host_microbatches)  # its thread starts at the first read
         self.step = 0
 
     def open_data(self, split: str):
@@ -81,7 +83,16 @@ class Trainer:
         return open_data(d.source, d.path, split, seq, d.embedded_mb, d.val_fraction, d.sampling, d.blend)
 
     def microbatches(self, step: int, data=None, seed: int | None = None):
-        """This rank's micro-batches of ``step``: its DP slice of the layout-independent global batch."""
+        """This rank's micro-batches of ``step``: its DP slice of the layout-independent global batch,
+        on the device. The training split's host batches are read one step ahead in a background
+        thread (:class:`.prefetch.Prefetcher`); only the copy to the device is on the step's path."""
+        host = self.prefetch.get(step) if data is None and seed is None else self.host_microbatches(step, data, seed)
+        return [x.to(self.device, non_blocking=True) for x, _ in host], [
+            y.to(self.device, non_blocking=True) for _, y in host
+        ]
+
+    def host_microbatches(self, step: int, data=None, seed: int | None = None) -> list:
+        """The host side of :meth:`microbatches`: ids checked against the vocabulary, pinned on CUDA."""
         lay, t = self.layout, self.rc.train
         mbs = (data or self.train_data).rank_microbatches(
             step,
@@ -97,7 +108,9 @@ class Trainer:
         check_token_ids_together(
             [(t, what) for x, y in mbs for t, what in ((x, "token ids"), (y, "targets"))], self.model_cfg.vocab_size
         )
-        return [x.to(self.device) for x, _ in mbs], [y.to(self.device) for _, y in mbs]
+        if self.device.type == "cuda":  # a pinned source makes the non-blocking copy asynchronous
+            mbs = [(x.pin_memory(), y.pin_memory()) for x, y in mbs]
+        return mbs
 
     def evaluate(self, read: bool = True) -> float | torch.Tensor:
         """Mean loss over ``train.eval_batches`` fixed global batches of the held-out split
@@ -244,9 +257,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
         if (done := saver.close()) is not None:  # the end of training waits for the last save
             log.info(f"checkpoint {done} published")
     finally:
-        profiler.close()
-        preemption.close()
-        log.close()
+        for part in (profiler, preemption, log, trainer.prefetch):  # the data thread stops reading ahead
+            part.close()
     last = read_stats(last)  # the last step was read, or reduced by the pre-emption log: no collective here
     finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/training/exits.py)
     return {
