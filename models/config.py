@@ -6,11 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from parallel.dims import tp_split_problem
+from parallel.layers.attention import ROPE_TYPES
 from parallel.layers.embedding import padded_vocab_size
 from parallel.layers.moe import MoEConfig, MoEConfigError
 from parallel.memory import CHECKPOINTING
 
 ARCHS = ("gpt", "llama")
+BIAS_FIELDS = ("qkv_bias", "o_bias", "mlp_bias")
 
 
 class ModelConfigError(ValueError):
@@ -53,12 +55,26 @@ class ModelConfig:
     moe_capacity_factor: float | None = None
     moe_aux_loss_weight: float = 0.01
     moe_z_loss_weight: float = 0.0
+    # Llama 3.1+, Qwen2, Qwen3 (None: the arch's default, GPT with biases, Llama without)
+    attn_head_dim: int | None = None  # None: d_model / n_heads
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    mlp_bias: bool | None = None
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    rope_type: str = "default"  # default | linear | llama3 (parallel.layers.attention.ROPE_TYPES)
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
 
     def __post_init__(self):
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", self._default_d_ff())
+        for field in BIAS_FIELDS:  # the arch's default: GPT with biases, Llama without
+            if getattr(self, field) is None:
+                object.__setattr__(self, field, self.arch == "gpt")
 
     def _default_d_ff(self) -> int:
         if self.arch == "llama":
@@ -87,7 +103,23 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_head_dim or self.d_model // self.n_heads
+
+    def bias(self, which: str) -> bool:
+        """Whether the ``qkv`` / ``o`` / ``mlp`` projections carry biases."""
+        return bool(getattr(self, f"{which}_bias"))
+
+    def rope_scaling(self) -> dict | None:
+        """The rotary frequency scaling :func:`parallel.layers.attention.rope_inv_freq` takes (None: plain)."""
+        if self.rope_type == "default":
+            return None
+        return {
+            "type": self.rope_type,
+            "factor": self.rope_factor,
+            "low_freq_factor": self.rope_low_freq_factor,
+            "high_freq_factor": self.rope_high_freq_factor,
+            "original_max_position": self.rope_original_max_position,
+        }
 
     def padded_vocab(self, tp: int = 1) -> int:
         return padded_vocab_size(self.vocab_size, tp, self.vocab_multiple)  # one home: parallel.layers
@@ -100,6 +132,9 @@ class ModelConfig:
             changes["d_ff"] = None
         if "n_kv_heads" not in changes and self.n_kv_heads == self.n_heads:
             changes["n_kv_heads"] = None
+        for field in BIAS_FIELDS:
+            if field not in changes and getattr(self, field) == (self.arch == "gpt"):
+                changes[field] = None
         return dataclasses.replace(self, **changes)
 
     def validate(self, tp: int = 1) -> ModelConfig:
@@ -117,11 +152,17 @@ class ModelConfig:
         for field in ("n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "seq_len"):
             need(getattr(self, field) >= 1, f"{field} must be ≥ 1, got {getattr(self, field)}")
         need(tp >= 1, f"tp must be ≥ 1, got {tp}")
-        need(self.d_model % self.n_heads == 0, f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        need(
+            self.attn_head_dim is not None or self.d_model % self.n_heads == 0,
+            f"d_model {self.d_model} is not divisible by n_heads {self.n_heads} (or give attn_head_dim)",
+        )
         need(
             self.head_dim % 2 == 0 or self.arch != "llama",
-            f"rotary embeddings need an even head_dim, got d_model {self.d_model} / n_heads {self.n_heads}",
+            f"rotary embeddings need an even head_dim, got {self.head_dim}",
         )
+        need(self.rope_type in ROPE_TYPES, f"rope_type {self.rope_type!r} not in {ROPE_TYPES}")
+        need(self.rope_factor > 0, f"rope_factor must be > 0, got {self.rope_factor}")
+        need(not self.qk_norm or self.arch == "llama", "qk_norm needs arch llama (RMSNorm)")
         need(
             self.n_heads % self.n_kv_heads == 0,
             f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}",
@@ -137,6 +178,13 @@ class ModelConfig:
         return self
 
 
+LLAMA31_ROPE = dict(
+    rope_type="llama3",
+    rope_factor=8.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+    rope_original_max_position=8192,
+)
 PRESETS: dict[str, ModelConfig] = {
     # trains on a CPU in minutes on bytes (vocab 256)
     "gpt_tiny": ModelConfig(arch="gpt", n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128),
@@ -180,6 +228,62 @@ PRESETS: dict[str, ModelConfig] = {
         moe_experts=4,
         moe_top_k=2,
         moe_aux_loss_weight=0.02,
+    ),
+    # Llama 3.1 (rope scaling to 128k; the published 8B and 70B shapes), Qwen3 dense (QK-norm, head_dim 128)
+    "llama3_8b": ModelConfig(
+        arch="llama",
+        n_layers=32,
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        d_ff=14336,
+        vocab_size=128256,
+        seq_len=8192,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+        **LLAMA31_ROPE,
+    ),
+    "llama3_70b": ModelConfig(
+        arch="llama",
+        n_layers=80,
+        d_model=8192,
+        n_heads=64,
+        n_kv_heads=8,
+        d_ff=28672,
+        vocab_size=128256,
+        seq_len=8192,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+        **LLAMA31_ROPE,
+    ),
+    "qwen3_tiny": ModelConfig(
+        arch="llama",
+        n_layers=4,
+        d_model=128,
+        n_heads=4,
+        n_kv_heads=2,
+        attn_head_dim=48,
+        d_ff=352,
+        vocab_size=256,
+        seq_len=128,
+        qk_norm=True,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+    ),
+    "qwen3_8b": ModelConfig(
+        arch="llama",
+        n_layers=36,
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        attn_head_dim=128,
+        d_ff=12288,
+        vocab_size=151936,
+        seq_len=32768,
+        tie_embeddings=False,
+        qk_norm=True,
+        norm_eps=1e-6,
+        rope_theta=1e6,
     ),
     # Mixtral-8x7B (46.7B parameters, 12.9B active per token); the planner's MoE reference
     "mixtral_8x7b": ModelConfig(

@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` weights for GPT-2, Llama and Mixtral, into and out of any tp / pp layout.
+"""Hugging Face ``transformers`` weights for GPT-2, Llama (3.1+), Qwen2, Qwen3 and Mixtral, into and out of any tp / pp layout.
 
 ``load_hf_weights(stage, source, tp_group)`` fills a stage from a ``transformers``
 state dict or a folder of ``*.safetensors`` as ``save_pretrained`` writes it: each
@@ -94,10 +94,16 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
             Rule((f"{b}mlp_norm.weight",), f"{h}post_attention_layernorm.weight"),
         ]
         rules += [Rule((f"{b}attn.{x}_proj.weight",), f"{h}self_attn.{x}_proj.weight") for x in "qkvo"]
+        biased = [x for x in "qkvo" if cfg.bias("o" if x == "o" else "qkv")]
+        rules += [Rule((f"{b}attn.{x}_proj.bias",), f"{h}self_attn.{x}_proj.bias") for x in biased]
+        if cfg.qk_norm:
+            rules += [Rule((f"{b}attn.{x}_norm.weight",), f"{h}self_attn.{x}_norm.weight") for x in "qk"]
         if cfg.is_moe_layer(i):
             rules += _mixtral_expert_rules(cfg.moe_config().d_ff, b, h)
         else:
             rules += [Rule((f"{b}mlp.{x}_proj.weight",), f"{h}mlp.{x}_proj.weight") for x in ("gate", "up", "down")]
+            if cfg.bias("mlp"):
+                rules += [Rule((f"{b}mlp.{x}_proj.bias",), f"{h}mlp.{x}_proj.bias") for x in ("gate", "up", "down")]
     return rules
 
 
@@ -126,6 +132,55 @@ def hf_rules(cfg: ModelConfig, hf_keys=()) -> list[Rule]:
     return rules + [Rule(("lm_head.weight",), embed if tied else "lm_head.weight")]
 
 
+LLAMA_LIKE = ("llama", "mixtral", "qwen2", "qwen3")
+
+
+def _rope_fields(c: Mapping) -> dict:
+    """Our rotary fields from a ``transformers`` config's ``rope_parameters`` (≥ 5) or ``rope_scaling``."""
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    out = {"rope_theta": rope.get("rope_theta", c.get("rope_theta", 10000.0)), "rope_type": kind}
+    if kind == "default":
+        return out
+    if kind not in ("linear", "llama3"):
+        raise ModelConfigError(f"rope_type {kind!r} is not supported (default, linear, llama3)")
+    out["rope_factor"] = float(rope["factor"])
+    if kind == "llama3":
+        out.update(
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_position=int(rope["original_max_position_embeddings"]),
+        )
+    return out
+
+
+def _llama_like_config(c: Mapping, kind: str) -> ModelConfig:
+    """Llama (3.1+ rope scaling, biases, head_dim), Mixtral, Qwen2 (q/k/v biases), Qwen3 (QK-norm)."""
+    if c.get("use_sliding_window"):
+        raise ModelConfigError(f"{kind} sliding-window attention is not supported (set use_sliding_window=false)")
+    attention_bias = bool(c.get("attention_bias", False))
+    return ModelConfig(
+        arch="llama",
+        n_layers=c["num_hidden_layers"],
+        d_model=c["hidden_size"],
+        n_heads=c["num_attention_heads"],
+        n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+        attn_head_dim=c["head_dim"]
+        if c.get("head_dim") not in (None, c["hidden_size"] // c["num_attention_heads"])
+        else None,
+        d_ff=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        seq_len=c["max_position_embeddings"],
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        tie_embeddings=c.get("tie_word_embeddings", False),
+        qkv_bias=True if kind == "qwen2" else attention_bias,
+        o_bias=attention_bias and kind != "qwen2",
+        mlp_bias=bool(c.get("mlp_bias", False)),
+        qk_norm=kind == "qwen3",
+        **_rope_fields(c),
+    )
+
+
 def config_from_hf(hf_config, **overrides) -> ModelConfig:
     """A :class:`ModelConfig` from a ``transformers`` GPT2Config / LlamaConfig (object or dict)."""
     c = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
@@ -144,25 +199,8 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
             norm_eps=c.get("layer_norm_epsilon", 1e-5),
             tie_embeddings=c.get("tie_word_embeddings", True),
         )
-    elif kind in ("llama", "mixtral"):
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") != "default" or c.get("attention_bias") or c.get("mlp_bias"):
-            raise ModelConfigError("Llama with rope scaling or attention/MLP biases is not supported")
-        if c.get("head_dim") not in (None, c["hidden_size"] // c["num_attention_heads"]):
-            raise ModelConfigError(f"Llama head_dim {c['head_dim']} ≠ hidden_size / num_attention_heads")
-        cfg = ModelConfig(
-            arch="llama",
-            n_layers=c["num_hidden_layers"],
-            d_model=c["hidden_size"],
-            n_heads=c["num_attention_heads"],
-            n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-            d_ff=c["intermediate_size"],
-            vocab_size=c["vocab_size"],
-            seq_len=c["max_position_embeddings"],
-            norm_eps=c.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
-            tie_embeddings=c.get("tie_word_embeddings", False),
-        )
+    elif kind in LLAMA_LIKE:
+        cfg = _llama_like_config(c, kind)
         if kind == "mixtral":
             if c.get("sliding_window"):
                 raise ModelConfigError(f"Mixtral sliding_window={c['sliding_window']} is not supported (set None)")
@@ -172,7 +210,9 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
                 moe_aux_loss_weight=c.get("router_aux_loss_coef", 0.001),
             )
     else:
-        raise ModelConfigError(f"model_type {kind!r} not supported; gridtrain imports 'gpt2' and 'llama'")
+        raise ModelConfigError(
+            f"model_type {kind!r} not supported; gridtrain imports 'gpt2', {', '.join(map(repr, LLAMA_LIKE))}"
+        )
     return cfg.replace(**overrides)
 
 
@@ -206,9 +246,34 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
 
 
 def _llama_config(cfg: ModelConfig) -> dict:
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+    kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.bias("qkv") and not cfg.bias("o") else "llama"
+    extra: dict = {"head_dim": cfg.head_dim}
+    if kind == "llama":
+        extra.update(attention_bias=cfg.bias("qkv"), mlp_bias=cfg.bias("mlp"))
+        if cfg.bias("qkv") != cfg.bias("o"):
+            raise ModelConfigError(
+                "Llama's attention_bias covers q, k, v and o alike; qkv_bias ≠ o_bias does not export"
+            )
+    elif kind == "qwen3":
+        extra.update(attention_bias=cfg.bias("qkv"), use_sliding_window=False)
+    else:
+        extra.update(use_sliding_window=False)
+    if kind != "llama" and cfg.bias("mlp"):
+        raise ModelConfigError(f"{kind} has no MLP biases; mlp_bias does not export")
+    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type != "default":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        rope.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position,
+        )
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    return extra | {
+        "rope_parameters": rope,
+        "model_type": kind,
+        "architectures": [arch],
         "num_hidden_layers": cfg.n_layers,
         "hidden_size": cfg.d_model,
         "num_attention_heads": cfg.n_heads,

@@ -150,6 +150,16 @@ class ModelSection:
     moe_capacity_factor: Optional[float] = None
     moe_aux_loss_weight: Optional[float] = None
     moe_z_loss_weight: Optional[float] = None
+    attn_head_dim: Optional[int] = None  # Llama 3.1+, Qwen2/3 (models/config.py)
+    qkv_bias: Optional[bool] = None
+    o_bias: Optional[bool] = None
+    mlp_bias: Optional[bool] = None
+    qk_norm: Optional[bool] = None
+    rope_type: Optional[str] = None
+    rope_factor: Optional[float] = None
+    rope_low_freq_factor: Optional[float] = None
+    rope_high_freq_factor: Optional[float] = None
+    rope_original_max_position: Optional[int] = None
 
 
 def model_config(section: Any) -> ModelConfig:

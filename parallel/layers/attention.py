@@ -9,12 +9,38 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import comm
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
+from .norm import RMSNorm
 from .ring_attention import check_cp_impl, check_ulysses_heads, context_parallel_attention, cp_positions
 
+ROPE_TYPES = ("default", "linear", "llama3")
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of shape ``[seq_len, head_dim]`` in fp32 (Llama / HF "rotate-half" layout)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> torch.Tensor:
+    """The rotary inverse frequencies ``θ^(-2i/hd)`` (fp32, ``[hd/2]``), scaled for long context:
+    ``linear`` divides them all by ``factor``; ``llama3`` (Llama 3.1+) divides those whose wavelength
+    exceeds ``original_max_position / low_freq_factor`` by ``factor``, keeps those shorter than
+    ``original_max_position / high_freq_factor``, and blends linearly in between."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    kind = (scaling or {}).get("type", "default")
+    if kind == "default":
+        return inv
+    if kind not in ROPE_TYPES:
+        raise LayerConfigError(f"rope scaling {kind!r} not in {ROPE_TYPES}")
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv / factor
+    low, high, original = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_position"]
+    wavelength = 2 * torch.pi / inv
+    blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
+    return (1 - blend) * inv / factor + blend * inv
+
+
+def rotary_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device=None, scaling: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape ``[seq_len, head_dim]`` in fp32 (Llama / HF "rotate-half" layout);
+    ``scaling``: :func:`rope_inv_freq`'s."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -71,6 +97,11 @@ class ParallelSelfAttention(nn.Module):
         bias: bool = True,
         rope: bool = False,
         rope_theta: float = 10000.0,
+        rope_scaling: dict | None = None,
+        head_dim: int | None = None,
+        qkv_bias: bool | None = None,
+        o_bias: bool | None = None,
+        qk_norm_eps: float | None = None,
         recompute_core: bool = False,
         cp_group=None,
         cp_impl: str = "ring",
@@ -82,21 +113,27 @@ class ParallelSelfAttention(nn.Module):
         cp = comm.tp_world_size(cp_group)  # None or one rank: no context parallelism
         check_cp_impl(cp_impl)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if d_model % n_heads:
-            raise LayerConfigError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
-        head_dim = d_model // n_heads
+        if head_dim is None and d_model % n_heads:
+            raise LayerConfigError(f"d_model {d_model} is not divisible by n_heads {n_heads} (or give head_dim)")
+        head_dim = head_dim or d_model // n_heads
         check_heads(n_heads, n_kv_heads, tp)
         if cp > 1 and cp_impl == "alltoall":
             check_ulysses_heads(n_heads, n_kv_heads, cp, tp)
         self.cp_group, self.cp, self.cp_impl = cp_group, cp, cp_impl
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.local_heads, self.local_kv_heads = n_heads // tp, n_kv_heads // tp
-        self.rope, self.rope_theta, self.recompute_core = rope, rope_theta, recompute_core
-        col = dict(tp_group=tp_group, bias=bias, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        self.q_proj = ColumnParallelLinear(d_model, n_heads * head_dim, **col)
-        self.k_proj = ColumnParallelLinear(d_model, n_kv_heads * head_dim, **col)
-        self.v_proj = ColumnParallelLinear(d_model, n_kv_heads * head_dim, **col)
-        self.o_proj = RowParallelLinear(n_heads * head_dim, d_model, **col)
+        self.rope, self.rope_theta, self.rope_scaling = rope, rope_theta, rope_scaling
+        self.recompute_core = recompute_core
+        col = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        qkv = dict(col, bias=bias if qkv_bias is None else qkv_bias)
+        self.q_proj = ColumnParallelLinear(d_model, n_heads * head_dim, **qkv)
+        self.k_proj = ColumnParallelLinear(d_model, n_kv_heads * head_dim, **qkv)
+        self.v_proj = ColumnParallelLinear(d_model, n_kv_heads * head_dim, **qkv)
+        self.o_proj = RowParallelLinear(n_heads * head_dim, d_model, **col, bias=bias if o_bias is None else o_bias)
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:  # one weight over every head: each TP rank's gradient covers its heads only
+            norm = dict(sequence_parallel=tp > 1, device=device, dtype=dtype)
+            self.q_norm, self.k_norm = RMSNorm(head_dim, qk_norm_eps, **norm), RMSNorm(head_dim, qk_norm_eps, **norm)
 
     def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
         b, s, _ = t.shape
@@ -106,7 +143,7 @@ class ParallelSelfAttention(nn.Module):
         """Rotary (if any) + causal SDPA on local heads; ``[b, s, local_heads·hd]``."""
         b, _, s, _ = q.shape
         if self.rope:
-            cos, sin = rotary_cos_sin(s * self.cp, self.head_dim, self.rope_theta, q.device)
+            cos, sin = rotary_cos_sin(s * self.cp, self.head_dim, self.rope_theta, q.device, self.rope_scaling)
             if self.cp > 1:  # this rank's tokens sit at their global positions
                 pos = cp_positions(s * self.cp, self.cp, comm.tp_rank(self.cp_group), q.device)
                 cos, sin = cos[pos], sin[pos]
@@ -125,6 +162,8 @@ class ParallelSelfAttention(nn.Module):
         q, k, v = ColumnParallelLinear.shared_forward(x, self.q_proj, self.k_proj, self.v_proj)
         q = self._heads(q, self.local_heads)
         k, v = self._heads(k, self.local_kv_heads), self._heads(v, self.local_kv_heads)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:

@@ -62,6 +62,8 @@ def references(tmp_path_factory):
         dict(dp=1, pp=2, tp=1, zero=1, parallel__pp_schedule="interleaved", parallel__vpp=2),
         dict(dp=2, pp=2, tp=1, zero=3, model__preset="llama_tiny"),
         dict(dp=1, pp=1, tp=2, zero=0, model__preset="llama_tiny", parallel__sequence_parallel=True),
+        # Qwen3's QK-norm: one weight over every head, its gradient summed over TP (each rank has some heads)
+        dict(dp=1, pp=2, tp=2, zero=1, model__preset="qwen3_tiny"),
         # ZeRO-3 with recomputation, with GPipe (several backwards before the root is freed), interleaved
         dict(dp=2, pp=1, tp=1, zero=3, model__activation_checkpointing="full"),
         dict(dp=1, pp=2, tp=1, zero=3, parallel__pp_schedule="gpipe"),

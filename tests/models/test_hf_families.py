@@ -1,0 +1,108 @@
+"""Llama 3.1 (rope scaling, biases, head_dim ≠ d/h), Qwen2 (q/k/v biases) and Qwen3 (QK-norm), each
+loaded from a folder ``save_pretrained`` wrote: transformers' logits at tp 1 and 2 and a pipeline's
+last stage, lossless export, and ``from_pretrained`` of our export (odd sizes: vocab 300, kv < heads)."""
+
+import json
+
+import pytest
+import torch
+
+from models import build_model
+from models.hf import config_from_hf, export_hf_state_dict, hf_config_dict, load_hf_weights, save_hf_safetensors
+from parallel import comm
+from parallel.groups import build_groups
+from parallel.testing import run_ranks
+from parallel.topology import Topology
+
+transformers = pytest.importorskip("transformers")
+VOCAB, SEQ = 300, 12
+COMMON = dict(
+    hidden_size=48,
+    intermediate_size=72,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,  # short: the scaling bites at these positions
+}
+FAMILIES = {
+    "llama3.1": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            **COMMON, head_dim=16, rope_parameters=LLAMA31_ROPE, attention_bias=True, mlp_bias=True
+        )
+    ),
+    "llama-linear": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4})
+    ),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=16)),
+}
+
+
+def _hf(family, folder):
+    torch.manual_seed(5)
+    model = FAMILIES[family]().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif n.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def _ids():
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _ours(folder, tp):
+    groups = build_groups(Topology(1, 1, tp))
+    cfg = config_from_hf(json.loads(open(f"{folder}/config.json").read()))
+    stage = build_model(cfg, tp_group=groups.tp, device="meta").to_empty(device="cpu")
+    load_hf_weights(stage, folder, groups.tp)
+    logits = comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., :VOCAB]
+    last = load_hf_weights(
+        build_model(cfg, tp_group=groups.tp, layers=range(1, 2), has_embedding=False), folder, groups.tp
+    )
+    return logits, export_hf_state_dict(stage, groups.tp), sorted(export_hf_state_dict(last, groups.tp))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_saved_folder_gives_transformers_logits_at_tp1_and_tp2(family, tmp_path):
+    hf = _hf(family, tmp_path / "hf")
+    with torch.no_grad():
+        ref = hf(_ids()).logits
+    state = hf.state_dict()
+    for tp in (1, 2):
+        logits, exported, last_keys = run_ranks(_ours, tp, str(tmp_path / "hf"), tp, timeout=120)[0]
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+        tied = hf.config.tie_word_embeddings
+        assert exported.keys() == {k for k in state if not (tied and k == "lm_head.weight")}
+        for k, v in exported.items():
+            assert torch.equal(v, state[k]), (family, tp, k)
+        assert last_keys and all(".0." not in k for k in last_keys)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_our_export_loads_with_from_pretrained_and_the_config_round_trips(family, tmp_path):
+    hf = _hf(family, tmp_path / "hf")
+    cfg = config_from_hf(hf.config.to_dict())
+    assert config_from_hf(hf_config_dict(cfg)) == cfg
+    ours = build_model(cfg, seed=4)
+    save_hf_safetensors(export_hf_state_dict(ours), str(tmp_path / "ours"), hf_config_dict(cfg))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours")).eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        torch.testing.assert_close(back(_ids()).logits, ours(_ids())[..., :VOCAB], atol=1e-5, rtol=0)
