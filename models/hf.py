@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -288,8 +289,16 @@ def _llama_config(cfg: ModelConfig) -> dict:
     }
 
 
+_PER_EXPERT = re.compile(r"^(.*)\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])|(gate))\.weight$")
+
+
 class _Source:
-    """Read HF tensors by name from a state dict or a folder of safetensors files, lazily."""
+    """Read HF tensors by name from a state dict or a folder of safetensors files, lazily.
+
+    A Mixtral folder that ``save_pretrained`` wrote holds the Hub's per-expert tensors
+    (``block_sparse_moe.experts.<e>.w1|w2|w3``, ``block_sparse_moe.gate``); they are read here under
+    the in-memory names of ``transformers`` ≥ 5 (``mlp.experts.gate_up_proj`` ``[E, 2f, d]``: w1 then w3
+    stacked; ``mlp.experts.down_proj`` ``[E, d, f]``: w2; ``mlp.gate.weight``), one layer's at a time."""
 
     def __init__(self, source):
         if isinstance(source, (str, os.PathLike)):
@@ -298,20 +307,38 @@ class _Source:
             files = sorted(glob.glob(os.path.join(source, "*.safetensors")))
             if not files:
                 raise FileNotFoundError(f"no *.safetensors files in {source}")
-            self._where = {}
+            where = {}
             self._handles = [safe_open(f, framework="pt") for f in files]
             for h in self._handles:
-                self._where.update({k: h for k in h.keys()})
-            self.get = lambda k: self._where[k].get_tensor(k)
+                where.update({k: h for k in h.keys()})
+            read = lambda k: where[k].get_tensor(k)  # noqa: E731
         else:
-            self._where = source
-            self.get = lambda k: source[k]
+            where, read = source, source.__getitem__
+        self._read, self._where = read, dict.fromkeys(where)
+        self._virtual: dict[str, Callable[[], torch.Tensor]] = {}
+        experts: dict[str, dict[str, dict[int, str]]] = {}
+        for key in where:
+            if m := _PER_EXPERT.match(key):
+                layer, e, w, gate = m.groups()
+                if gate:
+                    self._virtual[f"{layer}.mlp.gate.weight"] = lambda k=key: read(k)
+                else:
+                    experts.setdefault(layer, {}).setdefault(w, {})[int(e)] = key
+        for layer, ws in experts.items():
+            keys = {w: [ws[w][e] for e in sorted(ws[w])] for w in ("w1", "w2", "w3")}
+            self._virtual[f"{layer}.mlp.experts.gate_up_proj"] = lambda k=keys: torch.stack(
+                [torch.cat([read(a), read(b)], 0) for a, b in zip(k["w1"], k["w3"])]
+            )
+            self._virtual[f"{layer}.mlp.experts.down_proj"] = lambda k=keys: torch.stack([read(a) for a in k["w2"]])
+
+    def get(self, key: str) -> torch.Tensor:
+        return self._virtual[key]() if key in self._virtual else self._read(key)
 
     def keys(self):
-        return list(self._where.keys())
+        return [*self._where, *self._virtual]
 
     def __contains__(self, key: str) -> bool:
-        return key in self._where
+        return key in self._where or key in self._virtual
 
 
 def load_hf_weights(stage: nn.Module, source, tp_group=None) -> nn.Module:

@@ -43,17 +43,24 @@ def _ids():
     return torch.randint(0, 101, (2, 16), generator=torch.Generator().manual_seed(3))
 
 
-def _ours(hf, ep_group=None):
+def _ours(hf, ep_group=None, source=None):
     cfg = config_from_hf(hf.config)
     stage = build_model(cfg, device="meta", ep_group=ep_group).to_empty(device="cpu")
-    return load_hf_weights(stage, hf.state_dict())
+    return load_hf_weights(stage, hf.state_dict() if source is None else source)
 
 
-def test_mixtral_logits_and_round_trip():
+@pytest.mark.parametrize("from_folder", [True, False])
+def test_mixtral_logits_and_round_trip(tmp_path, from_folder):
+    """From the folder save_pretrained writes (the Hub's per-expert names on disk) and from the
+    in-memory state dict (transformers ≥ 5's stacked experts); our export loads with from_pretrained."""
+    from models.hf import save_hf_safetensors
+
     hf = _hf()
     with torch.no_grad():
         want = hf(_ids()).logits
-    ours = _ours(hf)
+    if from_folder:
+        hf.save_pretrained(tmp_path / "hf")
+    ours = _ours(hf, source=str(tmp_path / "hf") if from_folder else None)
     assert ours.cfg.moe_experts == 4 and ours.cfg.moe_top_k == 2
     got = ours(_ids()).detach()[..., :101]
     assert (got - want).abs().max() < 1e-5
@@ -62,16 +69,22 @@ def test_mixtral_logits_and_round_trip():
     assert set(exported) == set(ref)
     assert all(torch.equal(exported[k], ref[k]) for k in ref)
     assert config_from_hf(hf_config_dict(ours.cfg)) == ours.cfg
+    save_hf_safetensors(exported, str(tmp_path / "ours"), hf_config_dict(ours.cfg))
+    back = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        assert (back(_ids()).logits - want).abs().max() < 1e-5
 
 
-def _ep_rank(want):
+def _ep_rank(want, folder):
     groups = build_groups(Topology(dp=2, ep=2))
-    ours = _ours(_hf(), groups.ep)
+    ours = _ours(_hf(), groups.ep, folder)
     assert ours.blocks["0"].mlp.experts.gate_proj.shape[0] == 2  # this rank's half of the experts
     return float((ours(_ids()).detach()[..., :101] - want).abs().max())
 
 
-def test_mixtral_logits_at_ep2():
+def test_mixtral_logits_at_ep2_from_a_saved_folder(tmp_path):
+    hf = _hf()
+    hf.save_pretrained(tmp_path)
     with torch.no_grad():
-        want = _hf()(_ids()).logits
-    assert max(run_ranks(_ep_rank, 2, want, timeout=120)) < 1e-5
+        want = hf(_ids()).logits
+    assert max(run_ranks(_ep_rank, 2, want, str(tmp_path), timeout=120)) < 1e-5
