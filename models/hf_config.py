@@ -1,0 +1,163 @@
+"""``transformers`` configs (objects or ``config.json`` dicts) to and from :class:`ModelConfig`:
+GPT-2, Llama (3.1+ rope scaling, biases, head_dim), Mixtral, Qwen2 and Qwen3 (see :mod:`models.hf`)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .config import ModelConfig, ModelConfigError
+
+LLAMA_LIKE = ("llama", "mixtral", "qwen2", "qwen3")
+
+
+def _rope_fields(c: Mapping) -> dict:
+    """Our rotary fields from a ``transformers`` config's ``rope_parameters`` (≥ 5) or ``rope_scaling``."""
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    out = {"rope_theta": rope.get("rope_theta", c.get("rope_theta", 10000.0)), "rope_type": kind}
+    if kind == "default":
+        return out
+    if kind not in ("linear", "llama3"):
+        raise ModelConfigError(f"rope_type {kind!r} is not supported (default, linear, llama3)")
+    out["rope_factor"] = float(rope["factor"])
+    if kind == "llama3":
+        out.update(
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_position=int(rope["original_max_position_embeddings"]),
+        )
+    return out
+
+
+def _llama_like_config(c: Mapping, kind: str) -> ModelConfig:
+    """Llama (3.1+ rope scaling, biases, head_dim), Mixtral, Qwen2 (q/k/v biases), Qwen3 (QK-norm)."""
+    if c.get("use_sliding_window"):
+        raise ModelConfigError(f"{kind} sliding-window attention is not supported (set use_sliding_window=false)")
+    attention_bias = bool(c.get("attention_bias", False))
+    return ModelConfig(
+        arch="llama",
+        n_layers=c["num_hidden_layers"],
+        d_model=c["hidden_size"],
+        n_heads=c["num_attention_heads"],
+        n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+        attn_head_dim=c["head_dim"]
+        if c.get("head_dim") not in (None, c["hidden_size"] // c["num_attention_heads"])
+        else None,
+        d_ff=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        seq_len=c["max_position_embeddings"],
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        tie_embeddings=c.get("tie_word_embeddings", False),
+        qkv_bias=True if kind == "qwen2" else attention_bias,
+        o_bias=attention_bias and kind != "qwen2",
+        mlp_bias=bool(c.get("mlp_bias", False)),
+        qk_norm=kind == "qwen3",
+        **_rope_fields(c),
+    )
+
+
+def config_from_hf(hf_config, **overrides) -> ModelConfig:
+    """A :class:`ModelConfig` from a ``transformers`` GPT2Config / LlamaConfig (object or dict)."""
+    c = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+    kind = c.get("model_type")
+    if kind == "gpt2":
+        if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ModelConfigError(f"GPT-2 activation {c['activation_function']!r} unsupported (tanh GELU only)")
+        cfg = ModelConfig(
+            arch="gpt",
+            n_layers=c["n_layer"],
+            d_model=c["n_embd"],
+            n_heads=c["n_head"],
+            d_ff=c.get("n_inner") or 4 * c["n_embd"],
+            vocab_size=c["vocab_size"],
+            seq_len=c["n_positions"],
+            norm_eps=c.get("layer_norm_epsilon", 1e-5),
+            tie_embeddings=c.get("tie_word_embeddings", True),
+        )
+    elif kind in LLAMA_LIKE:
+        cfg = _llama_like_config(c, kind)
+        if kind == "mixtral":
+            if c.get("sliding_window"):
+                raise ModelConfigError(f"Mixtral sliding_window={c['sliding_window']} is not supported (set None)")
+            cfg = cfg.replace(
+                moe_experts=c["num_local_experts"],
+                moe_top_k=c["num_experts_per_tok"],
+                moe_aux_loss_weight=c.get("router_aux_loss_coef", 0.001),
+            )
+    else:
+        raise ModelConfigError(
+            f"model_type {kind!r} not supported; gridtrain imports 'gpt2', {', '.join(map(repr, LLAMA_LIKE))}"
+        )
+    return cfg.replace(**overrides)
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """The ``config.json`` of the ``transformers`` model that ``cfg`` is (inverse of :func:`config_from_hf`)."""
+    if cfg.arch == "gpt":
+        return {
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+            "n_layer": cfg.n_layers,
+            "n_embd": cfg.d_model,
+            "n_head": cfg.n_heads,
+            "n_inner": cfg.d_ff,
+            "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.seq_len,
+            "layer_norm_epsilon": cfg.norm_eps,
+            "activation_function": "gelu_new",
+            "tie_word_embeddings": cfg.tie_embeddings,
+        }
+    if cfg.moe_experts:
+        if cfg.moe_every != 1 or cfg.moe_shared_experts or cfg.moe_d_ff not in (None, cfg.d_ff):
+            raise ModelConfigError("only Mixtral-shaped MoE (every layer, no shared experts, d_ff) exports to HF")
+        moe = {
+            "num_local_experts": cfg.moe_experts,
+            "num_experts_per_tok": cfg.moe_top_k,
+            "router_aux_loss_coef": cfg.moe_aux_loss_weight,
+            "sliding_window": None,
+        }
+        return _llama_config(cfg) | {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]} | moe
+    return _llama_config(cfg)
+
+
+def _llama_config(cfg: ModelConfig) -> dict:
+    kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.bias("qkv") and not cfg.bias("o") else "llama"
+    extra: dict = {"head_dim": cfg.head_dim}
+    if kind == "llama":
+        extra.update(attention_bias=cfg.bias("qkv"), mlp_bias=cfg.bias("mlp"))
+        if cfg.bias("qkv") != cfg.bias("o"):
+            raise ModelConfigError(
+                "Llama's attention_bias covers q, k, v and o alike; qkv_bias ≠ o_bias does not export"
+            )
+    elif kind == "qwen3":
+        extra.update(attention_bias=cfg.bias("qkv"), use_sliding_window=False)
+    else:
+        extra.update(use_sliding_window=False)
+    if kind != "llama" and cfg.bias("mlp"):
+        raise ModelConfigError(f"{kind} has no MLP biases; mlp_bias does not export")
+    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type != "default":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        rope.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position,
+        )
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    return extra | {
+        "rope_parameters": rope,
+        "model_type": kind,
+        "architectures": [arch],
+        "num_hidden_layers": cfg.n_layers,
+        "hidden_size": cfg.d_model,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "intermediate_size": cfg.d_ff,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_embeddings,
+    }
