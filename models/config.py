@@ -29,7 +29,8 @@ class ModelConfig:
     multiple of ``vocab_multiple · tp`` (:meth:`padded_vocab`).
 
     Mixture of experts (docs/moe.md): ``moe_experts > 0`` replaces the MLP of every
-    ``moe_every``-th block (blocks ``i`` with ``(i + 1) % moe_every == 0``) by a
+    ``moe_every``-th block from block ``moe_first_dense`` on (blocks ``i ≥ moe_first_dense`` with
+    ``(i + 1) % moe_every == 0``) by a
     :class:`~parallel.layers.moe.MoELayer` of experts of width ``moe_d_ff`` (default ``d_ff``).
     """
 
@@ -55,6 +56,8 @@ class ModelConfig:
     moe_capacity_factor: float | None = None
     moe_aux_loss_weight: float = 0.01
     moe_z_loss_weight: float = 0.0
+    moe_first_dense: int = 0  # the first blocks keep their MLP (Qwen3-MoE's mlp_only_layers, DeepSeek's first_k_dense)
+    moe_normalize_top_k: bool = True  # top-k weights renormalised to sum 1 (Mixtral); False: Qwen3-MoE's default
     # Llama 3.1+, Qwen2, Qwen3 (None: the arch's default, GPT with biases, Llama without)
     attn_head_dim: int | None = None  # None: d_model / n_heads
     qkv_bias: bool | None = None
@@ -84,7 +87,7 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether block ``i`` has experts instead of an MLP."""
-        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+        return self.moe_experts > 0 and i >= self.moe_first_dense and (i + 1) % self.moe_every == 0
 
     def moe_config(self) -> MoEConfig:
         """The :class:`MoEConfig` of this model's MoE blocks (SwiGLU without biases for llama, GELU with)."""
@@ -99,6 +102,7 @@ class ModelConfig:
             capacity_factor=self.moe_capacity_factor,
             aux_loss_weight=self.moe_aux_loss_weight,
             z_loss_weight=self.moe_z_loss_weight,
+            normalize_top_k=self.moe_normalize_top_k,
         )
 
     @property
@@ -284,6 +288,25 @@ PRESETS: dict[str, ModelConfig] = {
         qk_norm=True,
         norm_eps=1e-6,
         rope_theta=1e6,
+    ),
+    "qwen3_30b_a3b": ModelConfig(
+        arch="llama",
+        n_layers=48,
+        d_model=2048,
+        n_heads=32,
+        n_kv_heads=4,
+        attn_head_dim=128,
+        d_ff=6144,
+        vocab_size=151936,
+        seq_len=32768,
+        tie_embeddings=False,
+        qk_norm=True,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        moe_experts=128,
+        moe_top_k=8,
+        moe_d_ff=768,
+        moe_aux_loss_weight=0.001,
     ),
     # Mixtral-8x7B (46.7B parameters, 12.9B active per token); the planner's MoE reference
     "mixtral_8x7b": ModelConfig(

@@ -134,7 +134,12 @@ def hf_rules(cfg: ModelConfig, hf_keys=()) -> list[Rule]:
     return rules + [Rule(("lm_head.weight",), embed if tied else "lm_head.weight")]
 
 
-_PER_EXPERT = re.compile(r"^(.*)\.block_sparse_moe\.(?:experts\.(\d+)\.(w[123])|(gate))\.weight$")
+# the Hub's per-expert names on disk: Mixtral's (w1 gate, w3 up, w2 down; the router block_sparse_moe.gate)
+# and Qwen3-MoE's (gate_proj, up_proj, down_proj under mlp.experts.<e>; the router is mlp.gate already)
+_PER_EXPERT = re.compile(
+    r"^(.*)\.(?:block_sparse_moe\.(?:experts\.(\d+)\.(w[123])|(gate))|mlp\.experts\.(\d+)\.(gate|up|down)_proj)\.weight$"
+)
+_AS_W = {"gate": "w1", "down": "w2", "up": "w3"}
 
 
 class _Source:
@@ -164,7 +169,9 @@ class _Source:
         experts: dict[str, dict[str, dict[int, str]]] = {}
         for key in where:
             if m := _PER_EXPERT.match(key):
-                layer, e, w, gate = m.groups()
+                layer, e, w, gate, e2, proj = m.groups()
+                if proj:
+                    e, w = e2, _AS_W[proj]
                 if gate:
                     self._virtual[f"{layer}.mlp.gate.weight"] = lambda k=key: read(k)
                 else:

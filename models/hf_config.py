@@ -7,7 +7,7 @@ from typing import Mapping
 
 from .config import ModelConfig, ModelConfigError
 
-LLAMA_LIKE = ("llama", "mixtral", "qwen2", "qwen3")
+LLAMA_LIKE = ("llama", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
 
 def _rope_fields(c: Mapping) -> dict:
@@ -51,8 +51,23 @@ def _llama_like_config(c: Mapping, kind: str) -> ModelConfig:
         qkv_bias=True if kind == "qwen2" else attention_bias,
         o_bias=attention_bias and kind != "qwen2",
         mlp_bias=bool(c.get("mlp_bias", False)),
-        qk_norm=kind == "qwen3",
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
         **_rope_fields(c),
+    )
+
+
+def _qwen3_moe_fields(c: Mapping) -> dict:
+    dense = sorted(c.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise ModelConfigError(f"Qwen3-MoE mlp_only_layers={dense}: only the first layers may be dense")
+    return dict(
+        moe_experts=c.get("num_experts") or c["num_local_experts"],
+        moe_top_k=c["num_experts_per_tok"],
+        moe_d_ff=c["moe_intermediate_size"],
+        moe_every=c.get("decoder_sparse_step", 1),
+        moe_first_dense=len(dense),
+        moe_normalize_top_k=bool(c.get("norm_topk_prob", False)),
+        moe_aux_loss_weight=c.get("router_aux_loss_coef", 0.001),
     )
 
 
@@ -84,6 +99,8 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
                 moe_top_k=c["num_experts_per_tok"],
                 moe_aux_loss_weight=c.get("router_aux_loss_coef", 0.001),
             )
+        if kind == "qwen3_moe":
+            cfg = cfg.replace(**_qwen3_moe_fields(c))
     else:
         raise ModelConfigError(
             f"model_type {kind!r} not supported; gridtrain imports 'gpt2', {', '.join(map(repr, LLAMA_LIKE))}"
@@ -107,8 +124,21 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
             "activation_function": "gelu_new",
             "tie_word_embeddings": cfg.tie_embeddings,
         }
+    if cfg.moe_experts and cfg.qk_norm:  # Qwen3-MoE
+        if cfg.moe_shared_experts:
+            raise ModelConfigError("Qwen3-MoE has no shared experts; moe_shared_experts does not export")
+        moe = {
+            "num_experts": cfg.moe_experts,
+            "num_experts_per_tok": cfg.moe_top_k,
+            "moe_intermediate_size": cfg.moe_d_ff or cfg.d_ff,
+            "decoder_sparse_step": cfg.moe_every,
+            "mlp_only_layers": list(range(cfg.moe_first_dense)),
+            "norm_topk_prob": cfg.moe_normalize_top_k,
+            "router_aux_loss_coef": cfg.moe_aux_loss_weight,
+        }
+        return _llama_config(cfg) | {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]} | moe
     if cfg.moe_experts:
-        if cfg.moe_every != 1 or cfg.moe_shared_experts or cfg.moe_d_ff not in (None, cfg.d_ff):
+        if cfg.moe_every != 1 or cfg.moe_shared_experts or cfg.moe_d_ff not in (None, cfg.d_ff) or cfg.moe_first_dense:
             raise ModelConfigError("only Mixtral-shaped MoE (every layer, no shared experts, d_ff) exports to HF")
         moe = {
             "num_local_experts": cfg.moe_experts,

@@ -150,6 +150,8 @@ class ModelSection:
     moe_capacity_factor: Optional[float] = None
     moe_aux_loss_weight: Optional[float] = None
     moe_z_loss_weight: Optional[float] = None
+    moe_first_dense: Optional[int] = None
+    moe_normalize_top_k: Optional[bool] = None
     attn_head_dim: Optional[int] = None  # Llama 3.1+, Qwen2/3 (models/config.py)
     qkv_bias: Optional[bool] = None
     o_bias: Optional[bool] = None
