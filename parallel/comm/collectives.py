@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..timing import clock_for, named_range
 from .counter import counting, record, record_time
+from .flight import RECORDER
 from .gloo import Posted, device_for, transport
 from .late import complete_pending, defer, late_active
 from .recorder import note
@@ -92,12 +93,16 @@ def _call(label: str, name: str, async_op: bool, tensors: tuple, fn, *args, **kw
             return None
         if not counting():
             work = fn(*args, async_op=async_op, **kwargs)
-            return work if async_op else None
+            if async_op:
+                return work
+            RECORDER.done()  # the flight recorder's entry for this call (recorder.note): it returned
+            return None
         clock = clock_for(tensors[0].device)
         if async_op:
             return TimedWork(fn(*args, async_op=True, **kwargs), label, name, clock)
         start = clock.mark()
         fn(*args, async_op=False, **kwargs)
+        RECORDER.done()
         record_time(label, name, clock.interval(start, clock.mark()))
         return None
 
@@ -260,6 +265,7 @@ def _p2p(name: str, tensor: torch.Tensor, peer: int, group) -> None:
         clock = clock_for(tensor.device)
         start = clock.mark() if counting() else None
         (dist.send if name == "send" else dist.recv)(tensor, peer, group=group)
+        RECORDER.done()
         if counting():
             record_time(label, name, clock.interval(start, clock.mark()))
 

@@ -24,6 +24,8 @@ from typing import Self
 
 import torch
 
+from .flight import RECORDER
+
 _ACTIVE: contextvars.ContextVar[tuple[CallRecorder, ...]] = contextvars.ContextVar(
     "gridtrain_comm_recorders", default=()
 )
@@ -107,7 +109,9 @@ def note(
     """Report one call to every active recorder (no-op when none is).
 
     ``tensor``: the payload (its size and dtype are recorded); ``also``: the call's
-    other tensors (an output buffer), whose device is checked as well."""
+    other tensors (an output buffer), whose device is checked as well. Every call also goes into
+    the flight recorder's ring (:mod:`.flight`)."""
+    RECORDER.record(group_label, group, op, tensor.numel(), str(tensor.dtype).removeprefix("torch."), peer)
     active = _ACTIVE.get()
     if not active:
         return
@@ -145,26 +149,31 @@ def compare_sequences(calls: dict[int, list[Call]]) -> list[str]:
         members = sorted(by_rank)
         first = members[0]
         for other in members[1:]:
-            diff = _first_difference(by_rank[first], by_rank[other])
+            diff = first_difference(by_rank[first], by_rank[other])
             if diff is not None:
                 i, a, b = diff
                 problems.append(
                     f"group {label} {_short(ranks)}: ranks {first} and {other} differ at collective {i}: {a} vs {b}"
                 )
-    for src, src_calls in calls.items():
-        for dst, dst_calls in calls.items():
-            if src == dst:
-                continue
-            sends = [c for c in src_calls if c.op == "send" and c.peer == dst]
-            recvs = [c for c in dst_calls if c.op == "recv" and c.peer == src]
-            diff = _first_difference(sends, recvs, key=lambda c: (c.numel, c.dtype))
-            if diff is not None:
-                i, a, b = diff
-                problems.append(f"p2p {src} → {dst}: send {i} is {a}, the matching receive is {b}")
+    sends: dict[tuple[int, int], list[Call]] = {}
+    recvs: dict[tuple[int, int], list[Call]] = {}
+    for rank, seq in calls.items():  # one pass: each rank's sends to, and receives from, each peer
+        for c in seq:
+            if c.op == "send" and c.peer in calls:
+                sends.setdefault((rank, c.peer), []).append(c)
+            elif c.op == "recv" and c.peer in calls:
+                recvs.setdefault((c.peer, rank), []).append(c)
+    for src, dst in sorted(set(sends) | set(recvs)):
+        diff = first_difference(sends.get((src, dst), []), recvs.get((src, dst), []), key=lambda c: (c.numel, c.dtype))
+        if diff is not None:
+            i, a, b = diff
+            problems.append(f"p2p {src} → {dst}: send {i} is {a}, the matching receive is {b}")
     return problems
 
 
-def _first_difference(a: list[Call], b: list[Call], key=Call.key):
+def first_difference(a: list[Call], b: list[Call], key=Call.key) -> tuple[int, str, str] | None:
+    """The first index at which ``a`` and ``b`` differ by ``key`` (or one ends), with both calls
+    described (``"nothing"`` past an end); None if they agree."""
     for i in range(max(len(a), len(b))):
         ca = a[i].describe() if i < len(a) else "nothing"
         cb = b[i].describe() if i < len(b) else "nothing"
