@@ -9,7 +9,7 @@ See ``docs/planner.md``.
 
 from .count import count_module
 from .hardware import PROFILES, Hardware, PlanError, hardware_profile
-from .inputs import Layout, Training, check
+from .inputs import Layout, Training, check, resolve
 from .memory import StageParams, layer_activation_bytes, model_state_bytes, stage_activation_bytes
 from .pipeline import pipeline_time
 from .planner import plan_layout
@@ -40,5 +40,6 @@ __all__ = [
     "plan_layout",
     "predicted_vs_measured",
     "recommend",
+    "resolve",
     "stage_activation_bytes",
 ]

@@ -150,26 +150,22 @@ def moe_shape(cfg) -> MoEShape | None:
 
 
 def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = False, cp: int = 1) -> None:
-    """Refuse an ``ep`` the grid or the model cannot take, with the library's own messages
-    (:func:`parallel.topology.ep_mismatch`, :meth:`parallel.layers.moe.MoEConfig.check`),
-    sequence parallelism with MoE layers and context parallelism with capacity-limited routing
-    (which the layer refuses). Dropless MoE with cp is planned like a dense model's layout (the
-    layer sums its router statistics over cp: :func:`cp_stats_traffic`)."""
+    """Refuse what an MoE model's layers refuse, in their words: an ``ep`` that does not divide ``dp``
+    (:func:`parallel.dims.ep_mismatch`) or the experts (:meth:`parallel.layers.moe.MoEConfig.check`),
+    sequence parallelism, and context parallelism with capacity-limited routing. Dropless MoE with
+    cp is planned like a dense model's layout (the layer sums its router statistics over cp:
+    :func:`cp_stats_traffic`); that ep > 1 needs experts is the layout's own rule (parallel.dims)."""
+    from ..dims import ep_mismatch
     from ..layers.moe import (
         CONTEXT_PARALLEL_CAPACITY_REFUSED,
         SEQUENCE_PARALLEL_REFUSED,
         MoEConfig,
         MoEConfigError,
     )
-    from ..topology import ep_mismatch
 
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise PlanError(f"layout.ep must be a positive integer, got {ep!r}")
     if dp % ep:
         raise PlanError(ep_mismatch(dp, ep))
     if moe is None:
-        if ep > 1:
-            raise PlanError(f"ep={ep} needs an MoE model (moe_experts > 0, e.g. model.preset=mixtral_tiny); use ep=1")
         return
     try:
         MoEConfig(num_experts=moe.moe_experts, d_ff=moe.expert_d_ff, top_k=moe.moe_top_k).check(ep)

@@ -73,11 +73,11 @@ def test_all_to_all_bytes_equal_theory():
 
 # ------------------------------------------------------------------ plan_layout / recommend with experts
 def _plan(cfg, hw="a100_80gb", global_batch=64, **layout):
-    from parallel.plan import Layout, Training, hardware_profile, plan_layout
+    from parallel.plan import Training, hardware_profile, plan_layout, resolve
     from recipes.tools.plan import meta_param_counter
 
     tr = Training(global_batch=global_batch, micro_batch=1, checkpointing="full")
-    return plan_layout(cfg, Layout(**layout), tr, hardware_profile(hw), meta_param_counter(cfg))
+    return plan_layout(cfg, resolve(cfg, **layout), tr, hardware_profile(hw), meta_param_counter(cfg))
 
 
 def test_mixtral_8x7b_on_16_a100():
