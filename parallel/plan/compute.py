@@ -1,38 +1,18 @@
 """Compute time of one micro-batch on one rank, from the shapes of the work it does.
 
-Three kinds of work, each timed by what limits it on the given :class:`~.hardware.Hardware`:
+* **matmuls**: a GEMM ``[M, K] × [K, N]`` takes ``2MKN / (peak · efficiency)`` plus the time to stream
+  its operands once, ``e(MK + KN + MN) / HBM bandwidth`` (small GEMMs pay the latter); backward runs
+  two GEMMs per forward GEMM;
+* **attention**: ``attention="flash"`` (SDPA as the engine runs it) ``4·b·s²·d/t`` FLOPs forward, half
+  of them done (causal), at ``peak · attention_efficiency``, backward 2.5×; ``"unfused"`` (Megatron-LM
+  2021) two batched GEMMs per head plus the softmax and dropout over the ``b·a/t·s²`` scores at HBM bandwidth;
+* **elementwise** (norms, activation, residual adds): the bytes they move at HBM bandwidth;
+* **host costs** (:class:`~.hardware.HostCosts`, none on a GPU profile): ``block_overhead_us`` per
+  block, ``microbatch_overhead_us`` per micro-batch (charged to the head's chunk), ``step_overhead_us``
+  per step, each split a third forward, two thirds backward.
 
-* **matmuls** (the block's projections and MLP, the head): a GEMM ``[M, K] × [K, N]`` takes
-  ``2MKN / (peak · efficiency) + e(MK + KN + MN) / HBM bandwidth`` — the compute term at the
-  fraction of peak large GEMMs reach (``Hardware.efficiency``), plus the time to stream its
-  operands once. Large GEMMs are compute-bound; small ones (narrow TP shards, short
-  sequences) pay the bandwidth term: achieved throughput falls with size as it does in cuBLAS.
-  Backward runs two GEMMs of the same size per forward GEMM (input and weight gradients);
-* **attention** (``attention="flash"``, SDPA as the engine runs it): ``4·b·s²·d/t`` FLOPs forward
-  (causal: half of them done) at ``peak · attention_efficiency``; backward 2.5× forward
-  (FlashAttention-2's recomputation). ``attention="unfused"`` (Megatron-LM 2021: the scores
-  materialised): two batched GEMMs per head (full ``s × s``) plus the fused scale-mask-softmax and
-  the attention dropout over the ``b·a/t·s²`` scores at HBM bandwidth (forward reads and writes
-  them twice and writes a 1-byte mask; backward reads and writes them ≈ 2.5× as often);
-* **elementwise** (norms, activation, residual adds, dropout-free bias): memory-bound, the bytes
-  they read and write at HBM bandwidth (:func:`elementwise_bytes`), plus the profile's fixed
-  ``block_overhead_us`` per block (kernel launches, Python, autograd: what a CPU pays per op);
-* **fixed host costs** beyond the blocks: ``microbatch_overhead_us`` per micro-batch (embedding,
-  head and loss launches, the engine's loop), charged to the chunk holding the head
-  (:func:`head_time`), and ``step_overhead_us`` once per step (zero_grad, the gradient norm, the
-  optimizer's launches, :func:`step_overhead_seconds`). Both split like the block's: a third
-  forward, two thirds backward for the micro-batch's. These and the slowdown below are the profile's
-  :class:`~.hardware.HostCosts`: none on a GPU profile; ``mode=calibrate`` measures them on a CPU.
-
-Costs ``forward`` and ``backward`` per layer and for the head feed the pipeline model; the
-optimizer step (memory-bound, :func:`optimizer_seconds`) follows backward.
-
-**Ranks sharing a host** (:func:`colocated`): every rank of a host computes at once, and where the
-ranks share the hardware they compute on (a CPU's cores share memory bandwidth, last-level cache and
-the package's clock budget) each runs slower than it would alone. The planner times all of the above
-with the profile :func:`colocated` returns for the ranks one host runs at once
-(``min(world size, gpus_per_node)``): rates divided and fixed host costs multiplied by
-``1 + colocated_slowdown · (k − 1)`` (1 on a GPU profile: one device per rank).
+The optimizer step (:func:`optimizer_seconds`) is memory-bound. Ranks sharing a host compute at once
+(:func:`colocated`): rates divided and host costs multiplied by ``1 + colocated_slowdown · (k − 1)``.
 """
 
 from __future__ import annotations

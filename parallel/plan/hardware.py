@@ -29,19 +29,13 @@ class PlanError(ValueError):
     """Input the planner cannot use; the message names the numbers and the fix."""
 
 
-#: what each numeric field accepts beyond "a finite number": (lower bound, bound included, upper bound)
+#: what a numeric field accepts beyond "a finite number": (lower bound, bound included, upper bound);
+#: a time (``_us``) is ≥ 0, any other field > 0 unless named here
 _RANGES = {
     "efficiency": (0.0, False, 1.0),
     "attention_efficiency": (0.0, False, 1.0),
-    "latency_us": (0.0, True, math.inf),
-    "block_overhead_us": (0.0, True, math.inf),
-    "microbatch_overhead_us": (0.0, True, math.inf),
-    "step_overhead_us": (0.0, True, math.inf),
-    "collective_overhead_us": (0.0, True, math.inf),
     "colocated_slowdown": (0.0, True, math.inf),
     "overlap_fraction": (0.0, True, 1.0),
-    "ahead_call_us": (0.0, True, math.inf),
-    "tp_call_us": (0.0, True, math.inf),
 }
 
 
@@ -59,7 +53,7 @@ def _check_field(profile: str, name: str, value) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise PlanError(f"{where} must be a finite number; {fix}")
-    lo, closed, hi = _RANGES.get(name, (0.0, False, math.inf))
+    lo, closed, hi = _RANGES.get(name, (0.0, name.endswith("_us"), math.inf))
     if value < lo or (value == lo and not closed) or value > hi:
         want = f"in {'[' if closed else '('}{lo:g}, {hi:g}]" if hi != math.inf else ("≥ 0" if closed else "> 0")
         raise PlanError(f"{where} must be {want}; {fix}")
@@ -191,38 +185,13 @@ class Hardware:
         return self.replace(**changes)
 
 
-#: the fields that are rates (FLOP/s, bytes/s) and fixed times (µs): what :meth:`Hardware.time_scaled`
-#: divides and multiplies; every other field (of :class:`Hardware` and :class:`HostCosts`) is a size,
-#: a fraction or a count (a test holds that the three sets cover every field)
-RATE_FIELDS = (
-    "peak_tflops_16",
-    "peak_tflops_32",
-    "intra_node_gbps",
-    "inter_node_gbps",
-    "hbm_gbps",
-    "host_link_gbps",
-    "host_memory_gbps",
-)
-TIME_FIELDS = (
-    "latency_us",
-    "block_overhead_us",
-    "microbatch_overhead_us",
-    "step_overhead_us",
-    "collective_overhead_us",
-    "ahead_call_us",
-    "tp_call_us",
-)
-SCALE_FREE_FIELDS = (
-    "memory_bytes",
-    "gpus_per_node",
-    "efficiency",
-    "attention_efficiency",
-    "colocated_slowdown",
-    "overlap_fraction",
-    "host_ram_gb",
-    "all_gather_bw_scale",
-    "reduce_scatter_bw_scale",
-)
+#: every field's unit is in its name: rates (FLOP/s, bytes/s) end in ``_gbps`` or start with ``peak_tflops``,
+#: fixed times end in ``_us``; the rest (sizes, fractions, counts) are scale-free. :meth:`Hardware.time_scaled`
+#: divides the rates and multiplies the times.
+_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "host")) + HOST_FIELDS
+RATE_FIELDS = tuple(f for f in _FIELDS if f.endswith("_gbps") or f.startswith("peak_tflops"))
+TIME_FIELDS = tuple(f for f in _FIELDS if f.endswith("_us"))
+SCALE_FREE_FIELDS = tuple(f for f in _FIELDS if f not in RATE_FIELDS + TIME_FIELDS)
 
 
 # Compute constants (parallel/plan/compute.py): ``efficiency`` is the fraction of peak large GEMMs reach.

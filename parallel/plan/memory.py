@@ -1,60 +1,27 @@
 """Bytes one rank holds: model states (per ZeRO stage) and activations (per micro-batch).
 
-Pure arithmetic on the model's shape, the layout and the precision.
+**Model states**: :func:`parallel.zero.theory.model_state_bytes` (the engine's formulas: fp32
+gradients at every precision, the optimizer's fp32 states and master) on this rank's parameters Ψ,
+padded as ZeRO's buckets pad them (:func:`zero_padded_numel`).
 
-**Model states** (the ZeRO paper's accounting, Ψ = this rank's parameters after
-tensor and pipeline splitting, padded to a multiple of N = dp so that it splits
-into N equal shards, as ZeRO's flat buffers are; b = 2 bytes for bf16/fp16
-training, 4 for fp32; g = 4, the fp32 gradient buffer gradients accumulate in at
-every precision; K = 4 per fp32 optimizer state tensor (Adam: m and v) plus
-a 4-byte fp32 master copy when the parameters are 16-bit, so 12 for mixed
-precision Adam, 8 for fp32 Adam). The formulas live in :mod:`parallel.zero.theory`
-(the engine's home); this module pads Ψ and names precisions:
-
-=======  ==========  ==========  ==========
-ZeRO     parameters  gradients   optimizer
-=======  ==========  ==========  ==========
-0        b·Ψ         g·Ψ         K·Ψ
-1        b·Ψ         g·Ψ         K·Ψ/N
-2        b·Ψ         g·Ψ/N       K·Ψ/N
-3        b·Ψ/N       g·Ψ/N       K·Ψ/N
-=======  ==========  ==========  ==========
-
-Mixed-precision Adam at stage 0 is 2 + 4 + 12 = 18 bytes per parameter (the ZeRO
-paper's 16 keeps 16-bit gradients; accumulating many micro-batches in 16 bits
-drifts by ~5e-3 over 24 of them). Gradients travel in ``comm.dtype``, by default
-fp32 (:func:`parallel.zero.theory.grad_comm_dtype`).
-
-**Activations** stored per transformer layer and micro-batch, in the style of
-Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-Models" (2022), but for *this* code base: no dropout, and attention through
-``scaled_dot_product_attention``'s flash kernels, which keep a ``[b, a, s]`` fp32
-log-sum-exp instead of the ``a·s²`` score matrices (so the paper's ``5as/h`` term
-is absent). With s = sequence, b = micro-batch, h = d_model, k = kv width
-(``n_kv_heads·head_dim``), f = d_ff, a = heads, e = bytes of the compute dtype,
-t = tp and t' = t with sequence parallelism (else 1), one layer saves for backward:
+**Activations** stored per transformer layer and micro-batch, in the style of Korthikanti et al. 2022
+(:func:`korthikanti_layer_bytes`) but for this code base: no dropout, and attention through
+``scaled_dot_product_attention``'s flash kernels, which keep a fp32 log-sum-exp instead of the score
+matrices. With s = sequence, b = micro-batch, h = d_model, k = kv width, f = d_ff, a = heads, e = bytes
+of the compute dtype, t = tp and t' = t with sequence parallelism (else 1), one layer saves:
 
 =====================  ===============================================================
 piece                  bytes
 =====================  ===============================================================
 norms (×2)             LayerNorm: input e·sbh/t' + fp32 mean, rstd 8·sb/t';
                        RMSNorm (fp32 math): fp32 input 4·sbh/t' + normalised e·sbh/t' + 4·sb/t'
-q/k/v, fc_in input     e·sbh/t' each (the column-parallel inputs; with SP the sequence chunk,
-                       gathered again in backward, as Megatron does)
+q/k/v, fc_in input     e·sbh/t' each (with SP the sequence chunk, gathered again in backward)
 q, k, v, attention out e·sb(2h + 2k)/t, plus the fp32 log-sum-exp 4·b·a·s/t
 MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·sbf/t
 =====================  ===============================================================
 
-``selective`` recomputes the attention core: its log-sum-exp is not stored (with
-flash attention that is all it saves). ``full`` stores only each block's input
-(e·sbh/t') and, while one layer's backward runs, that layer's full activations.
-
-Against the paper (:func:`korthikanti_layer_bytes`, 16-bit, per layer ``sbh(10 + 24/t + 5as/ht)``,
-with SP ``sbh/t·(34 + 5as/h)``, selective ``sbh/t·34``), a GPT layer (f = 4h, k = h) here
-stores the paper's figure less its two 1-byte dropout masks (2·sbh/t'), less ``5as/h``
-(flash attention), plus LayerNorm's fp32 statistics (16·sb/t') and, without recomputation,
-the log-sum-exp: at GPT-3 175B, tp = 8, SP, selective, micro-batch 1, 100.7 MB against the
-paper's 107.0 MB.
+``selective`` recomputes the attention core (its log-sum-exp is not stored); ``full`` stores only
+each block's input (e·sbh/t') and, while one layer's backward runs, that layer's full activations.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """The planner's view of a mixture-of-experts model: parameters, memory, all-to-all traffic, FLOPs.
 
-Pure functions of :class:`MoEShape` (read from any config with ``ModelConfig``'s ``moe_*`` fields,
-so ``parallel.plan`` never imports ``models``). The numbers follow :mod:`parallel.layers.moe`:
-
-* **Parameters.** An MoE block holds ``E`` experts of ``m·d·f`` weights (``m`` = 3 for SwiGLU,
-  2 for GELU, + ``f + d`` biases for GELU) and a router ``E·d``; a token uses ``k`` of them (and
-  the shared experts): *active* parameters are the dense ones + ``k`` experts per MoE block.
-* **Memory.** Expert parameters are split over ``ep`` (``E / ep`` per rank) and their ZeRO
-  states over ``edp`` (= ``dp / ep``), dense ones over ``dp`` as before.
-* **All-to-all.** Per MoE layer and micro-batch of ``T`` tokens per rank, dropless: forward one
-  exchange of the per-expert counts (``8·E`` bytes, int64), the routed rows out (``k·T·d`` elements)
-  and back (``k·T·d``); backward the two row exchanges again. Payload per rank averaged over the
-  ep group (exact for the sum over it: each row leaves and returns once); a rank sends
-  ``(ep-1)/ep`` of it under balanced routing.
-* **FLOPs.** ``6 ×`` active parameters per token (the dense 6·N rule applied to what a token
-  touches) + attention's ``12·L·d·s``.
-
-:func:`~parallel.plan.planner.plan_layout` calls the hooks at the end of this module: ``check_ep``
-(refusals), ``ep_split`` (a rank's dense parameters and its ``E/ep`` experts, ZeRO'd over dp·cp
-and edp), ``layer_time`` / ``activation_bytes`` (an MoE block's compute and saved tensors),
-``ep_traffic`` (the all-to-alls on the ``ep`` axis, exposed), ``flops_per_token`` (MFU on
-active FLOPs); :func:`~parallel.plan.search.recommend` tries ``ep_choices``. docs/moe.md.
+Pure functions of :class:`MoEShape` (any config with ``ModelConfig``'s ``moe_*`` fields), following
+:mod:`parallel.layers.moe`: an MoE block holds ``E`` experts and a router ``E·d``; a token uses ``k``
+of them (and the shared experts). Expert parameters are split over ``ep`` and their ZeRO states over
+``edp``. Per MoE layer and micro-batch of ``T`` tokens, dropless, the all-to-alls move the per-expert
+counts (``8·E`` bytes) and the routed rows out and back (``k·T·d`` elements each way), twice in
+backward. FLOPs are ``6 ×`` active parameters per token + attention's ``12·L·d·s``. docs/moe.md.
 """
 
 from __future__ import annotations

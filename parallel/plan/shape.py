@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..dims import tp_split_problem
 from ..layers.embedding import padded_vocab_size
 from ..pipeline.partition import partition_layers
 from .hardware import PlanError
@@ -48,12 +47,6 @@ class ModelShape:
         mats = 3 if self.arch == "llama" else 2
         return self.d_model * (self.d_model + 2 * kv) + self.d_model**2 + mats * self.d_model * self.d_ff
 
-    def check_tp(self, tp: int) -> None:
-        """Refuse a tp that does not split the heads, kv heads or MLP width."""
-        problem = tp_split_problem(self.n_heads, self.n_kv_heads, self.d_ff, tp)  # the one home: parallel.dims
-        if problem:
-            raise PlanError(problem)
-
 
 def layer_costs(shape: ModelShape) -> dict[str, float]:
     """Costs the partitioner balances, in units of one block: the embedding is a lookup
@@ -72,23 +65,6 @@ def layer_partition(shape: ModelShape, pp: int, vpp: int = 1, pp_layers=None) ->
         return partition_layers(shape.n_layers, pp, vpp=vpp, pp_layers=pp_layers, **layer_costs(shape))
     except ValueError as e:
         raise PlanError(str(e)) from None
-
-
-def forward_flops(shape: ModelShape, tokens: int, n_layers: int, has_head: bool, tp: int = 1) -> float:
-    """Forward FLOPs of ``n_layers`` blocks (+ the head) for ``tokens`` tokens on one TP rank:
-    2 per matmul weight per token, plus 4·s·d per token per layer for attention scores."""
-    per_layer = 2 * shape.block_matmul_params() + 4 * shape.seq_len * shape.d_model
-    head = 2 * shape.d_model * shape.padded_vocab(tp) if has_head else 0
-    return tokens * (n_layers * per_layer + head) / tp
-
-
-def recompute_flops(shape: ModelShape, tokens: int, n_layers: int, checkpointing: str, tp: int = 1) -> float:
-    """Extra forward FLOPs spent in backward: whole blocks (``full``) or attention cores (``selective``)."""
-    if checkpointing == "full":
-        return forward_flops(shape, tokens, n_layers, False, tp)
-    if checkpointing == "selective":
-        return tokens * n_layers * 4 * shape.seq_len * shape.d_model / tp
-    return 0.0
 
 
 def model_flops_per_token(shape: ModelShape) -> float:

@@ -1,14 +1,12 @@
 """Bytes one rank sends per step on each axis, and how long that takes.
 
-Ring algorithms: over N ranks and a payload of B bytes, an all-reduce sends
-``2(N−1)/N·B`` bytes per rank in ``2(N−1)`` steps, a reduce-scatter or an
-all-gather (B = the full, gathered size) ``(N−1)/N·B`` in ``N−1`` steps. Time
-= sent / bandwidth (the profile's per-kind scale on it: ``Hardware.kind_bandwidth``) + steps × latency + the profile's fixed ``collective_overhead_us`` per collective
-issued, with the hardware's intra-node bandwidth
-when the group sits inside one node and its inter-node bandwidth otherwise.
+Ring algorithms (:data:`parallel.comm.SENT_FRACTION`, the counter's): a collective of kind ``k`` over
+N ranks sends its fraction of the payload in ``RING_STEPS[k]·(N−1)`` latency steps. Time = sent /
+bandwidth (:meth:`Hardware.kind_bandwidth`: intra-node inside one node, inter-node otherwise) + the
+latency steps + the profile's ``collective_overhead_us`` per blocking call.
 
-Rank order is Megatron's (tp fastest, then dp, then pp): a TP group is ``tp``
-consecutive ranks, a DP group has stride ``tp``, a pipeline stride ``tp·dp``.
+Rank order is Megatron's (tp fastest, then cp, dp, pp): a TP group is ``tp`` consecutive ranks, a DP
+group has stride ``tp``, a pipeline stride ``tp·cp·dp``.
 """
 
 from __future__ import annotations
@@ -23,14 +21,7 @@ from ..zero.policy import policy
 from ..zero.theory import grad_reductions_per_step
 from .hardware import Hardware, host_costs
 
-RING_STEPS = {
-    "all_reduce": 2,
-    "reduce_scatter": 1,
-    "all_gather": 1,
-    "broadcast": 1,
-    "all_to_all": 1,
-}  # × (N-1) latency steps
-# bytes sent: parallel.comm.SENT_FRACTION (the counter's, one home)
+RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "all_to_all": 1}  # × (N-1)
 
 
 def group_crosses_node(stride: int, size: int, gpus_per_node: int) -> bool:
@@ -83,16 +74,11 @@ class AxisTraffic:
         launches: int | None = None,
     ) -> float:
         """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls``
-        separate collectives (buckets, units) that split the payload; returns one's time: bytes at the
-        bandwidth, plus for each of the ``blocking`` calls (default all: the rank waits for them as soon
-        as it issues them) the ring's latency steps and the profile's ``collective_overhead_us``, for
-        each other call (launched ahead of its wait: prefetched, or from a backward hook; it meets its
-        peers' arrival and wake-up while this rank still computes) the ring's latency steps, or where the
-        profile measured it the host's ``ahead_call_us`` once per ``launches`` (default: per call): the
-        buckets of one ZeRO unit are launched together and the transport's thread runs them back to
-        back, waking once. Afterwards :attr:`measured_s` holds the part of the returned time priced
-        with the measured ``ahead_call_us`` (those calls' share of the bytes and their fixed cost; 0
-        where the profile has none): seconds the planner must not hide behind compute again."""
+        collectives (buckets, units) that split the payload; return one's seconds: the bytes at the
+        bandwidth, plus for each of the ``blocking`` calls (default all) the ring's latency steps and
+        ``collective_overhead_us``, for each other call (launched ahead of its wait) the latency steps, or
+        the host's measured ``ahead_call_us`` once per ``launches`` (default: per call). Afterwards
+        :attr:`measured_s` holds the part priced with ``ahead_call_us``: seconds compute must not hide again."""
         n = self.group_size
         self.measured_s = 0.0
         if n <= 1 or count == 0 or payload == 0:
@@ -112,8 +98,7 @@ class AxisTraffic:
         fixed = blocking * (ring + host.collective_overhead_us * 1e-6) + ahead
         wire = sent / hw.kind_bandwidth(kind, self.crosses_node)
         one = wire + fixed
-        # calibrate measured ahead_call_us as what a unit's calls launched ahead leave exposed, their
-        # bytes included (recipes.tools.calibrate_fit.fit_launched_ahead): those seconds are already net of overlap
+        # ahead_call_us is measured net of overlap, bytes included (recipes.tools.calibrate_fit.fit_launched_ahead)
         self.measured_s = (wire * n_ahead / calls + ahead) if host.ahead_call_us > 0 and n_ahead else 0.0
         self.bytes += count * sent
         self.time_s += count * one
@@ -125,6 +110,11 @@ class AxisTraffic:
 
 
 topk_kept = topk_count  # one home: parallel.zero.compression (entries Top-K keeps, ceil(ratio·numel) ≥ 1)
+
+
+#: what :func:`dp_traffic` returns: seconds of one collective of each kind, and the measured parts
+DP_TIMES = ("grad_per_mb", "grad_per_step", "param_after_step", "param_fwd_per_mb", "param_bwd_per_mb")
+DP_TIMES += ("measured_per_mb", "measured_per_step")
 
 
 def dp_traffic(
@@ -147,42 +137,20 @@ def dp_traffic(
     unit_count: int | None = None,
     overlap: bool = True,
 ) -> dict[str, float]:
-    """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
-
-    Stages 0–1 reduce gradients once per step (accumulated locally); stages 2–3
-    reduce-scatter every micro-batch (keeping full gradients would undo them) and
-    stage 3 all-gathers the parameters inside units (``regathered_psi``, default all:
-    the blocks) before every forward and again before every backward, and the rest
-    once per step (it stays gathered until the optimizer step). Top-K
-    (stage 0) all-gathers ``k`` values + int32 indices per rank instead of the
-    all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Each reduction and the after-step gather is issued as
-    ``buckets`` collectives, stage 3's per-unit gathers (and its reductions, at least) as ``units``
-    (the blocks' buckets), its once-per-step gather of the rest as ``root_calls``. Where
-    :mod:`parallel.overlap` says stage 3 launches them ahead of their wait (``ZERO3_GATHER``: prefetched;
-    ``DP_REDUCTION`` with ``overlap``: from each unit's backward hook), only the first unit's gathers
-    (``first_unit_calls``, default one) and the reductions launched when backward ends (the first
-    unit's and the rest's) block on issue (:meth:`AxisTraffic.add`'s ``blocking``), and the others are
-    launched unit by unit (``unit_count`` blocks; default: each bucket apart):
-    each pays the ring's latency and the profile's fixed cost per call. Returns the seconds of one of each kind
-    (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
-    ``param_bwd_per_mb``), and of those the seconds priced with the profile's measured ``ahead_call_us``
-    (:attr:`AxisTraffic.measured_s`), which compute does not hide again: ``measured_per_mb`` (of the
-    three per-micro-batch kinds) and ``measured_per_step`` (of ``grad_per_step``).
-    """
+    """Gradient and parameter collectives on the DP group per step, as ZeRO runs them
+    (:func:`parallel.zero.policy.policy`): the reduction once per step or every micro-batch
+    (:func:`parallel.zero.theory.grad_reductions_per_step`; Top-K at stage 0 all-gathers ``k`` values +
+    int32 indices instead), the gather after the step, stage 3's per-unit gathers before every forward
+    and backward (``regathered_psi``, default all) and of the rest once per step. Each is issued as
+    ``buckets`` collectives, stage 3's per-unit ones as ``units``, the rest's gather as ``root_calls``;
+    where :mod:`parallel.overlap` launches them ahead of their wait, only the first unit's
+    (``first_unit_calls``) and those launched when backward ends block on issue, the others are launched
+    unit by unit (``unit_count`` units). Returns the seconds of one of each kind (``grad_per_mb``,
+    ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``, ``param_bwd_per_mb``) and, of them, those
+    priced with a measured ``ahead_call_us`` (``measured_per_mb``, ``measured_per_step``)."""
     m, n = micro_batches, axis.group_size
     other_units = None if unit_count is None else max(0, unit_count - 1)  # ZeRO-3: launched unit by unit
-    out = dict.fromkeys(
-        (
-            "grad_per_mb",
-            "grad_per_step",
-            "param_after_step",
-            "param_fwd_per_mb",
-            "param_bwd_per_mb",
-            "measured_per_mb",
-            "measured_per_step",
-        ),
-        0.0,
-    )
+    out = dict.fromkeys(DP_TIMES, 0.0)
     pol = policy(zero)  # what the engine does at this stage (parallel/zero/policy.py)
     if pol.reduce == "all_reduce" and compression == "topk":
         k = topk_kept(psi, topk_ratio)
@@ -231,25 +199,18 @@ def dp_traffic(
 
 def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt):
     """TP collectives of a chunk: seconds per micro-batch (forward, backward, (re-gathers,
-    reduce-scatters)); the last pair is sequence parallel's column-layer backward, which the
-    engine runs asynchronously (:data:`parallel.overlap.TP_SP_BACKWARD`), not in ``backward``;
-    ``axis`` accumulates the bytes of all ``m`` micro-batches. Per block: two all-reduces of the
-    ``[b, s, d]`` activation forward and two backward (sequence parallel: each an
-    all-gather + a reduce-scatter, the same bytes, and two more all-gathers in backward:
-    ``ColumnParallelLinear`` saves its input's sequence chunk and gathers it again); full recomputation redoes all but
-    the last (one all-reduce, or two all-gathers and a reduce-scatter, per block). Every call also
-    costs the profile's ``tp_call_us`` (its autograd Function, the compute after it resuming cold;
-    0 on GPU profiles), in the returned seconds but not in ``axis``'s: for sequence parallelism's
-    asynchronous backward collectives (``(regather, scatter)``, which the planner lets column
-    compute hide) it is in ``bwd``, as compute cannot hide it."""
+    reduce-scatters)); the last pair is sequence parallel's column-layer backward, which the engine
+    runs asynchronously (:data:`parallel.overlap.TP_SP_BACKWARD`); ``axis`` accumulates the bytes of all
+    ``m`` micro-batches. Per block two all-reduces of the ``[b, s, d]`` activation forward and two
+    backward (SP: each an all-gather + a reduce-scatter, and two more all-gathers in backward for the
+    column layers' saved input chunks); full recomputation redoes all but the MLP's output reduction.
+    Every call also costs the profile's ``tp_call_us`` (0 on GPU profiles), in the returned seconds
+    (for the asynchronous pair, in ``bwd``: compute cannot hide it) but not in ``axis``."""
     act = e * mb * shape.seq_len * shape.d_model
 
     calls_apart = [0.0]  # the calls of the collectives backward can hide: their cost cannot hide
 
-    def op(kind, count, what, payload=act, hidable=False):
-        # each call also pays hw.tp_call_us in the compute around it (inside the model's autograd):
-        # step time, not the collective's own (the breakdown times the collective's wait apart).
-        # hidable: the seconds returned are the collective's alone, its calls' cost goes to bwd
+    def op(kind, count, what, payload=act, hidable=False):  # hidable: the call costs go to bwd apart
         if not count or axis.group_size <= 1:
             return 0.0
         wire, calls = count * axis.add(kind, payload, count * m, hw, what), count * host_costs(hw).tp_call_us * 1e-6
