@@ -30,9 +30,8 @@ def gemm_seconds(m: float, k: float, n: float, hw: Hardware, precision: str, bat
 
 
 def elementwise_bytes(shape, tokens: float, tp: int, sequence_parallel: bool, e: int) -> float:
-    """HBM bytes one block's forward elementwise work moves: two norms (read + write the ``[T, d]``
-    activation, split by ``t`` under sequence parallelism), two residual adds (read two, write one),
-    the MLP activation (read + write ``[T, d_ff/t]``; SwiGLU reads two)."""
+    """HBM bytes one block's forward elementwise work moves: two norms and two residual adds on the
+    ``[T, d]`` activation (split by ``t`` under sequence parallelism), the MLP activation on ``[T, d_ff/t]``."""
     d, f = shape.d_model, shape.d_ff
     sp = tp if sequence_parallel else 1
     norms_residuals = (2 * 2 + 2 * 3) * tokens * d / sp
@@ -94,9 +93,8 @@ def layer_time(
 
 
 def head_time(shape, micro_batch: int, tp: int, hw: Hardware, precision: str) -> LayerTime:
-    """The head's matmul over this rank's ``V/t`` columns and the cross-entropy's fp32 passes
-    (read the logits, write and read the softmax: ≈ 3 × 4 bytes per logit) as elementwise work,
-    plus the profile's ``microbatch_overhead_us`` (module docstring)."""
+    """The head's matmul over this rank's ``V/t`` columns, the cross-entropy's fp32 passes (≈ 12 bytes
+    per logit) and the profile's ``microbatch_overhead_us``."""
     T, V = micro_batch * shape.seq_len, shape.padded_vocab(tp) / tp
     gemm = gemm_seconds(T, shape.d_model, V, hw, precision)
     fixed = host_costs(hw).microbatch_overhead_us * 1e-6 / 3  # host cost: a third forward, two backward
@@ -114,15 +112,14 @@ def optimizer_seconds(params_per_rank: float, hw: Hardware) -> float:
 
 
 def colocated_factor(hw: Hardware, ranks_on_host: int) -> float:
-    """How much slower a busy rank computes when ``ranks_on_host`` ranks of one host compute at once:
-    ``1 + colocated_slowdown · (k − 1)``; 1 for one rank per host (module docstring)."""
+    """How much slower a busy rank computes with ``ranks_on_host`` ranks of one host busy:
+    ``1 + colocated_slowdown · (k − 1)``."""
     return 1.0 + host_costs(hw).colocated_slowdown * max(0, ranks_on_host - 1)
 
 
 def colocated(hw: Hardware, ranks_on_host: int) -> Hardware:
-    """``hw`` as each of ``ranks_on_host`` ranks busy at once on one host sees it: peak FLOP/s and
-    memory bandwidth divided by :func:`colocated_factor`, the fixed host costs per block, micro-batch
-    and step multiplied by it (communication unchanged: its calibration ran on every rank at once)."""
+    """``hw`` as each of ``ranks_on_host`` busy ranks of one host sees it: peak FLOP/s and memory
+    bandwidth divided by :func:`colocated_factor`, the host costs multiplied by it (not communication)."""
     f = colocated_factor(hw, ranks_on_host)
     if f == 1.0:
         return hw

@@ -50,9 +50,8 @@ def extra_activation_bytes(shape, micro_batch: int, dims: ParallelDims, *, check
 def cp_traffic(
     shape, axis: AxisTraffic, hw: Hardware, dims: ParallelDims, *, n_layers, mb, m, e, ckpt, peak_flops
 ) -> tuple[float, float]:
-    """The cp group's traffic of a chunk of ``n_layers`` layers: ``axis`` accumulates the bytes
-    of all ``m`` micro-batches; returns the seconds per micro-batch (forward, backward) that
-    compute does not hide (module docstring)."""
+    """The cp group's traffic of a chunk of ``n_layers`` layers (``axis`` accumulates all ``m``
+    micro-batches' bytes); returns the seconds per micro-batch (forward, backward) compute does not hide."""
     cp, tp = axis.group_size, dims.tp
     if cp == 1 or n_layers == 0:
         return 0.0, 0.0
@@ -84,9 +83,8 @@ def cp_traffic(
 
 
 def cp_choices(shape, world_size: int, tp: int, gpus_per_node: int, *, min_local_seq: int = 1024) -> list[int]:
-    """The cps :func:`~parallel.plan.search.recommend` tries at this tp: powers of two that divide
-    the world after tp, fit the node beside tp, split the sequence into ``2·cp`` chunks and leave
-    each rank at least ``min_local_seq`` tokens (shorter sequences gain nothing from cp)."""
+    """The cps :func:`~parallel.plan.search.recommend` tries at this tp: powers of two that divide the
+    world after tp, fit the node beside tp, split the sequence and leave each rank ≥ ``min_local_seq`` tokens."""
     out, cp = [1], 2
     while tp * cp <= gpus_per_node and (world_size // tp) % cp == 0:
         if not cp_seq_len_problem(shape.seq_len, cp) and local_seq_len(shape.seq_len, cp) >= min_local_seq:

@@ -1,17 +1,11 @@
 """Hardware profiles: what one device computes, holds and moves per second.
 
-A :class:`Hardware` is plain numbers; :data:`PROFILES` names the usual ones and
-:func:`hardware_profile` looks one up, optionally changed (``inter_node_gbps=12.5``
-for a 100 Gb/s Ethernet cluster) or defined from scratch by the user's config.
-
-Conventions: FLOP/s are dense (no 2:4 sparsity) tensor-core peaks; memory is in
-bytes (GiB for the "80GB" parts, as ``nvidia-smi`` reports 81,920 MiB);
-bandwidths are GB/s (10⁹ B/s) *per device and per direction*, the rate one rank
-sends at in a ring: NVLink inside a node, the device's share of the network
-(InfiniBand or Ethernet) between nodes. ``efficiency`` is the fraction of peak
-that large matmuls reach in practice, ``attention_efficiency`` flash attention's,
-``hbm_gbps`` the memory bandwidth that elementwise work and small GEMMs' operands
-stream at (:mod:`.compute` uses them).
+A :class:`Hardware` is plain numbers; :data:`PROFILES` names the usual ones and :func:`hardware_profile`
+looks one up, optionally changed, or defined by the user's config. FLOP/s are dense tensor-core peaks;
+memory is in bytes; bandwidths are GB/s (10⁹ B/s) per device and per direction, the rate one rank sends
+at in a ring (NVLink inside a node, the device's share of the network between nodes). ``efficiency`` is
+the fraction of peak large matmuls reach, ``attention_efficiency`` flash attention's, ``hbm_gbps`` the
+memory bandwidth of elementwise work and small GEMMs' operands (:mod:`.compute`).
 """
 
 from __future__ import annotations
@@ -61,14 +55,9 @@ def _check_field(profile: str, name: str, value) -> None:
 
 @dataclass(frozen=True)
 class HostCosts:
-    """What a rank's host adds to its device's work, where nothing queues ahead of the hardware (a
-    CPU rank: every launch, every line of Python and every wake-up is on the step's critical path).
-
-    ``mode=calibrate`` measures them on a CPU (``recipes.tools.calibrate``; how, in
-    ``docs/planner.md``). A GPU profile has none (``Hardware.host`` is None): the host enqueues
-    kernels and NCCL calls ahead of the device, each rank has its own device, and NCCL runs every
-    collective kind as a ring at the link's rate beside the compute. The defaults are that case,
-    so :func:`host_costs` of a GPU profile prices nothing."""
+    """What a rank's host adds to its device's work where nothing queues ahead of the hardware (a CPU
+    rank: every launch and wake-up is on the critical path); ``mode=calibrate`` measures them. A GPU
+    profile has none (``Hardware.host`` is None): the defaults price nothing."""
 
     block_overhead_us: float = 0.0  # per block forward + backward beyond its work: launches, Python, autograd
     microbatch_overhead_us: float = 0.0  # per micro-batch beyond its blocks' and head's work: embedding, loss, loop
@@ -96,9 +85,8 @@ def host_costs(hw: Hardware) -> HostCosts:
 
 
 def _nest_host(fields: dict) -> dict:
-    """``fields`` (of :class:`Hardware`, its host costs nested under ``host`` as a dict or
-    :class:`HostCosts`, or flat among the others: both forms are read) as :class:`Hardware`'s
-    keywords; host costs that are all the defaults become ``host=None``."""
+    """``fields`` of :class:`Hardware` (host costs nested under ``host`` or flat) as its keywords;
+    host costs that are all the defaults become ``host=None``."""
     fields = dict(fields)
     host = fields.pop("host", None)
     host = dict(dataclasses.asdict(host) if isinstance(host, HostCosts) else host or {})
@@ -156,8 +144,8 @@ class Hardware:
         return 1e9 * (self.inter_node_gbps if crosses_node else self.intra_node_gbps)
 
     def kind_bandwidth(self, kind: str, crosses_node: bool) -> float:
-        """Bytes per second one rank sends at in a collective of ``kind``: the ring's
-        (:meth:`bandwidth`), times the host's measured scale for its kind where it has one."""
+        """Bytes per second one rank sends at in a collective of ``kind``: the ring's, times the
+        host's measured scale for its kind."""
         return self.bandwidth(crosses_node) * host_costs(self).kind_scale(kind)
 
     @property
@@ -172,11 +160,9 @@ class Hardware:
         return dataclasses.replace(self, **_nest_host(merged))
 
     def time_scaled(self, factor: float) -> Hardware:
-        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1) at everything: every
-        rate (:data:`RATE_FIELDS`) divided by ``factor``, every fixed time (:data:`TIME_FIELDS`, the
-        host's included) multiplied by it, the rest (sizes, fractions, counts) kept. Every time the
-        planner derives is a sum or maximum of ``work / rate`` and fixed times, so a plan's every time
-        with the result is exactly ``factor`` times this profile's."""
+        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1): every rate divided
+        by ``factor``, every fixed time multiplied by it (:data:`RATE_FIELDS`, :data:`TIME_FIELDS`), so every
+        planned time is exactly ``factor`` times this profile's."""
         if isinstance(factor, bool) or not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
             raise PlanError(f"hardware {self.name!r}: time scale factor={factor!r} must be a finite number > 0")
         values = self.fields()
@@ -194,23 +180,15 @@ TIME_FIELDS = tuple(f for f in _FIELDS if f.endswith("_us"))
 SCALE_FREE_FIELDS = tuple(f for f in _FIELDS if f not in RATE_FIELDS + TIME_FIELDS)
 
 
-# Compute constants (parallel/plan/compute.py): ``efficiency`` is the fraction of peak large GEMMs reach.
-# A100: 0.78 (243 TFLOP/s), the one value that puts all ten rows of Narayanan et al. 2021 Table 1 within
-# ±10 % (docs/planner.md; recipes/tools/plan_published.py), in line with cuBLAS' large fp16 GEMMs on A100.
-# H100/H200: 0.7, an estimate from cuBLAS' published large-GEMM throughput (not fitted to a run).
-# ``attention_efficiency``: FlashAttention-2's forward, ≈ 60 % of peak on A100 (Dao 2023), ≈ 40 % on
-# H100. ``hbm_gbps``: the datasheets' memory bandwidth (A100 80GB 2,039; H100 SXM 3,350; H100 PCIe
-# 2,000; H200 4,800 GB/s). No profile here has host costs (:class:`HostCosts`): ``mode=calibrate``
+# The datasheets' dense peaks, memory bandwidth and links; ``efficiency`` and ``attention_efficiency``
+# as docs/performance.md says where they come from. No profile here has host costs: mode=calibrate
 # measures them for a CPU.
 PROFILES: dict[str, Hardware] = {
-    # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
-    # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU
+    # A100 SXM4 80GB: NVLink3 600 GB/s both ways, one HDR 200 Gb/s NIC per GPU
     "a100_80gb": Hardware(
         "a100_80gb", 312.0, 19.5, 80 * GiB, 300.0, 25.0, 8, 0.78, hbm_gbps=2039.0, attention_efficiency=0.6
     ),
-    # H100 SXM5 80GB. NVIDIA H100 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense, FP32 67;
-    # NVLink4 900 GB/s both ways; one NDR 400 Gb/s NIC per GPU (DGX H100). Host: DGX H100 datasheet, 2 TB;
-    # PCIe Gen5 x16, 64 GB/s per direction raw, ~50 GB/s pinned cudaMemcpy
+    # H100 SXM5 80GB (DGX H100): NVLink4 900 GB/s both ways, NDR 400 Gb/s per GPU, 2 TB host, PCIe Gen5 pinned
     "h100_80gb": Hardware(
         "h100_80gb",
         989.0,
@@ -225,10 +203,7 @@ PROFILES: dict[str, Hardware] = {
         host_ram_gb=2048,
         host_link_gbps=50,
     ),
-    # H100 PCIe 80GB (350 W, fewer SMs and lower clocks). NVIDIA H100 datasheet / product brief PB-11133-001:
-    # BF16 tensor 1,513 TFLOP/s with sparsity = 756 dense, FP32 51; GPUs talk over PCIe Gen5 x16, 128 GB/s
-    # both ways (an NVLink bridge joins pairs only, so a ring over 8 runs at PCIe speed); NDR 400 Gb/s per GPU
-    # Host: no reference system; 1 TB assumed (the default), PCIe Gen5 x16 ~50 GB/s pinned
+    # H100 PCIe 80GB: rings over PCIe Gen5 (an NVLink bridge joins pairs only), NDR 400 Gb/s per GPU
     "h100_pcie": Hardware(
         "h100_pcie",
         756.0,
@@ -242,9 +217,7 @@ PROFILES: dict[str, Hardware] = {
         attention_efficiency=0.4,
         host_link_gbps=50,
     ),
-    # H200 SXM 141GB. NVIDIA H200 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense (the H100 SXM
-    # compute, more and faster HBM3e: 141 GB, 4.8 TB/s); NVLink4 900 GB/s both ways; NDR 400 Gb/s per GPU
-    # Host: DGX H200 datasheet, 2 TB; PCIe Gen5 x16 ~50 GB/s pinned
+    # H200 SXM 141GB (DGX H200): the H100 SXM's compute and links, HBM3e 141 GB at 4.8 TB/s
     "h200": Hardware(
         "h200",
         989.0,
@@ -297,14 +270,10 @@ def profile_for_device(device_name: str) -> Hardware | None:
 
 
 def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrides) -> Hardware:
-    """The profile called ``name`` (case-insensitive; ``custom`` profiles first), with ``overrides``.
-
-    A ``name`` ending in ``.json`` is a file of :class:`Hardware` fields (``mode=calibrate`` writes one).
-
-    ``custom`` maps names to the fields of :class:`Hardware` (all but ``name``), e.g. from a config
-    file; host costs nested under ``host`` or flat among them. ``overrides`` may name host cost
-    fields too. Raises :class:`PlanError` for an unknown name or field.
-    """
+    """The profile called ``name`` (case-insensitive; ``custom`` profiles first; a ``.json`` file of
+    :class:`Hardware` fields, as ``mode=calibrate`` writes), with ``overrides``. ``custom`` maps names to
+    :class:`Hardware`'s fields, host costs nested under ``host`` or flat. Raises :class:`PlanError` for an
+    unknown name or field."""
     if name.endswith(".json"):  # a profile file (mode=calibrate writes one): its fields, named by its stem
         try:
             with open(name) as f:

@@ -46,24 +46,12 @@ Group = tuple[int, ...]  # per-rank element counts of the parameters of one ZeRO
 class StageParams:
     """Parameters of one pipeline rank (all its chunks), as counted on the real model.
 
-    ``numel``: on one TP rank (a shard); ``replicated``: of those, replicated over TP
-    (norms, row-parallel biases, positions: their gradients are all-reduced over TP
-    under sequence parallelism); ``full``: before TP sharding (what the rank's TP
-    group holds together, replicated ones once); ``tied_copy``: the part of
-    ``full`` that is a second copy of a tied embedding (the head on the last stage);
-    ``shared_embedding``: per TP rank, the tied weight whose gradient is all-reduced
-    over the embedding group (first and last stage).
-
-    ``blocks`` and ``root`` say how ZeRO packs them (:func:`zero_padded_numel`): per
-    transformer block (a ZeRO unit) and for the rank's other parameters (one more
-    unit), the per-rank sizes of the parameters of each bucket class
-    (:data:`parallel.zero.packing.CLASSES`: with and without weight decay, tied embedding,
-    sequence parallel), in ``named_parameters`` order. Empty when unknown: the whole rank is padded instead.
-
-    MoE (:mod:`parallel.plan.moe`): ``expert`` of ``numel`` are expert parameters (at ep = 1;
-    :func:`~parallel.plan.moe.ep_split` divides them by ep), in ZeRO units ``expert_blocks``
-    (not in ``blocks``: ZeRO packs and shards them over their own group, edp).
-    """
+    ``numel``: on one TP rank; ``replicated``: of those, replicated over TP; ``full``: before TP
+    sharding; ``tied_copy``: the part of ``full`` that is a tied embedding's second copy;
+    ``shared_embedding``: per TP rank, the tied weight all-reduced over the embedding group.
+    ``blocks`` (one per ZeRO unit) and ``root`` (the rest): per bucket class
+    (:data:`parallel.zero.packing.CLASSES`), the per-rank sizes of its parameters in order; empty when
+    unknown. ``expert`` of ``numel`` are MoE expert parameters (at ep = 1), in ZeRO units ``expert_blocks``."""
 
     numel: int
     replicated: int = 0
@@ -100,14 +88,8 @@ def zero_bucket_numels(
     params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> tuple[tuple[int, ...], ...] | None:
     """The padded elements of each of ZeRO's buckets on this rank, per unit (each block's, then the
-    rest's; ``per_unit=False``: one unit). None when the classes are unknown.
-
-    ZeRO (``parallel.zero.layout.plan_buckets``) packs the parameters of one bucket class
-    (:func:`parallel.zero.packing.bucket_class`), blocks first and the rest last, into buckets of at
-    most ``bucket_bytes`` (a larger parameter gets its own) and pads every bucket to a multiple of
-    ``dp``. At stage 3 (``per_unit``) a bucket never spans two units (each block, and the rest),
-    since they are gathered one at a time. Every bucket is one collective.
-    """
+    rest's; ``per_unit=False``: one unit), packed as :func:`parallel.zero.layout.plan_buckets` packs
+    them (one bucket class at a time, padded to a multiple of ``dp``); None when the classes are unknown."""
     if not params.blocks and not any(params.root):
         return None
     units = params.blocks + (params.root,)
@@ -123,8 +105,8 @@ def zero_bucket_numels(
 def zero_padded_numel(
     params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> int:
-    """Elements of ZeRO's flat buffers on this rank, padding included: the sum of
-    :func:`zero_bucket_numels` (the whole rank padded when the classes are unknown)."""
+    """Elements of ZeRO's flat buffers on this rank, padding included (the whole rank padded when
+    the classes are unknown)."""
     numels = zero_bucket_numels(params, dp, bucket_bytes, element_size, per_unit)
     return padded(params.numel, dp) if numels is None else sum(map(sum, numels))
 
@@ -132,10 +114,8 @@ def zero_padded_numel(
 def zero_bucket_counts(
     params: StageParams, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> tuple[int, ...] | None:
-    """ZeRO's buckets on this rank per unit (each block's, then the rest's; ``per_unit=False``: one
-    unit), packed as :func:`zero_bucket_numels` packs them: every bucket is one collective, and each
-    class of a unit is packed apart, so a block is gathered and reduced as one collective per
-    class it holds (weights; biases and norms; sequence-parallel ones). None when the classes are unknown."""
+    """ZeRO's buckets (each one collective) on this rank per unit, as :func:`zero_bucket_numels`
+    packs them; None when the classes are unknown."""
     numels = zero_bucket_numels(params, 1, bucket_bytes, element_size, per_unit)
     return None if numels is None else tuple(map(len, numels))
 
@@ -143,10 +123,8 @@ def zero_bucket_counts(
 def zero_extra_reduce_counts(
     params: StageParams, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> dict[str, int]:
-    """ZeRO's buckets on this rank whose gradient is also all-reduced over another group, per group
-    (``"tp"``: sequence-parallel; ``"embedding"``: a tied embedding): the engine all-reduces each
-    such bucket's shard apart, one collective per bucket. Units whose groups are the classes of
-    :data:`parallel.zero.packing.CLASSES` (a unit of two groups, weight decay or not, has none)."""
+    """ZeRO's buckets on this rank whose gradient is also all-reduced over another group (``"tp"``:
+    sequence-parallel; ``"embedding"``: a tied embedding), per group: one collective per bucket."""
     units = [u for u in params.blocks + (params.root,) if len(u) == len(CLASSES)]
     if not per_unit:  # one unit: each class packed across units
         units = [tuple(tuple(n for u in units for n in u[c]) for c in range(len(CLASSES)))] if units else []
@@ -173,12 +151,8 @@ def comm_bytes(precision: str, comm_dtype: str | None) -> int:
 def model_state_bytes(
     psi: int, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw", offload: str = "none"
 ) -> dict:
-    """Parameters, gradients, optimizer state one rank holds between steps (module table);
-    ``total`` on the device, ``host`` what ``offload`` keeps in host memory (parallel/zero/offload.py).
-
-    ``psi`` is this rank's parameter count; it is padded to a multiple of ``dp`` first
-    (pass :func:`zero_padded_numel` for ZeRO's per-bucket padding).
-    """
+    """Parameters, gradients, optimizer state one rank holds between steps (``total`` on the device,
+    ``host`` what ``offload`` keeps in host memory); ``psi`` is padded to a multiple of ``dp`` first."""
     if zero not in ZERO_STAGES:
         raise PlanError(f"ZeRO stage {zero!r} not in {ZERO_STAGES}")
     if precision not in PRECISION_BYTES:
@@ -224,10 +198,8 @@ def layer_activation_bytes(
 def korthikanti_layer_bytes(
     shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, checkpointing: str = "none"
 ) -> float:
-    """Korthikanti et al. 2022 (Table 2), bytes per GPT layer in 16-bit with dropout:
-    ``sbh(10 + 24/t + 5as/ht)``; with sequence parallelism ``sbh/t·(34 + 5as/h)``;
-    ``selective`` drops the ``5as/h`` term; ``full`` keeps ``2sbh/t'``. The reference the
-    module docstring compares :func:`layer_activation_bytes` with."""
+    """Korthikanti et al. 2022 (Table 2), bytes per GPT layer in 16-bit with dropout: the reference
+    :func:`layer_activation_bytes` is compared with (tests)."""
     s, b, h, a, t = shape.seq_len, micro_batch, shape.d_model, shape.n_heads, tp
     sbh = s * b * h
     if checkpointing == "full":
@@ -251,19 +223,9 @@ def head_activation_bytes(
 
 
 def loss_temporary_bytes(shape, micro_batch: int, *, tp: int = 1, precision: str = "bf16") -> float:
-    """The last stage's transient peak in the loss, above what it stores (:func:`head_activation_bytes`).
-
-    Over the ``N = b·s·V/t`` logits of one micro-batch (``V`` the padded vocabulary):
-
-    * ``tp > 1`` (``vocab_parallel_cross_entropy``'s own autograd function): forward holds the
-      logits (``e`` bytes each) and the fp32 shifted logits beside the fp32 exponentials it keeps,
-      ``(e + 4)·N``; backward, the fp32 product and its cast, no more;
-    * ``tp = 1`` (PyTorch's fused cross-entropy): backward holds the fp32 gradients of the NLL and of
-      the log-softmax, ``8·N``; forward less (the logits and, in 16-bit runs, their fp32 copy; the
-      padding columns are sliced off as a view).
-
-    ``tests/parallel/plan/test_loss_temporaries.py`` measures these on the real function.
-    """
+    """The last stage's transient peak in the loss over the ``N = b·s·V/t`` logits, above what it
+    stores: ``(e + 4)·N`` at tp > 1 (the vocabulary-parallel cross-entropy's forward), else PyTorch's
+    fused cross-entropy's backward ``8·N`` (or its forward's fp32 copy, when larger)."""
     e = PRECISION_BYTES[precision]
     vocab = shape.padded_vocab(tp)
     n = micro_batch * shape.seq_len * vocab / tp

@@ -1,17 +1,11 @@
-"""The plan of one layout: per pipeline rank, memory, traffic and time; for the step,
-time, throughput, MFU and advice. Pure: no process is started.
+"""The plan of one layout: per pipeline rank, memory, traffic and time; for the step, time,
+throughput, MFU and advice. Pure: no process is started.
 
-The caller supplies the model's shape and a :data:`ParamCounter` that counts the
-parameters of a chunk of the real model (``recipes.tools.plan`` builds it on the
-``meta`` device), so counts cannot drift from the code that trains.
-
-Step time: every micro-batch's forward and backward cost FLOPs / (peak ·
-efficiency) plus their tensor-parallel collectives (which sit on the critical
-path); the pipeline schedule is run on paper with those costs (the slowest stage's,
-pipeline p2p as message latency), which gives the makespan, the bubble and the
-micro-batches each stage holds at its peak. DP traffic is then added where backward
-cannot hide it (:func:`.exposure.exposed_dp_time`). What hides behind what is
-:mod:`parallel.overlap`'s table, the one the engine implements.
+Parameter counts come from the caller's :data:`ParamCounter` over the real model (``recipes.tools.plan``
+builds it on the ``meta`` device). Each stage's forward and backward per micro-batch (compute and the
+collectives on the critical path) feed the schedule's closed form or simulator (the slowest stage's,
+p2p as message latency): the makespan, the bubble, the micro-batches each stage holds. DP traffic is
+added where backward cannot hide it, as :mod:`parallel.overlap`'s table (the engine's) says.
 """
 
 from __future__ import annotations
@@ -206,14 +200,8 @@ def _memory(ctx: Setup, st: Stage, states: dict, params, experts, in_flight: int
     larger transient: the loss's end or the recomputed layers' backward; they do not coincide),
     communication buffers, and their total."""
     dims, tr = ctx.dims, ctx.tr
-    recompute = M.recompute_peak_bytes(
-        ctx.local,
-        tr.micro_batch,
-        checkpointing=tr.checkpointing,
-        tp=dims.tp,
-        sequence_parallel=dims.sp_enabled,
-        precision=tr.precision,
-    )
+    kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision)
+    recompute = M.recompute_peak_bytes(ctx.local, tr.micro_batch, checkpointing=tr.checkpointing, **kw)
     has_head = any(v == dims.pp * dims.vpp - 1 for v, _ in st.chunks)
     loss = M.loss_temporary_bytes(ctx.local, tr.micro_batch, tp=dims.tp, precision=tr.precision) if has_head else 0.0
     activations = in_flight * max(st.activations) + max(recompute, loss)

@@ -1,13 +1,9 @@
 """``mode=recommend``: the layouts that fit a device count, ranked by predicted throughput.
 
-Searched: tp among the divisors of the heads that fit inside a node (docs/architecture.md:
-TP stays inside a node), pp among the divisors of the rest up to the layer
-count, dp the remainder, ZeRO 0–3, micro-batches, checkpointing; sequence
-parallelism whenever tp > 1; context parallelism (cp, inside the node beside tp) where each
-rank keeps at least 1,024 tokens (:func:`parallel.plan.cp.cp_choices`); for MoE models, ep among the
-divisors of dp that divide the experts (:func:`parallel.plan.moe.ep_choices`; no sequence parallelism:
-MoE layers refuse it). Every candidate is planned in
-full (the schedules' closed forms make a plan cost microseconds in the pipeline, whatever its size).
+Searched: tp among the divisors of the heads inside a node, cp beside it for long sequences
+(:func:`parallel.plan.cp.cp_choices`), pp among the divisors of the rest up to the layer count, dp the
+remainder, ep for MoE models (:func:`parallel.plan.moe.ep_choices`), ZeRO 0–3, micro-batches and
+checkpointing; sequence parallelism whenever it applies. Every candidate is planned in full.
 """
 
 from __future__ import annotations
@@ -30,14 +26,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(
-    shape, world_size: int, hw: Hardware, zeros=(0, 1, 2, 3), offload: str = "none", **policies
+    shape,
+    world_size: int,
+    hw: Hardware,
+    zeros=(0, 1, 2, 3),
+    offload: str = "none",
+    compression: str = "none",
+    accumulate: str = "sharded",
 ) -> list[Layout]:
     """Every (dp, pp, tp, zero) the search considers for ``world_size`` devices (with ``offload``:
     the stages that can carry it, dp = 1 included: the offloaded shard is then the whole); an MoE
     model (a config with ``moe_experts``) also every ep of :func:`~parallel.plan.moe.ep_choices`.
-    ``policies`` (``compression``, ``accumulate``) hold in every layout whose ZeRO stage takes them."""
+    ``compression`` and ``accumulate`` hold in every layout whose ZeRO stage takes them."""
     moe, model = moe_shape(shape), ModelShape.of(shape)
-    compression, accumulate = policies.get("compression", "none"), policies.get("accumulate", "sharded")
     out = []
     for tp in _divisors(min(hw.gpus_per_node, world_size)):
         if (
@@ -83,13 +84,12 @@ def recommend(
     """The ``top`` fitting plans, fastest first, the leaner of equally fast ones first (``training.micro_batch`` and
     ``checkpointing`` are searched; the global batch, the rest and the layout's ``compression`` and ZeRO-2/3
     ``accumulate`` are kept)."""
-    policies = dict(compression=compression, accumulate=accumulate)
     if world_size < 1:
         raise PlanError(f"world size must be positive, got {world_size}")
     rough: list[tuple[float, Layout, Training]] = []
     for offload in OFFLOAD_MODES:  # offload only when nothing fits on the devices alone
         if not rough:
-            layouts = candidate_layouts(shape, world_size, hw, zeros, offload, **policies)
+            layouts = candidate_layouts(shape, world_size, hw, zeros, offload, compression, accumulate)
             rough = _fitting(shape, layouts, training, hw, count_params, micro_batches, checkpointing)
     if not rough:
         raise PlanError(

@@ -81,12 +81,11 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
         cf, cb = cp_traffic(
             ctx.shape, cp_axis, hw, dims, n_layers=n, mb=mb, m=m, e=e, ckpt=ckpt, peak_flops=ctx.peak_flops
         )
-        ef, eb = (
-            (0.0, 0.0)
-            if not n_moe
-            else MoE.ep_traffic(moe, ep_axis, hw, n_moe=n_moe, tokens=mb * local.seq_len, m=m, e=e, checkpointing=ckpt)
-        )  # exposed: the MoE layer waits for its exchanges
-        if n_moe:  # cp > 1: the router statistics summed over the cp group
+        ef = eb = 0.0
+        if n_moe:  # exposed: the layer waits for its exchanges; cp > 1: router statistics summed over cp
+            ef, eb = MoE.ep_traffic(
+                moe, ep_axis, hw, n_moe=n_moe, tokens=mb * local.seq_len, m=m, e=e, checkpointing=ckpt
+            )
             sf, sb = MoE.cp_stats_traffic(moe, cp_axis, hw, n_moe=n_moe, m=m, checkpointing=ckpt)
             cf, cb = cf + sf, cb + sb
         f_s = blocks_f + head.forward
@@ -97,18 +96,9 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
         sp_b = partly_hidden(regather + scatter, sp_b, host_costs(hw).overlap_fraction)
         bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb + eb
         flops_s += f_s + b_s
+        kw = dict(tp=t, sequence_parallel=sp, checkpointing=ckpt, precision=tr.precision)
         acts.append(
-            M.stage_activation_bytes(
-                local,
-                mb,
-                len(r),
-                has_embedding=first,
-                has_head=last,
-                tp=t,
-                sequence_parallel=sp,
-                checkpointing=ckpt,
-                precision=tr.precision,
-            )
+            M.stage_activation_bytes(local, mb, len(r), has_embedding=first, has_head=last, **kw)
             + len(r) * extra_activation_bytes(ctx.shape, mb, dims, checkpointing=ckpt, e=e)
             + (n_moe and n_moe * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=dims.ep))
         )

@@ -11,6 +11,7 @@ group has stride ``tp``, a pipeline stride ``tp·cp·dp``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..comm.counter import SENT_FRACTION
@@ -42,25 +43,11 @@ class AxisTraffic:
     measured_s: float = 0.0  # of the last add()'s time, the part priced with a measured ahead_call_us
 
     def as_dict(self) -> dict:
-        return {
-            "group_size": self.group_size,
-            "crosses_node": self.crosses_node,
-            "bytes": self.bytes,
-            "time_s": self.time_s,
-            "items": list(self.items),
-            "by_kind": {k: dict(v) for k, v in self.by_kind.items()},
-        }
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "measured_s"}
 
     def copy(self) -> AxisTraffic:
         """An independent copy (its items and per-kind sums are not shared)."""
-        return AxisTraffic(
-            self.group_size,
-            self.crosses_node,
-            self.bytes,
-            self.time_s,
-            list(self.items),
-            {k: dict(v) for k, v in self.by_kind.items()},
-        )
+        return dataclasses.replace(self, items=list(self.items), by_kind={k: dict(v) for k, v in self.by_kind.items()})
 
     def add(
         self,
