@@ -10,11 +10,10 @@ from .memory import StageParams
 
 
 def count_module(module, tp: int, *, is_block: bool, sequence_parallel: bool = False) -> StageParams:
-    """The :class:`StageParams` one TP rank of ``tp`` holds of ``module`` (built at tp = 1, on any
-    device, ``meta`` included): a parameter marked ``tp_shard_dim`` counts ``1/tp`` of its elements,
-    others are replicated; each is classed by its ZeRO bucket class (experts apart), as one block
-    (``is_block``: one ZeRO-3 unit) or as the rest. ``sequence_parallel``: at tp > 1 the replicated
-    parameters are sequence-parallel, a bucket class of their own."""
+    """The :class:`StageParams` one TP rank of ``tp`` holds of ``module`` (built at tp = 1, on any device):
+    a parameter marked ``tp_shard_dim`` counts ``1/tp`` of its elements; each is classed by its ZeRO bucket
+    class (experts apart), as one block (``is_block``: a ZeRO-3 unit) or the rest. ``sequence_parallel``:
+    at tp > 1 the replicated parameters are sequence-parallel, a class of their own."""
     numel = replicated = full = tied = shared = expert = 0
     groups: list[list[int]] = [[] for _ in CLASSES]  # ZeRO's bucket classes
     experts: list[list[int]] = [[] for _ in CLASSES]  # MoE experts: their own buckets (over edp)

@@ -5,7 +5,7 @@ gradients at every precision, the optimizer's fp32 states and master) on this ra
 padded as ZeRO's buckets pad them (:func:`zero_padded_numel`).
 
 **Activations** stored per transformer layer and micro-batch, in the style of Korthikanti et al. 2022
-(:func:`korthikanti_layer_bytes`) but for this code base: no dropout, and attention through
+(the reference the tests compare with) but for this code base: no dropout, and attention through
 ``scaled_dot_product_attention``'s flash kernels, which keep a fp32 log-sum-exp instead of the score
 matrices. With s = sequence, b = micro-batch, h = d_model, k = kv width, f = d_ff, a = heads, e = bytes
 of the compute dtype, t = tp and t' = t with sequence parallelism (else 1), one layer saves:
@@ -193,21 +193,6 @@ def layer_activation_bytes(
     lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0
     mlp = (4 if shape.arch == "llama" else 2) * e * s * b * shape.d_ff / tp
     return norms + linear_inputs + attention + lse + mlp
-
-
-def korthikanti_layer_bytes(
-    shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, checkpointing: str = "none"
-) -> float:
-    """Korthikanti et al. 2022 (Table 2), bytes per GPT layer in 16-bit with dropout: the reference
-    :func:`layer_activation_bytes` is compared with (tests)."""
-    s, b, h, a, t = shape.seq_len, micro_batch, shape.d_model, shape.n_heads, tp
-    sbh = s * b * h
-    if checkpointing == "full":
-        return 2 * sbh / (t if sequence_parallel else 1)
-    attention = 0.0 if checkpointing == "selective" else 5 * a * s / h
-    if sequence_parallel:
-        return sbh / t * (34 + attention)
-    return sbh * (10 + 24 / t + attention / t)
 
 
 def head_activation_bytes(

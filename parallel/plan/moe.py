@@ -69,28 +69,6 @@ def param_counts(shape: MoEShape) -> dict[str, int]:
     return {"total": base + experts, "active": base + s.moe_layers * s.moe_top_k * expert, "expert": experts}
 
 
-def expert_params_per_rank(shape: MoEShape, ep: int, pp: int = 1) -> float:
-    """Expert parameters one rank holds (``E / ep`` experts of its ``1/pp`` share of the MoE layers)."""
-    s = MoEShape.of(shape)
-    if s.moe_experts % ep:
-        raise PlanError(f"ep={ep} does not divide moe_experts={s.moe_experts}")
-    return param_counts(s)["expert"] / ep / pp
-
-
-def expert_state_bytes_per_rank(
-    shape: MoEShape, *, ep: int, dp: int, pp: int = 1, zero: int = 1, param_bytes: int = 2
-) -> float:
-    """Bytes of expert weights, fp32 gradients and AdamW states on one rank, sharded over
-    ``edp = dp / ep`` as ZeRO ``zero`` shards them."""
-    if dp % ep:
-        raise PlanError(f"ep={ep} must divide dp={dp}")
-    n, edp = expert_params_per_rank(shape, ep, pp), dp // ep
-    weights = n * param_bytes / (edp if zero >= 3 else 1)
-    grads = n * 4 / (edp if zero >= 2 else 1)
-    states = n * 12 / (edp if zero >= 1 else 1)
-    return weights + grads + states
-
-
 def all_to_all_payload_bytes(shape: MoEShape, tokens: int, *, elem_bytes: int = 4, backward: bool = True) -> float:
     """All-to-all payload per rank for one micro-batch of ``tokens`` tokens through all MoE layers
     (dropless, ep > 1; module docstring)."""
@@ -98,11 +76,6 @@ def all_to_all_payload_bytes(shape: MoEShape, tokens: int, *, elem_bytes: int = 
     rows = s.moe_top_k * tokens * s.d_model * elem_bytes
     per_layer = COUNT_BYTES * s.moe_experts + 2 * rows + (2 * rows if backward else 0)
     return s.moe_layers * per_layer
-
-
-def all_to_all_seconds(payload_bytes: float, ep: int, bandwidth_bytes_per_s: float) -> float:
-    """Time to move ``payload_bytes`` of all-to-all over ``ep`` ranks: each sends ``(ep-1)/ep`` of it."""
-    return 0.0 if ep == 1 else payload_bytes * (ep - 1) / ep / bandwidth_bytes_per_s
 
 
 def flops_per_token(shape: MoEShape) -> float:

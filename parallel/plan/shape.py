@@ -1,11 +1,6 @@
-"""The model as the planner sees it: sizes, the layer split, FLOPs.
-
-:class:`ModelShape` holds the numbers of a GPT or Llama decoder; it reads them
-from any config object with those attributes (``ModelShape.of(cfg)``), so
-``parallel.plan`` never imports ``models``. :func:`layer_partition` is the one
-place the pipeline split of a model is decided (the trainer and the planner
-must agree on it to the layer).
-"""
+"""The model as the planner sees it: sizes, the layer split, FLOPs. :class:`ModelShape` reads the numbers
+of a GPT or Llama decoder from any config with those attributes, so ``parallel.plan`` never imports
+``models``; :func:`layer_partition` is the pipeline split the trainer uses too."""
 
 from __future__ import annotations
 
