@@ -1,9 +1,6 @@
-"""The planner: per-rank memory, communication and time of any layout, without
-starting a process; the layout search behind ``mode=recommend``.
-
-Pure: no process groups, no ``models`` import. The caller passes the model's
-shape (any object with a ``ModelConfig``'s fields) and a counter of the real
-model's parameters per pipeline chunk (``recipes.tools.plan.meta_param_counter``).
+"""The planner: per-rank memory, communication and time of any layout (a resolved
+:class:`parallel.dims.ParallelDims`, filled in for the model by :func:`resolve`), without starting a
+process; the layout search behind ``mode=recommend``. Pure: no process groups, no ``models`` import.
 See ``docs/planner.md``.
 """
 

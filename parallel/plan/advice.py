@@ -1,7 +1,4 @@
-"""Advice in plain words from a plan, following the layout rules (docs/architecture.md):
-ZeRO before plain DP when the model does not fit; activation checkpointing
-before a smaller batch; TP when one layer does not fit, kept inside a node; PP
-for deep models across nodes; DP across nodes for scale."""
+"""Advice in plain words from a plan, following the layout rules of docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -15,12 +15,9 @@ from .traffic import topk_kept
 
 def buffer_bytes(ctx: Setup, params: M.StageParams, experts: M.StageParams) -> float:
     """Communication buffers, as the engine allocates them: stages 2–3's gradient reductions in flight
-    (:func:`parallel.zero.packing.reduction_buffer_bytes`, of the rank's real buckets), stage 0–1's
-    wire copies of every bucket in a 16-bit wire dtype
-    (:func:`parallel.zero.packing.comm_copy_bytes`), stage 3's gathered units (the block whose forward or
-    backward runs and ZERO3_PREFETCH_UNITS prefetched, each its padded buckets; the rest, gathered
-    from the first forward to the optimizer step), Top-K's fp32 residual and gathered values, four
-    p2p messages, and unsharded accumulation's full fp32 gradient."""
+    and stages 0–1's wire copies (:mod:`parallel.zero.packing`, of the rank's real buckets), stage 3's
+    gathered units (the computing and the prefetched ones; the rest, from the first forward to the step),
+    Top-K's residual and gathered values, four p2p messages, unsharded accumulation's fp32 gradient."""
     L, tr, e, c, dp, edp = ctx.dims, ctx.tr, ctx.e, ctx.c, ctx.zdp, ctx.edp
     pol, bucket_bytes = policy(L.zero), ctx.bucket
     dense = M.zero_bucket_numels(params, dp, bucket_bytes, e, pol.gathers_per_unit)

@@ -1,18 +1,10 @@
-"""Compute time of one micro-batch on one rank, from the shapes of the work it does.
-
-* **matmuls**: a GEMM ``[M, K] × [K, N]`` takes ``2MKN / (peak · efficiency)`` plus the time to stream
-  its operands once, ``e(MK + KN + MN) / HBM bandwidth`` (small GEMMs pay the latter); backward runs
-  two GEMMs per forward GEMM;
-* **attention**: ``attention="flash"`` (SDPA as the engine runs it) ``4·b·s²·d/t`` FLOPs forward, half
-  of them done (causal), at ``peak · attention_efficiency``, backward 2.5×; ``"unfused"`` (Megatron-LM
-  2021) two batched GEMMs per head plus the softmax and dropout over the ``b·a/t·s²`` scores at HBM bandwidth;
-* **elementwise** (norms, activation, residual adds): the bytes they move at HBM bandwidth;
-* **host costs** (:class:`~.hardware.HostCosts`, none on a GPU profile): ``block_overhead_us`` per
-  block, ``microbatch_overhead_us`` per micro-batch (charged to the head's chunk), ``step_overhead_us``
-  per step, each split a third forward, two thirds backward.
-
-The optimizer step (:func:`optimizer_seconds`) is memory-bound. Ranks sharing a host compute at once
-(:func:`colocated`): rates divided and host costs multiplied by ``1 + colocated_slowdown · (k − 1)``.
+"""Compute time of one micro-batch on one rank, from the shapes of the work it does: a GEMM
+``[M, K] × [K, N]`` takes ``2MKN / (peak · efficiency)`` plus streaming its operands at HBM bandwidth
+(backward: two per forward GEMM); flash attention (SDPA) ``4·b·s²·d/t`` FLOPs forward, half of them done
+(causal), at ``peak · attention_efficiency``, backward 2.5× (``"unfused"``: Megatron-LM 2021's batched
+GEMMs and softmax over the scores); elementwise work its bytes at HBM bandwidth; the profile's host
+costs (:class:`~.hardware.HostCosts`, none on a GPU) per block, micro-batch and step, a third forward.
+Ranks sharing a host (:func:`colocated`) compute ``1 + colocated_slowdown · (k − 1)`` times slower.
 """
 
 from __future__ import annotations

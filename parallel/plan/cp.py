@@ -1,16 +1,8 @@
-"""Context parallelism in the planner: the local sequence, the ring's (or Ulysses') traffic, its overlap.
-
-With ``cp`` ranks per sequence every rank holds ``s/cp`` tokens of each sample, so everything the
-planner sizes by the sequence (activations, TP collectives, pipeline messages, the head's logits) is
-that of a model with ``seq_len/cp`` (:func:`local_shape`); its queries still attend over the whole
-sequence, so its attention FLOPs are ``1/cp`` of the full sequence's.
-
-Traffic on the cp group comes from the layer's own byte formulas
-(:func:`parallel.layers.ring_attention.ring_bytes`, ``ulysses_bytes``); recomputation (``selective``
-or ``full``) runs the forward's exchanges again. Each ring hop is posted before one block's compute
-and awaited after it (:data:`parallel.overlap.RING_ATTENTION`), so a hop costs only what exceeds that
-block's attention FLOPs; the last dK/dV hop has nothing to hide behind. Ulysses' all-to-alls sit on
-the critical path.
+"""Context parallelism in the planner. A cp rank holds ``s/cp`` tokens of each sample, so everything
+sized by the sequence is that of the local shape (:func:`local_shape`); its queries still attend over
+the whole sequence. Traffic comes from the layer's own byte formulas
+(:func:`parallel.layers.ring_attention.ring_bytes`, ``ulysses_bytes``); a ring hop hides behind one
+block's attention (:data:`parallel.overlap.RING_ATTENTION`), Ulysses' all-to-alls do not.
 """
 
 from __future__ import annotations
@@ -36,12 +28,9 @@ def attention_flops(shape, micro_batch: int, cp: int, tp: int) -> float:
 
 
 def extra_activation_bytes(shape, micro_batch: int, dims: ParallelDims, *, checkpointing: str, e: int) -> float:
-    """What a layer saves beyond :func:`~parallel.plan.memory.layer_activation_bytes` of the local shape.
-
-    The ring's output is laid out so that the output projection's input is a view of it: nothing
-    extra. Ulysses' SDPA output lives on the other side of an all-to-all, so the output projection's
-    input is a second copy (``e·b·(s/cp)·h/t``), plus the two int64 index vectors that reorder the
-    gathered sequence (``16·s``); recomputing the core (``selective``, ``full``) stores neither."""
+    """What a layer saves beyond the local shape's :func:`~parallel.plan.memory.layer_activation_bytes`:
+    under Ulysses without recomputation a second copy of the attention output (``e·b·(s/cp)·h/t``) and the
+    two int64 index vectors that reorder the gathered sequence (``16·s``); the ring nothing."""
     if not dims.ulysses or checkpointing != "none":
         return 0.0
     return e * micro_batch * dims.local_seq_len * shape.d_model / dims.tp + 16 * shape.seq_len

@@ -1,11 +1,7 @@
-"""Hardware profiles: what one device computes, holds and moves per second.
-
-A :class:`Hardware` is plain numbers; :data:`PROFILES` names the usual ones and :func:`hardware_profile`
-looks one up, optionally changed, or defined by the user's config. FLOP/s are dense tensor-core peaks;
-memory is in bytes; bandwidths are GB/s (10⁹ B/s) per device and per direction, the rate one rank sends
-at in a ring (NVLink inside a node, the device's share of the network between nodes). ``efficiency`` is
-the fraction of peak large matmuls reach, ``attention_efficiency`` flash attention's, ``hbm_gbps`` the
-memory bandwidth of elementwise work and small GEMMs' operands (:mod:`.compute`).
+"""Hardware profiles: what one device computes, holds and moves per second. :data:`PROFILES` names the
+usual ones and :func:`hardware_profile` looks one up, optionally changed, or defined by the user. FLOP/s
+are dense tensor-core peaks; memory in bytes; bandwidths GB/s (10⁹ B/s) per device and per direction,
+the rate one rank sends at in a ring; ``efficiency`` the fraction of peak large matmuls reach.
 """
 
 from __future__ import annotations
@@ -183,26 +179,27 @@ SCALE_FREE_FIELDS = tuple(f for f in _FIELDS if f not in RATE_FIELDS + TIME_FIEL
 # The datasheets' dense peaks, memory bandwidth and links; ``efficiency`` and ``attention_efficiency``
 # as docs/performance.md says where they come from. No profile here has host costs: mode=calibrate
 # measures them for a CPU.
+# H100 SXM5 80GB (DGX H100): NVLink4 900 GB/s both ways, NDR 400 Gb/s per GPU, 2 TB host, PCIe Gen5 pinned
+_H100_SXM = Hardware(
+    "h100_80gb",
+    989.0,
+    67.0,
+    80 * GiB,
+    450.0,
+    50.0,
+    8,
+    0.7,
+    hbm_gbps=3350.0,
+    attention_efficiency=0.4,
+    host_ram_gb=2048,
+    host_link_gbps=50,
+)
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB: NVLink3 600 GB/s both ways, one HDR 200 Gb/s NIC per GPU
     "a100_80gb": Hardware(
         "a100_80gb", 312.0, 19.5, 80 * GiB, 300.0, 25.0, 8, 0.78, hbm_gbps=2039.0, attention_efficiency=0.6
     ),
-    # H100 SXM5 80GB (DGX H100): NVLink4 900 GB/s both ways, NDR 400 Gb/s per GPU, 2 TB host, PCIe Gen5 pinned
-    "h100_80gb": Hardware(
-        "h100_80gb",
-        989.0,
-        67.0,
-        80 * GiB,
-        450.0,
-        50.0,
-        8,
-        0.7,
-        hbm_gbps=3350.0,
-        attention_efficiency=0.4,
-        host_ram_gb=2048,
-        host_link_gbps=50,
-    ),
+    "h100_80gb": _H100_SXM,
     # H100 PCIe 80GB: rings over PCIe Gen5 (an NVLink bridge joins pairs only), NDR 400 Gb/s per GPU
     "h100_pcie": Hardware(
         "h100_pcie",
@@ -218,20 +215,7 @@ PROFILES: dict[str, Hardware] = {
         host_link_gbps=50,
     ),
     # H200 SXM 141GB (DGX H200): the H100 SXM's compute and links, HBM3e 141 GB at 4.8 TB/s
-    "h200": Hardware(
-        "h200",
-        989.0,
-        67.0,
-        141e9,
-        450.0,
-        50.0,
-        8,
-        0.7,
-        hbm_gbps=4800.0,
-        attention_efficiency=0.4,
-        host_ram_gb=2048,
-        host_link_gbps=50,
-    ),
+    "h200": _H100_SXM.replace(name="h200", memory_bytes=141e9, hbm_gbps=4800.0),
     # one process per core group of a server CPU, gloo over shared memory / 10 GbE
     # ("host" and "device" are the same memory: host_ram_gb as memory_bytes, copies at memcpy speed)
     "cpu": Hardware(

@@ -44,14 +44,11 @@ Group = tuple[int, ...]  # per-rank element counts of the parameters of one ZeRO
 
 @dataclass(frozen=True)
 class StageParams:
-    """Parameters of one pipeline rank (all its chunks), as counted on the real model.
-
-    ``numel``: on one TP rank; ``replicated``: of those, replicated over TP; ``full``: before TP
-    sharding; ``tied_copy``: the part of ``full`` that is a tied embedding's second copy;
-    ``shared_embedding``: per TP rank, the tied weight all-reduced over the embedding group.
-    ``blocks`` (one per ZeRO unit) and ``root`` (the rest): per bucket class
-    (:data:`parallel.zero.packing.CLASSES`), the per-rank sizes of its parameters in order; empty when
-    unknown. ``expert`` of ``numel`` are MoE expert parameters (at ep = 1), in ZeRO units ``expert_blocks``."""
+    """Parameters of one pipeline rank, as counted on the real model: ``numel`` on one TP rank, of them
+    ``replicated`` over TP; ``full`` before TP sharding, of it ``tied_copy`` a tied embedding's second copy;
+    ``shared_embedding`` the tied weight per TP rank. ``blocks`` (a ZeRO unit each) and ``root`` (the rest):
+    per bucket class (:data:`parallel.zero.packing.CLASSES`) the sizes of its parameters, empty when
+    unknown. ``expert`` of ``numel`` are MoE expert parameters (at ep = 1), in units ``expert_blocks``."""
 
     numel: int
     replicated: int = 0
@@ -136,13 +133,6 @@ def zero_extra_reduce_counts(
     return out
 
 
-def optimizer_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:
-    """K: 4 bytes per fp32 optimizer state tensor, plus a 4-byte fp32 master copy for 16-bit params."""
-    if optimizer not in OPTIMIZER_STATES:
-        raise PlanError(f"optimizer {optimizer!r} not in {sorted(OPTIMIZER_STATES)}")
-    return zero_theory.optimizer_bytes_per_param(PRECISION_BYTES[precision], OPTIMIZER_STATES[optimizer])
-
-
 def comm_bytes(precision: str, comm_dtype: str | None) -> int:
     """Bytes per element of the gradient collectives (``comm.dtype``, default fp32)."""
     return PRECISION_BYTES[zero_theory.grad_comm_dtype(comm_dtype)]
@@ -157,7 +147,8 @@ def model_state_bytes(
         raise PlanError(f"ZeRO stage {zero!r} not in {ZERO_STAGES}")
     if precision not in PRECISION_BYTES:
         raise PlanError(f"precision {precision!r} not in {sorted(PRECISION_BYTES)}")
-    optimizer_bytes_per_param(precision, optimizer)  # refuses an unknown optimizer
+    if optimizer not in OPTIMIZER_STATES:
+        raise PlanError(f"optimizer {optimizer!r} not in {sorted(OPTIMIZER_STATES)}")
     theory = zero_theory.model_state_bytes(
         padded(psi, dp), zero, dp, PRECISION_BYTES[precision], OPTIMIZER_STATES[optimizer], offload=offload
     )

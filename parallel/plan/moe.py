@@ -1,11 +1,6 @@
-"""The planner's view of a mixture-of-experts model: parameters, memory, all-to-all traffic, FLOPs.
-
-Pure functions of :class:`MoEShape` (any config with ``ModelConfig``'s ``moe_*`` fields), following
-:mod:`parallel.layers.moe`: an MoE block holds ``E`` experts and a router ``E·d``; a token uses ``k``
-of them (and the shared experts). Expert parameters are split over ``ep`` and their ZeRO states over
-``edp``. Per MoE layer and micro-batch of ``T`` tokens, dropless, the all-to-alls move the per-expert
-counts (``8·E`` bytes) and the routed rows out and back (``k·T·d`` elements each way), twice in
-backward. FLOPs are ``6 ×`` active parameters per token + attention's ``12·L·d·s``. docs/moe.md.
+"""The planner's view of a mixture-of-experts model (:mod:`parallel.layers.moe`): parameters (``E``
+experts and a router per MoE block, ``k`` used per token), memory (experts over ``ep``, their ZeRO states
+over ``edp``), the dropless all-to-alls (counts, then the routed rows out and back), active FLOPs. docs/moe.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""What ZeRO-Offload (:mod:`parallel.zero.offload`) costs and saves, for the planner.
-
-Memory: :func:`parallel.zero.theory.model_state_bytes` with ``offload`` moves the optimizer's bytes
-(and stage 3's parameter shard) to ``host``; :func:`host_fits` checks one node's ranks against its RAM.
-
-Time per step (exposed as :data:`parallel.overlap.OFFLOAD_STEP` and ``OFFLOAD_PARAM_PAGING`` say): the
-host AdamW over the rank's shard, bound by host memory bandwidth (``Hardware.host_memory_gbps`` over
-:data:`HOST_ADAM_BYTES_PER_PARAM`); the gradient shard out (4 B per element) and the parameters back
-(``b`` B) over ``Hardware.host_link_gbps``; with ``optimizer+params`` each micro-batch's two gathers
-page the unit's shard in first, exposed beyond the micro-batch's compute.
+"""What ZeRO-Offload (:mod:`parallel.zero.offload`) costs and saves: the host bytes against one node's
+RAM (:func:`host_fits`), and per step (exposed as :data:`parallel.overlap.OFFLOAD_STEP` and
+``OFFLOAD_PARAM_PAGING`` say) the host AdamW, bound by host memory bandwidth, the shard copies over
+``host_link_gbps``, and with ``optimizer+params`` each micro-batch's paging beyond its compute.
 """
 
 from __future__ import annotations

@@ -19,18 +19,10 @@ def _simulate(schedule: str, pp: int, m: int, vpp: int, bwd: float, p2p: float):
 
 
 def closed_form(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float):
-    """The simulator's (makespan, peak in-flight per stage) of a standard schedule, in closed form,
-    or None for a schedule without one. ``fwd``/``bwd`` are one chunk's costs, ``p2p`` one
-    rendezvous transfer (it delays both ends); the simulator's timing is linear in them:
-
-    * GPipe: ``(m + pp − 1)(f + b) + 2(m + pp − 2)·p``; every stage holds ``m``;
-    * 1F1B: ``(m + pp − 1)(f + b)`` plus ``p`` times ``m + 1`` (pp = 2) or
-      ``2(pp − 1) + max(0, 2m − 3)`` (pp ≥ 3); stage ``s`` holds ``min(pp − s, m)``;
-    * interleaved 1F1B: ``(m·vpp + pp − 1)(f + b) + ((vpp + 1)·pp + vpp·m − 3)·p``; stage ``s``
-      holds its warm-up ``min(2(pp − s − 1) + (vpp − 1)pp, m·vpp)`` plus one, at most ``m·vpp``.
-
-    ``tests/parallel/plan/test_pipeline_closed_form.py`` holds each against the simulator.
-    """
+    """The simulator's (makespan, peak in-flight per stage) of a standard schedule (GPipe, 1F1B,
+    interleaved 1F1B) in closed form, or None for another schedule. ``fwd``/``bwd`` are one chunk's costs,
+    ``p2p`` one rendezvous transfer (it delays both ends); the simulator's timing is linear in them.
+    ``tests/parallel/plan/test_pipeline_closed_form.py`` holds each against the simulator."""
     if pp == 1:
         return m * vpp * (fwd + bwd), (m * vpp if schedule == "gpipe" else 1,)
     if schedule == "gpipe":

@@ -34,10 +34,8 @@ def candidate_layouts(
     compression: str = "none",
     accumulate: str = "sharded",
 ) -> list[Layout]:
-    """Every (dp, pp, tp, zero) the search considers for ``world_size`` devices (with ``offload``:
-    the stages that can carry it, dp = 1 included: the offloaded shard is then the whole); an MoE
-    model (a config with ``moe_experts``) also every ep of :func:`~parallel.plan.moe.ep_choices`.
-    ``compression`` and ``accumulate`` hold in every layout whose ZeRO stage takes them."""
+    """Every layout the search considers for ``world_size`` devices (with ``offload``, the stages that
+    carry it); ``compression`` and ``accumulate`` hold where the layout's ZeRO stage takes them."""
     moe, model = moe_shape(shape), ModelShape.of(shape)
     out = []
     for tp in _divisors(min(hw.gpus_per_node, world_size)):

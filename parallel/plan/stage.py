@@ -1,6 +1,5 @@
-"""One pipeline stage's numbers: its parameters, its chunks' forward and backward seconds per
-micro-batch (TP, CP and EP collectives as they sit on the critical path), their activations and
-the step's compute; stages with the same chunk shapes share them."""
+"""One pipeline stage's numbers: parameters, forward and backward seconds per micro-batch (the
+collectives on the critical path included), activations, compute; stages with the same chunks share them."""
 
 from __future__ import annotations
 

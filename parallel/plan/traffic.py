@@ -1,12 +1,7 @@
-"""Bytes one rank sends per step on each axis, and how long that takes.
-
-Ring algorithms (:data:`parallel.comm.SENT_FRACTION`, the counter's): a collective of kind ``k`` over
-N ranks sends its fraction of the payload in ``RING_STEPS[k]·(N−1)`` latency steps. Time = sent /
-bandwidth (:meth:`Hardware.kind_bandwidth`: intra-node inside one node, inter-node otherwise) + the
-latency steps + the profile's ``collective_overhead_us`` per blocking call.
-
-Rank order is Megatron's (tp fastest, then cp, dp, pp): a TP group is ``tp`` consecutive ranks, a DP
-group has stride ``tp``, a pipeline stride ``tp·cp·dp``.
+"""Bytes one rank sends per step on each axis, and how long that takes: a ring collective of kind ``k``
+over N ranks sends :data:`parallel.comm.SENT_FRACTION`'s share of its payload in ``RING_STEPS[k]·(N−1)``
+latency steps, at :meth:`Hardware.kind_bandwidth` (intra-node inside one node, inter-node otherwise).
+Rank order is Megatron's (tp fastest, then cp, dp, pp).
 """
 
 from __future__ import annotations
@@ -60,12 +55,10 @@ class AxisTraffic:
         blocking: int | None = None,
         launches: int | None = None,
     ) -> float:
-        """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls``
-        collectives (buckets, units) that split the payload; return one's seconds: the bytes at the
-        bandwidth, plus for each of the ``blocking`` calls (default all) the ring's latency steps and
-        ``collective_overhead_us``, for each other call (launched ahead of its wait) the latency steps, or
-        the host's measured ``ahead_call_us`` once per ``launches`` (default: per call). Afterwards
-        :attr:`measured_s` holds the part priced with ``ahead_call_us``: seconds compute must not hide again."""
+        """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls`` that split
+        it; return one's seconds: the bytes at the bandwidth, the ring's latency steps and ``collective_overhead_us``
+        per ``blocking`` call (default all), per other call its latency steps or the host's ``ahead_call_us``
+        once per ``launches``. :attr:`measured_s` then holds the part priced with ``ahead_call_us``."""
         n = self.group_size
         self.measured_s = 0.0
         if n <= 1 or count == 0 or payload == 0:
@@ -124,17 +117,11 @@ def dp_traffic(
     unit_count: int | None = None,
     overlap: bool = True,
 ) -> dict[str, float]:
-    """Gradient and parameter collectives on the DP group per step, as ZeRO runs them
-    (:func:`parallel.zero.policy.policy`): the reduction once per step or every micro-batch
-    (:func:`parallel.zero.theory.grad_reductions_per_step`; Top-K at stage 0 all-gathers ``k`` values +
-    int32 indices instead), the gather after the step, stage 3's per-unit gathers before every forward
-    and backward (``regathered_psi``, default all) and of the rest once per step. Each is issued as
-    ``buckets`` collectives, stage 3's per-unit ones as ``units``, the rest's gather as ``root_calls``;
-    where :mod:`parallel.overlap` launches them ahead of their wait, only the first unit's
-    (``first_unit_calls``) and those launched when backward ends block on issue, the others are launched
-    unit by unit (``unit_count`` units). Returns the seconds of one of each kind (``grad_per_mb``,
-    ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``, ``param_bwd_per_mb``) and, of them, those
-    priced with a measured ``ahead_call_us`` (``measured_per_mb``, ``measured_per_step``)."""
+    """Gradient and parameter collectives on the DP group per step, as ZeRO's policy runs them: the
+    reduction once per step or every micro-batch (Top-K at stage 0: an all-gather of values and indices),
+    the gather after the step, stage 3's per-unit gathers before every forward and backward
+    (``regathered_psi``) and the rest's once per step; issued as ``buckets``, ``units`` and ``root_calls``
+    collectives, blocking on issue as :mod:`parallel.overlap` says. Returns :data:`DP_TIMES`."""
     m, n = micro_batches, axis.group_size
     other_units = None if unit_count is None else max(0, unit_count - 1)  # ZeRO-3: launched unit by unit
     out = dict.fromkeys(DP_TIMES, 0.0)
@@ -185,14 +172,10 @@ def dp_traffic(
 
 
 def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt):
-    """TP collectives of a chunk: seconds per micro-batch (forward, backward, (re-gathers,
-    reduce-scatters)); the last pair is sequence parallel's column-layer backward, which the engine
-    runs asynchronously (:data:`parallel.overlap.TP_SP_BACKWARD`); ``axis`` accumulates the bytes of all
-    ``m`` micro-batches. Per block two all-reduces of the ``[b, s, d]`` activation forward and two
-    backward (SP: each an all-gather + a reduce-scatter, and two more all-gathers in backward for the
-    column layers' saved input chunks); full recomputation redoes all but the MLP's output reduction.
-    Every call also costs the profile's ``tp_call_us`` (0 on GPU profiles), in the returned seconds
-    (for the asynchronous pair, in ``bwd``: compute cannot hide it) but not in ``axis``."""
+    """TP collectives of a chunk, as the layers issue them (``axis`` accumulates all ``m`` micro-batches'
+    bytes): seconds per micro-batch (forward, backward, (re-gathers, reduce-scatters)), the last pair
+    sequence parallel's asynchronous column-layer backward (:data:`parallel.overlap.TP_SP_BACKWARD`). Each
+    call also costs ``tp_call_us`` (0 on GPU profiles), in the seconds but not in ``axis``."""
     act = e * mb * shape.seq_len * shape.d_model
 
     calls_apart = [0.0]  # the calls of the collectives backward can hide: their cost cannot hide
