@@ -38,7 +38,8 @@ class AxisTraffic:
     measured_s: float = 0.0  # of the last add()'s time, the part priced with a measured ahead_call_us
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "measured_s"}
+        out = {k: v for k, v in vars(self).items() if k != "measured_s"}
+        return {**out, "items": list(self.items), "by_kind": {k: dict(v) for k, v in self.by_kind.items()}}
 
     def copy(self) -> AxisTraffic:
         """An independent copy (its items and per-kind sums are not shared)."""
