@@ -363,3 +363,30 @@ def test_unsharded_accumulation_rule_has_one_home():
     msg = _config_error(parallel__zero=1, parallel__zero_accumulate="unsharded")
     assert msg == dims.accumulate_problem("unsharded", 1, key="parallel.zero_accumulate", stage_key="parallel.zero")
     assert [s for s in policy.ZERO_STAGES if dims.accumulate_problem("unsharded", s) is None] == [2, 3]
+
+
+def test_the_planner_prices_the_resolved_layout():
+    """The planner's layout is parallel.dims' resolved layout: its refusals are that layout's words, and the
+    local sequence, the pipeline message, the ZeRO groups and the search's offload stages are read from it."""
+    import math
+
+    import parallel.dims as dims
+    import parallel.plan as plan
+    import parallel.plan.search as plan_search
+    from parallel.plan.inputs import Setup
+    from tests.parallel.plan.test_planner import SHAPE, count
+
+    assert plan.Layout is dims.ParallelDims
+    assert plan_search.OFFLOAD_MIN_STAGE is dims.OFFLOAD_MIN_STAGE and plan_search.OFFLOAD_MODES is dims.OFFLOAD_MODES
+    with pytest.raises(dims.LayoutError) as layout_error:
+        dims.ParallelDims(dp=2, ep=2)
+    with pytest.raises(PlanError) as e:
+        plan.resolve(SHAPE, dp=2, ep=2)
+    assert str(e.value) == str(layout_error.value)
+    layout = plan.resolve(SHAPE, dp=2, pp=2, tp=2, cp=2, ep=1, sequence_parallel=True)
+    ctx = Setup(SHAPE, layout, plan.Training(16, 2), plan.hardware_profile("a100_80gb"), count)
+    assert ctx.local.seq_len == layout.local_seq_len == 8
+    assert ctx.act_msg == 2 * math.prod(layout.activation_shape(2, SHAPE.d_model))  # bf16, SP's slice
+    assert ctx.zdp == layout.group_size(layout.dense_grad_group) == 4 and ctx.edp == ctx.zdp
+    p = plan.plan_layout(SHAPE, layout, plan.Training(16, 2), plan.hardware_profile("a100_80gb"), count)
+    assert p.ranks[0].traffic["dp"]["group_size"] == ctx.zdp and p.ranks[0].traffic["cp"]["group_size"] == layout.cp
