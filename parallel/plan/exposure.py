@@ -28,11 +28,9 @@ def unmeasured(fraction: float, measured_s: float, comm_s: float) -> float:
 def exposed_dp_time(
     dp: dict, m: int, fwd: float, bwd: float, overlap: bool, reductions: int = 1, fraction: float = 1.0
 ) -> float:
-    """DP seconds compute cannot hide, as :mod:`parallel.overlap`'s rows say: the gradient reductions
-    under the backward (stages 0–1 the last micro-batch's, 2–3 every one's, shared with ZeRO-3's backward
-    gathers), ZeRO-3's forward gathers under the forward, the gather after the step exposed. The last of
-    ``reductions`` collectives starts when backward ends: at least its share is exposed. Compute hides
-    only ``fraction`` of the rest (:func:`partly_hidden`), and none of the measured seconds (:func:`unmeasured`)."""
+    """DP seconds compute cannot hide, as :mod:`parallel.overlap`'s rows say (reductions under the
+    backward, ZeRO-3's gathers under forward and backward, the gather after the step exposed); the last of
+    ``reductions`` collectives starts when backward ends. Compute hides ``fraction`` of the rest, no measured second."""
     last = 1.0 / max(1, reductions)
     per_mb = max(
         exposed_sharing(

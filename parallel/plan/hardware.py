@@ -254,10 +254,8 @@ def profile_for_device(device_name: str) -> Hardware | None:
 
 
 def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrides) -> Hardware:
-    """The profile called ``name`` (case-insensitive; ``custom`` profiles first; a ``.json`` file of
-    :class:`Hardware` fields, as ``mode=calibrate`` writes), with ``overrides``. ``custom`` maps names to
-    :class:`Hardware`'s fields, host costs nested under ``host`` or flat. Raises :class:`PlanError` for an
-    unknown name or field."""
+    """The profile ``name`` (case-insensitive; ``custom`` first, names to :class:`Hardware`'s fields; a ``.json``
+    file as ``mode=calibrate`` writes) with ``overrides``; :class:`PlanError` for an unknown name or field."""
     if name.endswith(".json"):  # a profile file (mode=calibrate writes one): its fields, named by its stem
         try:
             with open(name) as f:

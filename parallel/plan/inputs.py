@@ -1,6 +1,5 @@
-"""What the planner is asked about, checked up front: the layout (the resolved layout of
-:mod:`parallel.dims`, with the model's facts) and the training settings; and :class:`Setup`, what
-pricing a step reads of them."""
+"""What the planner is asked about (the resolved layout and the training settings), checked up front,
+and :class:`Setup`, what pricing a step reads of them."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Bytes one rank holds: model states (per ZeRO stage) and activations (per micro-batch).
-
-**Model states**: :func:`parallel.zero.theory.model_state_bytes` (the engine's formulas: fp32
-gradients at every precision, the optimizer's fp32 states and master) on this rank's parameters Ψ,
-padded as ZeRO's buckets pad them (:func:`zero_padded_numel`).
-
-**Activations** stored per transformer layer and micro-batch, in the style of Korthikanti et al. 2022
-(the reference the tests compare with) but for this code base: no dropout, and attention through
-``scaled_dot_product_attention``'s flash kernels, which keep a fp32 log-sum-exp instead of the score
-matrices. With s = sequence, b = micro-batch, h = d_model, k = kv width, f = d_ff, a = heads, e = bytes
-of the compute dtype, t = tp and t' = t with sequence parallelism (else 1), one layer saves:
+"""Bytes one rank holds: model states (:func:`parallel.zero.theory.model_state_bytes` on this rank's
+parameters, padded as ZeRO's buckets pad them) and activations per layer and micro-batch, in the style
+of Korthikanti et al. 2022 for this code base (no dropout; flash attention keeps a fp32 log-sum-exp,
+not the scores). With s, b, h = d_model, k = kv width, f = d_ff, a = heads, e = compute-dtype bytes,
+t = tp and t' = t with sequence parallelism (else 1), one layer saves:
 
 =====================  ===============================================================
 piece                  bytes

@@ -87,9 +87,8 @@ def moe_shape(cfg) -> MoEShape | None:
 
 
 def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = False, cp: int = 1) -> None:
-    """Refuse what an MoE model's layers refuse, in their words: an ``ep`` that does not divide ``dp``
-    or the experts, sequence parallelism, and context parallelism with capacity-limited routing
-    (that ep > 1 needs experts is the layout's own rule, :class:`parallel.dims.ParallelDims`)."""
+    """Refuse what an MoE model's layers refuse, in their words: an ``ep`` dividing neither ``dp`` nor the
+    experts, sequence parallelism, context parallelism with capacity-limited routing."""
     from ..dims import ep_mismatch
     from ..layers.moe import (
         CONTEXT_PARALLEL_CAPACITY_REFUSED,
@@ -158,9 +157,8 @@ def at_ep(params, ep: int):
 
 
 def layer_time(moe: MoEShape, dense, local, micro_batch: int, tp: int, hw, precision: str):
-    """One MoE block's :class:`~parallel.plan.compute.LayerTime` from the dense block's: the dense MLP
-    replaced by the router, the shared experts (TP-split) and ``k·T`` rows through one expert's GEMMs
-    (not split over TP; priced as one GEMM, balanced routing)."""
+    """One MoE block's :class:`~parallel.plan.compute.LayerTime`: the dense block's with its MLP replaced by the
+    router, the shared experts (TP-split) and ``k·T`` rows through one expert (not TP-split, balanced)."""
     from dataclasses import replace
 
     from .compute import gemm_seconds

@@ -1,6 +1,5 @@
-"""The pipeline's makespan, bubble and in-flight activations of a step, from one chunk's costs:
-closed forms of the standard schedules (equal to :mod:`parallel.pipeline.simulator`), the
-simulator itself for any other schedule, and the pipeline messages' exposed cost."""
+"""A step's makespan, bubble and in-flight activations from one chunk's costs: the standard schedules'
+closed forms (equal to :mod:`parallel.pipeline.simulator`), else the simulator; the p2p messages' cost."""
 
 from __future__ import annotations
 
@@ -48,9 +47,8 @@ def uneven_stages_saving(stage_costs: list[float]) -> float:
 def pipeline_time(
     schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float
 ) -> tuple[float, float, tuple[int, ...]]:
-    """(makespan seconds, bubble fraction, peak in-flight activations per stage) of a step of one
-    chunk's ``fwd``/``bwd`` per micro-batch: :func:`closed_form`, or the simulator for other schedules
-    (costs normalised to the forward's, rounded to 0.1 %, so layouts share simulations)."""
+    """(makespan seconds, bubble fraction, peak in-flight per stage) of a step of one chunk's ``fwd``/``bwd``:
+    :func:`closed_form`, else the simulator (costs normalised to the forward's, rounded to 0.1 %)."""
     if not fwd > 0 or not bwd >= 0 or not p2p >= 0:
         raise PlanError(f"pipeline costs must be finite and positive, got forward {fwd}, backward {bwd}, p2p {p2p}")
     problem = schedule_problem(schedule, pp, vpp)

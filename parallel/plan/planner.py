@@ -1,11 +1,7 @@
-"""The plan of one layout: per pipeline rank, memory, traffic and time; for the step, time,
-throughput, MFU and advice. Pure: no process is started.
-
-Parameter counts come from the caller's :data:`ParamCounter` over the real model (``recipes.tools.plan``
-builds it on the ``meta`` device). Each stage's forward and backward per micro-batch (compute and the
-collectives on the critical path) feed the schedule's closed form or simulator (the slowest stage's,
-p2p as message latency): the makespan, the bubble, the micro-batches each stage holds. DP traffic is
-added where backward cannot hide it, as :mod:`parallel.overlap`'s table (the engine's) says.
+"""The plan of one layout: per pipeline rank memory, traffic and time; for the step time, throughput,
+MFU and advice. Each stage's forward and backward per micro-batch (its collectives on the critical path
+included) feed the schedule's closed form or simulator; DP traffic is added where backward cannot hide
+it, as :mod:`parallel.overlap`'s table (the engine's) says. Parameters come from the caller's counter.
 """
 
 from __future__ import annotations
@@ -196,9 +192,8 @@ def _dp(ctx: Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> tu
 
 
 def _memory(ctx: Setup, st: Stage, states: dict, params, experts, in_flight: int) -> dict[str, float]:
-    """Bytes per rank: model states, activations at the peak (the in-flight micro-batches and the
-    larger transient: the loss's end or the recomputed layers' backward; they do not coincide),
-    communication buffers, and their total."""
+    """Bytes per rank: model states, activations at the peak (the in-flight micro-batches and the larger
+    transient, the loss's or recomputation's), communication buffers, and their total."""
     dims, tr = ctx.dims, ctx.tr
     kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision)
     recompute = M.recompute_peak_bytes(ctx.local, tr.micro_batch, checkpointing=tr.checkpointing, **kw)

@@ -1,9 +1,6 @@
-"""``mode=recommend``: the layouts that fit a device count, ranked by predicted throughput.
-
-Searched: tp among the divisors of the heads inside a node, cp beside it for long sequences
-(:func:`parallel.plan.cp.cp_choices`), pp among the divisors of the rest up to the layer count, dp the
-remainder, ep for MoE models (:func:`parallel.plan.moe.ep_choices`), ZeRO 0–3, micro-batches and
-checkpointing; sequence parallelism whenever it applies. Every candidate is planned in full.
+"""``mode=recommend``: the layouts that fit a device count, ranked by predicted throughput. Searched:
+tp inside a node, cp beside it for long sequences, pp up to the layer count, dp the rest, ep for MoE
+models, ZeRO 0–3, micro-batches, checkpointing; sequence parallelism wherever it applies.
 """
 
 from __future__ import annotations

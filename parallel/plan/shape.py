@@ -63,9 +63,7 @@ def layer_partition(shape: ModelShape, pp: int, vpp: int = 1, pp_layers=None) ->
 
 
 def model_flops_per_token(shape: ModelShape) -> float:
-    """Training FLOPs per token without recomputation (PaLM's 6·N + 12·L·d·s; the MFU numerator).
-
-    ``shape``: a :class:`ModelShape` or anything with its attributes (a ``ModelConfig``)."""
+    """Training FLOPs per token without recomputation (PaLM's 6·N + 12·L·d·s; the MFU numerator) of any config."""
     shape = ModelShape.of(shape)
     n = shape.n_layers * shape.block_matmul_params() + shape.vocab_size * shape.d_model
     return 6 * n + 12 * shape.n_layers * shape.d_model * shape.seq_len
