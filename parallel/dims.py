@@ -279,9 +279,7 @@ class ParallelDims:
     def _check_cp(self) -> None:
         if self.cp_impl not in CP_IMPLS:
             raise LayoutError(f"cp_impl {self.cp_impl!r} is not one of {', '.join(CP_IMPLS)}", cp_impl=self.cp_impl)
-        if not self.cp_enabled:
-            return
-        if self.seq_len is not None:
+        if self.seq_len is not None:  # (no rule at cp = 1)
             self._check(cp_seq_len_problem(self.seq_len, self.cp), cp=self.cp)
         if self.ulysses and self.n_heads is not None:
             kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
@@ -370,6 +368,12 @@ class ParallelDims:
     def expert_grad_group(self) -> str:
         """Expert gradients are averaged over the ranks holding the same experts (dp/ep × cp)."""
         return "edp" if self.ep_enabled else self.dense_grad_group
+
+    def group_size(self, name: str) -> int:
+        """Ranks in one group called ``name`` (an axis, or ``dpcp``, ``ep``, ``edp``: :meth:`~parallel.topology.Topology.size`)."""
+        from .topology import Topology
+
+        return Topology(self.dp, self.pp, self.tp, self.cp, self.ep).size(name)
 
 
 __all__ = [

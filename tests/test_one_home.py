@@ -201,7 +201,7 @@ def _config_error(**changes):
 
 def test_topk_needs_stage_0_has_one_home():
     import parallel.dims as dims
-    from parallel.plan.inputs import Layout, Training, check
+    from parallel.plan.inputs import resolve
     from parallel.plan.shape import ModelShape
     from parallel.zero.layout import ZeroConfigError
 
@@ -210,7 +210,7 @@ def test_topk_needs_stage_0_has_one_home():
         zero_config.ZeroConfig(stage=2, compression="topk")
     assert str(e.value) == msg
     with pytest.raises(PlanError) as e:
-        check(ModelShape.of(ModelConfig()), Layout(dp=2, zero=2), Training(16, 2, compression="topk"))
+        resolve(ModelShape.of(ModelConfig()), dp=2, zero=2, compression="topk")
     assert str(e.value) == msg
     with pytest.raises(dims.LayoutError) as e:
         dims.ParallelDims(zero=2, compression="topk")
@@ -225,7 +225,7 @@ def test_topk_needs_stage_0_has_one_home():
 
 def test_sequence_parallel_rules_have_one_home():
     import parallel.dims as dims
-    from parallel.plan.inputs import Layout, Training, check
+    from parallel.plan.inputs import Layout, Training, check, resolve
     from parallel.plan.shape import ModelShape
 
     shape = ModelShape.of(ModelConfig(seq_len=30, n_heads=4, d_model=64))
@@ -233,7 +233,7 @@ def test_sequence_parallel_rules_have_one_home():
         check(shape, Layout(tp=4, sequence_parallel=True), Training(16, 2))
     assert str(e.value) == dims.sequence_split_problem(30, 4)
     with pytest.raises(PlanError) as e:
-        check(shape, Layout(sequence_parallel=True), Training(16, 2))
+        resolve(shape, sequence_parallel=True)
     assert str(e.value) == dims.sequence_parallel_problem(1)
     assert _config_error(parallel__sequence_parallel=True).endswith(dims.sequence_parallel_problem(1))
     # the model's own guard on the tokens it is given
@@ -267,8 +267,10 @@ def test_cp_rules_and_local_sequence_have_one_home():
     with pytest.raises(LayerConfigError) as e:
         check_ulysses_heads(2, 2, 4, 1)
     assert str(e.value) == dims.ulysses_heads_problem(2, 2, 4, 1)
+    from parallel.plan.inputs import resolve
+
     with pytest.raises(PlanError) as e:
-        plan_cp.check_cp(ModelShape.of(ModelConfig(seq_len=30)), 2, 1, "ring")
+        resolve(ModelShape.of(ModelConfig(seq_len=30)), cp=2)
     assert str(e.value) == dims.cp_seq_len_problem(30, 2)
     shape = ModelShape.of(ModelConfig(seq_len=64))
     assert (
@@ -285,14 +287,14 @@ def test_cp_rules_and_local_sequence_have_one_home():
 def test_tp_head_rule_has_one_home():
     import parallel.dims as dims
     from models.config import ModelConfigError
-    from parallel.plan.shape import ModelShape
+    from parallel.plan.inputs import resolve
 
     msg = dims.tp_split_problem(4, 4, 512, 3)
     with pytest.raises(ModelConfigError) as e:
         ModelConfig(n_heads=4, d_model=128).validate(tp=3)
     assert str(e.value) == msg
     with pytest.raises(PlanError) as e:
-        ModelShape.of(ModelConfig(n_heads=4, d_model=128)).check_tp(3)
+        resolve(ModelConfig(n_heads=4, d_model=128), tp=3)
     assert str(e.value) == msg
     with pytest.raises(dims.LayoutError) as e:
         dims.ParallelDims(tp=3, n_heads=4, n_kv_heads=4, d_ff=512)
@@ -329,7 +331,7 @@ def test_ep_stage_and_interleaved_rules_have_one_home():
 def test_offload_rule_has_one_home():
     import parallel.dims as dims
     import parallel.zero.offload as offload
-    from parallel.plan.inputs import Layout, Training, check
+    from parallel.plan.inputs import resolve
     from parallel.plan.shape import ModelShape
     from parallel.zero.layout import ZeroConfigError
 
@@ -339,7 +341,7 @@ def test_offload_rule_has_one_home():
         offload.check_offload("optimizer+params", 2)
     assert str(e.value) == dims.offload_problem("optimizer+params", 2)
     with pytest.raises(PlanError) as e:
-        check(ModelShape.of(ModelConfig()), Layout(dp=2, zero=2, offload="optimizer+params"), Training(16, 2))
+        resolve(ModelShape.of(ModelConfig()), dp=2, zero=2, offload="optimizer+params")
     assert str(e.value) == dims.offload_problem("optimizer+params", 2)
     with pytest.raises(dims.LayoutError) as e:
         dims.ParallelDims(zero=2, offload="optimizer+params")
@@ -361,3 +363,30 @@ def test_unsharded_accumulation_rule_has_one_home():
     msg = _config_error(parallel__zero=1, parallel__zero_accumulate="unsharded")
     assert msg == dims.accumulate_problem("unsharded", 1, key="parallel.zero_accumulate", stage_key="parallel.zero")
     assert [s for s in policy.ZERO_STAGES if dims.accumulate_problem("unsharded", s) is None] == [2, 3]
+
+
+def test_the_planner_prices_the_resolved_layout():
+    """The planner's layout is parallel.dims' resolved layout: its refusals are that layout's words, and the
+    local sequence, the pipeline message, the ZeRO groups and the search's offload stages are read from it."""
+    import math
+
+    import parallel.dims as dims
+    import parallel.plan as plan
+    import parallel.plan.search as plan_search
+    from parallel.plan.inputs import Setup
+    from tests.parallel.plan.test_planner import SHAPE, count
+
+    assert plan.Layout is dims.ParallelDims
+    assert plan_search.OFFLOAD_MIN_STAGE is dims.OFFLOAD_MIN_STAGE and plan_search.OFFLOAD_MODES is dims.OFFLOAD_MODES
+    with pytest.raises(dims.LayoutError) as layout_error:
+        dims.ParallelDims(dp=2, ep=2)
+    with pytest.raises(PlanError) as e:
+        plan.resolve(SHAPE, dp=2, ep=2)
+    assert str(e.value) == str(layout_error.value)
+    layout = plan.resolve(SHAPE, dp=2, pp=2, tp=2, cp=2, ep=1, sequence_parallel=True)
+    ctx = Setup(SHAPE, layout, plan.Training(16, 2), plan.hardware_profile("a100_80gb"), count)
+    assert ctx.local.seq_len == layout.local_seq_len == 8
+    assert ctx.act_msg == 2 * math.prod(layout.activation_shape(2, SHAPE.d_model))  # bf16, SP's slice
+    assert ctx.zdp == layout.group_size(layout.dense_grad_group) == 4 and ctx.edp == ctx.zdp
+    p = plan.plan_layout(SHAPE, layout, plan.Training(16, 2), plan.hardware_profile("a100_80gb"), count)
+    assert p.ranks[0].traffic["dp"]["group_size"] == ctx.zdp and p.ranks[0].traffic["cp"]["group_size"] == layout.cp

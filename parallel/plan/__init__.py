@@ -1,15 +1,12 @@
-"""The planner: per-rank memory, communication and time of any layout, without
-starting a process; the layout search behind ``mode=recommend``.
-
-Pure: no process groups, no ``models`` import. The caller passes the model's
-shape (any object with a ``ModelConfig``'s fields) and a counter of the real
-model's parameters per pipeline chunk (``recipes.tools.plan.meta_param_counter``).
+"""The planner: per-rank memory, communication and time of any layout (a resolved
+:class:`parallel.dims.ParallelDims`, filled in for the model by :func:`resolve`), without starting a
+process; the layout search behind ``mode=recommend``. Pure: no process groups, no ``models`` import.
 See ``docs/planner.md``.
 """
 
 from .count import count_module
 from .hardware import PROFILES, Hardware, PlanError, hardware_profile
-from .inputs import Layout, Training, check
+from .inputs import Layout, Training, check, resolve
 from .memory import StageParams, layer_activation_bytes, model_state_bytes, stage_activation_bytes
 from .pipeline import pipeline_time
 from .planner import plan_layout
@@ -40,5 +37,6 @@ __all__ = [
     "plan_layout",
     "predicted_vs_measured",
     "recommend",
+    "resolve",
     "stage_activation_bytes",
 ]

@@ -1,7 +1,4 @@
-"""Advice in plain words from a plan, following the layout rules (docs/architecture.md):
-ZeRO before plain DP when the model does not fit; activation checkpointing
-before a smaller batch; TP when one layer does not fit, kept inside a node; PP
-for deep models across nodes; DP across nodes for scale."""
+"""Advice in plain words from a plan, following the layout rules of docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -98,7 +95,7 @@ def advise(plan, shape, hw) -> list[str]:
             f"{step['dp_exposed_s']:.2f} s of the {step['step_time_s']:.2f} s step waits for data-parallel "
             f"gradients: {', '.join(fixes[:-1]) + ' or ' + fixes[-1] if len(fixes) > 1 else fixes[0]}."
         )
-    if T["compression"] == "topk":
+    if L["compression"] == "topk":
         c = M.comm_bytes(T["precision"], T["comm_dtype"])
         if L["dp"] * T["topk_ratio"] * (c + 4) / c >= 2:
             out.append(

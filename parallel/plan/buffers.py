@@ -9,41 +9,38 @@ from ..zero.policy import policy
 from ..zero.theory import GRAD_BYTES, accumulation_grad_bytes
 from . import memory as M
 from . import moe as MoE
-from .inputs import Layout, Training
+from .inputs import Setup
 from .traffic import topk_kept
 
 
-def buffer_bytes(L: Layout, tr: Training, params: M.StageParams, experts: M.StageParams, count, act_msg, e, c) -> float:
+def buffer_bytes(ctx: Setup, params: M.StageParams, experts: M.StageParams) -> float:
     """Communication buffers, as the engine allocates them: stages 2–3's gradient reductions in flight
-    (:func:`parallel.zero.packing.reduction_buffer_bytes`, of the rank's real buckets), stage 0–1's
-    wire copies of every bucket in a 16-bit wire dtype
-    (:func:`parallel.zero.packing.comm_copy_bytes`), stage 3's gathered units (the block whose forward or
-    backward runs and ZERO3_PREFETCH_UNITS prefetched, each its padded buckets; the rest, gathered
-    from the first forward to the optimizer step), Top-K's fp32 residual and gathered values, four
-    p2p messages, and unsharded accumulation's full fp32 gradient."""
-    pol, bucket_bytes = policy(L.zero), tr.bucket_mb * 2**20
-    edp = max(1, L.dp // L.ep)
-    dense = M.zero_bucket_numels(params, L.dp, bucket_bytes, e, pol.gathers_per_unit)
+    and stages 0–1's wire copies (:mod:`parallel.zero.packing`, of the rank's real buckets), stage 3's
+    gathered units (the computing and the prefetched ones; the rest, from the first forward to the step),
+    Top-K's residual and gathered values, four p2p messages, unsharded accumulation's fp32 gradient."""
+    L, tr, e, c, dp, edp = ctx.dims, ctx.tr, ctx.e, ctx.c, ctx.zdp, ctx.edp
+    pol, bucket_bytes = policy(L.zero), ctx.bucket
+    dense = M.zero_bucket_numels(params, dp, bucket_bytes, e, pol.gathers_per_unit)
     expert = M.zero_bucket_numels(experts, edp, bucket_bytes, e, pol.gathers_per_unit) if experts.numel else ()
     total = 0.0
-    if L.dp > 1 and pol.shards_grads:
+    if dp > 1 and pol.shards_grads:
         if dense is None:  # classes unknown: the rank as buckets of at most bucket_bytes
-            cap = M.padded(max(1, min(params.numel, int(bucket_bytes // e))), L.dp)
-            sizes, groups = [cap] * -(-params.numel // cap), L.dp
+            cap = M.padded(max(1, min(params.numel, int(bucket_bytes // e))), dp)
+            sizes, groups = [cap] * -(-params.numel // cap), dp
         else:  # dense buckets sharded over DP, experts' over expert DP
             sizes = [n for unit in dense for n in unit] + [n for unit in expert or () for n in unit]
-            groups = [L.dp] * sum(map(len, dense)) + [edp] * sum(map(len, expert or ()))
-        sends_acc = tr.zero_accumulate == "unsharded" and c == GRAD_BYTES
+            groups = [dp] * sum(map(len, dense)) + [edp] * sum(map(len, expert or ()))
+        sends_acc = L.accumulate == "unsharded" and c == GRAD_BYTES
         total += reduction_buffer_bytes(sizes, c, groups, sends_accumulator=sends_acc, overlap=tr.overlap)
-    elif L.dp > 1 and tr.compression != "topk":  # stages 0-1: every bucket's wire copy until step()
+    elif dp > 1 and not L.compression_enabled:  # stages 0-1: every bucket's wire copy until step()
         if dense is None:
-            sizes = [M.padded(params.numel, L.dp), M.padded(experts.numel, edp) if experts.numel else 0]
+            sizes = [M.padded(params.numel, dp), M.padded(experts.numel, edp) if experts.numel else 0]
         else:
             sizes = [n for unit in dense + (expert or ()) for n in unit]
         total += comm_copy_bytes(sizes, c)
-    if pol.gathers_per_unit and L.dp > 1:
+    if pol.gathers_per_unit and dp > 1:
         if dense is None:
-            total += (1 + ZERO3_PREFETCH_UNITS) * e * MoE.at_ep(count(range(0, 1), False, False, L.tp), L.ep).numel
+            total += (1 + ZERO3_PREFETCH_UNITS) * e * MoE.at_ep(ctx.count(range(0, 1), False, False, L.tp), L.ep).numel
         else:
             per_unit = [sum(u) for u in dense[:-1]]
             experts_unit = [sum(u) for u in expert[:-1]] if expert else [0]
@@ -52,9 +49,9 @@ def buffer_bytes(L: Layout, tr: Training, params: M.StageParams, experts: M.Stag
             else:  # a block is freed only when backward ends (ZeroDataParallel._end_of_backward): all gathered
                 total += e * (sum(per_unit) + sum(experts_unit))
             total += e * sum(dense[-1])  # the rest: gathered once per step, held until the optimizer step
-    if tr.compression == "topk":
-        total += 4 * params.numel + L.dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
+    if L.compression_enabled:
+        total += 4 * params.numel + dp * topk_kept(params.numel, tr.topk_ratio) * (c + INDEX_BYTES)
     if L.pp > 1:
-        total += 4 * act_msg
-    total += accumulation_grad_bytes((params + experts).numel, L.zero, tr.zero_accumulate)  # the full fp32 gradient
+        total += 4 * ctx.act_msg
+    total += accumulation_grad_bytes((params + experts).numel, L.zero, L.accumulate)  # the full fp32 gradient
     return total

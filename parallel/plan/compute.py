@@ -1,38 +1,10 @@
-"""Compute time of one micro-batch on one rank, from the shapes of the work it does.
-
-Three kinds of work, each timed by what limits it on the given :class:`~.hardware.Hardware`:
-
-* **matmuls** (the block's projections and MLP, the head): a GEMM ``[M, K] × [K, N]`` takes
-  ``2MKN / (peak · efficiency) + e(MK + KN + MN) / HBM bandwidth`` — the compute term at the
-  fraction of peak large GEMMs reach (``Hardware.efficiency``), plus the time to stream its
-  operands once. Large GEMMs are compute-bound; small ones (narrow TP shards, short
-  sequences) pay the bandwidth term: achieved throughput falls with size as it does in cuBLAS.
-  Backward runs two GEMMs of the same size per forward GEMM (input and weight gradients);
-* **attention** (``attention="flash"``, SDPA as the engine runs it): ``4·b·s²·d/t`` FLOPs forward
-  (causal: half of them done) at ``peak · attention_efficiency``; backward 2.5× forward
-  (FlashAttention-2's recomputation). ``attention="unfused"`` (Megatron-LM 2021: the scores
-  materialised): two batched GEMMs per head (full ``s × s``) plus the fused scale-mask-softmax and
-  the attention dropout over the ``b·a/t·s²`` scores at HBM bandwidth (forward reads and writes
-  them twice and writes a 1-byte mask; backward reads and writes them ≈ 2.5× as often);
-* **elementwise** (norms, activation, residual adds, dropout-free bias): memory-bound, the bytes
-  they read and write at HBM bandwidth (:func:`elementwise_bytes`), plus the profile's fixed
-  ``block_overhead_us`` per block (kernel launches, Python, autograd: what a CPU pays per op);
-* **fixed host costs** beyond the blocks: ``microbatch_overhead_us`` per micro-batch (embedding,
-  head and loss launches, the engine's loop), charged to the chunk holding the head
-  (:func:`head_time`), and ``step_overhead_us`` once per step (zero_grad, the gradient norm, the
-  optimizer's launches, :func:`step_overhead_seconds`). Both split like the block's: a third
-  forward, two thirds backward for the micro-batch's. These and the slowdown below are the profile's
-  :class:`~.hardware.HostCosts`: none on a GPU profile; ``mode=calibrate`` measures them on a CPU.
-
-Costs ``forward`` and ``backward`` per layer and for the head feed the pipeline model; the
-optimizer step (memory-bound, :func:`optimizer_seconds`) follows backward.
-
-**Ranks sharing a host** (:func:`colocated`): every rank of a host computes at once, and where the
-ranks share the hardware they compute on (a CPU's cores share memory bandwidth, last-level cache and
-the package's clock budget) each runs slower than it would alone. The planner times all of the above
-with the profile :func:`colocated` returns for the ranks one host runs at once
-(``min(world size, gpus_per_node)``): rates divided and fixed host costs multiplied by
-``1 + colocated_slowdown · (k − 1)`` (1 on a GPU profile: one device per rank).
+"""Compute time of one micro-batch on one rank, from the shapes of the work it does: a GEMM
+``[M, K] × [K, N]`` takes ``2MKN / (peak · efficiency)`` plus streaming its operands at HBM bandwidth
+(backward: two per forward GEMM); flash attention (SDPA) ``4·b·s²·d/t`` FLOPs forward, half of them done
+(causal), at ``peak · attention_efficiency``, backward 2.5× (``"unfused"``: Megatron-LM 2021's batched
+GEMMs and softmax over the scores); elementwise work its bytes at HBM bandwidth; the profile's host
+costs (:class:`~.hardware.HostCosts`, none on a GPU) per block, micro-batch and step, a third forward.
+Ranks sharing a host (:func:`colocated`) compute ``1 + colocated_slowdown · (k − 1)`` times slower.
 """
 
 from __future__ import annotations
@@ -50,9 +22,8 @@ def gemm_seconds(m: float, k: float, n: float, hw: Hardware, precision: str, bat
 
 
 def elementwise_bytes(shape, tokens: float, tp: int, sequence_parallel: bool, e: int) -> float:
-    """HBM bytes one block's forward elementwise work moves: two norms (read + write the ``[T, d]``
-    activation, split by ``t`` under sequence parallelism), two residual adds (read two, write one),
-    the MLP activation (read + write ``[T, d_ff/t]``; SwiGLU reads two)."""
+    """HBM bytes one block's forward elementwise work moves: two norms and two residual adds on the
+    ``[T, d]`` activation (split by ``t`` under sequence parallelism), the MLP activation on ``[T, d_ff/t]``."""
     d, f = shape.d_model, shape.d_ff
     sp = tp if sequence_parallel else 1
     norms_residuals = (2 * 2 + 2 * 3) * tokens * d / sp
@@ -114,9 +85,8 @@ def layer_time(
 
 
 def head_time(shape, micro_batch: int, tp: int, hw: Hardware, precision: str) -> LayerTime:
-    """The head's matmul over this rank's ``V/t`` columns and the cross-entropy's fp32 passes
-    (read the logits, write and read the softmax: ≈ 3 × 4 bytes per logit) as elementwise work,
-    plus the profile's ``microbatch_overhead_us`` (module docstring)."""
+    """The head's matmul over this rank's ``V/t`` columns, the cross-entropy's fp32 passes (≈ 12 bytes
+    per logit) and the profile's ``microbatch_overhead_us``."""
     T, V = micro_batch * shape.seq_len, shape.padded_vocab(tp) / tp
     gemm = gemm_seconds(T, shape.d_model, V, hw, precision)
     fixed = host_costs(hw).microbatch_overhead_us * 1e-6 / 3  # host cost: a third forward, two backward
@@ -134,15 +104,14 @@ def optimizer_seconds(params_per_rank: float, hw: Hardware) -> float:
 
 
 def colocated_factor(hw: Hardware, ranks_on_host: int) -> float:
-    """How much slower a busy rank computes when ``ranks_on_host`` ranks of one host compute at once:
-    ``1 + colocated_slowdown · (k − 1)``; 1 for one rank per host (module docstring)."""
+    """How much slower a busy rank computes with ``ranks_on_host`` ranks of one host busy:
+    ``1 + colocated_slowdown · (k − 1)``."""
     return 1.0 + host_costs(hw).colocated_slowdown * max(0, ranks_on_host - 1)
 
 
 def colocated(hw: Hardware, ranks_on_host: int) -> Hardware:
-    """``hw`` as each of ``ranks_on_host`` ranks busy at once on one host sees it: peak FLOP/s and
-    memory bandwidth divided by :func:`colocated_factor`, the fixed host costs per block, micro-batch
-    and step multiplied by it (communication unchanged: its calibration ran on every rank at once)."""
+    """``hw`` as each of ``ranks_on_host`` busy ranks of one host sees it: peak FLOP/s and memory
+    bandwidth divided by :func:`colocated_factor`, the host costs multiplied by it (not communication)."""
     f = colocated_factor(hw, ranks_on_host)
     if f == 1.0:
         return hw

@@ -1,6 +1,4 @@
-"""The planner's parameter counts from a real module: what one TP rank of it holds, classed as
-ZeRO packs it into buckets (:mod:`parallel.zero.packing`), so the plan's counts cannot drift from
-the code that trains."""
+"""The planner's parameter counts from a real module, classed as ZeRO packs it (:mod:`parallel.zero.packing`)."""
 
 from __future__ import annotations
 
@@ -10,11 +8,9 @@ from .memory import StageParams
 
 
 def count_module(module, tp: int, *, is_block: bool, sequence_parallel: bool = False) -> StageParams:
-    """The :class:`StageParams` one TP rank of ``tp`` holds of ``module`` (built at tp = 1, on any
-    device, ``meta`` included): a parameter marked ``tp_shard_dim`` counts ``1/tp`` of its elements,
-    others are replicated; each is classed by its ZeRO bucket class (experts apart), as one block
-    (``is_block``: one ZeRO-3 unit) or as the rest. ``sequence_parallel``: at tp > 1 the replicated
-    parameters are sequence-parallel, a bucket class of their own."""
+    """The :class:`StageParams` one TP rank of ``tp`` holds of ``module`` (built at tp = 1, any device), classed by
+    ZeRO bucket class (experts apart), as one block (``is_block``) or the rest; ``sequence_parallel``: at tp > 1
+    the replicated parameters are sequence-parallel."""
     numel = replicated = full = tied = shared = expert = 0
     groups: list[list[int]] = [[] for _ in CLASSES]  # ZeRO's bucket classes
     experts: list[list[int]] = [[] for _ in CLASSES]  # MoE experts: their own buckets (over edp)

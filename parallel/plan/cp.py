@@ -1,31 +1,18 @@
-"""Context parallelism in the planner: the local sequence, the ring's (or Ulysses') traffic, its overlap.
-
-With ``cp`` ranks per sequence every rank holds ``s/cp`` tokens of each sample, so
-everything the planner sizes by the sequence (activations, TP collectives, pipeline
-messages, the head's logits) is that of a model with ``seq_len/cp``
-(:func:`local_shape`). FLOPs are not: a rank's queries still attend over the whole
-sequence, so its attention FLOPs are ``1/cp`` of the full sequence's (the planner passes
-``s/cp`` tokens with the full shape to :func:`~parallel.plan.shape.forward_flops`).
-
-Traffic on the cp group per layer and micro-batch comes from the layer's own byte
-formulas (:func:`parallel.layers.ring_attention.ring_bytes`, ``ulysses_bytes``): the
-ring sends ``cp−1`` K/V blocks forward and ``cp−1`` K/V blocks plus ``cp−1`` fp32 dK/dV
-accumulators backward; recomputation (``selective`` or ``full``) runs the forward ring again.
-
-Overlap (:func:`cp_traffic`, :data:`parallel.overlap.RING_ATTENTION`): each ring hop is posted
-before one block's compute and awaited after it, so a hop costs only what exceeds that block's attention FLOPs
-(``1/cp`` of the layer's attention, twice that in backward); the last dK/dV hop has
-nothing to hide behind. Ulysses' all-to-alls sit on the critical path.
+"""Context parallelism in the planner. A cp rank holds ``s/cp`` tokens of each sample, so everything
+sized by the sequence is that of the local shape (:func:`local_shape`); its queries still attend over
+the whole sequence. Traffic comes from the layer's own byte formulas
+(:func:`parallel.layers.ring_attention.ring_bytes`, ``ulysses_bytes``); a ring hop hides behind one
+block's attention (:data:`parallel.overlap.RING_ATTENTION`), Ulysses' all-to-alls do not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from ..dims import CP_IMPLS, cp_seq_len_problem, local_seq_len, ulysses_heads_problem
+from ..dims import ParallelDims, cp_seq_len_problem, local_seq_len
 from ..layers.ring_attention import ring_bytes, ulysses_bytes
 from ..overlap import RING_ATTENTION
-from .hardware import Hardware, PlanError
+from .hardware import Hardware
 from .traffic import AxisTraffic
 
 
@@ -34,65 +21,33 @@ def local_shape(shape, cp: int):
     return shape if cp == 1 else dataclasses.replace(shape, seq_len=local_seq_len(shape.seq_len, cp))
 
 
-def check_cp(shape, cp: int, tp: int, impl: str) -> None:
-    """Refuse a cp the sequence or the heads cannot take (the rules of :mod:`parallel.dims`, as :class:`PlanError`)."""
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-        raise PlanError(f"layout.cp must be a positive integer, got {cp!r}")
-    if impl not in CP_IMPLS:
-        raise PlanError(f"cp_impl {impl!r} not in {CP_IMPLS}")
-    problem = cp_seq_len_problem(shape.seq_len, cp)
-    if not problem and cp > 1 and impl == "alltoall":
-        problem = ulysses_heads_problem(shape.n_heads, shape.n_kv_heads, cp, tp)
-    if problem:
-        raise PlanError(problem)
-
-
 def attention_flops(shape, micro_batch: int, cp: int, tp: int) -> float:
     """Forward attention FLOPs (``QKᵀ`` and ``PV``) of one layer on one rank: its ``s/cp`` queries
-    against all ``s`` keys (the ``4·s·d`` per token of :func:`~parallel.plan.shape.forward_flops`)."""
+    against all ``s`` keys."""
     return micro_batch * local_seq_len(shape.seq_len, cp) * 4 * shape.seq_len * shape.d_model / tp
 
 
-def extra_activation_bytes(
-    shape, micro_batch: int, *, cp: int, tp: int, impl: str, checkpointing: str, e: int
-) -> float:
-    """What a layer saves beyond :func:`~parallel.plan.memory.layer_activation_bytes` of the local shape.
-
-    The ring saves what SDPA's kernels save (q, k, v, the output, the fp32 log-sum-exp),
-    its output laid out so that the output projection's input is a view of it: nothing
-    extra. Ulysses' SDPA output lives on the other side of an all-to-all, so the output
-    projection's input is a second copy (``e·b·(s/cp)·h/t``), plus the two int64 index
-    vectors that reorder the gathered sequence (``16·s``); recomputing the core
-    (``selective``, ``full``) stores neither."""
-    if cp == 1 or impl != "alltoall" or checkpointing != "none":
+def extra_activation_bytes(shape, micro_batch: int, dims: ParallelDims, *, checkpointing: str, e: int) -> float:
+    """What a layer saves beyond the local shape's :func:`~parallel.plan.memory.layer_activation_bytes`:
+    under Ulysses without recomputation a second copy of the attention output (``e·b·(s/cp)·h/t``) and the
+    two int64 index vectors that reorder the gathered sequence (``16·s``); the ring nothing."""
+    if not dims.ulysses or checkpointing != "none":
         return 0.0
-    return e * micro_batch * local_seq_len(shape.seq_len, cp) * shape.d_model / tp + 16 * shape.seq_len
+    return e * micro_batch * dims.local_seq_len * shape.d_model / dims.tp + 16 * shape.seq_len
 
 
 def cp_traffic(
-    shape,
-    axis: AxisTraffic,
-    hw: Hardware,
-    *,
-    n_layers: int,
-    mb: int,
-    m: int,
-    e: int,
-    tp: int,
-    ckpt: str,
-    impl: str,
-    peak_flops: float,
+    shape, axis: AxisTraffic, hw: Hardware, dims: ParallelDims, *, n_layers, mb, m, e, ckpt, peak_flops
 ) -> tuple[float, float]:
-    """The cp group's traffic of a chunk of ``n_layers`` layers: ``axis`` accumulates the bytes
-    of all ``m`` micro-batches; returns the seconds per micro-batch (forward, backward) that
-    compute does not hide (module docstring)."""
-    cp = axis.group_size
+    """The cp group's traffic of a chunk of ``n_layers`` layers (``axis`` accumulates all ``m``
+    micro-batches' bytes); returns the seconds per micro-batch (forward, backward) compute does not hide."""
+    cp, tp = axis.group_size, dims.tp
     if cp == 1 or n_layers == 0:
         return 0.0, 0.0
-    s_local, kv_heads, hd = local_seq_len(shape.seq_len, cp), shape.n_kv_heads // tp, shape.head_dim
+    s_local, kv_heads, hd = dims.local_seq_len, shape.n_kv_heads // tp, shape.head_dim
     recompute = ckpt in ("selective", "full")
     count = n_layers * m
-    if impl == "alltoall":
+    if dims.ulysses:
         u = ulysses_bytes(mb, shape.n_heads // tp, kv_heads, s_local, hd, cp, e)
         payload = u["forward"] / 4 * cp / (cp - 1)  # one of the four all-to-alls, as its buffer
         fwd = 4 * axis.add("all_to_all", payload, 4 * count, hw, "Ulysses q, k, v in and output back (forward)")
@@ -117,9 +72,8 @@ def cp_traffic(
 
 
 def cp_choices(shape, world_size: int, tp: int, gpus_per_node: int, *, min_local_seq: int = 1024) -> list[int]:
-    """The cps :func:`~parallel.plan.search.recommend` tries at this tp: powers of two that divide
-    the world after tp, fit the node beside tp, split the sequence into ``2·cp`` chunks and leave
-    each rank at least ``min_local_seq`` tokens (shorter sequences gain nothing from cp)."""
+    """The cps :func:`~parallel.plan.search.recommend` tries at this tp: powers of two that divide the
+    world after tp, fit the node beside tp, split the sequence and leave each rank ≥ ``min_local_seq`` tokens."""
     out, cp = [1], 2
     while tp * cp <= gpus_per_node and (world_size // tp) % cp == 0:
         if not cp_seq_len_problem(shape.seq_len, cp) and local_seq_len(shape.seq_len, cp) >= min_local_seq:

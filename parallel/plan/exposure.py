@@ -7,22 +7,19 @@ from ..overlap import DP_REDUCTION, PARAM_GATHER_AFTER_STEP, ZERO3_GATHER, expos
 
 
 def norm_every_step(grad_clip: float, precision: str, offload: str) -> bool:
-    """Whether every step computes the gradient norm (its scalar collectives), read or not: the
-    engine (``parallel.zero.engine.ZeroDataParallel.step``) skips it on an unread step only without
-    clipping (``grad_clip`` 0), without fp16's loss scaler and without offload (its host step reads
-    the skip flag). tests/parallel/plan/test_engine_buffers.py holds this against a real engine."""
+    """Whether every step computes the gradient norm, read or not: the engine skips it on an unread
+    step only without clipping, fp16's loss scaler and offload."""
     return grad_clip > 0 or precision == "fp16" or offload != "none"
 
 
 def partly_hidden(comm_s: float, exposed_s: float, fraction: float) -> float:
-    """Seconds exposed when compute hides only ``fraction`` of what the overlap table hides
-    (``HostCosts.overlap_fraction``): ``exposed + (1 − fraction)·(comm − exposed)``."""
+    """Seconds exposed when compute hides only ``fraction`` of what the overlap table hides."""
     return exposed_s + (1.0 - fraction) * max(0.0, comm_s - exposed_s)
 
 
 def unmeasured(fraction: float, measured_s: float, comm_s: float) -> float:
-    """``fraction`` of the hideable seconds that compute hides when ``measured_s`` of ``comm_s`` were
-    measured net of overlap already (hidden: none of them): ``fraction · (1 − measured/comm)``."""
+    """``fraction`` of the hideable seconds compute hides when ``measured_s`` of ``comm_s`` are
+    already net of overlap (measured ``ahead_call_us``: none of them hides again)."""
     if comm_s <= 0.0 or measured_s <= 0.0:
         return fraction
     return fraction * max(0.0, 1.0 - measured_s / comm_s)
@@ -31,19 +28,9 @@ def unmeasured(fraction: float, measured_s: float, comm_s: float) -> float:
 def exposed_dp_time(
     dp: dict, m: int, fwd: float, bwd: float, overlap: bool, reductions: int = 1, fraction: float = 1.0
 ) -> float:
-    """DP seconds compute cannot hide, as :mod:`parallel.overlap`'s rows say: gradient reductions
-    (``DP_REDUCTION``, with ``overlap``) under the backward — stages 0–1 the last micro-batch's,
-    stages 2–3 every one's — sharing it with stage 3's backward gathers (``ZERO3_GATHER``,
-    prefetched whatever ``overlap``); stage 3's forward gathers under the forward; the all-gather
-    after the optimizer step (``PARAM_GATHER_AFTER_STEP``) exposed. The gradients are reduced as
-    ``reductions`` collectives (buckets; ZeRO-3's units), each launched when its last gradient is
-    ready: the last one's starts when backward ends, so at least that ``1/reductions`` share is
-    exposed whatever the overlap (one bucket: all of it). Compute hides only ``fraction`` of the rest
-    (:func:`partly_hidden`), and none of the seconds priced with a measured ``ahead_call_us``
-    (``measured_per_mb``, ``measured_per_step``: stage 3's calls launched ahead of their wait,
-    :meth:`parallel.plan.traffic.AxisTraffic.add`): calibration measured those as what is left exposed
-    after overlap (``recipes.tools.calibrate_fit.fit_launched_ahead``), so their share of what the overlap table
-    hides stays exposed; with no measured cost (the GPU profiles) nothing changes."""
+    """DP seconds compute cannot hide, as :mod:`parallel.overlap`'s rows say (reductions under the
+    backward, ZeRO-3's gathers under forward and backward, the gather after the step exposed); the last of
+    ``reductions`` collectives starts when backward ends. Compute hides ``fraction`` of the rest, no measured second."""
     last = 1.0 / max(1, reductions)
     per_mb = max(
         exposed_sharing(

@@ -1,17 +1,7 @@
-"""Hardware profiles: what one device computes, holds and moves per second.
-
-A :class:`Hardware` is plain numbers; :data:`PROFILES` names the usual ones and
-:func:`hardware_profile` looks one up, optionally changed (``inter_node_gbps=12.5``
-for a 100 Gb/s Ethernet cluster) or defined from scratch by the user's config.
-
-Conventions: FLOP/s are dense (no 2:4 sparsity) tensor-core peaks; memory is in
-bytes (GiB for the "80GB" parts, as ``nvidia-smi`` reports 81,920 MiB);
-bandwidths are GB/s (10⁹ B/s) *per device and per direction*, the rate one rank
-sends at in a ring: NVLink inside a node, the device's share of the network
-(InfiniBand or Ethernet) between nodes. ``efficiency`` is the fraction of peak
-that large matmuls reach in practice, ``attention_efficiency`` flash attention's,
-``hbm_gbps`` the memory bandwidth that elementwise work and small GEMMs' operands
-stream at (:mod:`.compute` uses them).
+"""Hardware profiles: what one device computes, holds and moves per second. :data:`PROFILES` names the
+usual ones and :func:`hardware_profile` looks one up, optionally changed, or defined by the user. FLOP/s
+are dense tensor-core peaks; memory in bytes; bandwidths GB/s (10⁹ B/s) per device and per direction,
+the rate one rank sends at in a ring; ``efficiency`` the fraction of peak large matmuls reach.
 """
 
 from __future__ import annotations
@@ -29,19 +19,13 @@ class PlanError(ValueError):
     """Input the planner cannot use; the message names the numbers and the fix."""
 
 
-#: what each numeric field accepts beyond "a finite number": (lower bound, bound included, upper bound)
+#: what a numeric field accepts beyond "a finite number": (lower bound, bound included, upper bound);
+#: a time (``_us``) is ≥ 0, any other field > 0 unless named here
 _RANGES = {
     "efficiency": (0.0, False, 1.0),
     "attention_efficiency": (0.0, False, 1.0),
-    "latency_us": (0.0, True, math.inf),
-    "block_overhead_us": (0.0, True, math.inf),
-    "microbatch_overhead_us": (0.0, True, math.inf),
-    "step_overhead_us": (0.0, True, math.inf),
-    "collective_overhead_us": (0.0, True, math.inf),
     "colocated_slowdown": (0.0, True, math.inf),
     "overlap_fraction": (0.0, True, 1.0),
-    "ahead_call_us": (0.0, True, math.inf),
-    "tp_call_us": (0.0, True, math.inf),
 }
 
 
@@ -59,7 +43,7 @@ def _check_field(profile: str, name: str, value) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise PlanError(f"{where} must be a finite number; {fix}")
-    lo, closed, hi = _RANGES.get(name, (0.0, False, math.inf))
+    lo, closed, hi = _RANGES.get(name, (0.0, name.endswith("_us"), math.inf))
     if value < lo or (value == lo and not closed) or value > hi:
         want = f"in {'[' if closed else '('}{lo:g}, {hi:g}]" if hi != math.inf else ("≥ 0" if closed else "> 0")
         raise PlanError(f"{where} must be {want}; {fix}")
@@ -67,14 +51,9 @@ def _check_field(profile: str, name: str, value) -> None:
 
 @dataclass(frozen=True)
 class HostCosts:
-    """What a rank's host adds to its device's work, where nothing queues ahead of the hardware (a
-    CPU rank: every launch, every line of Python and every wake-up is on the step's critical path).
-
-    ``mode=calibrate`` measures them on a CPU (``recipes.tools.calibrate``; how, in
-    ``docs/planner.md``). A GPU profile has none (``Hardware.host`` is None): the host enqueues
-    kernels and NCCL calls ahead of the device, each rank has its own device, and NCCL runs every
-    collective kind as a ring at the link's rate beside the compute. The defaults are that case,
-    so :func:`host_costs` of a GPU profile prices nothing."""
+    """What a rank's host adds to its device's work where nothing queues ahead of the hardware (a CPU
+    rank: every launch and wake-up is on the critical path); ``mode=calibrate`` measures them. A GPU
+    profile has none (``Hardware.host`` is None): the defaults price nothing."""
 
     block_overhead_us: float = 0.0  # per block forward + backward beyond its work: launches, Python, autograd
     microbatch_overhead_us: float = 0.0  # per micro-batch beyond its blocks' and head's work: embedding, loss, loop
@@ -102,9 +81,8 @@ def host_costs(hw: Hardware) -> HostCosts:
 
 
 def _nest_host(fields: dict) -> dict:
-    """``fields`` (of :class:`Hardware`, its host costs nested under ``host`` as a dict or
-    :class:`HostCosts`, or flat among the others: both forms are read) as :class:`Hardware`'s
-    keywords; host costs that are all the defaults become ``host=None``."""
+    """``fields`` of :class:`Hardware` (host costs nested under ``host`` or flat) as its keywords;
+    host costs that are all the defaults become ``host=None``."""
     fields = dict(fields)
     host = fields.pop("host", None)
     host = dict(dataclasses.asdict(host) if isinstance(host, HostCosts) else host or {})
@@ -162,8 +140,8 @@ class Hardware:
         return 1e9 * (self.inter_node_gbps if crosses_node else self.intra_node_gbps)
 
     def kind_bandwidth(self, kind: str, crosses_node: bool) -> float:
-        """Bytes per second one rank sends at in a collective of ``kind``: the ring's
-        (:meth:`bandwidth`), times the host's measured scale for its kind where it has one."""
+        """Bytes per second one rank sends at in a collective of ``kind``: the ring's, times the
+        host's measured scale for its kind."""
         return self.bandwidth(crosses_node) * host_costs(self).kind_scale(kind)
 
     @property
@@ -178,11 +156,9 @@ class Hardware:
         return dataclasses.replace(self, **_nest_host(merged))
 
     def time_scaled(self, factor: float) -> Hardware:
-        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1) at everything: every
-        rate (:data:`RATE_FIELDS`) divided by ``factor``, every fixed time (:data:`TIME_FIELDS`, the
-        host's included) multiplied by it, the rest (sizes, fractions, counts) kept. Every time the
-        planner derives is a sum or maximum of ``work / rate`` and fixed times, so a plan's every time
-        with the result is exactly ``factor`` times this profile's."""
+        """This profile on a machine ``factor`` times slower (> 1) or faster (< 1): every rate divided
+        by ``factor``, every fixed time multiplied by it (:data:`RATE_FIELDS`, :data:`TIME_FIELDS`), so every
+        planned time is exactly ``factor`` times this profile's."""
         if isinstance(factor, bool) or not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
             raise PlanError(f"hardware {self.name!r}: time scale factor={factor!r} must be a finite number > 0")
         values = self.fields()
@@ -191,75 +167,40 @@ class Hardware:
         return self.replace(**changes)
 
 
-#: the fields that are rates (FLOP/s, bytes/s) and fixed times (µs): what :meth:`Hardware.time_scaled`
-#: divides and multiplies; every other field (of :class:`Hardware` and :class:`HostCosts`) is a size,
-#: a fraction or a count (a test holds that the three sets cover every field)
-RATE_FIELDS = (
-    "peak_tflops_16",
-    "peak_tflops_32",
-    "intra_node_gbps",
-    "inter_node_gbps",
-    "hbm_gbps",
-    "host_link_gbps",
-    "host_memory_gbps",
-)
-TIME_FIELDS = (
-    "latency_us",
-    "block_overhead_us",
-    "microbatch_overhead_us",
-    "step_overhead_us",
-    "collective_overhead_us",
-    "ahead_call_us",
-    "tp_call_us",
-)
-SCALE_FREE_FIELDS = (
-    "memory_bytes",
-    "gpus_per_node",
-    "efficiency",
-    "attention_efficiency",
-    "colocated_slowdown",
-    "overlap_fraction",
-    "host_ram_gb",
-    "all_gather_bw_scale",
-    "reduce_scatter_bw_scale",
-)
+#: every field's unit is in its name: rates (FLOP/s, bytes/s) end in ``_gbps`` or start with ``peak_tflops``,
+#: fixed times end in ``_us``; the rest (sizes, fractions, counts) are scale-free. :meth:`Hardware.time_scaled`
+#: divides the rates and multiplies the times.
+_FIELDS = tuple(f.name for f in dataclasses.fields(Hardware) if f.name not in ("name", "host")) + HOST_FIELDS
+RATE_FIELDS = tuple(f for f in _FIELDS if f.endswith("_gbps") or f.startswith("peak_tflops"))
+TIME_FIELDS = tuple(f for f in _FIELDS if f.endswith("_us"))
+SCALE_FREE_FIELDS = tuple(f for f in _FIELDS if f not in RATE_FIELDS + TIME_FIELDS)
 
 
-# Compute constants (parallel/plan/compute.py): ``efficiency`` is the fraction of peak large GEMMs reach.
-# A100: 0.78 (243 TFLOP/s), the one value that puts all ten rows of Narayanan et al. 2021 Table 1 within
-# ±10 % (docs/planner.md; recipes/tools/plan_published.py), in line with cuBLAS' large fp16 GEMMs on A100.
-# H100/H200: 0.7, an estimate from cuBLAS' published large-GEMM throughput (not fitted to a run).
-# ``attention_efficiency``: FlashAttention-2's forward, ≈ 60 % of peak on A100 (Dao 2023), ≈ 40 % on
-# H100. ``hbm_gbps``: the datasheets' memory bandwidth (A100 80GB 2,039; H100 SXM 3,350; H100 PCIe
-# 2,000; H200 4,800 GB/s). No profile here has host costs (:class:`HostCosts`): ``mode=calibrate``
+# The datasheets' dense peaks, memory bandwidth and links; ``efficiency`` and ``attention_efficiency``
+# as docs/performance.md says where they come from. No profile here has host costs: mode=calibrate
 # measures them for a CPU.
+# H100 SXM5 80GB (DGX H100): NVLink4 900 GB/s both ways, NDR 400 Gb/s per GPU, 2 TB host, PCIe Gen5 pinned
+_H100_SXM = Hardware(
+    "h100_80gb",
+    989.0,
+    67.0,
+    80 * GiB,
+    450.0,
+    50.0,
+    8,
+    0.7,
+    hbm_gbps=3350.0,
+    attention_efficiency=0.4,
+    host_ram_gb=2048,
+    host_link_gbps=50,
+)
 PROFILES: dict[str, Hardware] = {
-    # A100 SXM4 80GB. NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4): BF16 tensor 312
-    # TFLOP/s dense (624 with 2:4 sparsity), FP32 19.5; NVLink3 600 GB/s both ways; one HDR 200 Gb/s NIC per GPU
+    # A100 SXM4 80GB: NVLink3 600 GB/s both ways, one HDR 200 Gb/s NIC per GPU
     "a100_80gb": Hardware(
         "a100_80gb", 312.0, 19.5, 80 * GiB, 300.0, 25.0, 8, 0.78, hbm_gbps=2039.0, attention_efficiency=0.6
     ),
-    # H100 SXM5 80GB. NVIDIA H100 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense, FP32 67;
-    # NVLink4 900 GB/s both ways; one NDR 400 Gb/s NIC per GPU (DGX H100). Host: DGX H100 datasheet, 2 TB;
-    # PCIe Gen5 x16, 64 GB/s per direction raw, ~50 GB/s pinned cudaMemcpy
-    "h100_80gb": Hardware(
-        "h100_80gb",
-        989.0,
-        67.0,
-        80 * GiB,
-        450.0,
-        50.0,
-        8,
-        0.7,
-        hbm_gbps=3350.0,
-        attention_efficiency=0.4,
-        host_ram_gb=2048,
-        host_link_gbps=50,
-    ),
-    # H100 PCIe 80GB (350 W, fewer SMs and lower clocks). NVIDIA H100 datasheet / product brief PB-11133-001:
-    # BF16 tensor 1,513 TFLOP/s with sparsity = 756 dense, FP32 51; GPUs talk over PCIe Gen5 x16, 128 GB/s
-    # both ways (an NVLink bridge joins pairs only, so a ring over 8 runs at PCIe speed); NDR 400 Gb/s per GPU
-    # Host: no reference system; 1 TB assumed (the default), PCIe Gen5 x16 ~50 GB/s pinned
+    "h100_80gb": _H100_SXM,
+    # H100 PCIe 80GB: rings over PCIe Gen5 (an NVLink bridge joins pairs only), NDR 400 Gb/s per GPU
     "h100_pcie": Hardware(
         "h100_pcie",
         756.0,
@@ -273,23 +214,8 @@ PROFILES: dict[str, Hardware] = {
         attention_efficiency=0.4,
         host_link_gbps=50,
     ),
-    # H200 SXM 141GB. NVIDIA H200 datasheet: BF16 tensor 1,979 TFLOP/s with sparsity = 989 dense (the H100 SXM
-    # compute, more and faster HBM3e: 141 GB, 4.8 TB/s); NVLink4 900 GB/s both ways; NDR 400 Gb/s per GPU
-    # Host: DGX H200 datasheet, 2 TB; PCIe Gen5 x16 ~50 GB/s pinned
-    "h200": Hardware(
-        "h200",
-        989.0,
-        67.0,
-        141e9,
-        450.0,
-        50.0,
-        8,
-        0.7,
-        hbm_gbps=4800.0,
-        attention_efficiency=0.4,
-        host_ram_gb=2048,
-        host_link_gbps=50,
-    ),
+    # H200 SXM 141GB (DGX H200): the H100 SXM's compute and links, HBM3e 141 GB at 4.8 TB/s
+    "h200": _H100_SXM.replace(name="h200", memory_bytes=141e9, hbm_gbps=4800.0),
     # one process per core group of a server CPU, gloo over shared memory / 10 GbE
     # ("host" and "device" are the same memory: host_ram_gb as memory_bytes, copies at memcpy speed)
     "cpu": Hardware(
@@ -328,14 +254,8 @@ def profile_for_device(device_name: str) -> Hardware | None:
 
 
 def hardware_profile(name: str, custom: dict[str, dict] | None = None, **overrides) -> Hardware:
-    """The profile called ``name`` (case-insensitive; ``custom`` profiles first), with ``overrides``.
-
-    A ``name`` ending in ``.json`` is a file of :class:`Hardware` fields (``mode=calibrate`` writes one).
-
-    ``custom`` maps names to the fields of :class:`Hardware` (all but ``name``), e.g. from a config
-    file; host costs nested under ``host`` or flat among them. ``overrides`` may name host cost
-    fields too. Raises :class:`PlanError` for an unknown name or field.
-    """
+    """The profile ``name`` (case-insensitive; ``custom`` first, names to :class:`Hardware`'s fields; a ``.json``
+    file as ``mode=calibrate`` writes) with ``overrides``; :class:`PlanError` for an unknown name or field."""
     if name.endswith(".json"):  # a profile file (mode=calibrate writes one): its fields, named by its stem
         try:
             with open(name) as f:

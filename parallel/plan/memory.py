@@ -1,60 +1,21 @@
-"""Bytes one rank holds: model states (per ZeRO stage) and activations (per micro-batch).
-
-Pure arithmetic on the model's shape, the layout and the precision.
-
-**Model states** (the ZeRO paper's accounting, Ψ = this rank's parameters after
-tensor and pipeline splitting, padded to a multiple of N = dp so that it splits
-into N equal shards, as ZeRO's flat buffers are; b = 2 bytes for bf16/fp16
-training, 4 for fp32; g = 4, the fp32 gradient buffer gradients accumulate in at
-every precision; K = 4 per fp32 optimizer state tensor (Adam: m and v) plus
-a 4-byte fp32 master copy when the parameters are 16-bit, so 12 for mixed
-precision Adam, 8 for fp32 Adam). The formulas live in :mod:`parallel.zero.theory`
-(the engine's home); this module pads Ψ and names precisions:
-
-=======  ==========  ==========  ==========
-ZeRO     parameters  gradients   optimizer
-=======  ==========  ==========  ==========
-0        b·Ψ         g·Ψ         K·Ψ
-1        b·Ψ         g·Ψ         K·Ψ/N
-2        b·Ψ         g·Ψ/N       K·Ψ/N
-3        b·Ψ/N       g·Ψ/N       K·Ψ/N
-=======  ==========  ==========  ==========
-
-Mixed-precision Adam at stage 0 is 2 + 4 + 12 = 18 bytes per parameter (the ZeRO
-paper's 16 keeps 16-bit gradients; accumulating many micro-batches in 16 bits
-drifts by ~5e-3 over 24 of them). Gradients travel in ``comm.dtype``, by default
-fp32 (:func:`parallel.zero.theory.grad_comm_dtype`).
-
-**Activations** stored per transformer layer and micro-batch, in the style of
-Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
-Models" (2022), but for *this* code base: no dropout, and attention through
-``scaled_dot_product_attention``'s flash kernels, which keep a ``[b, a, s]`` fp32
-log-sum-exp instead of the ``a·s²`` score matrices (so the paper's ``5as/h`` term
-is absent). With s = sequence, b = micro-batch, h = d_model, k = kv width
-(``n_kv_heads·head_dim``), f = d_ff, a = heads, e = bytes of the compute dtype,
-t = tp and t' = t with sequence parallelism (else 1), one layer saves for backward:
+"""Bytes one rank holds: model states (:func:`parallel.zero.theory.model_state_bytes` on this rank's
+parameters, padded as ZeRO's buckets pad them) and activations per layer and micro-batch, in the style
+of Korthikanti et al. 2022 for this code base (no dropout; flash attention keeps a fp32 log-sum-exp,
+not the scores). With s, b, h = d_model, k = kv width, f = d_ff, a = heads, e = compute-dtype bytes,
+t = tp and t' = t with sequence parallelism (else 1), one layer saves:
 
 =====================  ===============================================================
 piece                  bytes
 =====================  ===============================================================
 norms (×2)             LayerNorm: input e·sbh/t' + fp32 mean, rstd 8·sb/t';
                        RMSNorm (fp32 math): fp32 input 4·sbh/t' + normalised e·sbh/t' + 4·sb/t'
-q/k/v, fc_in input     e·sbh/t' each (the column-parallel inputs; with SP the sequence chunk,
-                       gathered again in backward, as Megatron does)
+q/k/v, fc_in input     e·sbh/t' each (with SP the sequence chunk, gathered again in backward)
 q, k, v, attention out e·sb(2h + 2k)/t, plus the fp32 log-sum-exp 4·b·a·s/t
 MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·sbf/t
 =====================  ===============================================================
 
-``selective`` recomputes the attention core: its log-sum-exp is not stored (with
-flash attention that is all it saves). ``full`` stores only each block's input
-(e·sbh/t') and, while one layer's backward runs, that layer's full activations.
-
-Against the paper (:func:`korthikanti_layer_bytes`, 16-bit, per layer ``sbh(10 + 24/t + 5as/ht)``,
-with SP ``sbh/t·(34 + 5as/h)``, selective ``sbh/t·34``), a GPT layer (f = 4h, k = h) here
-stores the paper's figure less its two 1-byte dropout masks (2·sbh/t'), less ``5as/h``
-(flash attention), plus LayerNorm's fp32 statistics (16·sb/t') and, without recomputation,
-the log-sum-exp: at GPT-3 175B, tp = 8, SP, selective, micro-batch 1, 100.7 MB against the
-paper's 107.0 MB.
+``selective`` recomputes the attention core (its log-sum-exp is not stored); ``full`` stores only
+each block's input (e·sbh/t') and, while one layer's backward runs, that layer's full activations.
 """
 
 from __future__ import annotations
@@ -77,26 +38,11 @@ Group = tuple[int, ...]  # per-rank element counts of the parameters of one ZeRO
 
 @dataclass(frozen=True)
 class StageParams:
-    """Parameters of one pipeline rank (all its chunks), as counted on the real model.
-
-    ``numel``: on one TP rank (a shard); ``replicated``: of those, replicated over TP
-    (norms, row-parallel biases, positions: their gradients are all-reduced over TP
-    under sequence parallelism); ``full``: before TP sharding (what the rank's TP
-    group holds together, replicated ones once); ``tied_copy``: the part of
-    ``full`` that is a second copy of a tied embedding (the head on the last stage);
-    ``shared_embedding``: per TP rank, the tied weight whose gradient is all-reduced
-    over the embedding group (first and last stage).
-
-    ``blocks`` and ``root`` say how ZeRO packs them (:func:`zero_padded_numel`): per
-    transformer block (a ZeRO unit) and for the rank's other parameters (one more
-    unit), the per-rank sizes of the parameters of each bucket class
-    (:data:`parallel.zero.packing.CLASSES`: with and without weight decay, tied embedding,
-    sequence parallel), in ``named_parameters`` order. Empty when unknown: the whole rank is padded instead.
-
-    MoE (:mod:`parallel.plan.moe`): ``expert`` of ``numel`` are expert parameters (at ep = 1;
-    :func:`~parallel.plan.moe.ep_split` divides them by ep), in ZeRO units ``expert_blocks``
-    (not in ``blocks``: ZeRO packs and shards them over their own group, edp).
-    """
+    """Parameters of one pipeline rank, as counted on the real model: ``numel`` on one TP rank, of them
+    ``replicated`` over TP; ``full`` before TP sharding, of it ``tied_copy`` a tied embedding's second copy;
+    ``shared_embedding`` the tied weight per TP rank. ``blocks`` (a ZeRO unit each) and ``root`` (the rest):
+    per bucket class (:data:`parallel.zero.packing.CLASSES`) the sizes of its parameters, empty when
+    unknown. ``expert`` of ``numel`` are MoE expert parameters (at ep = 1), in units ``expert_blocks``."""
 
     numel: int
     replicated: int = 0
@@ -133,14 +79,8 @@ def zero_bucket_numels(
     params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> tuple[tuple[int, ...], ...] | None:
     """The padded elements of each of ZeRO's buckets on this rank, per unit (each block's, then the
-    rest's; ``per_unit=False``: one unit). None when the classes are unknown.
-
-    ZeRO (``parallel.zero.layout.plan_buckets``) packs the parameters of one bucket class
-    (:func:`parallel.zero.packing.bucket_class`), blocks first and the rest last, into buckets of at
-    most ``bucket_bytes`` (a larger parameter gets its own) and pads every bucket to a multiple of
-    ``dp``. At stage 3 (``per_unit``) a bucket never spans two units (each block, and the rest),
-    since they are gathered one at a time. Every bucket is one collective.
-    """
+    rest's; ``per_unit=False``: one unit), packed as :func:`parallel.zero.layout.plan_buckets` packs
+    them (one bucket class at a time, padded to a multiple of ``dp``); None when the classes are unknown."""
     if not params.blocks and not any(params.root):
         return None
     units = params.blocks + (params.root,)
@@ -156,8 +96,8 @@ def zero_bucket_numels(
 def zero_padded_numel(
     params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> int:
-    """Elements of ZeRO's flat buffers on this rank, padding included: the sum of
-    :func:`zero_bucket_numels` (the whole rank padded when the classes are unknown)."""
+    """Elements of ZeRO's flat buffers on this rank, padding included (the whole rank padded when
+    the classes are unknown)."""
     numels = zero_bucket_numels(params, dp, bucket_bytes, element_size, per_unit)
     return padded(params.numel, dp) if numels is None else sum(map(sum, numels))
 
@@ -165,10 +105,8 @@ def zero_padded_numel(
 def zero_bucket_counts(
     params: StageParams, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> tuple[int, ...] | None:
-    """ZeRO's buckets on this rank per unit (each block's, then the rest's; ``per_unit=False``: one
-    unit), packed as :func:`zero_bucket_numels` packs them: every bucket is one collective, and each
-    class of a unit is packed apart, so a block is gathered and reduced as one collective per
-    class it holds (weights; biases and norms; sequence-parallel ones). None when the classes are unknown."""
+    """ZeRO's buckets (each one collective) on this rank per unit, as :func:`zero_bucket_numels`
+    packs them; None when the classes are unknown."""
     numels = zero_bucket_numels(params, 1, bucket_bytes, element_size, per_unit)
     return None if numels is None else tuple(map(len, numels))
 
@@ -176,10 +114,8 @@ def zero_bucket_counts(
 def zero_extra_reduce_counts(
     params: StageParams, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> dict[str, int]:
-    """ZeRO's buckets on this rank whose gradient is also all-reduced over another group, per group
-    (``"tp"``: sequence-parallel; ``"embedding"``: a tied embedding): the engine all-reduces each
-    such bucket's shard apart, one collective per bucket. Units whose groups are the classes of
-    :data:`parallel.zero.packing.CLASSES` (a unit of two groups, weight decay or not, has none)."""
+    """ZeRO's buckets on this rank whose gradient is also all-reduced over another group (``"tp"``:
+    sequence-parallel; ``"embedding"``: a tied embedding), per group: one collective per bucket."""
     units = [u for u in params.blocks + (params.root,) if len(u) == len(CLASSES)]
     if not per_unit:  # one unit: each class packed across units
         units = [tuple(tuple(n for u in units for n in u[c]) for c in range(len(CLASSES)))] if units else []
@@ -191,13 +127,6 @@ def zero_extra_reduce_counts(
     return out
 
 
-def optimizer_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:
-    """K: 4 bytes per fp32 optimizer state tensor, plus a 4-byte fp32 master copy for 16-bit params."""
-    if optimizer not in OPTIMIZER_STATES:
-        raise PlanError(f"optimizer {optimizer!r} not in {sorted(OPTIMIZER_STATES)}")
-    return zero_theory.optimizer_bytes_per_param(PRECISION_BYTES[precision], OPTIMIZER_STATES[optimizer])
-
-
 def comm_bytes(precision: str, comm_dtype: str | None) -> int:
     """Bytes per element of the gradient collectives (``comm.dtype``, default fp32)."""
     return PRECISION_BYTES[zero_theory.grad_comm_dtype(comm_dtype)]
@@ -206,17 +135,14 @@ def comm_bytes(precision: str, comm_dtype: str | None) -> int:
 def model_state_bytes(
     psi: int, zero: int, dp: int, precision: str = "bf16", optimizer: str = "adamw", offload: str = "none"
 ) -> dict:
-    """Parameters, gradients, optimizer state one rank holds between steps (module table);
-    ``total`` on the device, ``host`` what ``offload`` keeps in host memory (parallel/zero/offload.py).
-
-    ``psi`` is this rank's parameter count; it is padded to a multiple of ``dp`` first
-    (pass :func:`zero_padded_numel` for ZeRO's per-bucket padding).
-    """
+    """Parameters, gradients, optimizer state one rank holds between steps (``total`` on the device,
+    ``host`` what ``offload`` keeps in host memory); ``psi`` is padded to a multiple of ``dp`` first."""
     if zero not in ZERO_STAGES:
         raise PlanError(f"ZeRO stage {zero!r} not in {ZERO_STAGES}")
     if precision not in PRECISION_BYTES:
         raise PlanError(f"precision {precision!r} not in {sorted(PRECISION_BYTES)}")
-    optimizer_bytes_per_param(precision, optimizer)  # refuses an unknown optimizer
+    if optimizer not in OPTIMIZER_STATES:
+        raise PlanError(f"optimizer {optimizer!r} not in {sorted(OPTIMIZER_STATES)}")
     theory = zero_theory.model_state_bytes(
         padded(psi, dp), zero, dp, PRECISION_BYTES[precision], OPTIMIZER_STATES[optimizer], offload=offload
     )
@@ -254,23 +180,6 @@ def layer_activation_bytes(
     return norms + linear_inputs + attention + lse + mlp
 
 
-def korthikanti_layer_bytes(
-    shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, checkpointing: str = "none"
-) -> float:
-    """Korthikanti et al. 2022 (Table 2), bytes per GPT layer in 16-bit with dropout:
-    ``sbh(10 + 24/t + 5as/ht)``; with sequence parallelism ``sbh/t·(34 + 5as/h)``;
-    ``selective`` drops the ``5as/h`` term; ``full`` keeps ``2sbh/t'``. The reference the
-    module docstring compares :func:`layer_activation_bytes` with."""
-    s, b, h, a, t = shape.seq_len, micro_batch, shape.d_model, shape.n_heads, tp
-    sbh = s * b * h
-    if checkpointing == "full":
-        return 2 * sbh / (t if sequence_parallel else 1)
-    attention = 0.0 if checkpointing == "selective" else 5 * a * s / h
-    if sequence_parallel:
-        return sbh / t * (34 + attention)
-    return sbh * (10 + 24 / t + attention / t)
-
-
 def head_activation_bytes(
     shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16"
 ) -> float:
@@ -284,19 +193,9 @@ def head_activation_bytes(
 
 
 def loss_temporary_bytes(shape, micro_batch: int, *, tp: int = 1, precision: str = "bf16") -> float:
-    """The last stage's transient peak in the loss, above what it stores (:func:`head_activation_bytes`).
-
-    Over the ``N = b·s·V/t`` logits of one micro-batch (``V`` the padded vocabulary):
-
-    * ``tp > 1`` (``vocab_parallel_cross_entropy``'s own autograd function): forward holds the
-      logits (``e`` bytes each) and the fp32 shifted logits beside the fp32 exponentials it keeps,
-      ``(e + 4)·N``; backward, the fp32 product and its cast, no more;
-    * ``tp = 1`` (PyTorch's fused cross-entropy): backward holds the fp32 gradients of the NLL and of
-      the log-softmax, ``8·N``; forward less (the logits and, in 16-bit runs, their fp32 copy; the
-      padding columns are sliced off as a view).
-
-    ``tests/parallel/plan/test_loss_temporaries.py`` measures these on the real function.
-    """
+    """The last stage's transient peak in the loss over the ``N = b·s·V/t`` logits, above what it
+    stores: ``(e + 4)·N`` at tp > 1 (the vocabulary-parallel cross-entropy's forward), else PyTorch's
+    fused cross-entropy's backward ``8·N`` (or its forward's fp32 copy, when larger)."""
     e = PRECISION_BYTES[precision]
     vocab = shape.padded_vocab(tp)
     n = micro_batch * shape.seq_len * vocab / tp

@@ -1,26 +1,6 @@
-"""The planner's view of a mixture-of-experts model: parameters, memory, all-to-all traffic, FLOPs.
-
-Pure functions of :class:`MoEShape` (read from any config with ``ModelConfig``'s ``moe_*`` fields,
-so ``parallel.plan`` never imports ``models``). The numbers follow :mod:`parallel.layers.moe`:
-
-* **Parameters.** An MoE block holds ``E`` experts of ``m·d·f`` weights (``m`` = 3 for SwiGLU,
-  2 for GELU, + ``f + d`` biases for GELU) and a router ``E·d``; a token uses ``k`` of them (and
-  the shared experts): *active* parameters are the dense ones + ``k`` experts per MoE block.
-* **Memory.** Expert parameters are split over ``ep`` (``E / ep`` per rank) and their ZeRO
-  states over ``edp`` (= ``dp / ep``), dense ones over ``dp`` as before.
-* **All-to-all.** Per MoE layer and micro-batch of ``T`` tokens per rank, dropless: forward one
-  exchange of the per-expert counts (``8·E`` bytes, int64), the routed rows out (``k·T·d`` elements)
-  and back (``k·T·d``); backward the two row exchanges again. Payload per rank averaged over the
-  ep group (exact for the sum over it: each row leaves and returns once); a rank sends
-  ``(ep-1)/ep`` of it under balanced routing.
-* **FLOPs.** ``6 ×`` active parameters per token (the dense 6·N rule applied to what a token
-  touches) + attention's ``12·L·d·s``.
-
-:func:`~parallel.plan.planner.plan_layout` calls the hooks at the end of this module: ``check_ep``
-(refusals), ``ep_split`` (a rank's dense parameters and its ``E/ep`` experts, ZeRO'd over dp·cp
-and edp), ``layer_time`` / ``activation_bytes`` (an MoE block's compute and saved tensors),
-``ep_traffic`` (the all-to-alls on the ``ep`` axis, exposed), ``flops_per_token`` (MFU on
-active FLOPs); :func:`~parallel.plan.search.recommend` tries ``ep_choices``. docs/moe.md.
+"""The planner's view of a mixture-of-experts model (:mod:`parallel.layers.moe`): parameters (``E``
+experts and a router per MoE block, ``k`` used per token), memory (experts over ``ep``, their ZeRO states
+over ``edp``), the dropless all-to-alls (counts, then the routed rows out and back), active FLOPs. docs/moe.md.
 """
 
 from __future__ import annotations
@@ -28,34 +8,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import PlanError
+from .shape import ModelShape
 
 #: the count exchange's element: int64 (parallel.layers.moe exchanges int64 counts)
 COUNT_BYTES = 8
 
 
 @dataclass(frozen=True)
-class MoEShape:
+class MoEShape(ModelShape):
     """What the planner needs of an MoE decoder (a ``ModelConfig`` with ``moe_experts > 0``)."""
 
-    arch: str
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
-    vocab_size: int
-    seq_len: int
-    tie_embeddings: bool
-    moe_experts: int
-    moe_top_k: int
+    moe_experts: int = 0
+    moe_top_k: int = 2
     moe_every: int = 1
     moe_d_ff: int | None = None
     moe_shared_experts: int = 0
     moe_capacity_factor: float | None = None  # None: dropless (the only routing cp can take)
-
-    @classmethod
-    def of(cls, cfg) -> MoEShape:
-        return cfg if isinstance(cfg, cls) else cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
 
     @property
     def moe_layers(self) -> int:
@@ -96,48 +64,17 @@ def param_counts(shape: MoEShape) -> dict[str, int]:
     return {"total": base + experts, "active": base + s.moe_layers * s.moe_top_k * expert, "expert": experts}
 
 
-def expert_params_per_rank(shape: MoEShape, ep: int, pp: int = 1) -> float:
-    """Expert parameters one rank holds (``E / ep`` experts of its ``1/pp`` share of the MoE layers)."""
-    s = MoEShape.of(shape)
-    if s.moe_experts % ep:
-        raise PlanError(f"ep={ep} does not divide moe_experts={s.moe_experts}")
-    return param_counts(s)["expert"] / ep / pp
-
-
-def expert_state_bytes_per_rank(
-    shape: MoEShape, *, ep: int, dp: int, pp: int = 1, zero: int = 1, param_bytes: int = 2
-) -> float:
-    """Bytes of expert weights + fp32 gradient + AdamW master and moments on one rank: weights in
-    ``param_bytes`` (sharded over edp at ZeRO-3), gradients (ZeRO ≥ 2) and the 12 bytes of optimizer
-    state (ZeRO ≥ 1) sharded over ``edp = dp / ep``."""
-    if dp % ep:
-        raise PlanError(f"ep={ep} must divide dp={dp}")
-    n, edp = expert_params_per_rank(shape, ep, pp), dp // ep
-    weights = n * param_bytes / (edp if zero >= 3 else 1)
-    grads = n * 4 / (edp if zero >= 2 else 1)
-    states = n * 12 / (edp if zero >= 1 else 1)
-    return weights + grads + states
-
-
 def all_to_all_payload_bytes(shape: MoEShape, tokens: int, *, elem_bytes: int = 4, backward: bool = True) -> float:
     """All-to-all payload per rank for one micro-batch of ``tokens`` tokens through all MoE layers
-    of the model (dropless; see the module docstring). Zero when ep = 1 (no exchange) is the
-    caller's business: this is the ep > 1 figure."""
+    (dropless, ep > 1; module docstring)."""
     s = MoEShape.of(shape)
     rows = s.moe_top_k * tokens * s.d_model * elem_bytes
     per_layer = COUNT_BYTES * s.moe_experts + 2 * rows + (2 * rows if backward else 0)
     return s.moe_layers * per_layer
 
 
-def all_to_all_seconds(payload_bytes: float, ep: int, bandwidth_bytes_per_s: float) -> float:
-    """Time to move ``payload_bytes`` of all-to-all over ``ep`` ranks at ``bandwidth`` per rank:
-    each rank sends ``(ep-1)/ep`` of it (bandwidth term only, no latency)."""
-    return 0.0 if ep == 1 else payload_bytes * (ep - 1) / ep / bandwidth_bytes_per_s
-
-
 def flops_per_token(shape: MoEShape) -> float:
-    """Training FLOPs per token: ``6 ·`` active parameters (embedding lookup excluded, head
-    included) + ``12·L·d·s`` for attention."""
+    """Training FLOPs per token: ``6 ·`` active parameters (embedding lookup excluded) + ``12·L·d·s``."""
     s = MoEShape.of(shape)
     active = param_counts(s)["active"] - (0 if s.tie_embeddings else s.vocab_size * s.d_model)
     return 6 * active + 12 * s.n_layers * s.d_model * s.seq_len
@@ -150,26 +87,19 @@ def moe_shape(cfg) -> MoEShape | None:
 
 
 def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = False, cp: int = 1) -> None:
-    """Refuse an ``ep`` the grid or the model cannot take, with the library's own messages
-    (:func:`parallel.topology.ep_mismatch`, :meth:`parallel.layers.moe.MoEConfig.check`),
-    sequence parallelism with MoE layers and context parallelism with capacity-limited routing
-    (which the layer refuses). Dropless MoE with cp is planned like a dense model's layout (the
-    layer sums its router statistics over cp: :func:`cp_stats_traffic`)."""
+    """Refuse what an MoE model's layers refuse, in their words: an ``ep`` dividing neither ``dp`` nor the
+    experts, sequence parallelism, context parallelism with capacity-limited routing."""
+    from ..dims import ep_mismatch
     from ..layers.moe import (
         CONTEXT_PARALLEL_CAPACITY_REFUSED,
         SEQUENCE_PARALLEL_REFUSED,
         MoEConfig,
         MoEConfigError,
     )
-    from ..topology import ep_mismatch
 
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        raise PlanError(f"layout.ep must be a positive integer, got {ep!r}")
     if dp % ep:
         raise PlanError(ep_mismatch(dp, ep))
     if moe is None:
-        if ep > 1:
-            raise PlanError(f"ep={ep} needs an MoE model (moe_experts > 0, e.g. model.preset=mixtral_tiny); use ep=1")
         return
     try:
         MoEConfig(num_experts=moe.moe_experts, d_ff=moe.expert_d_ff, top_k=moe.moe_top_k).check(ep)
@@ -199,10 +129,8 @@ def moe_layers_in(moe: MoEShape | None, layers: range) -> int:
 
 
 def ep_split(params, ep: int):
-    """``(dense, experts)``: a pipeline rank's :class:`~parallel.plan.memory.StageParams` at ``ep``
-    (counted at ep = 1: each rank keeps ``E/ep`` experts, dim 0 of every expert tensor), split
-    into what ZeRO shards over dp·cp and what it shards over edp (expert tensors are not TP-split:
-    replicated over TP, counted once in ``full``)."""
+    """``(dense, experts)``: a rank's :class:`~parallel.plan.memory.StageParams` at ``ep`` (counted at
+    ep = 1), split into what ZeRO shards over dp·cp and the ``E/ep`` experts it shards over edp."""
     from .memory import StageParams
 
     x = params.expert
@@ -229,12 +157,8 @@ def at_ep(params, ep: int):
 
 
 def layer_time(moe: MoEShape, dense, local, micro_batch: int, tp: int, hw, precision: str):
-    """One MoE block's :class:`~parallel.plan.compute.LayerTime` from the dense block's ``dense``
-    (attention, norms as before): the dense MLP's GEMMs and activation traffic are replaced by the
-    router (``[T, d] × [d, E]``), the shared experts (TP-split, as a ``ParallelMLP``) and the
-    routed experts: ``k·T`` rows through one expert's GEMMs, *not* split over TP (every TP rank
-    computes them, parallel/layers/moe.py). Grouped per expert on the device; priced as one GEMM
-    of ``k·T`` rows (balanced routing)."""
+    """One MoE block's :class:`~parallel.plan.compute.LayerTime`: the dense block's with its MLP replaced by the
+    router, the shared experts (TP-split) and ``k·T`` rows through one expert (not TP-split, balanced)."""
     from dataclasses import replace
 
     from .compute import gemm_seconds
@@ -259,12 +183,9 @@ def layer_time(moe: MoEShape, dense, local, micro_batch: int, tp: int, hw, preci
 
 
 def activation_bytes(moe: MoEShape, local, micro_batch: int, *, tp: int, checkpointing: str, e: int, ep: int):
-    """What an MoE block saves beyond the dense block of :func:`~parallel.plan.memory.layer_activation_bytes`
-    (which counts the dense MLP): the dense MLP's ``(4|2)·e·T·f/t`` out, in: the router's fp32
-    logits and probabilities (``8·T·E``), the routed rows (``e·k·T·d``, twice more at ep > 1: the
-    received rows regrouped), the experts' intermediates (``(4|2)·e·k·T·f``, not TP-split) and
-    their outputs (``e·k·T·d``), the shared experts' MLP (TP-split). An estimate of what autograd
-    keeps (balanced routing); ``full`` recomputation keeps only the block input (no change)."""
+    """What an MoE block saves beyond the dense block: the router's fp32 logits and probabilities,
+    the routed rows (twice more at ep > 1), the experts' intermediates and outputs, the shared
+    experts' MLP, less the dense MLP's (an estimate, balanced routing); nothing under full recomputation."""
     if checkpointing == "full":
         return 0.0
     T, d, mult = micro_batch * local.seq_len, local.d_model, 4 if moe.arch == "llama" else 2
@@ -276,11 +197,8 @@ def activation_bytes(moe: MoEShape, local, micro_batch: int, *, tp: int, checkpo
 
 
 def ep_traffic(moe: MoEShape, axis, hw, *, n_moe: int, tokens: int, m: int, e: int, checkpointing: str):
-    """The ep group's all-to-alls of ``n_moe`` MoE blocks over ``m`` micro-batches of ``tokens``
-    tokens per rank (``axis`` accumulates the bytes); returns the seconds per micro-batch
-    (forward, backward). Dropless and balanced (:func:`all_to_all_payload_bytes`); full
-    recomputation runs the forward's exchanges again. **Exposed**: the layer waits for each
-    exchange (the counts decide the buffers, the rows feed the experts), nothing overlaps them."""
+    """The ep group's all-to-alls of ``n_moe`` MoE blocks over ``m`` micro-batches (``axis`` accumulates
+    the bytes); returns the seconds per micro-batch (forward, backward), exposed: the layer waits for them."""
     if axis.group_size == 1 or n_moe == 0:
         return 0.0, 0.0
     rows = moe.moe_top_k * tokens * moe.d_model * e
@@ -297,10 +215,8 @@ STATS_BYTES = 4
 
 
 def cp_stats_traffic(moe: MoEShape, axis, hw, *, n_moe: int, m: int, checkpointing: str) -> tuple[float, float]:
-    """The cp group's all-reduces of the router statistics of ``n_moe`` MoE blocks over ``m``
-    micro-batches (:func:`parallel.layers.moe.aux_losses`: ``2E`` fp32 sums forward, their gradient
-    backward, the forward's again under full recomputation); returns the seconds per micro-batch
-    (forward, backward). **Exposed**: the loss needs the sums before the layer's output is used."""
+    """The cp group's all-reduces of ``n_moe`` MoE blocks' router statistics (``2E`` fp32 sums, their
+    gradient, again under full recomputation); returns the exposed seconds per micro-batch (forward, backward)."""
     if axis.group_size == 1 or n_moe == 0:
         return 0.0, 0.0
     payload, again = 2 * moe.moe_experts * STATS_BYTES, 2 if checkpointing == "full" else 1

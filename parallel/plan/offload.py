@@ -1,27 +1,7 @@
-"""What ZeRO-Offload (:mod:`parallel.zero.offload`) costs and saves, for the planner.
-
-Memory: :func:`parallel.zero.theory.model_state_bytes` with ``offload`` moves the
-optimizer's bytes (and stage 3's parameter shard) from the device total to ``host``;
-:func:`host_fits` checks the host bytes of the ranks of one node against the node's RAM
-(``Hardware.host_ram_gb``).
-
-Time, per step, added to the pipeline's makespan (nothing of it overlaps compute in
-gridtrain's implementation, except stage 3's parameter pages, which ride the prefetch:
-:data:`parallel.overlap.OFFLOAD_STEP`, :data:`~parallel.overlap.OFFLOAD_PARAM_PAGING`):
-
-* the host AdamW over the rank's shard, at :func:`host_adam_params_per_s` per GPU (the profile's
-  ``host_memory_gbps``; :data:`HOST_ADAM_PARAMS_PER_S` with its default);
-* the reduced gradient shard device → host (4 B per shard element) and the updated
-  parameters host → device (``b`` B per element), over ``Hardware.host_link_gbps``;
-* ``optimizer+params``: each micro-batch's two gathers (forward, backward) first page
-  the unit's shard in (``b`` B per element each); only what exceeds the micro-batch's
-  compute is exposed.
-
-Host AdamW rate. Fused AdamW reads parameter, gradient and both moments and writes
-parameter and moments: :data:`HOST_ADAM_BYTES_PER_PARAM` = 28 B of host memory traffic
-per element, so it is bound by host memory bandwidth, not cores: a DGX A100 has two AMD
-EPYC 7742 with 8 channels of DDR4-3200 each (204.8 GB/s per socket), 409.6 GB/s for 8
-GPUs, 51.2 GB/s per GPU → 1.83 G elements/s per GPU (``docs/performance.md``: the cores that takes).
+"""What ZeRO-Offload (:mod:`parallel.zero.offload`) costs and saves: the host bytes against one node's
+RAM (:func:`host_fits`), and per step (exposed as :data:`parallel.overlap.OFFLOAD_STEP` and
+``OFFLOAD_PARAM_PAGING`` say) the host AdamW, bound by host memory bandwidth, the shard copies over
+``host_link_gbps``, and with ``optimizer+params`` each micro-batch's paging beyond its compute.
 """
 
 from __future__ import annotations
@@ -30,19 +10,11 @@ from ..overlap import OFFLOAD_PARAM_PAGING, OFFLOAD_STEP
 from .hardware import GiB, Hardware
 
 HOST_ADAM_BYTES_PER_PARAM = 28  # fp32 p, g, m, v read; p, m, v written
-HOST_MEMORY_GBPS_PER_GPU = Hardware.host_memory_gbps  # the profile's default: DGX A100, 2 × 204.8 GB/s over 8 GPUs
-HOST_ADAM_PARAMS_PER_S = HOST_MEMORY_GBPS_PER_GPU * 1e9 / HOST_ADAM_BYTES_PER_PARAM
-
-
-def host_adam_params_per_s(hw: Hardware) -> float:
-    """Elements per second the host AdamW updates per GPU: ``hw.host_memory_gbps`` over
-    :data:`HOST_ADAM_BYTES_PER_PARAM` (a rate of the profile, so ``Hardware.time_scaled`` scales it)."""
-    return hw.host_memory_gbps * 1e9 / HOST_ADAM_BYTES_PER_PARAM
 
 
 def host_adam_seconds(shard_numel: int, hw: Hardware) -> float:
-    """Seconds of the host AdamW step over ``shard_numel`` fp32 elements."""
-    return shard_numel / host_adam_params_per_s(hw)
+    """Seconds of the host AdamW step over ``shard_numel`` fp32 elements (memory-bound)."""
+    return shard_numel / (hw.host_memory_gbps * 1e9 / HOST_ADAM_BYTES_PER_PARAM)
 
 
 def offload_seconds(

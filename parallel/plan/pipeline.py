@@ -1,6 +1,5 @@
-"""The pipeline's makespan, bubble and in-flight activations of a step, from one chunk's costs:
-closed forms of the standard schedules (equal to :mod:`parallel.pipeline.simulator`), the
-simulator itself for any other schedule, and the pipeline messages' exposed cost."""
+"""A step's makespan, bubble and in-flight activations from one chunk's costs: the standard schedules'
+closed forms (equal to :mod:`parallel.pipeline.simulator`), else the simulator; the p2p messages' cost."""
 
 from __future__ import annotations
 
@@ -19,18 +18,10 @@ def _simulate(schedule: str, pp: int, m: int, vpp: int, bwd: float, p2p: float):
 
 
 def closed_form(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float):
-    """The simulator's (makespan, peak in-flight per stage) of a standard schedule, in closed form,
-    or None for a schedule without one. ``fwd``/``bwd`` are one chunk's costs, ``p2p`` one
-    rendezvous transfer (it delays both ends); the simulator's timing is linear in them:
-
-    * GPipe: ``(m + pp − 1)(f + b) + 2(m + pp − 2)·p``; every stage holds ``m``;
-    * 1F1B: ``(m + pp − 1)(f + b)`` plus ``p`` times ``m + 1`` (pp = 2) or
-      ``2(pp − 1) + max(0, 2m − 3)`` (pp ≥ 3); stage ``s`` holds ``min(pp − s, m)``;
-    * interleaved 1F1B: ``(m·vpp + pp − 1)(f + b) + ((vpp + 1)·pp + vpp·m − 3)·p``; stage ``s``
-      holds its warm-up ``min(2(pp − s − 1) + (vpp − 1)pp, m·vpp)`` plus one, at most ``m·vpp``.
-
-    ``tests/parallel/plan/test_pipeline_closed_form.py`` holds each against the simulator.
-    """
+    """The simulator's (makespan, peak in-flight per stage) of a standard schedule (GPipe, 1F1B,
+    interleaved 1F1B) in closed form, or None for another schedule. ``fwd``/``bwd`` are one chunk's costs,
+    ``p2p`` one rendezvous transfer (it delays both ends); the simulator's timing is linear in them.
+    ``tests/parallel/plan/test_pipeline_closed_form.py`` holds each against the simulator."""
     if pp == 1:
         return m * vpp * (fwd + bwd), (m * vpp if schedule == "gpipe" else 1,)
     if schedule == "gpipe":
@@ -48,10 +39,7 @@ def closed_form(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float
 
 def uneven_stages_saving(stage_costs: list[float]) -> float:
     """Seconds a GPipe or 1F1B step (one chunk per stage) takes less than :func:`closed_form` prices
-    it at the slowest stage's cost ``c_k`` (one micro-batch's forward + backward) on every stage: the
-    slowest stage works ``m · c_k`` without a break once its first micro-batch arrives, the others only
-    fill and drain the pipeline around it, so the makespan is ``m·c_k + Σ_{s≠k} c_s`` (plus the
-    transfers) instead of ``(m + pp − 1)·c_k``: the saving is ``Σ_s (c_k − c_s)``."""
+    it at the slowest stage's cost on every stage: ``Σ_s (c_max − c_s)`` (the others fill and drain faster)."""
     slowest = max(stage_costs, default=0.0)
     return sum(slowest - c for c in stage_costs)
 
@@ -59,13 +47,8 @@ def uneven_stages_saving(stage_costs: list[float]) -> float:
 def pipeline_time(
     schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float
 ) -> tuple[float, float, tuple[int, ...]]:
-    """(makespan seconds, bubble fraction, peak in-flight activations per stage) of a step.
-
-    ``fwd``/``bwd``: one micro-batch through one chunk. The standard schedules use
-    :func:`closed_form` (equal to the simulator, any size in microseconds); any other
-    schedule is run in the simulator (costs normalised to the forward's, rounded to
-    0.1 %, so layouts share simulations).
-    """
+    """(makespan seconds, bubble fraction, peak in-flight per stage) of a step of one chunk's ``fwd``/``bwd``:
+    :func:`closed_form`, else the simulator (costs normalised to the forward's, rounded to 0.1 %)."""
     if not fwd > 0 or not bwd >= 0 or not p2p >= 0:
         raise PlanError(f"pipeline costs must be finite and positive, got forward {fwd}, backward {bwd}, p2p {p2p}")
     problem = schedule_problem(schedule, pp, vpp)
@@ -83,9 +66,8 @@ def pipeline_time(
 
 
 def p2p_message_seconds(hw, message_bytes: float, crosses_node: bool, pp: int, forward_s: float) -> float:
-    """One activation (or its gradient) sent to the neighbour stage, as the step sees it: its bytes
-    at the link's rate, its latency and host cost, exposed as :data:`parallel.overlap.PIPELINE_P2P`
-    says (the executor awaits receives before computing); 0 without a pipeline."""
+    """One activation (or its gradient) sent to the neighbour stage, as the step sees it
+    (:data:`parallel.overlap.PIPELINE_P2P`); 0 without a pipeline."""
     if pp == 1:
         return 0.0
     fixed = (hw.latency_us + host_costs(hw).collective_overhead_us) * 1e-6  # per message
@@ -95,9 +77,8 @@ def p2p_message_seconds(hw, message_bytes: float, crosses_node: bool, pp: int, f
 def pipeline_step(
     schedule: str, pp: int, m: int, vpp: int, stage_costs: list[tuple[float, float]], p2p: float
 ) -> tuple[float, float, tuple[int, ...]]:
-    """:func:`pipeline_time` paced by the slowest of ``stage_costs`` (each stage's forward and
-    backward of one micro-batch through all its chunks), less :func:`uneven_stages_saving` where
-    the schedule (one chunk per stage) lets faster stages fill and drain the pipeline faster."""
+    """:func:`pipeline_time` paced by the slowest of ``stage_costs`` (forward and backward per stage),
+    less :func:`uneven_stages_saving` where the schedule allows it."""
     slow_f = max(f for f, _ in stage_costs) / vpp
     slow_b = max(b for _, b in stage_costs) / vpp
     makespan, bubble, peaks = pipeline_time(schedule, pp, m, vpp, slow_f, slow_b, p2p)

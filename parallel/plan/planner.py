@@ -1,22 +1,11 @@
-"""The plan of one layout: per pipeline rank, memory, traffic and time; for the step,
-time, throughput, MFU and advice. Pure: no process is started.
-
-The caller supplies the model's shape and a :data:`ParamCounter` that counts the
-parameters of a chunk of the real model (``recipes.tools.plan`` builds it on the
-``meta`` device), so counts cannot drift from the code that trains.
-
-Step time: every micro-batch's forward and backward cost FLOPs / (peak ·
-efficiency) plus their tensor-parallel collectives (which sit on the critical
-path); the pipeline schedule is run on paper by the simulator with those costs
-(the slowest stage's, pipeline p2p as message latency), which gives the
-makespan, the bubble and the micro-batches each stage holds at its peak. DP
-traffic is then added where backward cannot hide it (:func:`.exposure.exposed_dp_time`). What hides
-behind what is :mod:`parallel.overlap`'s table, the one the engine implements.
+"""The plan of one layout: per pipeline rank memory, traffic and time; for the step time, throughput,
+MFU and advice. Each stage's forward and backward per micro-batch (its collectives on the critical path
+included) feed the schedule's closed form or simulator; DP traffic is added where backward cannot hide
+it, as :mod:`parallel.overlap`'s table (the engine's) says. Parameters come from the caller's counter.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import asdict, dataclass
 
 from ..overlap import STEP_SCALARS
@@ -27,35 +16,14 @@ from . import moe as MoE
 from . import offload as O
 from .advice import advise
 from .buffers import buffer_bytes
-from .cp import local_shape
 from .exposure import exposed_dp_time, norm_every_step
 from .hardware import Hardware, host_costs
-from .inputs import Layout, Training, check
+from .inputs import Layout, Setup, Training
 from .pipeline import p2p_message_seconds, pipeline_step
 from .result import ParamCounter, Plan, RankClass
-from .shape import ModelShape, layer_partition, model_flops_per_token
+from .shape import layer_partition, model_flops_per_token
 from .stage import Stage, stages
 from .traffic import AxisTraffic, dp_traffic, group_crosses_node
-
-
-@dataclass(frozen=True)
-class _Setup:
-    """What pricing each stage reads: the inputs and what follows from them."""
-
-    shape: ModelShape
-    moe: object  # MoE.MoEShape or None
-    L: Layout
-    tr: Training
-    hw: Hardware
-    work_hw: Hardware  # compute as each rank sees it with its host's other ranks busy (plan.compute.colocated)
-    count: ParamCounter
-    m: int  # micro-batches per step
-    dp: int  # ZeRO spans dp × cp
-    e: int  # parameter bytes
-    c: int  # gradient bytes on the wire
-    act_msg: float  # one activation sent between stages
-    bucket: float  # bucket bytes
-    colocated: int  # ranks one host runs at once
 
 
 @dataclass
@@ -78,92 +46,79 @@ def plan_layout(
     count_params: ParamCounter,
     *,
     world_size: int | None = None,
+    pp_layers: tuple[int, ...] | None = None,
 ) -> Plan:
-    """The per-rank-class memory, traffic and time of ``layout`` (module docstring)."""
-    moe = MoE.moe_shape(shape)  # MoE models: experts over ep, all-to-all, active FLOPs (parallel/plan/moe.py)
-    shape = ModelShape.of(shape)
-    m = check(shape, layout, training, world_size)
-    MoE.check_ep(moe, layout.dp, layout.ep, layout.sequence_parallel, layout.cp)
-    L, tr = layout, training
-    local = local_shape(shape, L.cp)  # what one cp rank holds of each sample (parallel/plan/cp.py)
-    e = M.PRECISION_BYTES[tr.precision]
-    act_msg = e * tr.micro_batch * local.seq_len * shape.d_model / (L.tp if L.sequence_parallel else 1)
-    colocated = min(L.world_size, hw.gpus_per_node)
-    work_hw = C.colocated(hw, colocated)
-    c = M.comm_bytes(tr.precision, tr.comm_dtype)
-    ctx = _Setup(
-        shape, moe, L, tr, hw, work_hw, count_params, m, L.dp * L.cp, e, c, act_msg, tr.bucket_mb * 2**20, colocated
-    )
-    peak_flops = work_hw.peak_flops(tr.precision) * work_hw.efficiency  # large GEMMs: cp's ring overlap (plan.cp)
-    ranges = layer_partition(shape, L.pp, L.vpp, L.pp_layers)
-    priced = stages(shape, moe, ranges, count_params, work_hw, tr, L, m, peak_flops)
+    """The per-rank-class memory, traffic and time of ``layout`` (module docstring); ``pp_layers``:
+    the layers of each pipeline rank (:func:`parallel.pipeline.partition.partition_layers`)."""
+    ctx = Setup(shape, layout, training, hw, count_params, world_size)
+    dims = ctx.dims
+    priced = stages(ctx, layer_partition(ctx.shape, dims.pp, dims.vpp, pp_layers))
     # the slowest stage paces the pipeline; p2p of one activation between stages
-    pp_crosses = group_crosses_node(L.tp * ctx.dp, L.pp, hw.gpus_per_node)
-    slow_f = max(st.forward_s for st in priced) / L.vpp
-    p2p = p2p_message_seconds(hw, act_msg, pp_crosses, L.pp, slow_f)
+    pp_crosses = group_crosses_node(dims.tp * ctx.zdp, dims.pp, hw.gpus_per_node)
+    slow_f = max(st.forward_s for st in priced) / dims.vpp
+    p2p = p2p_message_seconds(hw, ctx.act_msg, pp_crosses, dims.pp, slow_f)
     costs = [(st.forward_s, st.backward_s) for st in priced]
-    makespan, bubble, peaks = pipeline_step(L.schedule, L.pp, m, L.vpp, costs, p2p)
+    makespan, bubble, peaks = pipeline_step(dims.schedule, dims.pp, ctx.m, dims.vpp, costs, p2p)
     totals = _Step()
     ranks = [_rank(ctx, s, st, peaks[s], pp_crosses, totals) for s, st in enumerate(priced)]
     plan = Plan(
-        model=asdict(shape),
-        layout=asdict(layout),
+        model=asdict(ctx.shape),
+        layout={**asdict(dims), "pp_layers": pp_layers},
         training=asdict(training),
         hardware=asdict(hw),
-        grad_accum=m,
+        grad_accum=ctx.m,
         ranks=ranks,
         step=_step_summary(ctx, ranks, totals, makespan, bubble),
     )
-    plan.advice = advise(plan, shape, hw)
+    plan.advice = advise(plan, ctx.shape, hw)
     return plan
 
 
-def _rank(ctx: _Setup, s: int, st: Stage, in_flight: int, pp_crosses: bool, totals: _Step) -> RankClass:
+def _rank(ctx: Setup, s: int, st: Stage, in_flight: int, pp_crosses: bool, totals: _Step) -> RankClass:
     """Stage ``s``'s ranks: their model states, DP, PP and embedding traffic, memory; adds the
     stage's share of the step's terms to ``totals``."""
-    L, tr, hw, dp, e = ctx.L, ctx.tr, ctx.hw, ctx.dp, ctx.e
-    pol, t, sp, pp, vpp = policy(L.zero), L.tp, L.sequence_parallel, L.pp, L.vpp
-    params, experts = MoE.ep_split(st.params, L.ep)  # experts: E/ep per rank, ZeRO over edp = dp·cp/ep
-    psi = M.zero_padded_numel(params, dp, ctx.bucket, e, per_unit=pol.gathers_per_unit)
-    states = M.model_state_bytes(psi, L.zero, dp, tr.precision, tr.optimizer, L.offload)
-    edp = dp // L.ep
+    dims, tr, hw, zdp, edp, e = ctx.dims, ctx.tr, ctx.hw, ctx.zdp, ctx.edp, ctx.e
+    pol, pp, vpp = policy(dims.zero), dims.pp, dims.vpp
+    params, experts = MoE.ep_split(st.params, dims.ep)  # experts: E/ep per rank, ZeRO over edp
+    psi = M.zero_padded_numel(params, zdp, ctx.bucket, e, per_unit=pol.gathers_per_unit)
+    states = M.model_state_bytes(psi, dims.zero, zdp, tr.precision, tr.optimizer, dims.offload)
     epsi = M.zero_padded_numel(experts, edp, ctx.bucket, e, pol.gathers_per_unit) if experts.numel else 0
     if epsi:
-        e_states = M.model_state_bytes(epsi, L.zero, edp, tr.precision, tr.optimizer, L.offload)
+        e_states = M.model_state_bytes(epsi, dims.zero, edp, tr.precision, tr.optimizer, dims.offload)
         states = {k: v + e_states[k] for k, v in states.items()}
-    shard = psi // dp if pol.shards_optimizer else psi
+    shard = psi // zdp if pol.shards_optimizer else psi
     shard += epsi // edp if pol.shards_optimizer else epsi
-    offload_s = O.offload_seconds(shard, e, L.offload, hw, ctx.m, st.forward_s, st.backward_s)
+    offload_s = O.offload_seconds(shard, e, dims.offload, hw, ctx.m, st.forward_s, st.backward_s)
     extras = M.zero_extra_reduce_counts(params, ctx.bucket, e, pol.gathers_per_unit)  # one call per bucket
     tp_axis = st.tp
-    if sp and t > 1 and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
-        sp_shard = M.padded(params.replicated, dp) // (dp if pol.shards_optimizer else 1)
+    if dims.sp_enabled and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
+        sp_shard = M.padded(params.replicated, zdp) // (zdp if pol.shards_optimizer else 1)
         what = "sequence-parallel parameter gradients (fp32 shard)"
         tp_axis.add("all_reduce", sp_shard * 4, 1, hw, what, calls=extras["tp"])
     scalars = tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
     dp_axis, edp_axis = _dp(ctx, st, params, psi, epsi, totals)
-    if L.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
+    if dims.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
         totals.optimizer_s = max(totals.optimizer_s, C.optimizer_seconds(shard, ctx.work_hw))
     pp_axis = AxisTraffic(pp, pp_crosses)
     sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in st.chunks)
     pp_axis.add("p2p", ctx.act_msg, sends * ctx.m, hw, "activations and gradients to neighbour stages")
     loss_pp = pp_axis.add("broadcast", 4, 1, hw, "loss from the last stage (fp32 scalar)")
     scalars += pp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")  # scalars: the norm's
-    read_only = loss_pp + (0.0 if norm_every_step(tr.grad_clip, tr.precision, L.offload) else scalars)
+    read_only = loss_pp + (0.0 if norm_every_step(tr.grad_clip, tr.precision, dims.offload) else scalars)
     scalars += loss_pp
     totals.scalars_tp_pp = max(totals.scalars_tp_pp, STEP_SCALARS.exposed(scalars, 0.0))  # after backward
     totals.scalars_tp_pp_unread = max(totals.scalars_tp_pp_unread, STEP_SCALARS.exposed(scalars - read_only, 0.0))
     emb_axis = AxisTraffic(2 if params.shared_embedding and pp > 1 else 1, pp_axis.crosses_node)
-    emb_shard = M.padded(params.shared_embedding, dp) // (dp if pol.shards_optimizer else 1)  # as for SP
+    emb_shard = M.padded(params.shared_embedding, zdp) // (zdp if pol.shards_optimizer else 1)  # as for SP
     what = "tied embedding gradient (fp32 shard)"
     emb_axis.add("all_reduce", emb_shard * 4, 1, hw, what, calls=extras["embedding"])
     mem = _memory(ctx, st, states, params, experts, in_flight)
-    host_ok = O.host_fits(mem.get("host", 0.0), min(hw.gpus_per_node, L.world_size), hw)
+    host_ok = O.host_fits(mem.get("host", 0.0), ctx.colocated, hw)
     axes = (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis), ("cp", st.cp))
     traffic = {name: a.as_dict() for name, a in axes}
     if ctx.moe is not None:  # MoE: the all-to-alls (exposed) and the experts' gradients over edp
         traffic["ep"] = st.ep.as_dict()
-        if L.ep > 1:
+        if dims.ep_enabled:
             traffic["edp"] = edp_axis.as_dict()
     totals.offload_exposed = max(totals.offload_exposed, offload_s["exposed_s"])
     return RankClass(
@@ -181,13 +136,13 @@ def _rank(ctx: _Setup, s: int, st: Stage, in_flight: int, pp_crosses: bool, tota
     )
 
 
-def _dp(ctx: _Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> tuple[AxisTraffic, AxisTraffic]:
+def _dp(ctx: Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> tuple[AxisTraffic, AxisTraffic]:
     """The DP (and expert DP) traffic of a stage's ranks, as the engine's buckets issue it, and what
     of it compute cannot hide (into ``totals``); returns the dp and edp axes."""
-    L, tr, hw, dp, e, m = ctx.L, ctx.tr, ctx.hw, ctx.dp, ctx.e, ctx.m
-    pol, t, gpn = policy(L.zero), L.tp, hw.gpus_per_node
+    dims, tr, hw, zdp, edp, e, m = ctx.dims, ctx.tr, ctx.hw, ctx.zdp, ctx.edp, ctx.e, ctx.m
+    pol, t, gpn = policy(dims.zero), dims.tp, hw.gpus_per_node
     per_unit = pol.gathers_per_unit
-    dp_axis = AxisTraffic(dp, group_crosses_node(t, dp, gpn))
+    dp_axis = AxisTraffic(zdp, group_crosses_node(t, zdp, gpn))
     counts = M.zero_bucket_counts(params, ctx.bucket, e, per_unit)  # one collective each
     if counts is not None:  # the engine's buckets: per block (ZeRO-3), then the rest
         buckets, units, root_calls = sum(counts), max(1, sum(counts[:-1])), counts[-1]  # a middle stage: no rest
@@ -195,42 +150,28 @@ def _dp(ctx: _Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> t
         buckets = max(1, -(-psi * e // int(ctx.bucket)))
         units, root_calls = sum(len(r) for _, r in st.chunks), 1
     reductions = max(buckets, units) if per_unit else buckets
-    root_psi = M.zero_padded_numel(M.StageParams(0, root=params.root), dp, ctx.bucket, e)
+    root_psi = M.zero_padded_numel(M.StageParams(0, root=params.root), zdp, ctx.bucket, e)
     several = counts is not None and len(counts) > 1
+    common = dict(zero=dims.zero, micro_batches=m, param_bytes=e, comm_bytes=ctx.c, accumulate=dims.accumulate)
     dp_times = dp_traffic(
         hw,
         dp_axis,
         psi=psi,
-        zero=L.zero,
-        micro_batches=m,
-        param_bytes=e,
-        comm_bytes=ctx.c,
-        compression=tr.compression,
+        compression=dims.compression,
         topk_ratio=tr.topk_ratio,
         regathered_psi=psi - root_psi,
-        accumulate=tr.zero_accumulate,
         buckets=buckets,
         units=units,
         root_calls=root_calls,
         first_unit_calls=counts[0] if several else None,
         unit_count=len(counts) - 1 if several else None,
         overlap=tr.overlap,
+        **common,
     )
-    edp = dp // L.ep
-    edp_axis = dp_axis if L.ep == 1 else AxisTraffic(edp, group_crosses_node(t * L.ep, edp, gpn))
+    edp_axis = dp_axis if not dims.ep_enabled else AxisTraffic(edp, group_crosses_node(t * dims.ep, edp, gpn))
     scalars_ep = 0.0
     if epsi:  # expert gradients (and stage-3 gathers) on edp, hidden behind the same backward
-        e_times = dp_traffic(
-            hw,
-            edp_axis,
-            psi=epsi,
-            zero=L.zero,
-            micro_batches=m,
-            param_bytes=e,
-            comm_bytes=ctx.c,
-            regathered_psi=epsi,
-            accumulate=tr.zero_accumulate,
-        )
+        e_times = dp_traffic(hw, edp_axis, psi=epsi, regathered_psi=epsi, **common)
         dp_times = {k: v + e_times[k] for k, v in dp_times.items()}
         if not pol.shards_optimizer:  # stage 0: each ep rank's experts enter the norm
             scalars_ep = st.ep.add("all_reduce", 4, 1, hw, "expert gradient norm (fp32 scalar)")
@@ -241,7 +182,7 @@ def _dp(ctx: _Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> t
     dp_one = dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
     norm_dp = (n_scalars - 1) * dp_one + (scalars_ep if epsi and not pol.shards_optimizer else 0.0)
     scalars_s = STEP_SCALARS.exposed(dp_one + norm_dp, 0.0)
-    norm_always = norm_every_step(tr.grad_clip, tr.precision, L.offload)
+    norm_always = norm_every_step(tr.grad_clip, tr.precision, dims.offload)
     read_only_dp = STEP_SCALARS.exposed(dp_one + (0.0 if norm_always else norm_dp), 0.0)
     fraction = host_costs(hw).overlap_fraction
     exposed = exposed_dp_time(dp_times, m, st.forward_s, st.backward_s, tr.overlap, reductions, fraction)
@@ -250,25 +191,16 @@ def _dp(ctx: _Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> t
     return dp_axis, edp_axis
 
 
-def _memory(ctx: _Setup, st: Stage, states: dict, params, experts, in_flight: int) -> dict[str, float]:
-    """Bytes per rank: model states, activations at the peak (the in-flight micro-batches and the
-    larger transient: the loss's end or the recomputed layers' backward; they do not coincide),
-    communication buffers, and their total."""
-    L, tr = ctx.L, ctx.tr
-    local = local_shape(ctx.shape, L.cp)
-    recompute = M.recompute_peak_bytes(
-        local,
-        tr.micro_batch,
-        checkpointing=tr.checkpointing,
-        tp=L.tp,
-        sequence_parallel=L.sequence_parallel,
-        precision=tr.precision,
-    )
-    has_head = any(v == L.pp * L.vpp - 1 for v, _ in st.chunks)
-    loss = M.loss_temporary_bytes(local, tr.micro_batch, tp=L.tp, precision=tr.precision) if has_head else 0.0
+def _memory(ctx: Setup, st: Stage, states: dict, params, experts, in_flight: int) -> dict[str, float]:
+    """Bytes per rank: model states, activations at the peak (the in-flight micro-batches and the larger
+    transient, the loss's or recomputation's), communication buffers, and their total."""
+    dims, tr = ctx.dims, ctx.tr
+    kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision)
+    recompute = M.recompute_peak_bytes(ctx.local, tr.micro_batch, checkpointing=tr.checkpointing, **kw)
+    has_head = any(v == dims.pp * dims.vpp - 1 for v, _ in st.chunks)
+    loss = M.loss_temporary_bytes(ctx.local, tr.micro_batch, tp=dims.tp, precision=tr.precision) if has_head else 0.0
     activations = in_flight * max(st.activations) + max(recompute, loss)
-    layout = dataclasses.replace(L, dp=ctx.dp)
-    buffers = buffer_bytes(layout, tr, params, experts, ctx.count, ctx.act_msg, ctx.e, ctx.c)
+    buffers = buffer_bytes(ctx, params, experts)
     mem = {
         **{k: float(v) for k, v in states.items() if k != "total"},
         "model_states": float(states["total"]),
@@ -279,9 +211,9 @@ def _memory(ctx: _Setup, st: Stage, states: dict, params, experts, in_flight: in
     return mem
 
 
-def _step_summary(ctx: _Setup, ranks: list[RankClass], totals: _Step, makespan: float, bubble: float) -> dict:
+def _step_summary(ctx: Setup, ranks: list[RankClass], totals: _Step, makespan: float, bubble: float) -> dict:
     """The step's time (logged and unread), throughput, MFU and compute/communication ratio."""
-    hw, tr, L, shape, moe = ctx.hw, ctx.tr, ctx.L, ctx.shape, ctx.moe
+    hw, tr, dims, shape, moe = ctx.hw, ctx.tr, ctx.dims, ctx.shape, ctx.moe
     emb_time = STEP_SCALARS.exposed(max(r.traffic["embedding"]["time_s"] for r in ranks), 0.0)  # after backward
     overhead_s = C.step_overhead_seconds(ctx.work_hw)  # the step's fixed host cost (none on GPU profiles)
     t = totals
@@ -306,12 +238,12 @@ def _step_summary(ctx: _Setup, ranks: list[RankClass], totals: _Step, makespan: 
         "colocated_factor": C.colocated_factor(hw, ctx.colocated),
         "offload_s": totals.offload_exposed,
         "tokens_per_s": tokens_step / step_time,
-        "mfu": tokens_step * mfpt / step_time / (L.world_size * hw.peak_flops(tr.precision)),
+        "mfu": tokens_step * mfpt / step_time / (dims.world_size * hw.peak_flops(tr.precision)),
         "compute_s": compute,
         "comm_s": comm_total,
         "compute_comm_ratio": compute / comm_total if comm_total else float("inf"),
         "model_flops_per_token": mfpt,
-        "tflops_per_gpu": tokens_step * mfpt / step_time / L.world_size / 1e12,
+        "tflops_per_gpu": tokens_step * mfpt / step_time / dims.world_size / 1e12,
     }
     if moe is not None:
         counts = MoE.param_counts(moe)

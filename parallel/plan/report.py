@@ -9,14 +9,9 @@ TOLERANCE = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "model_states": 0.0,
 def predicted_vs_measured(
     plan, stage: int, measured: dict[str, float], *, tolerance: dict[str, float] | None = None
 ) -> dict[str, dict]:
-    """Compare pipeline stage ``stage``'s predicted bytes with ``measured`` ones.
-
-    ``measured`` maps any of ``params grads optimizer model_states activations total``
-    to bytes (e.g. from the tensors the trainer holds after its first step, the
-    peak of saved-tensor bytes during its backward, or ``torch.cuda.max_memory_allocated()``).
-    Returns ``{key: {"predicted", "measured", "error", "ok"}}``, ``error`` relative to
-    the measurement, ``ok`` within ``tolerance`` (default :data:`TOLERANCE`).
-    """
+    """Compare pipeline stage ``stage``'s predicted bytes with ``measured`` ones (any of ``params grads
+    optimizer model_states activations total``): ``{key: {"predicted", "measured", "error", "ok"}}``,
+    ``error`` relative to the measurement, ``ok`` within ``tolerance`` (default :data:`TOLERANCE`)."""
     if not 0 <= stage < len(plan.ranks):
         raise ValueError(f"stage {stage} out of range: the plan has {len(plan.ranks)} pipeline stages")
     tol = {**TOLERANCE, **(tolerance or {})}

@@ -1,17 +1,11 @@
-"""The model as the planner sees it: sizes, the layer split, FLOPs.
-
-:class:`ModelShape` holds the numbers of a GPT or Llama decoder; it reads them
-from any config object with those attributes (``ModelShape.of(cfg)``), so
-``parallel.plan`` never imports ``models``. :func:`layer_partition` is the one
-place the pipeline split of a model is decided (the trainer and the planner
-must agree on it to the layer).
-"""
+"""The model as the planner sees it: sizes, the layer split, FLOPs. :class:`ModelShape` reads the numbers
+of a GPT or Llama decoder from any config with those attributes, so ``parallel.plan`` never imports
+``models``; :func:`layer_partition` is the pipeline split the trainer uses too."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..dims import tp_split_problem
 from ..layers.embedding import padded_vocab_size
 from ..pipeline.partition import partition_layers
 from .hardware import PlanError
@@ -48,12 +42,6 @@ class ModelShape:
         mats = 3 if self.arch == "llama" else 2
         return self.d_model * (self.d_model + 2 * kv) + self.d_model**2 + mats * self.d_model * self.d_ff
 
-    def check_tp(self, tp: int) -> None:
-        """Refuse a tp that does not split the heads, kv heads or MLP width."""
-        problem = tp_split_problem(self.n_heads, self.n_kv_heads, self.d_ff, tp)  # the one home: parallel.dims
-        if problem:
-            raise PlanError(problem)
-
 
 def layer_costs(shape: ModelShape) -> dict[str, float]:
     """Costs the partitioner balances, in units of one block: the embedding is a lookup
@@ -74,27 +62,8 @@ def layer_partition(shape: ModelShape, pp: int, vpp: int = 1, pp_layers=None) ->
         raise PlanError(str(e)) from None
 
 
-def forward_flops(shape: ModelShape, tokens: int, n_layers: int, has_head: bool, tp: int = 1) -> float:
-    """Forward FLOPs of ``n_layers`` blocks (+ the head) for ``tokens`` tokens on one TP rank:
-    2 per matmul weight per token, plus 4·s·d per token per layer for attention scores."""
-    per_layer = 2 * shape.block_matmul_params() + 4 * shape.seq_len * shape.d_model
-    head = 2 * shape.d_model * shape.padded_vocab(tp) if has_head else 0
-    return tokens * (n_layers * per_layer + head) / tp
-
-
-def recompute_flops(shape: ModelShape, tokens: int, n_layers: int, checkpointing: str, tp: int = 1) -> float:
-    """Extra forward FLOPs spent in backward: whole blocks (``full``) or attention cores (``selective``)."""
-    if checkpointing == "full":
-        return forward_flops(shape, tokens, n_layers, False, tp)
-    if checkpointing == "selective":
-        return tokens * n_layers * 4 * shape.seq_len * shape.d_model / tp
-    return 0.0
-
-
 def model_flops_per_token(shape: ModelShape) -> float:
-    """Training FLOPs per token without recomputation (PaLM's 6·N + 12·L·d·s; the MFU numerator).
-
-    ``shape``: a :class:`ModelShape` or anything with its attributes (a ``ModelConfig``)."""
+    """Training FLOPs per token without recomputation (PaLM's 6·N + 12·L·d·s; the MFU numerator) of any config."""
     shape = ModelShape.of(shape)
     n = shape.n_layers * shape.block_matmul_params() + shape.vocab_size * shape.d_model
     return 6 * n + 12 * shape.n_layers * shape.d_model * shape.seq_len

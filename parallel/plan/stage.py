@@ -1,6 +1,5 @@
-"""One pipeline stage's numbers: its parameters, its chunks' forward and backward seconds per
-micro-batch (TP, CP and EP collectives as they sit on the critical path), their activations and
-the step's compute; stages with the same chunk shapes share them."""
+"""One pipeline stage's numbers: parameters, forward and backward seconds per micro-batch (the
+collectives on the critical path included), activations, compute; stages with the same chunks share them."""
 
 from __future__ import annotations
 
@@ -11,9 +10,10 @@ from ..overlap import TP_COLLECTIVES, TP_SP_BACKWARD
 from . import compute as C
 from . import memory as M
 from . import moe as MoE
-from .cp import cp_traffic, extra_activation_bytes, local_shape
+from .cp import cp_traffic, extra_activation_bytes
 from .exposure import partly_hidden
 from .hardware import host_costs
+from .inputs import Setup
 from .traffic import AxisTraffic, group_crosses_node, tp_traffic
 
 
@@ -36,42 +36,41 @@ def stage_flags(v: int, n_virtual: int) -> tuple[bool, bool]:
     return v == 0, v == n_virtual - 1
 
 
-def stages(shape, moe, ranges, count_params, hw, training, L, m, peak_flops) -> list[Stage]:
+def stages(ctx: Setup, ranges: list[range]) -> list[Stage]:
     """Every pipeline stage's :class:`Stage`; stages alike share the numbers, not the traffic ledgers."""
-    out, alike = [], {}
-    for s in range(L.pp):
-        chunks = [(v, ranges[v]) for v in range(s, L.pp * L.vpp, L.pp)]
-        key = tuple((len(r), MoE.moe_layers_in(moe, r)) + stage_flags(v, L.pp * L.vpp) for v, r in chunks)
+    out, alike, pp, n_virtual = [], {}, ctx.dims.pp, ctx.dims.pp * ctx.dims.vpp
+    for s in range(pp):
+        chunks = [(v, ranges[v]) for v in range(s, n_virtual, pp)]
+        key = tuple((len(r), MoE.moe_layers_in(ctx.moe, r)) + stage_flags(v, n_virtual) for v, r in chunks)
         if key not in alike:
-            alike[key] = stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, moe)
-        params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis = alike[key]
-        out.append(Stage(chunks, params, tp_axis.copy(), cp_axis, ep_axis.copy(), fwd, bwd, acts, flops_s))
+            alike[key] = stage_numbers(ctx, chunks)
+        st = alike[key]
+        out.append(st._replace(chunks=chunks, tp=st.tp.copy(), ep=st.ep.copy()))
     return out
 
 
-def stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, moe=None):
-    """Parameters, TP and CP traffic, per-micro-batch forward/backward seconds, activations per
-    chunk, the step's compute seconds and the ep traffic of a rank holding ``chunks``."""
-    t, sp, ckpt, mb = L.tp, L.sequence_parallel, training.checkpointing, training.micro_batch
-    e = M.PRECISION_BYTES[training.precision]
-    local = local_shape(shape, L.cp)  # activations and TP messages: s/cp tokens; FLOPs: those tokens over all s
-    params = M.StageParams(0)
+def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
+    """The :class:`Stage` of a rank holding ``chunks``: parameters, TP, CP and EP traffic,
+    per-micro-batch forward/backward seconds, activations per chunk, the step's compute seconds."""
+    dims, tr, hw, local, moe, m, e = ctx.dims, ctx.tr, ctx.work_hw, ctx.local, ctx.moe, ctx.m, ctx.e
+    t, sp, ckpt, mb = dims.tp, dims.sp_enabled, tr.checkpointing, tr.micro_batch
+    params = M.StageParams(0)  # activations and TP messages: s/cp tokens; FLOPs: those tokens over all s
     tp_axis = AxisTraffic(t, group_crosses_node(1, t, hw.gpus_per_node))
-    cp_axis = AxisTraffic(L.cp, group_crosses_node(t, L.cp, hw.gpus_per_node))
+    cp_axis = AxisTraffic(dims.cp, group_crosses_node(t, dims.cp, hw.gpus_per_node))
+    ep_axis = AxisTraffic(dims.ep, group_crosses_node(t * dims.cp, dims.ep, hw.gpus_per_node))
     fwd = bwd = flops_s = 0.0
     acts = []
-    layer = C.layer_time(local, mb, t, sp, hw, training.precision, training.attention)
-    if L.cp > 1:  # each cp rank's s/cp queries attend over all s keys: cp × the local square
+    layer = C.layer_time(local, mb, t, sp, hw, tr.precision, tr.attention)
+    if dims.cp_enabled:  # each cp rank's s/cp queries attend over all s keys: cp × the local square
         layer = dataclasses.replace(
-            layer, attention=layer.attention * L.cp, attention_backward=layer.attention_backward * L.cp
+            layer, attention=layer.attention * dims.cp, attention_backward=layer.attention_backward * dims.cp
         )
-    moe_layer = MoE.layer_time(moe, layer, local, mb, t, hw, training.precision) if moe else layer
-    ep_axis = AxisTraffic(L.ep, group_crosses_node(t * L.cp, L.ep, hw.gpus_per_node))
+    moe_layer = MoE.layer_time(moe, layer, local, mb, t, hw, tr.precision) if moe else layer
     for v, r in chunks:
-        first, last = stage_flags(v, L.pp * L.vpp)
-        params = params + count_params(r, first, last, t)
+        first, last = stage_flags(v, dims.pp * dims.vpp)
+        params = params + ctx.count(r, first, last, t)
         n, n_moe = len(r), MoE.moe_layers_in(moe, r)
-        head = C.head_time(local, mb, t, hw, training.precision) if last else C.LayerTime(0.0, 0.0, 0.0)
+        head = C.head_time(local, mb, t, hw, tr.precision) if last else C.LayerTime(0.0, 0.0, 0.0)
         blocks_f = (n - n_moe) * layer.forward + n_moe * moe_layer.forward
         blocks_b = (n - n_moe) * layer.backward + n_moe * moe_layer.backward
         recompute = {"full": blocks_f, "selective": n * layer.attention}.get(ckpt, 0.0)
@@ -79,14 +78,13 @@ def stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, m
             local, tp_axis, hw, n_layers=n, has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
         )
         cf, cb = cp_traffic(
-            shape, cp_axis, hw, n_layers=n, mb=mb, m=m, e=e, tp=t, ckpt=ckpt, impl=L.cp_impl, peak_flops=peak_flops
+            ctx.shape, cp_axis, hw, dims, n_layers=n, mb=mb, m=m, e=e, ckpt=ckpt, peak_flops=ctx.peak_flops
         )
-        ef, eb = (
-            (0.0, 0.0)
-            if not n_moe
-            else MoE.ep_traffic(moe, ep_axis, hw, n_moe=n_moe, tokens=mb * local.seq_len, m=m, e=e, checkpointing=ckpt)
-        )  # exposed: the MoE layer waits for its exchanges
-        if n_moe:  # cp > 1: the router statistics summed over the cp group
+        ef = eb = 0.0
+        if n_moe:  # exposed: the layer waits for its exchanges; cp > 1: router statistics summed over cp
+            ef, eb = MoE.ep_traffic(
+                moe, ep_axis, hw, n_moe=n_moe, tokens=mb * local.seq_len, m=m, e=e, checkpointing=ckpt
+            )
             sf, sb = MoE.cp_stats_traffic(moe, cp_axis, hw, n_moe=n_moe, m=m, checkpointing=ckpt)
             cf, cb = cf + sf, cb + sb
         f_s = blocks_f + head.forward
@@ -97,19 +95,10 @@ def stage_numbers(shape, chunks, count_params, hw, training, L, m, peak_flops, m
         sp_b = partly_hidden(regather + scatter, sp_b, host_costs(hw).overlap_fraction)
         bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb + eb
         flops_s += f_s + b_s
+        kw = dict(tp=t, sequence_parallel=sp, checkpointing=ckpt, precision=tr.precision)
         acts.append(
-            M.stage_activation_bytes(
-                local,
-                mb,
-                len(r),
-                has_embedding=first,
-                has_head=last,
-                tp=t,
-                sequence_parallel=sp,
-                checkpointing=ckpt,
-                precision=training.precision,
-            )
-            + len(r) * extra_activation_bytes(shape, mb, cp=L.cp, tp=t, impl=L.cp_impl, checkpointing=ckpt, e=e)
-            + (n_moe and n_moe * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=L.ep))
+            M.stage_activation_bytes(local, mb, len(r), has_embedding=first, has_head=last, **kw)
+            + len(r) * extra_activation_bytes(ctx.shape, mb, dims, checkpointing=ckpt, e=e)
+            + (n_moe and n_moe * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=dims.ep))
         )
-    return params, tp_axis, cp_axis, fwd, bwd, acts, flops_s, ep_axis
+    return Stage(chunks, params, tp_axis, cp_axis, ep_axis, fwd, bwd, acts, flops_s)

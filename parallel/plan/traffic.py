@@ -1,18 +1,12 @@
-"""Bytes one rank sends per step on each axis, and how long that takes.
-
-Ring algorithms: over N ranks and a payload of B bytes, an all-reduce sends
-``2(N−1)/N·B`` bytes per rank in ``2(N−1)`` steps, a reduce-scatter or an
-all-gather (B = the full, gathered size) ``(N−1)/N·B`` in ``N−1`` steps. Time
-= sent / bandwidth (the profile's per-kind scale on it: ``Hardware.kind_bandwidth``) + steps × latency + the profile's fixed ``collective_overhead_us`` per collective
-issued, with the hardware's intra-node bandwidth
-when the group sits inside one node and its inter-node bandwidth otherwise.
-
-Rank order is Megatron's (tp fastest, then dp, then pp): a TP group is ``tp``
-consecutive ranks, a DP group has stride ``tp``, a pipeline stride ``tp·dp``.
+"""Bytes one rank sends per step on each axis, and how long that takes: a ring collective of kind ``k``
+over N ranks sends :data:`parallel.comm.SENT_FRACTION`'s share of its payload in ``RING_STEPS[k]·(N−1)``
+latency steps, at :meth:`Hardware.kind_bandwidth` (intra-node inside one node, inter-node otherwise).
+Rank order is Megatron's (tp fastest, then cp, dp, pp).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..comm.counter import SENT_FRACTION
@@ -23,14 +17,7 @@ from ..zero.policy import policy
 from ..zero.theory import grad_reductions_per_step
 from .hardware import Hardware, host_costs
 
-RING_STEPS = {
-    "all_reduce": 2,
-    "reduce_scatter": 1,
-    "all_gather": 1,
-    "broadcast": 1,
-    "all_to_all": 1,
-}  # × (N-1) latency steps
-# bytes sent: parallel.comm.SENT_FRACTION (the counter's, one home)
+RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "all_to_all": 1}  # × (N-1)
 
 
 def group_crosses_node(stride: int, size: int, gpus_per_node: int) -> bool:
@@ -51,25 +38,12 @@ class AxisTraffic:
     measured_s: float = 0.0  # of the last add()'s time, the part priced with a measured ahead_call_us
 
     def as_dict(self) -> dict:
-        return {
-            "group_size": self.group_size,
-            "crosses_node": self.crosses_node,
-            "bytes": self.bytes,
-            "time_s": self.time_s,
-            "items": list(self.items),
-            "by_kind": {k: dict(v) for k, v in self.by_kind.items()},
-        }
+        out = {k: v for k, v in vars(self).items() if k != "measured_s"}
+        return {**out, "items": list(self.items), "by_kind": {k: dict(v) for k, v in self.by_kind.items()}}
 
     def copy(self) -> AxisTraffic:
         """An independent copy (its items and per-kind sums are not shared)."""
-        return AxisTraffic(
-            self.group_size,
-            self.crosses_node,
-            self.bytes,
-            self.time_s,
-            list(self.items),
-            {k: dict(v) for k, v in self.by_kind.items()},
-        )
+        return dataclasses.replace(self, items=list(self.items), by_kind={k: dict(v) for k, v in self.by_kind.items()})
 
     def add(
         self,
@@ -82,17 +56,10 @@ class AxisTraffic:
         blocking: int | None = None,
         launches: int | None = None,
     ) -> float:
-        """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls``
-        separate collectives (buckets, units) that split the payload; returns one's time: bytes at the
-        bandwidth, plus for each of the ``blocking`` calls (default all: the rank waits for them as soon
-        as it issues them) the ring's latency steps and the profile's ``collective_overhead_us``, for
-        each other call (launched ahead of its wait: prefetched, or from a backward hook; it meets its
-        peers' arrival and wake-up while this rank still computes) the ring's latency steps, or where the
-        profile measured it the host's ``ahead_call_us`` once per ``launches`` (default: per call): the
-        buckets of one ZeRO unit are launched together and the transport's thread runs them back to
-        back, waking once. Afterwards :attr:`measured_s` holds the part of the returned time priced
-        with the measured ``ahead_call_us`` (those calls' share of the bytes and their fixed cost; 0
-        where the profile has none): seconds the planner must not hide behind compute again."""
+        """Account ``count`` collectives of ``kind`` on ``payload`` bytes, each issued as ``calls`` that split
+        it; return one's seconds: the bytes at the bandwidth, the ring's latency steps and ``collective_overhead_us``
+        per ``blocking`` call (default all), per other call its latency steps or the host's ``ahead_call_us``
+        once per ``launches``. :attr:`measured_s` then holds the part priced with ``ahead_call_us``."""
         n = self.group_size
         self.measured_s = 0.0
         if n <= 1 or count == 0 or payload == 0:
@@ -112,8 +79,7 @@ class AxisTraffic:
         fixed = blocking * (ring + host.collective_overhead_us * 1e-6) + ahead
         wire = sent / hw.kind_bandwidth(kind, self.crosses_node)
         one = wire + fixed
-        # calibrate measured ahead_call_us as what a unit's calls launched ahead leave exposed, their
-        # bytes included (recipes.tools.calibrate_fit.fit_launched_ahead): those seconds are already net of overlap
+        # ahead_call_us is measured net of overlap, bytes included (recipes.tools.calibrate_fit.fit_launched_ahead)
         self.measured_s = (wire * n_ahead / calls + ahead) if host.ahead_call_us > 0 and n_ahead else 0.0
         self.bytes += count * sent
         self.time_s += count * one
@@ -125,6 +91,11 @@ class AxisTraffic:
 
 
 topk_kept = topk_count  # one home: parallel.zero.compression (entries Top-K keeps, ceil(ratio·numel) ≥ 1)
+
+
+#: what :func:`dp_traffic` returns: seconds of one collective of each kind, and the measured parts
+DP_TIMES = ("grad_per_mb", "grad_per_step", "param_after_step", "param_fwd_per_mb", "param_bwd_per_mb")
+DP_TIMES += ("measured_per_mb", "measured_per_step")
 
 
 def dp_traffic(
@@ -147,42 +118,14 @@ def dp_traffic(
     unit_count: int | None = None,
     overlap: bool = True,
 ) -> dict[str, float]:
-    """Gradient and parameter collectives on the DP group per step, as ZeRO runs them.
-
-    Stages 0–1 reduce gradients once per step (accumulated locally); stages 2–3
-    reduce-scatter every micro-batch (keeping full gradients would undo them) and
-    stage 3 all-gathers the parameters inside units (``regathered_psi``, default all:
-    the blocks) before every forward and again before every backward, and the rest
-    once per step (it stays gathered until the optimizer step). Top-K
-    (stage 0) all-gathers ``k`` values + int32 indices per rank instead of the
-    all-reduce: ``(N−1)·k·(c+4)`` bytes sent. Each reduction and the after-step gather is issued as
-    ``buckets`` collectives, stage 3's per-unit gathers (and its reductions, at least) as ``units``
-    (the blocks' buckets), its once-per-step gather of the rest as ``root_calls``. Where
-    :mod:`parallel.overlap` says stage 3 launches them ahead of their wait (``ZERO3_GATHER``: prefetched;
-    ``DP_REDUCTION`` with ``overlap``: from each unit's backward hook), only the first unit's gathers
-    (``first_unit_calls``, default one) and the reductions launched when backward ends (the first
-    unit's and the rest's) block on issue (:meth:`AxisTraffic.add`'s ``blocking``), and the others are
-    launched unit by unit (``unit_count`` blocks; default: each bucket apart):
-    each pays the ring's latency and the profile's fixed cost per call. Returns the seconds of one of each kind
-    (``grad_per_mb``, ``grad_per_step``, ``param_after_step``, ``param_fwd_per_mb``,
-    ``param_bwd_per_mb``), and of those the seconds priced with the profile's measured ``ahead_call_us``
-    (:attr:`AxisTraffic.measured_s`), which compute does not hide again: ``measured_per_mb`` (of the
-    three per-micro-batch kinds) and ``measured_per_step`` (of ``grad_per_step``).
-    """
+    """Gradient and parameter collectives on the DP group per step, as ZeRO's policy runs them: the
+    reduction once per step or every micro-batch (Top-K at stage 0: an all-gather of values and indices),
+    the gather after the step, stage 3's per-unit gathers before every forward and backward
+    (``regathered_psi``) and the rest's once per step; issued as ``buckets``, ``units`` and ``root_calls``
+    collectives, blocking on issue as :mod:`parallel.overlap` says. Returns :data:`DP_TIMES`."""
     m, n = micro_batches, axis.group_size
     other_units = None if unit_count is None else max(0, unit_count - 1)  # ZeRO-3: launched unit by unit
-    out = dict.fromkeys(
-        (
-            "grad_per_mb",
-            "grad_per_step",
-            "param_after_step",
-            "param_fwd_per_mb",
-            "param_bwd_per_mb",
-            "measured_per_mb",
-            "measured_per_step",
-        ),
-        0.0,
-    )
+    out = dict.fromkeys(DP_TIMES, 0.0)
     pol = policy(zero)  # what the engine does at this stage (parallel/zero/policy.py)
     if pol.reduce == "all_reduce" and compression == "topk":
         k = topk_kept(psi, topk_ratio)
@@ -230,26 +173,15 @@ def dp_traffic(
 
 
 def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt):
-    """TP collectives of a chunk: seconds per micro-batch (forward, backward, (re-gathers,
-    reduce-scatters)); the last pair is sequence parallel's column-layer backward, which the
-    engine runs asynchronously (:data:`parallel.overlap.TP_SP_BACKWARD`), not in ``backward``;
-    ``axis`` accumulates the bytes of all ``m`` micro-batches. Per block: two all-reduces of the
-    ``[b, s, d]`` activation forward and two backward (sequence parallel: each an
-    all-gather + a reduce-scatter, the same bytes, and two more all-gathers in backward:
-    ``ColumnParallelLinear`` saves its input's sequence chunk and gathers it again); full recomputation redoes all but
-    the last (one all-reduce, or two all-gathers and a reduce-scatter, per block). Every call also
-    costs the profile's ``tp_call_us`` (its autograd Function, the compute after it resuming cold;
-    0 on GPU profiles), in the returned seconds but not in ``axis``'s: for sequence parallelism's
-    asynchronous backward collectives (``(regather, scatter)``, which the planner lets column
-    compute hide) it is in ``bwd``, as compute cannot hide it."""
+    """TP collectives of a chunk, as the layers issue them (``axis`` accumulates all ``m`` micro-batches'
+    bytes): seconds per micro-batch (forward, backward, (re-gathers, reduce-scatters)), the last pair
+    sequence parallel's asynchronous column-layer backward (:data:`parallel.overlap.TP_SP_BACKWARD`). Each
+    call also costs ``tp_call_us`` (0 on GPU profiles), in the seconds but not in ``axis``."""
     act = e * mb * shape.seq_len * shape.d_model
 
     calls_apart = [0.0]  # the calls of the collectives backward can hide: their cost cannot hide
 
-    def op(kind, count, what, payload=act, hidable=False):
-        # each call also pays hw.tp_call_us in the compute around it (inside the model's autograd):
-        # step time, not the collective's own (the breakdown times the collective's wait apart).
-        # hidable: the seconds returned are the collective's alone, its calls' cost goes to bwd
+    def op(kind, count, what, payload=act, hidable=False):  # hidable: the call costs go to bwd apart
         if not count or axis.group_size <= 1:
             return 0.0
         wire, calls = count * axis.add(kind, payload, count * m, hw, what), count * host_costs(hw).tp_call_us * 1e-6

@@ -27,6 +27,7 @@ from parallel.plan import (
     hardware_profile,
     plan_layout,
     recommend,
+    resolve,
 )
 
 from ..config import ConfigError, RecipeConfig, model_config
@@ -78,10 +79,8 @@ def _training(rc: RecipeConfig, mc: ModelConfig) -> Training:
         optimizer=rc.optim.name,
         comm_dtype=c.dtype,
         overlap=c.overlap,
-        compression=c.compression,
         topk_ratio=c.topk_ratio,
         bucket_mb=c.bucket_mb,
-        zero_accumulate=rc.parallel.zero_accumulate,
         grad_clip=t.grad_clip,
     )
 
@@ -109,7 +108,8 @@ def _world(rc: RecipeConfig) -> int | None:
     return world
 
 
-def _layout(rc: RecipeConfig) -> Layout:
+def _layout(rc: RecipeConfig, mc: ModelConfig) -> Layout:
+    """The resolved layout of ``rc`` for the model ``mc`` (:func:`parallel.plan.resolve`: the library's rules)."""
     p = rc.parallel
     if p.dp in (None, "auto"):
         world = _world(rc)
@@ -123,19 +123,21 @@ def _layout(rc: RecipeConfig) -> Layout:
             )
     else:
         dp = p.dp
-    return Layout(
+    return resolve(
+        mc,
         dp=dp,
         pp=p.pp,
         tp=p.tp,
         vpp=p.vpp,
         sequence_parallel=p.sequence_parallel,
         zero=p.zero,
+        accumulate=p.zero_accumulate,
         schedule=p.pp_schedule,
-        pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
         cp=p.cp,
         cp_impl=p.cp_impl,
         offload=p.offload,
         ep=p.ep,
+        compression=rc.comm.compression,
     )
 
 
@@ -164,11 +166,12 @@ def plan_from_config(rc: RecipeConfig) -> Plan:
         world = _world(rc)
         return plan_layout(
             mc,
-            _layout(rc),
+            _layout(rc, mc),
             _training(rc, mc),
             _hardware(rc),
             meta_param_counter(mc, rc.parallel.sequence_parallel),
             world_size=world if rc.parallel.dp not in (None, "auto") else None,
+            pp_layers=tuple(rc.parallel.pp_layers) if rc.parallel.pp_layers else None,
         )
     except PlanError as e:
         raise ConfigError(f"plan: {e}") from None
@@ -180,7 +183,14 @@ def recommend_from_config(rc: RecipeConfig) -> list[Plan]:
         hw = _hardware(rc)
         world = _world(rc) or rc.parallel.gpus_per_node
         return recommend(
-            mc, world, _training(rc, mc), hw, meta_param_counter(mc, rc.parallel.sequence_parallel), top=rc.plan.top
+            mc,
+            world,
+            _training(rc, mc),
+            hw,
+            meta_param_counter(mc, rc.parallel.sequence_parallel),
+            top=rc.plan.top,
+            compression=rc.comm.compression,
+            accumulate=rc.parallel.zero_accumulate,
         )
     except PlanError as e:
         raise ConfigError(f"recommend: {e}") from None

@@ -78,7 +78,7 @@ def rows() -> tuple[dict, ...]:
         )
         mc = model_config(rc.model)
         training = dataclasses.replace(_training(rc, mc), attention="unfused")  # Megatron-LM 2021
-        plan = plan_layout(mc, _layout(rc), training, _hardware(rc), meta_param_counter(mc))
+        plan = plan_layout(mc, _layout(rc, mc), training, _hardware(rc), meta_param_counter(mc))
         ours = paper_flops(batch, layers, hidden) / plan.step["step_time_s"] / gpus / 1e12
         out.append(dict(size=size, tp=tp, pp=pp, gpus=gpus, batch=batch, published=published, ours=ours, plan=plan))
     return tuple(out)

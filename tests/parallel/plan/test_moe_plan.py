@@ -11,12 +11,11 @@ from parallel.layers.moe import MoELayer
 from parallel.plan.moe import (
     MoEShape,
     all_to_all_payload_bytes,
-    all_to_all_seconds,
-    expert_state_bytes_per_rank,
     flops_per_token,
     param_counts,
 )
 from parallel.testing import run_ranks
+from parallel.zero import theory as zero_theory
 
 
 def test_mixtral_8x7b_total_and_active_parameters():
@@ -40,6 +39,30 @@ def test_counts_equal_the_built_model(cfg):
     expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     n = param_counts(MoEShape.of(cfg))
     assert (n["total"], n["expert"]) == (total, expert)
+
+
+# the closed forms the planner's numbers are held against
+def expert_params_per_rank(shape: MoEShape, ep: int, pp: int = 1) -> float:
+    """Expert parameters one rank holds (``E / ep`` experts of its ``1/pp`` share of the MoE layers)."""
+    s = MoEShape.of(shape)
+    if s.moe_experts % ep:
+        raise ValueError(f"ep={ep} does not divide moe_experts={s.moe_experts}")
+    return param_counts(s)["expert"] / ep / pp
+
+
+def expert_state_bytes_per_rank(
+    shape: MoEShape, *, ep: int, dp: int, pp: int = 1, zero: int = 1, param_bytes: int = 2
+) -> float:
+    """Bytes of expert weights, fp32 gradients and AdamW states on one rank, sharded over ``edp = dp / ep``
+    as ZeRO ``zero`` shards them (:func:`parallel.zero.theory.model_state_bytes`)."""
+    if dp % ep:
+        raise ValueError(f"ep={ep} must divide dp={dp}")
+    return zero_theory.model_state_bytes(expert_params_per_rank(shape, ep, pp), zero, dp // ep, param_bytes)["total"]
+
+
+def all_to_all_seconds(payload_bytes: float, ep: int, bandwidth_bytes_per_s: float) -> float:
+    """Time to move ``payload_bytes`` of all-to-all over ``ep`` ranks: each sends ``(ep-1)/ep`` of it."""
+    return 0.0 if ep == 1 else payload_bytes * (ep - 1) / ep / bandwidth_bytes_per_s
 
 
 def test_expert_state_shrinks_with_ep_and_edp():
@@ -73,11 +96,11 @@ def test_all_to_all_bytes_equal_theory():
 
 # ------------------------------------------------------------------ plan_layout / recommend with experts
 def _plan(cfg, hw="a100_80gb", global_batch=64, **layout):
-    from parallel.plan import Layout, Training, hardware_profile, plan_layout
+    from parallel.plan import Training, hardware_profile, plan_layout, resolve
     from recipes.tools.plan import meta_param_counter
 
     tr = Training(global_batch=global_batch, micro_batch=1, checkpointing="full")
-    return plan_layout(cfg, Layout(**layout), tr, hardware_profile(hw), meta_param_counter(cfg))
+    return plan_layout(cfg, resolve(cfg, **layout), tr, hardware_profile(hw), meta_param_counter(cfg))
 
 
 def test_mixtral_8x7b_on_16_a100():

@@ -3,7 +3,7 @@
 import pytest
 
 from parallel.plan import ModelShape, PlanError, hardware_profile, model_state_bytes
-from parallel.plan.memory import korthikanti_layer_bytes, layer_activation_bytes
+from parallel.plan.memory import layer_activation_bytes
 from parallel.plan.traffic import AxisTraffic, dp_traffic, group_crosses_node
 
 GB = 1e9
@@ -118,6 +118,21 @@ def test_zero_padding_per_bucket():
     # a parameter larger than a bucket gets its own; without groups the whole rank is padded
     assert zero_padded_numel(StageParams(5, root=((30, 1), ())), 4, 8, 4) == 32 + 4
     assert zero_padded_numel(StageParams(10), 4, 8, 4) == 12
+
+
+def korthikanti_layer_bytes(
+    shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, checkpointing: str = "none"
+) -> float:
+    """Korthikanti et al. 2022 (Table 2), bytes per GPT layer in 16-bit with dropout: ``sbh(10 + 24/t + 5as/ht)``;
+    with sequence parallelism ``sbh/t·(34 + 5as/h)``; ``selective`` drops ``5as/h``; ``full`` keeps ``2sbh/t'``."""
+    s, b, h, a, t = shape.seq_len, micro_batch, shape.d_model, shape.n_heads, tp
+    sbh = s * b * h
+    if checkpointing == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    attention = 0.0 if checkpointing == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return sbh / t * (34 + attention)
+    return sbh * (10 + 24 / t + attention / t)
 
 
 @pytest.mark.parametrize("sp", [False, True])

@@ -16,6 +16,7 @@ from parallel.plan import (
     plan_layout,
     predicted_vs_measured,
     recommend,
+    resolve,
 )
 from parallel.plan.report import format_comparison
 
@@ -108,14 +109,14 @@ def test_bad_input_names_the_numbers():
     with pytest.raises(PlanError, match="zero=5"):
         check(SHAPE, Layout(zero=5), tr)
     with pytest.raises(PlanError, match="vpp=2 needs pp_schedule=interleaved"):
-        check(SHAPE, Layout(pp=2, vpp=2), tr)
+        check(SHAPE, resolve(SHAPE, pp=2, vpp=2), tr)
     with pytest.raises(
         PlanError,
         match=r"micro-batches per step \(global_batch 16 / \(micro_batch 2 × dp 1\) = 8\) to be a multiple of pp 3",
     ):
-        check(SHAPE, Layout(pp=3, vpp=2, schedule="interleaved", pp_layers=None), tr)
+        check(SHAPE, Layout(pp=3, vpp=2, schedule="interleaved"), tr)
     with pytest.raises(PlanError, match=r"Top-K compression needs ZeRO stage 0 .*got stage 2"):
-        check(SHAPE, Layout(dp=2, zero=2), dataclasses.replace(tr, compression="topk"))
+        check(SHAPE, resolve(SHAPE, dp=2, zero=2, compression="topk"), tr)
 
 
 def test_interleaving_shrinks_the_bubble():
