@@ -20,8 +20,7 @@ buffer            stages 0 / 1 / 2            stage 3
 Gradients accumulate in fp32 at every precision (Megatron's main gradient;
 :data:`parallel.zero.theory.GRAD_BYTES`). No buffer is zeroed per step: a step's
 first gradient of a slot is *written* (copied) into it and later micro-batches' are
-added (``written``; issue 34: the memset of every bucket was most of the
-single-process gap to plain PyTorch), and what no gradient reached (an unused
+added (``written``), and what no gradient reached (an unused
 parameter) is zeroed just before the buffer is sent or read. In fp32 :meth:`take_grad`
 (from the post-accumulate-grad hook) copies the first micro-batch's fresh ``.grad``
 into ``flat_grad`` and makes ``.grad`` its view, so autograd adds the later

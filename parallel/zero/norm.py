@@ -54,9 +54,8 @@ def local_sq_norm(grads: Sequence[torch.Tensor], ranges: Iterable[Sequence[tuple
     range is read as rows of :data:`NORM_CHUNK` elements (a view), each row's norm reduced in fp32
     (``vector_norm(dim=1)``, one kernel per range: ≤ ~1e-7 relative per row, and the rows' errors
     average out), and those norms squared and summed in fp64 (25 k values per 25 M elements). Tails
-    and short ranges go through one ``torch._foreach_norm``. One fp32 norm over a whole range (what
-    this replaced) drifts as the range grows: ~1e-5 relative at 1 M elements, ~1e-3 at 26 M (issue
-    34). Nothing is read on the host."""
+    and short ranges go through one ``torch._foreach_norm``. (One fp32 norm over a whole range drifts
+    as the range grows; docs/performance.md, issue 34.) Nothing is read on the host."""
     rows, short = [], []
     for g, rs in zip(grads, ranges):
         for a, b in rs:
