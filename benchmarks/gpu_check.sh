@@ -7,7 +7,9 @@
 #
 #   1. the suite's CUDA-capable tests (pytest -m cuda): ZeRO stages with fused AdamW on the device vs one CPU
 #      process, fused vs foreach AdamW, a one-rank trainer on the device vs the CPU (ZeRO-1, offload of the
-#      optimizer and of the parameters, ZeRO-3 unsharded accumulation, MoE);
+#      optimizer and of the parameters, ZeRO-3 unsharded accumulation, MoE); ring attention's blocks on the
+#      device (flash / memory-efficient / math kernels, chosen per dtype and head dim) vs fp64 full attention,
+#      with one block's time beside the math kernel's ($out/ring_kernels.json, printed after the step);
 #   2. the Quickstart's training command on the device (NCCL, one rank; its log shows the loss);
 #   3. mode=calibrate on the device for the ~1.1B GPT of step 4 (writes hardware.json);
 #   4. python -m benchmarks.gpu_mfu: the ~1.1B GPT in bf16 at several micro-batches and with full activation
@@ -22,6 +24,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${GPU_CHECK_OUT:-$(mktemp -d -t gridtrain-gpu-check-XXXX)}"
 mkdir -p "$out"
+export GPU_CHECK_OUT="$out"  # the tests that leave results write them here (ring_kernels.json)
 start=$SECONDS
 failed=()
 
@@ -45,7 +48,7 @@ if [[ "${GPU_CHECK_DRY:-0}" == 1 ]]; then
     export CUDA_VISIBLE_DEVICES=""  # every step takes its CPU path
     echo "GPU check: CPU dry run (GPU_CHECK_DRY=1): same steps, tiny models, no figures worth reading"
     # one of the marked tests proves the step runs; the whole suite (these tests included) runs on the CPU anyway
-    test_args=(-k fused_adamw_on_the_device_matches_foreach)
+    test_args=(-k "fused_adamw_on_the_device_matches_foreach or cuda_device_equal_full_attention")
     big=(model.n_layers=2 model.d_model=64 model.n_heads=4 model.seq_len=32 train.micro_batch=2 train.threads=1)
     quick=(train.max_steps=20 train.threads=1)
     mfu_args=()
@@ -66,8 +69,11 @@ else
     ckpt_args=(--d 1024 --layers 8 --seq 1024 --rounds 3)
 fi
 
-step "1/7 CUDA-capable tests" 300 python -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_ready.py \
-    "${test_args[@]}"
+step "1/7 CUDA-capable tests" 300 python -m pytest -q -p no:cacheprovider -m cuda \
+    tests/test_cuda_ready.py tests/parallel/layers/test_ring_kernels.py "${test_args[@]}"
+[[ -f "$out/ring_kernels.json" ]] && python -c "import json, sys; r = json.load(open(sys.argv[1])); \
+print('ring attention blocks:', {c['dtype'] + ' d=' + str(c['head_dim']): c['kinds'] for c in r['cases']}, \
+r['block_timing'])" "$out/ring_kernels.json"
 step "2/7 Quickstart training on the device" 180 python -m recipes.gpt_tiny "${quick[@]}" logger.progress=false \
     "hydra.run.dir=$out/quickstart"
 step "3/7 mode=calibrate" 180 python -m recipes.gpt_tiny mode=calibrate "${big[@]}" "hydra.run.dir=$out/calibrated"

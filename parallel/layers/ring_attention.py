@@ -18,10 +18,11 @@ Two ways to attend over the whole sequence:
   call per step (:func:`ring_block`): the causal mask's hidden quarters are never
   computed. Backward sends K/V around again (``cp−1`` hops) and the fp32 dK/dV
   accumulators with them (``cp−1`` hops: the owner keeps its own share and the rest
-  comes home on the last hop). Per block: torch's CPU flash kernel, which returns the
-  log-sum-exp and whose backward takes the merged output and log-sum-exp (exact fp32);
-  on other devices an exact fp32 math kernel in query-row tiles (a CUDA flash kernel
-  with the same contract is the drop-in, not done here).
+  comes home on the last hop). Per block (:mod:`.ring_kernels`, one dispatch for every device):
+  a torch SDPA kernel that returns the log-sum-exp and whose backward takes the merged output
+  and log-sum-exp — the CPU's flash kernel, on CUDA the flash kernel (fp16/bf16) or the
+  memory-efficient one (fp32 too) — and an exact fp32 math kernel in query-row tiles for what
+  they refuse (other devices, the dry run's meta tensors, head dims they do not take).
 * :func:`~parallel.layers.ulysses.ulysses_attention` — DeepSpeed-Ulysses (:mod:`.ulysses`): an all-to-all turns
   ``[b, h, s/cp, d]`` into ``[b, h/cp, s, d]`` for q, k and v, SDPA runs on whole
   sequences of ``h/cp`` heads, and an all-to-all turns the output back. Needs
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 
 from .. import comm
 from ..dims import CP_IMPLS, cp_seq_len_problem, ulysses_heads_problem
+from . import ring_kernels
 from .linear import LayerConfigError
 
 # ---------------------------------------------------------------- layout (pure)
@@ -168,68 +170,16 @@ def _fold_kv(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def flash_kernel(t: torch.Tensor) -> bool:
-    """Whether blocks on ``t``'s device use torch's flash kernel (the CPU's, which returns the LSE and
-    takes it back in backward); elsewhere the exact fp32 math kernel below."""
-    return t.device.type == "cpu"
-
-
-MATH_SCORE_ELEMENTS = 1 << 24  # the math kernel's fp32 score tiles hold at most this many elements (64 MiB)
-
-
-def _row_tiles(q: torch.Tensor, sk: int) -> list[int]:
-    """Query-row tile starts so that one ``[b, h, rows, sk]`` fp32 score tile stays under
-    :data:`MATH_SCORE_ELEMENTS` (the math kernel's memory is ``O(rows·sk)``, not ``O(s²)``)."""
-    b, h, sq, _ = q.shape
-    rows = max(1, MATH_SCORE_ELEMENTS // max(1, b * h * sk))
-    return list(range(0, sq, rows)) + [sq]
-
-
-def _tile_probs(q, k, lse, start, stop, causal, scale):
-    """``exp(S − lse)`` and the scores of query rows ``[start, stop)`` (fp32; causal: key j ≤ row i)."""
-    s = torch.matmul(q[:, :, start:stop].float(), k.float().transpose(-1, -2)) * scale
-    if causal:
-        rows = torch.arange(start, stop, device=s.device)[:, None]
-        s = s.masked_fill(torch.arange(k.shape[2], device=s.device)[None, :] > rows, float("-inf"))
-    if lse is None:
-        lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)), lse
-
-
 def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block: ``(out, fp32 log-sum-exp [b, h, sq])``. On the CPU, torch's flash kernel (fp32
-    accumulation); elsewhere exact fp32 math in query-row tiles (a flash kernel that returns the
-    LSE and takes it back is the drop-in there)."""
-    if flash_kernel(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    tiles = _row_tiles(q, k.shape[2])
-    outs, lses = [], []
-    for start, stop in zip(tiles, tiles[1:]):
-        p, lse = _tile_probs(q, k, None, start, stop, causal, scale)
-        outs.append(torch.matmul(p, v.float()).to(q.dtype))
-        lses.append(lse)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    """One block: ``(out, fp32 log-sum-exp [b, h, sq])``, by the kernel :func:`.ring_kernels.choose` picks
+    for it (CPU: torch's flash kernel; CUDA: torch's flash or memory-efficient kernel; else exact math)."""
+    return ring_kernels.attend(ring_kernels.choose(q, k, v, causal), q, k, v, causal, scale)
 
 
 def _attend_backward(do, q, k, v, out, lse, causal: bool, scale: float):
     """A block's ``dq, dk, dv`` given the *merged* output and log-sum-exp of all blocks (so that
     ``exp(S − lse)`` is this block's share of the softmax and ``rowsum(dO·O)`` the whole row's)."""
-    if flash_kernel(q):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
-    kf, vf = k.float(), v.float()
-    dq, dk, dv = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(kf), torch.zeros_like(vf)
-    tiles = _row_tiles(q, k.shape[2])
-    for start, stop in zip(tiles, tiles[1:]):
-        p, _ = _tile_probs(q, k, lse[:, :, start:stop], start, stop, causal, scale)
-        dof = do[:, :, start:stop].float()
-        dv += torch.matmul(p.transpose(-1, -2), dof)
-        delta = (dof * out[:, :, start:stop].float()).sum(-1, keepdim=True)
-        ds = p * (torch.matmul(dof, vf.transpose(-1, -2)) - delta) * scale
-        dq[:, :, start:stop] = torch.matmul(ds, kf)
-        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, start:stop].float())
-    return dq, dk, dv
+    return ring_kernels.attend_backward(ring_kernels.choose(q, k, v, causal), do, q, k, v, out, lse, causal, scale)
 
 
 def _merge(acc, out, lse):

@@ -18,12 +18,17 @@ buffer            stages 0 / 1 / 2            stage 3
 ================  ==========================  ===============================
 
 Gradients accumulate in fp32 at every precision (Megatron's main gradient;
-:data:`parallel.zero.theory.GRAD_BYTES`). In fp32 the parameters' ``.grad`` are
-views into ``flat_grad`` and autograd accumulates there. In bf16/fp16 autograd
-produces a 16-bit ``.grad`` per micro-batch; :meth:`take_grad` (from the
-post-accumulate-grad hook) adds it into ``flat_grad`` and drops it, so at most one
-micro-batch's 16-bit gradient of a parameter exists at a time. Stages 2–3 send
-each micro-batch's gradient and add the reduced shard into the fp32 ``grad_shard``.
+:data:`parallel.zero.theory.GRAD_BYTES`). No buffer is zeroed per step: a step's
+first gradient of a slot is *written* (copied) into it and later micro-batches' are
+added (``written``), and what no gradient reached (an unused
+parameter) is zeroed just before the buffer is sent or read. In fp32 :meth:`take_grad`
+(from the post-accumulate-grad hook) copies the first micro-batch's fresh ``.grad``
+into ``flat_grad`` and makes ``.grad`` its view, so autograd adds the later
+micro-batches there itself. In bf16/fp16 autograd produces a 16-bit ``.grad`` per
+micro-batch; :meth:`take_grad` writes or adds it into ``flat_grad`` and drops it, so at
+most one micro-batch's 16-bit gradient of a parameter exists at a time. Stages 2–3 send
+each micro-batch's gradient and write (first) or add the reduced shard into the fp32
+``grad_shard``.
 
 Collectives, all on the DP group through :mod:`parallel.comm`, gradients in
 ``comm_dtype`` (cast from the fp32 accumulation for the collective when it is
@@ -51,9 +56,9 @@ from .offload import host_copy, host_empty, to_device
 from .policy import policy
 
 
-def _zero_unwritten(flat: torch.Tensor, slots, written: list[bool]) -> None:
-    """Zero the parts of an uninitialised ``flat`` no gradient was copied into: the gaps and
-    padding between and after ``slots``, and the slots whose ``written`` is False."""
+def _zero_unwritten(flat: torch.Tensor, slots, written) -> None:
+    """Zero the parts of ``flat`` no gradient was written into this step: the gaps and
+    padding between and after ``slots``, and the slots whose ``written`` is false."""
     end = 0
     for slot, w in zip(slots, written):
         if not w:
@@ -106,10 +111,12 @@ class FlatBucket:
         self.grad_views = not pol.shards_grads and param_dtype == torch.float32  # .grad are views of flat_grad
         if not pol.shards_grads:
             self.flat_grad = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
-            for p, slot in zip(self.params, layout.slots) if self.grad_views else ():
-                p.grad = self.flat_grad[slot.offset : slot.end].view(slot.shape)
         else:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=device)
+        # no memset per step: the step's first gradient of a slot is written (copied), later ones added;
+        # what nothing wrote is zeroed just before it is read (:meth:`_settle`, :meth:`main_grad`)
+        self.written = bytearray(len(self.params))  # stages 0-1, per slot: written into flat_grad this step
+        self.shard_written = False  # stages 2-3: a reduced gradient was written into grad_shard this step
         self._stage1_shard = None
         self.keep_full = keep_full  # ZeRO-2/3, accumulate="unsharded": the full fp32 gradient until the step
         self.acc: torch.Tensor | None = None  # that full gradient, allocated at the first backward
@@ -124,8 +131,17 @@ class FlatBucket:
             self.free_params()
 
     # gradients ---------------------------------------------------------------
+    def _settle(self) -> None:
+        """Stages 0-1: zero the slots of ``flat_grad`` no gradient reached this step (unused
+        parameters, a step without backward), before the buffer is sent or read."""
+        if not all(self.written):  # (the padding is zeroed at construction and stays 0: collectives sum zeros)
+            _zero_unwritten(self.flat_grad, self.layout.slots, self.written)
+            self.written = bytearray(b"\x01" * len(self.params))
+
     def launch_reduction(self) -> None:
         """Start this bucket's gradient collective (asynchronously)."""
+        if self.flat_grad is not None:
+            self._settle()
         if self.compressor is not None:
             handle, gathered = self.compressor.start(self.flat_grad, self.group)
             self._pending = (handle, lambda: self.compressor.finish(gathered, self.flat_grad))
@@ -189,7 +205,11 @@ class FlatBucket:
             in_flat = self.flat_grad is not None and out.untyped_storage() is self.flat_grad.untyped_storage()
             self._stage1_shard = out if in_flat else out.clone()
         else:
-            self.grad_shard.add_(out.to(self.grad_shard.dtype))
+            if self.shard_written:
+                self.grad_shard.add_(out.to(self.grad_shard.dtype))
+            else:  # the step's first micro-batch: written, not added into zeros
+                self.grad_shard.copy_(out)
+                self.shard_written = True
 
     def finish_reduction(self) -> None:
         if self._pending is not None:
@@ -201,26 +221,37 @@ class FlatBucket:
     def take_grad(self, param, slot_index: int) -> None:
         """Stages 0–1, after autograd accumulated ``param.grad``: make ``flat_grad`` hold it.
 
-        16-bit parameters: add it into the fp32 ``flat_grad`` and drop it. fp32: if ``param.grad``
-        is no longer a view of ``flat_grad`` (the user set it to None, e.g. ``model.zero_grad()``),
-        take the fresh gradient in and re-point it."""
+        The step's first gradient of the slot is copied into ``flat_grad`` (no memset of the buffer
+        and no add into zeros: ``zero_grad`` left ``param.grad`` None, so autograd handed over its
+        fresh gradient); later ones are added. 16-bit parameters: ``param.grad`` is then dropped.
+        fp32: ``param.grad`` becomes the slot's view of ``flat_grad`` and autograd adds the later
+        micro-batches there itself; a ``param.grad`` that is no longer that view (the user set it to
+        None, e.g. ``model.zero_grad()``) is taken in afresh."""
         grad = param.grad
         if grad is None:
             return
         slot = self.layout.slots[slot_index]
+        first = not self.written[slot_index]
         if not self.grad_views:
-            self.flat_grad[slot.offset : slot.end].add_(grad.reshape(-1))
+            view = self.flat_grad[slot.offset : slot.end]
+            if first:
+                view.copy_(grad.reshape(-1))
+            else:
+                view.add_(grad.reshape(-1))
+            self.written[slot_index] = 1
             param.grad = None
             return
         # runs per parameter per micro-batch: compare storage and offset before building any view
         # (not data_ptr: it is 0 for every meta tensor, the dry run's)
         if (
-            grad.untyped_storage() is self.flat_grad.untyped_storage()
+            not first
+            and grad.untyped_storage() is self.flat_grad.untyped_storage()
             and grad.storage_offset() == self.flat_grad.storage_offset() + slot.offset
         ):
             return
         view = self.flat_grad[slot.offset : slot.end]
         view.copy_(grad.reshape(-1))
+        self.written[slot_index] = 1
         param.grad = view.view(slot.shape)
 
     def has_unreduced_grads(self) -> bool:
@@ -231,10 +262,14 @@ class FlatBucket:
     def main_grad(self) -> torch.Tensor:
         """This rank's reduced gradient (sum over DP) of the range it steps, in fp32."""
         if not self.policy.shards_optimizer:
+            self._settle()  # a no-op after the reduction (it settled the buffer before sending)
             g = self.flat_grad
         elif not self.policy.shards_grads:  # the reduce-scatter's shard, kept until the step
             g = self._stage1_shard
         else:
+            if not self.shard_written:  # no reduce-scatter reached the shard this step
+                self.grad_shard.zero_()
+                self.shard_written = True
             g = self.grad_shard
         return g if g.dtype == torch.float32 else g.float()
 
@@ -246,11 +281,12 @@ class FlatBucket:
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
-        if self.flat_grad is not None:
-            self.flat_grad.zero_()
-        if self.grad_shard is not None:
-            self.grad_shard.zero_()
-        for p in self.params if not self.grad_views else ():
+        # no memset: the next step writes each slot's first gradient (``written``, ``shard_written``);
+        # an fp32 ``.grad`` view of flat_grad is dropped too, so that autograd hands over its fresh
+        # gradient instead of adding it into this step's values
+        self.written = bytearray(len(self.params))
+        self.shard_written = False
+        for p in self.params:
             p.grad = None
         self._stage1_shard = None
         self.acc = None  # unsharded accumulation: a step abandoned mid-accumulation leaves nothing behind

@@ -84,7 +84,7 @@ from .compression import TopKCompressor
 from .config import ZeroConfig
 from .grads import GradientSync
 from .layout import ZeroConfigError, plan_buckets
-from .norm import clip_coefficient, counted_ranges, global_norm, local_sq_norm
+from .norm import clip_coefficient, counted_ranges, global_norm, global_sq_norm, local_sq_norm
 from .offload import HostCopier, host_step
 from .packing import extra_reduce as packing_extra_reduce
 from .policy import policy
@@ -300,7 +300,7 @@ class ZeroDataParallel(GradientSync, StateDictMixin, nn.Module):
             local = local_sq_norm(grads, [b.norm_ranges for b in self.buckets])
             if self.expert_norm_group is not None and any(b.expert for b in self.buckets):  # stage 0 MoE:
                 expert = local_sq_norm(grads, [b.norm_ranges if b.expert else [] for b in self.buckets])
-                local = local - expert + global_norm(expert, [self.expert_norm_group]).square()  # + other ep ranks'
+                local = local - expert + global_sq_norm(expert, [self.expert_norm_group])  # + other ep ranks'
             norm = global_norm(local, self.norm_groups)
             found_inf = ~torch.isfinite(norm)
             coef = clip_coefficient(norm, self.grad_clip)

@@ -69,10 +69,10 @@ def _cp_rank(cases, s):
 
 @pytest.mark.parametrize("cp, kernel", [(2, "flash"), (4, "flash"), (2, "math")])
 def test_cp_attention_equals_full_sdpa(cp, kernel, monkeypatch):
-    ring = importlib.import_module("parallel.layers.ring_attention")  # the module (the package exports the function)
-    if kernel == "math":  # the kernel used off the CPU, checked here (the ranks inherit the patch)
-        monkeypatch.setattr(ring, "flash_kernel", lambda t: False)
-        monkeypatch.setattr(ring, "MATH_SCORE_ELEMENTS", 100)  # several query-row tiles per block
+    kernels = importlib.import_module("parallel.layers.ring_kernels")
+    if kernel == "math":  # the fallback of every device, checked here (the ranks inherit the patch)
+        monkeypatch.setattr(kernels, "block_kernel", lambda *a, **k: "math")
+        monkeypatch.setattr(kernels, "MATH_SCORE_ELEMENTS", 100)  # several query-row tiles per block
     s = 8 * cp
     for rank_results in run_ranks(_cp_rank, cp, CASES, s, timeout=120):
         assert len(rank_results) >= 5
