@@ -4,9 +4,11 @@
 here: the recipe process becomes the launcher and starts ``nproc`` workers
 exactly as ``torchrun --standalone --nproc-per-node nproc`` would (c10d
 rendezvous on a free local port, the torchrun environment in every worker).
-If a worker raises, the launcher stops the others and raises
+If a worker raises or dies, the launcher stops the others and raises
 ``ChildFailedError`` carrying the failing rank's traceback (workers wrap their
-entry point in ``torch.distributed.elastic.multiprocessing.errors.record``).
+entry point in ``torch.distributed.elastic.multiprocessing.errors.record``);
+torch's own log lines about it are silenced, the caller reports it once
+(:func:`launch.failures.failure_report`).
 
 SIGTERM or SIGINT to the launcher is *forwarded* to the workers as SIGTERM and
 the launcher keeps waiting for them: they save a checkpoint at the end of their
@@ -140,6 +142,26 @@ def forward_signals_to_workers() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+#: torch's loggers that report a failed worker (a log line per survivor stopped, the failure's
+#: traceback); the caller reports the failure itself (``launch.failures``), once
+FAILURE_LOGGERS = ("torch.multiprocessing.spawn", "torch.distributed.elastic.multiprocessing.api")
+
+
+@contextlib.contextmanager
+def _quiet_failure_logs() -> Iterator[None]:
+    import logging
+
+    loggers = [logging.getLogger(name) for name in FAILURE_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def _launch(entrypoint, nproc, args, run_id, max_restarts, rdzv_timeout_s) -> dict[int, Any]:
     config = LaunchConfig(
         min_nodes=1,
@@ -154,4 +176,5 @@ def _launch(entrypoint, nproc, args, run_id, max_restarts, rdzv_timeout_s) -> di
         start_method="spawn",
         signals_to_handle=TORCH_HANDLES,
     )
-    return elastic_launch(config, entrypoint)(*args)
+    with _quiet_failure_logs():
+        return elastic_launch(config, entrypoint)(*args)

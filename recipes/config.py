@@ -79,6 +79,9 @@ class TrainConfig:
     ckpt_async: bool = True  # stage to host memory, write in a background thread (docs/checkpoint.md)
     fault: Optional[str] = None  # fault drill: "<kind>@<rank>:<step>" (kinds: recipes/training/checkpointing.py)
     threads: int = 0  # intra-op threads per rank on CPU; 0: cores / local ranks
+    # run faults (issue 28): divergence, the run lock (recipes/training/divergence.py, runlock.py)
+    max_skipped_steps: int = 10  # more inf/NaN steps in a row than this: stop, exit 3 (0: never stop)
+    lock_wait_s: float = 30.0  # a dead launcher's workers still running: wait this long for them to end
 
 
 @dataclass

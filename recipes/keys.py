@@ -70,6 +70,14 @@ def check_values(cfg: Any) -> None:
     )
     _number("train.grad_clip", t.grad_clip, lo=0, fix="a global-norm bound like train.grad_clip=1.0; 0 disables")
     _number("train.sigterm_grace_s", t.sigterm_grace_s, lo=0, lo_open=True, fix="e.g. train.sigterm_grace_s=60")
+    _number(
+        "train.max_skipped_steps",
+        t.max_skipped_steps,
+        lo=0,
+        integer=True,
+        fix="inf/NaN steps in a row before the run stops, e.g. train.max_skipped_steps=10; 0 never stops",
+    )
+    _number("train.lock_wait_s", t.lock_wait_s, lo=0, fix="e.g. train.lock_wait_s=30 (0: do not wait)")
     _number("comm.bucket_mb", c.bucket_mb, lo=0, lo_open=True, fix="e.g. comm.bucket_mb=25")
     _number(
         "data.val_fraction",

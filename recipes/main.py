@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import sys
 import time
 import traceback
@@ -35,7 +36,9 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from launch.failures import failure_report
 from launch.local import LocalWorldError, check_local_world, spawn_local, under_torchrun
 
 from .config import ConfigError, Layout, RecipeConfig
@@ -102,25 +105,93 @@ def _typed(cfg: DictConfig) -> RecipeConfig:
     return OmegaConf.to_object(cfg)
 
 
+#: how long a rank that raised waits before it exits (see :func:`worker`); the launcher polls every 0.1 s
+FAILED_RANK_LINGER_S = 2.0
+
+
 def worker(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[str, Any]:
-    """Entry point of one spawned or torchrun-launched rank (``layout``: this process validated already)."""
+    """Entry point of one spawned or torchrun-launched rank (``layout``: this process validated already).
+
+    A rank that raises has its traceback written to torchelastic's error file (``record``), which the
+    launcher reports once (``launch.failures``); it then leaves with status 1 through ``os._exit``, since an
+    interpreter teardown with gloo's threads still running aborts (SIGABRT), which would hide the exception.
+    It leaves :data:`FAILED_RANK_LINGER_S` late: torch's launcher names the first rank it finds dead, and a
+    survivor whose collective failed because a peer was killed must not be found before that peer."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from .training.trainer import train
 
-    return record(train)(rc, run_dir, layout)
+    try:
+        return record(train)(rc, run_dir, layout)
+    except Exception:
+        if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            raise  # nobody reads an error file: the traceback goes to stderr as usual
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(FAILED_RANK_LINGER_S)
+        os._exit(1)
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """Print ``message`` (an ``error: ...`` line) as the last line of stderr and exit ``code`` (in a
+    Hydra multirun: fail this job only, so the sweep goes on and ends with its table)."""
+    print(message, file=sys.stderr, flush=True)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise JobFailed(code, message.removeprefix("error: ")) from None
+    raise SystemExit(code)
 
 
 def refuse(e: Exception) -> NoReturn:
-    """Print ``error: <message>`` as the last line of stderr and exit 2 (in a Hydra multirun: fail
-    this job only, so the sweep goes on and ends with its table). ``GRIDTRAIN_DEBUG=1`` also
-    prints the traceback."""
+    """Print ``error: <message>`` as the last line of stderr and exit 2 (see :func:`fail`).
+    ``GRIDTRAIN_DEBUG=1`` also prints the traceback."""
     if os.environ.get("GRIDTRAIN_DEBUG", "") not in ("", "0"):
         traceback.print_exception(e)
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        raise JobFailed(2, str(e)) from None
-    raise SystemExit(2)
+    fail(f"error: {e}", 2)
+
+
+_NOT_REPEATED = ("train.resume", "train.fault", "hydra.run.dir")  # a resume command sets or drops these
+
+
+def resume_command(run_dir: str) -> str:
+    """The command line that continues this run: the same recipe and overrides, ``train.resume=auto``
+    in the same directory (a fault drill, ``train.fault``, is not repeated)."""
+    hc = HydraConfig.get()
+    keep = [o for o in [*hc.overrides.hydra, *hc.overrides.task] if o.lstrip("+~").split("=")[0] not in _NOT_REPEATED]
+    keep = [o for o in keep if not o.startswith(("hydra.mode=", "hydra/"))]
+    words = ["python", "-m", f"recipes.{hc.job.config_name}", *keep, "train.resume=auto", f"hydra.run.dir={run_dir}"]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _fresh_run_dir() -> bool:
+    """This run's directory is a new timestamped one (no ``hydra.run.dir``, no torchrun/Slurm job id)."""
+    hc = HydraConfig.get()
+    given = any(o.lstrip("+").startswith("hydra.run.dir=") for o in hc.overrides.hydra)
+    return hc.mode == RunMode.RUN and not given and not os.environ.get("SLURM_JOB_ID")
+
+
+def _before_workers(rc: RecipeConfig, layout: Layout, run_dir: str, *, rank: int = 0, world: int = 1) -> None:
+    """What reads the machine and files before any worker or collective: ``train.resume=auto``'s
+    target, preflight, the data's size (a warning); notes on rank 0 only."""
+    from .training.autoresume import resolve_auto
+    from .training.data import batch_shortfalls
+    from .training.preflight import preflight
+
+    fresh = not under_torchrun() and _fresh_run_dir()
+    note = resolve_auto(rc, run_dir, recipe=HydraConfig.get().job.config_name, fresh=fresh)
+    if note and rank == 0:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    preflight(rc, layout, run_dir, rank=rank, world=world)
+    for warning in batch_shortfalls(rc, layout.model.seq_len) if rank == 0 else ():
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _ended(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run the divergence policy stopped: its one line, exit 3 (on every torchrun rank; rank 0 prints)."""
+    if summary.get("stopped"):
+        if _is_rank0():
+            fail(f"error: {summary['stopped']}", summary["exit_code"])
+        raise SystemExit(summary["exit_code"])
+    return summary
 
 
 def task(cfg: DictConfig) -> dict[str, Any] | None:
@@ -160,19 +231,24 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
                 )
                 raise SystemExit(1)
             return found
-        from .training.preflight import preflight
-
         if under_torchrun():  # every rank, before any collective: a clean message everywhere
-            layout = validate(rc, world_size=int(os.environ["WORLD_SIZE"]))
-            preflight(rc, layout, run_dir, rank=int(os.environ.get("RANK", "0")), world=int(os.environ["WORLD_SIZE"]))
-            return worker(rc, run_dir, layout)  # validate() runs once per process
+            world = int(os.environ["WORLD_SIZE"])
+            layout = validate(rc, world_size=world)
+            _before_workers(rc, layout, run_dir, rank=int(os.environ.get("RANK", "0")), world=world)
+            return _ended(worker(rc, run_dir, layout))  # validate() runs once per process
         layout = validate(rc, world_size=None)
         check_local_world(layout.world_size, oversubscribe=rc.parallel.oversubscribe)  # cheapest first
-        preflight(rc, layout, run_dir)
+        _before_workers(rc, layout, run_dir)
     except (ConfigError, LocalWorldError) as e:
         refuse(e)
-    results = spawn_local(worker, layout.world_size, rc, run_dir)
-    summary = results[0]
+    try:
+        results = spawn_local(worker, layout.world_size, rc, run_dir)
+    except ChildFailedError as e:  # a rank raised or died: its traceback, then one line saying how to go on
+        trace, line = failure_report(e, run_dir, resume_command(run_dir))
+        if trace:
+            print(trace, file=sys.stderr)
+        fail(line, 1)
+    summary = _ended(results[0])
     loss = summary.get("final_loss")
     print(
         f"done: {summary.get('steps')} steps"

@@ -294,6 +294,33 @@ class TokenDataset:
         return [(cp_slice(x, cp, cp_rank), cp_slice(y, cp, cp_rank)) for x, y in mbs]
 
 
+def batch_shortfalls(rc, seq_len: int) -> list[str]:
+    """Warnings for the splits the run reads that hold fewer tokens than one global batch's windows
+    (``train.global_batch × (seq_len + 1)``): such a run trains (windows are drawn anywhere in the
+    split), but every batch repeats tokens. Reads file sizes only; a split that cannot be opened is
+    :func:`recipes.training.preflight.check_data`'s to refuse."""
+    d, t = rc.data, rc.train
+    try:
+        path = embedded_corpus(d.embedded_mb, d.val_fraction) if d.source == "embedded" else Path(d.path)
+        meta = read_meta(path)
+    except (DataError, OSError, TypeError):
+        return []
+    need = t.global_batch * window_tokens(seq_len)
+    out = []
+    for split in ["train", "val"] if t.eval_every else ["train"]:
+        try:
+            have = split_tokens(path, split, meta).size
+        except (DataError, OSError):
+            continue
+        if have < need:
+            out.append(
+                f"the {split} split ({path / (split + '.bin')}) holds {have:,} tokens, fewer than one global batch "
+                f"of train.global_batch {t.global_batch} × (model.seq_len {seq_len} + 1) = {need:,}: every batch "
+                f"repeats tokens (its windows overlap); use more data, or a smaller train.global_batch or model.seq_len"
+            )
+    return out
+
+
 def open_data(
     source: str,
     path: str | None,

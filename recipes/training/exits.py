@@ -8,9 +8,23 @@ finished job into a failed one. :func:`finish_distributed` ends the job in order
 a real barrier (an all-reduce followed by a host read, so under NCCL too the host
 waits until every rank has issued and completed every collective), then
 ``destroy_process_group`` on every rank.
+
+The exit statuses a run ends with: 0 (done, or stopped by a signal with a checkpoint), 1 (a rank
+failed: the launcher names it, :mod:`launch.failures`), 2 (bad input, refused before any worker),
+:data:`EXIT_DIVERGED` (the divergence policy stopped it, :mod:`recipes.training.divergence`),
+:data:`EXIT_ORPHANED` (a worker whose launcher died; nobody waits for that status).
+
+:class:`LauncherWatch`: a worker whose launcher died (``kill -9`` of the self-spawning launcher,
+or of torchrun's agent) stops at the end of its current step without saving again, instead of
+training on (and publishing checkpoints) into a directory a new run may want.
 """
 
 from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -33,3 +47,46 @@ def finish_distributed(device: torch.device, *, owned: bool = True) -> bool:
         done.item()  # host read: the collective completed on this rank, so every rank reached it
     dist.destroy_process_group()
     return True
+
+
+EXIT_DIVERGED = 3
+EXIT_ORPHANED = 4
+_PR_SET_PDEATHSIG = 1  # prctl(2), Linux
+
+
+class LauncherWatch:
+    """Notices that this worker's launcher (its parent process) is gone.
+
+    Built at the start of training in a launched worker (``launched``: under the self-spawn or
+    torchrun); elsewhere (a test harness's ranks) it never fires. It asks the kernel for SIGTERM when
+    the parent dies (Linux ``PR_SET_PDEATHSIG``; the self-spawn's workers already get SIGINT from
+    torch), which wakes a rank blocked in a collective through the pre-emption watchdog, and
+    :meth:`gone` compares the parent pid with the one at start (a dead parent's children are
+    re-parented): one ``getppid`` system call, no host read, no collective.
+    """
+
+    def __init__(self, launched: bool):
+        self.parent = os.getppid() if launched else None
+        if launched and sys.platform.startswith("linux"):
+            try:
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            except (OSError, AttributeError):
+                pass
+            if os.getppid() != self.parent:  # it died before the request took effect
+                self.parent = -1
+
+    def gone(self) -> bool:
+        return self.parent is not None and os.getppid() != self.parent
+
+    def stop(self, rank: int, step: int) -> None:
+        """Leave at once without saving or a final barrier (the launcher's store is gone with it):
+        rank 0 says so in one line."""
+        if rank == 0:
+            print(
+                f"error: the launcher (pid {self.parent}) is gone: every rank stops after step {step} without "
+                f"saving; the last published checkpoint stays the newest",
+                file=sys.stderr,
+                flush=True,
+            )
+        sys.stdout.flush()
+        os._exit(EXIT_ORPHANED)

@@ -123,6 +123,11 @@ def time_report(trainer, measured_s: float, read: bool = True) -> str | None:
     backward cannot hide, the optimizer step."""
     if trainer.rank != 0:
         return None
+    if (gpu := gpu_profile_on_cpu(trainer.rc, trainer.device)) is not None:
+        return (
+            f"step time: measured {measured_s:.3f} s (no prediction: plan.hardware={gpu} is a GPU's profile and "
+            f"this run is on the CPU; run mode=calibrate for a prediction, then plan.hardware=<its file>)"
+        )
     try:
         from ..tools.plan import plan_from_config
 
@@ -130,6 +135,19 @@ def time_report(trainer, measured_s: float, read: bool = True) -> str | None:
     except (ValueError, KeyError) as e:
         return f"step time: measured {measured_s:.3f} s (no prediction: {e})"
     return format_time_comparison(plan, measured_s, read)
+
+
+def gpu_profile_on_cpu(rc, device: torch.device) -> str | None:
+    """The stock GPU profile ``plan.hardware`` names when the run is on the CPU (None otherwise):
+    a prediction for an A100 says nothing about this machine. A calibrated file, a profile of the
+    user's own (``plan.profiles``) or the stock ``cpu`` profile is taken as meant."""
+    from parallel.plan.hardware import ALIASES, PROFILES
+
+    name = str(rc.plan.hardware).lower()
+    name = ALIASES.get(name, name)
+    if device.type != "cpu" or name in {k.lower() for k in (rc.plan.profiles or {})}:
+        return None
+    return rc.plan.hardware if name in PROFILES and PROFILES[name].name != "cpu" else None
 
 
 def format_time_comparison(plan, measured_s: float, read: bool = True) -> str:

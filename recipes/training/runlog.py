@@ -170,11 +170,36 @@ class RunLogger:
         else:
             print(text, flush=True)
 
+    def warn(self, text: str) -> None:
+        """``warning: <text>`` on stderr (beside the bar, if one is drawn); rank 0 only."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(f"warning: {text}", file=sys.stderr)
+        else:
+            print(f"warning: {text}", file=sys.stderr, flush=True)
+
+    def drop_rows_after(self, step: int) -> int:
+        """Remove the rows of ``metrics.jsonl`` logged after ``step`` (a resumed run logs those steps
+        again: no step appears twice); returns how many were dropped. Rewritten atomically."""
+        if not self.enabled:
+            return 0
+        path = self.run_dir / "metrics.jsonl"
+        self._metrics.close()
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _row_step(line) <= step]
+        if len(kept) < len(lines):
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+        self._metrics = open(path, "a", buffering=1)
+        return len(lines) - len(kept)
+
     def log(self, record: dict[str, Any], *, advance: int = 0) -> None:
         """Append one JSON line (and send it to wandb); move the bar by ``advance`` steps."""
         if not self.enabled:
             return
-        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.write(json_line(record))
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
         shown = {k: _fmt(record[k]) for k in SHOWN if k in record}
@@ -201,6 +226,24 @@ class RunLogger:
             self._metrics.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """``record`` as one line of strict JSON: an inf/NaN number becomes ``null`` and its key is
+    listed under ``"nonfinite"`` (JSON has no NaN; Python's ``json`` would write a bare ``NaN``)."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        record = {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
+    return json.dumps(record, allow_nan=False) + "\n"
+
+
+def _row_step(line: str) -> float:
+    """The step of a ``metrics.jsonl`` line (a line that is not a row with a step: kept, as step 0)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return 0
+    return step if isinstance(step, (int, float)) else 0
 
 
 def _fmt(v: Any) -> str:

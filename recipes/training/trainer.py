@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
+from parallel.checkpoint import latest_checkpoint
 from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
 from parallel.layers import check_token_ids_together
@@ -32,9 +33,10 @@ from parallel.topology import Topology
 
 from ..config import Layout, RecipeConfig
 from ..validation import validate
-from . import checkpointing
+from . import checkpointing, runlock
 from .data import open_data
-from .exits import finish_distributed
+from .divergence import SkipWatch, stop_message
+from .exits import EXIT_DIVERGED, LauncherWatch, finish_distributed
 from .gpt_engine import build_gpt_engine
 from .prefetch import Prefetcher
 from .profiling import StepProfiler, profile_steps
@@ -149,22 +151,29 @@ class Trainer:
         return checkpointing.load(self, ckpt)
 
 
-def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[str, Any]:
-    """Run a whole training job as this rank; return a summary (rank 0's is the job's).
-    ``layout``: :func:`recipes.validation.validate`'s result for this world, if the caller has it."""
-    trainer = Trainer(rc, run_dir, layout)
-    is_rank0 = trainer.rank == 0
-    t = rc.train
+def _report_first_steps(trainer, log: RunLogger, step: int, first: int, step_t0: float, read: bool) -> None:
+    """The first step's memory table and the second's step time beside the planner's (collective
+    on the first step: every rank calls this every step)."""
+    if step == first and (report := memory_report(trainer)):
+        log.info(report)
+    if step == first + 1:  # a steady step against the planner's time (reports.time_report)
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)
+        if report := time_report(trainer, time.perf_counter() - step_t0, read):  # like with like
+            log.info(report)
+
+
+def _open_log(trainer, rc: RecipeConfig, run_dir: str) -> RunLogger:
     log = RunLogger(
         run_dir,
-        enabled=is_rank0,
-        total_steps=t.max_steps,
+        enabled=trainer.rank == 0,
+        total_steps=rc.train.max_steps,
         progress=rc.logger.progress,
         wandb_mode=rc.logger.wandb,
         wandb_project=rc.logger.project,
         config=OmegaConf.to_container(OmegaConf.structured(rc)),
     )
-    if is_rank0:
+    if trainer.rank == 0:
         OmegaConf.save(OmegaConf.structured(rc), Path(run_dir) / "config.yaml")
         per_node = (
             rc.parallel.gpus_per_node
@@ -172,19 +181,54 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             else int(os.environ.get("LOCAL_WORLD_SIZE", trainer.topology.world_size))
         )
         log.info(trainer.topology.describe(per_node, device=trainer.device.type))
+    return log
+
+
+def _resume(trainer, log: RunLogger, resume: str | None, run_dir: str) -> None:
+    """``train.resume``: load the checkpoint it finds; a resumed run's ``metrics.jsonl`` loses the rows
+    logged after that step (by the attempt that died), which it logs again: no step appears twice."""
+    resume_from = checkpointing.find_resume_point(resume, run_dir)
+    if resume_from is not None:
+        log.info(f"resuming from {resume_from} (step {trainer.load_state_dict(resume_from)})")
+        log.advance(trainer.step)
+    if resume and (dropped := log.drop_rows_after(trainer.step)):
+        log.info(f"metrics.jsonl: dropped {dropped} row(s) after step {trainer.step}, logged before the restart")
+
+
+def _save_or_hold(saver, log: RunLogger, skips: SkipWatch, trainer, on_written, preempted: bool) -> None:
+    """A due checkpoint, unless the latest step was skipped (then its weights give inf/NaN gradients:
+    the previous checkpoint stays the newest). A pre-emption saves regardless: nothing is lost."""
+    if skips.holds_save and not preempted:
+        log.warn(
+            f"the checkpoint of step {trainer.step} is not written: the last {skips.streak} step(s) were skipped "
+            f"(inf/NaN gradients); the previous checkpoint stays the newest"
+        )
+        return
+    path = saver.save(on_written=on_written)
+    log.info(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
+
+
+def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[str, Any]:
+    """Run a whole training job as this rank; return a summary (rank 0's is the job's).
+    ``layout``: :func:`recipes.validation.validate`'s result for this world, if the caller has it.
+    A run the divergence policy stopped returns ``stopped`` (the reason, with the checkpoint to go
+    back to) and ``exit_code``; a worker whose launcher died leaves at once (exits.LauncherWatch)."""
+    trainer = Trainer(rc, run_dir, layout)
+    t = rc.train
+    launched = "LOCAL_RANK" in os.environ  # a worker of the self-spawn or of torchrun (not a test's rank)
+    launcher = LauncherWatch(launched)
+    if launched:
+        runlock.register_worker(run_dir, trainer.rank)  # the run lock covers this process too
+    log = _open_log(trainer, rc, run_dir)
     tokens_per_step = t.global_batch * trainer.model_cfg.seq_len
     peak = rc.logger.peak_tflops or (measured_matmul_tflops() if trainer.device.type == "cpu" else None)
     world = trainer.topology.world_size
     last: dict[str, Any] = {}
-    # --- checkpoint: resume, pre-emption (recipes/training/checkpointing.py) ---
-    resume_from = checkpointing.find_resume_point(t.resume, run_dir)
-    if resume_from is not None:
-        log.info(f"resuming from {resume_from} (step {trainer.load_state_dict(resume_from)})")
-        log.advance(trainer.step)
+    _resume(trainer, log, t.resume, run_dir)  # checkpoint: resume (recipes/training/checkpointing.py)
     preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
     saver = checkpointing.Saver(trainer)  # train.ckpt_async: saves written in the background
-    preempted = False
-    # --- end checkpoint ---
+    skips = SkipWatch(t.max_skipped_steps, trainer.device, lr=rc.optim.lr, grad_clip=t.grad_clip, precision=t.precision)
+    preempted, stopped = False, None
     profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
     try:
         first = trainer.step  # 0, or the step a resumed checkpoint continues from
@@ -206,16 +250,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             else:
                 rec = trainer.train_step(step, measure_memory=step == first, read=read)
             profiler.after(step + 1)
-            if step == first:
-                report = memory_report(trainer)
-                if report:
-                    log.info(report)
-            if step == first + 1:  # a steady step against the planner's time (reports.time_report)
-                if trainer.device.type == "cuda":
-                    torch.cuda.synchronize(trainer.device)
-                report = time_report(trainer, time.perf_counter() - step_t0, read)  # like with like
-                if report:
-                    log.info(report)
+            _report_first_steps(trainer, log, step, first, step_t0, read)
+            skips.after_step(rec)  # the divergence policy's counts, on the device (no host read)
             rec["step"] = step + 1
             window_steps += 1
             if read:  # the device has done every step since the last read: wall time is its time
@@ -225,25 +261,34 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                 if peak:
                     rec["mfu"] = model_tflops_per_device(rec["tokens_per_s"], trainer.model_cfg, world) / peak
                 rec.update(trainer.train_data.metrics(step + 1, t.global_batch))
-                rec.update(moe_metrics(trainer.engine.model))  # router loss, tokens per expert (one host read)
+                rec.update(moe_metrics(trainer.engine.model))  # MoE: router loss, tokens per expert, dropped
             if eval_due:
                 rec["val_loss"] = trainer.evaluate()
             last = rec
             log.advance()
+            trainer.step = step + 1
             if read:
                 log.log(rec)
+                verdict = skips.check(trainer.step, rec)  # every rank: the same numbers, the same verdict
+                for warning in verdict.warnings:
+                    log.warn(warning)
+                if verdict.stop:  # before any save: the last good checkpoint stays the newest
+                    stopped = verdict.stop
+                    break
             # --- checkpoint: periodic / final save, SIGTERM → save and stop ---
-            trainer.step = step + 1
             preempted = preemption.poll()  # every step, no host wait: agreed by all ranks one step late
+            if launcher.gone():  # its launcher was killed: no save, no barrier with its dead store
+                launcher.stop(trainer.rank, trainer.step)
             if (done := saver.poll()) is not None:  # raises a failed background save here, at once
                 log.info(f"checkpoint {done} published")
             if save_due or preempted:
-                path = saver.save(  # the drill's step is bound now: a background writer calls it later
-                    on_written=lambda at=trainer.step: checkpointing.fault_drill(
-                        t.fault, trainer.rank, at, where="save"
-                    ),
-                )
-                log.info(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
+
+                def on_written(at=trainer.step):  # the drill's step is bound now: a background writer calls it later
+                    checkpointing.fault_drill(t.fault, trainer.rank, at, where="save")
+                    if launcher.gone():  # written, not published: a dead launcher's job publishes nothing
+                        launcher.stop(trainer.rank, trainer.step)
+
+                _save_or_hold(saver, log, skips, trainer, on_written, preempted)
             if preempted:
                 if not read:  # an unlogged step computed no norm: log what it has, no nulls. Every rank
                     # reads (the loss's reduction is collective; `preempted` is agreed by all ranks)
@@ -261,10 +306,14 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             part.close()
     last = read_stats(last)  # the last step was read, or reduced by the pre-emption log: no collective here
     finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/training/exits.py)
-    return {
+    summary = {
         "final_loss": last.get("loss"),
         "val_loss": last.get("val_loss"),
         "steps": trainer.step,
         "run_dir": str(run_dir),
         "preempted": preempted,
     }
+    if stopped:  # the launcher (or, under torchrun, every rank) prints it as the last line and exits non-zero
+        latest = latest_checkpoint(checkpointing.checkpoint_root(run_dir))
+        summary.update(stopped=stop_message(stopped, trainer.step, latest, t.ckpt_every), exit_code=EXIT_DIVERGED)
+    return summary

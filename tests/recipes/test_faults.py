@@ -90,14 +90,19 @@ def launch(args, timeout):
     return done, time.perf_counter() - t0
 
 
-@pytest.mark.parametrize(
-    "kind, says", [("raise", "fault drill: rank 1 raises at step 2"), ("kill", "Signal 9 (SIGKILL)")]
-)
-def test_failing_rank_ends_the_self_spawned_job_naming_it(tmp_path, kind, says):
-    args = [sys.executable, "-m", "recipes.gpt_tiny", *cli_overrides(tmp_path, max_steps=50, fault=f"{kind}@1:2")]
+def test_failing_rank_ends_the_self_spawned_job_naming_it(tmp_path):
+    """A rank that raises: its traceback once (not the survivors'), then one line naming it and how to go
+    on (a rank killed by a signal: tests/recipes/test_dead_worker.py, with a real kill -9)."""
+    args = [sys.executable, "-m", "recipes.gpt_tiny", *cli_overrides(tmp_path, max_steps=50, fault="raise@1:2")]
     done, _ = launch(args, timeout=120)  # the timeout is the hang guard
-    assert done.returncode != 0
-    assert "rank      : 1" in done.stderr and says in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert done.stderr.count("Traceback") == 1 and lines[0] == "Traceback (most recent call last):", done.stderr
+    assert lines[-2] == "RuntimeError: fault drill: rank 1 raises at step 2 (train.fault=raise@1:2)"
+    assert lines[-1].startswith("error: rank 1 (pid ") and "raised RuntimeError: fault drill" in lines[-1]
+    assert "after step 1 (the last logged)" in lines[-1] and "no checkpoint was published" in lines[-1]
+    assert "train.fault" not in lines[-1].split("rerun from step 1: ", 1)[1]  # the drill is not repeated
+    assert "terminate called" not in done.stderr  # the raising rank left with status 1, not SIGABRT
     assert len(metrics(tmp_path)) == 1  # step 1 ran, then the job ended: no survivor went on
 
 
@@ -146,4 +151,4 @@ def test_kill_while_saving_keeps_the_previous_checkpoint_for_resume(tmp_path):
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000002"
     rc = small_recipe(train__max_steps=4, train__ckpt_every=2, train__resume="auto")
     assert run_ranks(_train, 2, rc, str(tmp_path), timeout=120)[0]["steps"] == 4
-    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4, 3, 4]
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4]  # the rows after step 2 were logged again
