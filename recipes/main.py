@@ -119,11 +119,14 @@ def worker(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict
     survivor whose collective failed because a peer was killed must not be found before that peer."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from .training.flight import dump_on_error, torch_recorder_env
     from .training.trainer import train
 
+    os.environ.update(torch_recorder_env(run_dir))  # torch's NCCL flight recorder, before any group exists
     try:
         return record(train)(rc, run_dir, layout)
-    except Exception:
+    except Exception as e:
+        dump_on_error(run_dir, e)  # this rank's flight recorder to <run>/flight (python -m recipes.diagnose)
         if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
             raise  # nobody reads an error file: the traceback goes to stderr as usual
         sys.stdout.flush()

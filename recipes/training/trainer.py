@@ -23,6 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from parallel.checkpoint import latest_checkpoint
+from parallel.comm import flight
 from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
 from parallel.layers import check_token_ids_together
@@ -37,6 +38,7 @@ from . import checkpointing, runlock
 from .data import open_data
 from .divergence import SkipWatch, stop_message
 from .exits import EXIT_DIVERGED, LauncherWatch, finish_distributed
+from .flight import install as install_flight_dumps
 from .gpt_engine import build_gpt_engine
 from .prefetch import Prefetcher
 from .profiling import StepProfiler, profile_steps
@@ -226,6 +228,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
     last: dict[str, Any] = {}
     _resume(trainer, log, t.resume, run_dir)  # checkpoint: resume (recipes/training/checkpointing.py)
     preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
+    install_flight_dumps(run_dir)  # kill -USR1 <pid>: this rank's flight recorder to <run>/flight
     saver = checkpointing.Saver(trainer)  # train.ckpt_async: saves written in the background
     skips = SkipWatch(t.max_skipped_steps, trainer.device, lr=rc.optim.lr, grad_clip=t.grad_clip, precision=t.precision)
     preempted, stopped = False, None
@@ -244,6 +247,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             # parallel.engine.PendingLoss), which an unread step does not
             read = (step + 1) % t.log_every == 0 or step == first or step + 1 == t.max_steps or eval_due or save_due
             profiler.before(step + 1)  # logger.profile
+            flight.set_phase(f"step {step + 1}")  # what the flight recorder's next calls say they were for
             step_t0 = time.perf_counter()
             if rc.logger.timeline and step == first + 1:  # a steady step (the first warms up, measures memory)
                 rec = timeline_step(trainer, step, Path(run_dir) / "timeline.png", read=read)
@@ -256,6 +260,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             window_steps += 1
             if read:  # the device has done every step since the last read: wall time is its time
                 rec["tokens_per_s"] = tokens_per_step * window_steps / (time.perf_counter() - window_start)
+                flight.RECORDER.note_step(step + 1, (time.perf_counter() - window_start) / window_steps)
                 if cpu_wait:  # per step
                     rec["runqueue_s"] = (cpu_wait() - window_rq) / window_steps
                 if peak:
