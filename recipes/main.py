@@ -165,14 +165,14 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
         if under_torchrun():  # every rank, before any collective: a clean message everywhere
             layout = validate(rc, world_size=int(os.environ["WORLD_SIZE"]))
             preflight(rc, layout, run_dir, rank=int(os.environ.get("RANK", "0")), world=int(os.environ["WORLD_SIZE"]))
-            return worker(rc, run_dir, layout)  # validate() runs once per process
+            return _stopped(worker(rc, run_dir, layout), say=_is_rank0())  # validate() runs once per process
         layout = validate(rc, world_size=None)
         check_local_world(layout.world_size, oversubscribe=rc.parallel.oversubscribe)  # cheapest first
         preflight(rc, layout, run_dir)
     except (ConfigError, LocalWorldError) as e:
         refuse(e)
     results = spawn_local(worker, layout.world_size, rc, run_dir)
-    summary = results[0]
+    summary = _stopped(results[0], say=True)
     loss = summary.get("final_loss")
     print(
         f"done: {summary.get('steps')} steps"
@@ -182,6 +182,17 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
     if summary.get("preempted"):  # a completed pre-emption save is a clean exit (status 0)
         print(f"stopped by a signal with a checkpoint; continue with: train.resume=auto hydra.run.dir={run_dir}")
     return summary
+
+
+def _stopped(summary: dict[str, Any], *, say: bool) -> dict[str, Any]:
+    """A run that a refused save stopped (``train.ckpt_on_error=stop``) exits 1 with its line."""
+    if not summary.get("stopped"):
+        return summary
+    if say:
+        print(f"error: {summary['stopped']}", file=sys.stderr, flush=True)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise JobFailed(1, summary["stopped"])
+    raise SystemExit(1)
 
 
 _HELP_FLAGS = {"-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion"}

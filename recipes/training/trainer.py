@@ -168,7 +168,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
         log.info(f"resuming from {resume_from} (step {trainer.load_state_dict(resume_from)})")
         log.advance(trainer.step)
     preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
-    saver = checkpointing.Saver(trainer)  # train.ckpt_async: saves written in the background
+    saver = checkpointing.Saver(trainer, preemption=preemption, say=log.info)  # train.ckpt_async: in the background
     preempted = False
     # --- end checkpoint ---
     profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
@@ -221,15 +221,15 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             # --- checkpoint: periodic / final save, SIGTERM → save and stop ---
             trainer.step = step + 1
             preempted = preemption.poll()  # every step, no host wait: agreed by all ranks one step late
-            if (done := saver.poll()) is not None:  # raises a failed background save here, at once
-                log.info(f"checkpoint {done} published")
+            saver.poll()  # says a published background save; raises a failed one here, at once
             if save_due or preempted:
-                path = saver.save(  # the drill's step is bound now: a background writer calls it later
+                saver.save(  # says where; the drill's step is bound now: a background writer calls it later
                     on_written=lambda at=trainer.step: checkpointing.fault_drill(
                         t.fault, trainer.rank, at, where="save"
                     ),
                 )
-                log.info(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
+            if saver.stopped:  # the storage refused a save, train.ckpt_on_error=stop: all ranks stop here
+                break
             if preempted:
                 if not read:  # an unlogged step computed no norm: log what it has, no nulls. Every rank
                     # reads (the loss's reduction is collective; `preempted` is agreed by all ranks)
@@ -240,8 +240,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             if read:  # evaluation, logging and saving are not training time
                 window_start, window_steps = time.perf_counter(), 0
                 window_rq = cpu_wait() if cpu_wait else 0.0
-        if (done := saver.close()) is not None:  # the end of training waits for the last save
-            log.info(f"checkpoint {done} published")
+        saver.close()  # the end of training waits for the last save
     finally:
         profiler.close()
         preemption.close()
@@ -254,4 +253,5 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
         "steps": trainer.step,
         "run_dir": str(run_dir),
         "preempted": preempted,
+        "stopped": saver.stop_message(),  # a save the storage refused stopped the run (recipes/main.py: exit 1)
     }
