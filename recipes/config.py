@@ -77,6 +77,7 @@ class TrainConfig:
     sigterm_grace_s: float = 60.0  # after SIGTERM, a rank not at a step's end by then exits (143)
     ckpt_keep: int = 3  # published checkpoints kept (0: all)
     ckpt_async: bool = True  # stage to host memory, write in a background thread (docs/checkpoint.md)
+    ckpt_on_error: str = "stop"  # a save the storage refuses (disk full, read-only): stop | continue without it
     fault: Optional[str] = None  # fault drill: "<kind>@<rank>:<step>" (kinds: recipes/training/checkpointing.py)
     threads: int = 0  # intra-op threads per rank on CPU; 0: cores / local ranks
     # run faults (issue 28): divergence, the run lock (recipes/training/divergence.py, runlock.py)

@@ -189,11 +189,13 @@ def _before_workers(rc: RecipeConfig, layout: Layout, run_dir: str, *, rank: int
 
 
 def _ended(summary: dict[str, Any]) -> dict[str, Any]:
-    """A run the divergence policy stopped: its one line, exit 3 (on every torchrun rank; rank 0 prints)."""
+    """A run that stopped early: the divergence policy (exit 3) or a refused save
+    (``train.ckpt_on_error=stop``, exit 1): its one line (rank 0 prints; every torchrun rank exits)."""
     if summary.get("stopped"):
+        code = summary.get("exit_code", 1)
         if _is_rank0():
-            fail(f"error: {summary['stopped']}", summary["exit_code"])
-        raise SystemExit(summary["exit_code"])
+            fail(f"error: {summary['stopped']}", code)
+        raise SystemExit(code)
     return summary
 
 

@@ -34,6 +34,7 @@ from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies  # noqa: F4
 
 from .config import ConfigError, Layout, ParallelConfig, _show, bad, model_config
 from .keys import check_keys, check_overrides, check_values, key_error, schema_keys, unknown_keys
+from .training.checkpointing import CKPT_ON_ERROR
 from .training.runlog import LR_SCHEDULES
 from .training.sampling import SAMPLINGS
 
@@ -58,6 +59,7 @@ CHOICES = {
     "parallel.zero3_accumulate": (None, *ZERO_ACCUMULATE),
     "parallel.backend": (None, "nccl", "gloo"),
     "parallel.cp_impl": CP_IMPLS,
+    "train.ckpt_on_error": CKPT_ON_ERROR,
 }
 
 

@@ -3,29 +3,41 @@ through ``torch.distributed.checkpoint``; any layout reads any other's (see ``do
 
 from .background import BackgroundSaver
 from .chunks import CheckpointError, Placement, flat_range_boxes, to_global, tp_placement
+from .faults import STORAGE_ERRNOS, CheckpointStorageError, storage_errno
 from .planner import Chunked, LoadPlanner, SafeFileSystemReader, SavePlanner, read_dcp_metadata
+from .size import checkpoint_bytes, format_bytes, free_bytes
 from .store import (
     barrier,
     begin_save,
-    find_damage,
     latest_checkpoint,
     load_checkpoint,
     prune,
     publish_save,
     published,
-    read_manifest,
     resolve_checkpoint,
+    resume_candidates,
     save_checkpoint,
     saved_tensors,
     step_dir_name,
-    verify_checkpoint,
     write_shards,
 )
+from .verify import DAMAGED, agreed_damage, find_damage, mark_damaged, quick_damage, read_manifest, verify_checkpoint
 from .zero_state import prepare_optimizer_state, publish, zero_state_pieces
 
 __all__ = [
+    "DAMAGED",
+    "STORAGE_ERRNOS",
     "BackgroundSaver",
+    "agreed_damage",
     "CheckpointError",
+    "CheckpointStorageError",
+    "checkpoint_bytes",
+    "format_bytes",
+    "free_bytes",
+    "mark_damaged",
+    "quick_damage",
+    "resume_candidates",
+    "storage_errno",
     "Chunked",
     "LoadPlanner",
     "Placement",

@@ -20,7 +20,10 @@ A failure in the writer (disk full, a peer gone) is kept and raised by the next
 :meth:`~BackgroundSaver.poll`, :meth:`~BackgroundSaver.save` or
 :meth:`~BackgroundSaver.wait` in the training thread — the trainer polls every step —
 as :class:`~.chunks.CheckpointError` chained to the writer's own exception and traceback:
-never silently lost.
+never silently lost. The writers agree on a failure (:mod:`.faults`), so every rank's
+writer fails alike and the partial save is removed; a storage fault (a full disk, a
+read-only file system) is a :class:`~.faults.CheckpointStorageError` whose message is one
+line, on every rank.
 
 Host memory: one copy of the rank's checkpoint pieces (its shards: fp32 master
 weights and optimizer state), held from the first save on.
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .chunks import CheckpointError
+from .faults import CheckpointStorageError
 from .planner import Chunked
 from .store import begin_save, publish_save, step_dir_name, write_shards
 
@@ -104,10 +108,12 @@ class BackgroundSaver:
         meta: dict | None = None,
         keep: int = 0,
         on_written=None,
+        needed: int | None = None,
     ) -> Path:
         """Stage ``state`` and start writing it as ``root/step_<step>``; return that (future) path.
 
-        Waits for the previous save first (and raises its error, if any)."""
+        Waits for the previous save first (and raises its error, if any). ``needed``: as for
+        :func:`~.store.save_checkpoint`."""
         t0 = time.perf_counter()
         self.wait()
         staged = self._staging.stage(state)
@@ -118,7 +124,7 @@ class BackgroundSaver:
         self._step, self._published = step, None
         self._thread = threading.Thread(
             target=self._write,
-            args=(staged, Path(root), step, meta, keep, on_written, event),
+            args=(staged, Path(root), step, meta, keep, on_written, event, needed),
             name=f"checkpoint-writer-{step}",
             daemon=True,
         )
@@ -126,14 +132,14 @@ class BackgroundSaver:
         self.stall_s = time.perf_counter() - t0
         return Path(root) / step_dir_name(step)
 
-    def _write(self, staged, root, step, meta, keep, on_written, event) -> None:
+    def _write(self, staged, root, step, meta, keep, on_written, event, needed) -> None:
         t0 = time.perf_counter()
         try:
             if event is not None:
                 event.synchronize()  # the host copies have landed
-            tmp = begin_save(root, step, self.group)
-            write_shards(staged, tmp, self.group, on_written)
-            self._published = publish_save(tmp, step, meta=meta, keep=keep, group=self.group)
+            tmp = begin_save(root, step, self.group, needed=needed)
+            write_shards(staged, tmp, self.group, on_written, needed=needed)
+            self._published = publish_save(tmp, step, meta=meta, keep=keep, group=self.group, needed=needed)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread, raised there
             self._error = e
         self.write_s = time.perf_counter() - t0
@@ -160,6 +166,16 @@ class BackgroundSaver:
     def _finish(self) -> Path | None:
         self._thread = None
         error, self._error = self._error, None
+        if isinstance(error, CheckpointStorageError):  # every rank's writer failed alike: one line, the cause kept
+            raise CheckpointStorageError(
+                f"the background save of step {self._step} failed: {error}",
+                step=error.step,
+                errno_=error.errno,
+                rank=error.rank,
+                path=error.path,
+                needed=error.needed,
+                free=error.free,
+            ) from (error.__cause__ or error)
         if error is not None:
             raise CheckpointError(
                 f"the background save of step {self._step} failed on this rank: {type(error).__name__}: {error}"

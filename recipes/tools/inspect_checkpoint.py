@@ -61,9 +61,11 @@ def describe(ckpt: Path) -> str:
     return "\n".join(lines)
 
 
-def consolidated_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every ``model/<name>`` tensor whole, by ``<name>`` (one process reads all shards)."""
-    verify_checkpoint(ckpt)
+def consolidated_weights(ckpt: Path, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every ``model/<name>`` tensor whole, by ``<name>`` (one process reads all shards; ``verify``:
+    check the sums first, unless the caller just did)."""
+    if verify:
+        verify_checkpoint(ckpt)
     state = {
         k: torch.empty(shape, dtype=dtype)
         for k, (shape, dtype) in saved_tensors(ckpt).items()
@@ -82,7 +84,7 @@ def saved_model_config(ckpt: Path):
     return model_config(rc.model)
 
 
-def export_hf(ckpt: Path, folder: str | Path) -> str:
+def export_hf(ckpt: Path, folder: str | Path, verify: bool = True) -> str:
     """Write ``folder/model.safetensors`` and ``config.json`` in Hugging Face names/layouts
     (``from_pretrained(folder)`` loads it); return the weights' path."""
     from models.hf import export_hf_state_dict, hf_config_dict, save_hf_safetensors
@@ -90,7 +92,7 @@ def export_hf(ckpt: Path, folder: str | Path) -> str:
 
     cfg = saved_model_config(ckpt)
     stage = build_model(cfg, device="cpu", dtype=torch.float32, seed=0)  # one process holds the whole model
-    weights = consolidated_weights(ckpt)
+    weights = consolidated_weights(ckpt, verify)
     with torch.no_grad():
         for name, p in stage.named_parameters():
             p[: weights[name].shape[0]].copy_(weights[name])  # padded vocabulary rows stay as built
@@ -105,17 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         ckpt = resolve_checkpoint(args.path)
+        print(describe(ckpt))  # verifies first: a damaged checkpoint is one error line, nothing listed
+        if args.consolidated:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in consolidated_weights(ckpt, False).items()}, args.consolidated)
+            print(f"wrote {args.consolidated}")
+        if args.hf:
+            print(f"wrote {export_hf(ckpt, args.hf, verify=False)}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(describe(ckpt))
-    if args.consolidated:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in consolidated_weights(ckpt).items()}, args.consolidated)
-        print(f"wrote {args.consolidated}")
-    if args.hf:
-        print(f"wrote {export_hf(ckpt, args.hf)}")
     return 0
 
 

@@ -35,19 +35,18 @@ from omegaconf import OmegaConf
 
 from parallel import comm
 from parallel.checkpoint import (
-    BackgroundSaver,
     CheckpointError,
-    latest_checkpoint,
     load_checkpoint,
-    resolve_checkpoint,
+    read_manifest,
     save_checkpoint,
     saved_tensors,
     verify_checkpoint,
 )
 
+from .resume import checkpoint_root, find_resume_point, is_verified, note_verified
 
-def checkpoint_root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+CKPT_ON_ERROR = ("stop", "continue")  # train.ckpt_on_error: what a save the storage refuses does
+SIGNALLED, SAVE_FAILED = 1, 2  # Preemption's agreed codes (the larger wins)
 
 
 def layout_of(trainer) -> dict:
@@ -86,8 +85,9 @@ def _meta(trainer, config: dict | None = None) -> dict:
     }
 
 
-def save(trainer, *, on_written=None) -> Path:
-    """Save the trainer's state at ``trainer.step`` (collective over the world), synchronously."""
+def save(trainer, *, on_written=None, needed: int | None = None) -> Path:
+    """Save the trainer's state at ``trainer.step`` (collective over the world), synchronously.
+    ``needed``: a checkpoint's bytes, for the message of a full disk."""
     return save_checkpoint(
         state_pieces(trainer),
         checkpoint_root(trainer.run_dir),
@@ -95,55 +95,18 @@ def save(trainer, *, on_written=None) -> Path:
         meta=_meta(trainer),
         keep=trainer.rc.train.ckpt_keep,
         on_written=on_written,
+        needed=needed,
     )
 
 
-class Saver:
-    """The loop's checkpoint writer: :func:`save` itself, or (``train.ckpt_async``) the same
-    checkpoint staged to host memory and written by a :class:`BackgroundSaver`.
-
-    Every rank constructs it (the background writer's group is created then), calls
-    :meth:`save` at the same steps, :meth:`poll` every step (it raises a failed background
-    write, with the writer's traceback chained) and :meth:`close` at the end of training
-    (it waits for the last save)."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        t = trainer.rc.train
-        self.background = BackgroundSaver(timeout_s=trainer.rc.parallel.timeout_s) if t.ckpt_async else None
-        self._config = OmegaConf.to_container(OmegaConf.structured(trainer.rc))  # fixed for the run: once
-
-    def save(self, *, on_written=None) -> Path:
-        """Save at ``trainer.step``; returns the directory (published once :meth:`poll` returns it)."""
-        if self.background is None:
-            return save(self.trainer, on_written=on_written)
-        tr = self.trainer
-        return self.background.save(
-            state_pieces(tr),
-            checkpoint_root(tr.run_dir),
-            tr.step,
-            meta=_meta(tr, self._config),
-            keep=tr.rc.train.ckpt_keep,
-            on_written=on_written,
-        )
-
-    @property
-    def stall_s(self) -> float | None:
-        """The training thread's time in the last background save (None: synchronous saves)."""
-        return self.background.stall_s if self.background else None
-
-    def poll(self) -> Path | None:
-        """A background save published since the last call (once), else None; raises its failure."""
-        return self.background.poll() if self.background else None
-
-    def close(self) -> Path | None:
-        """Wait for the save under way; return its directory if it was published just now."""
-        return self.background.wait() if self.background else None
-
-
 def load(trainer, ckpt: str | Path) -> int:
-    """Load ``ckpt`` (any layout's) into the trainer; return the step to continue from."""
-    manifest = verify_checkpoint(ckpt)
+    """Load ``ckpt`` (any layout's) into the trainer; return the step to continue from. Its sums are
+    checked here unless this resume already checked them (:mod:`recipes.training.resume`: once)."""
+    manifest = None
+    if not is_verified(ckpt):
+        manifest = verify_checkpoint(ckpt)
+        note_verified(ckpt)
+    manifest = manifest or read_manifest(ckpt)
     trainer.engine.prepare_load(saved_tensors(ckpt))
     same_layout = manifest["meta"].get("layout") == layout_of(trainer)
     state = state_pieces(trainer, with_rng=same_layout)
@@ -155,22 +118,6 @@ def load(trainer, ckpt: str | Path) -> int:
             torch.cuda.set_rng_state(state[f"rng/{trainer.rank}/cuda"], trainer.device)
     trainer.step = int(manifest["step"])
     return trainer.step
-
-
-def find_resume_point(resume: str | None, run_dir: str | Path) -> Path | None:
-    """``train.resume``: None → start fresh; ``auto`` → the run's ``checkpoints/latest`` if any;
-    else a checkpoint, checkpoint root or run directory that must hold one. Raises
-    :class:`CheckpointError` saying which (missing, a file, no checkpoint, a bad ``latest``)."""
-    if not resume:
-        return None
-    if resume == "auto":
-        return latest_checkpoint(checkpoint_root(run_dir))
-    path = Path(resume)
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist")
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is a file, not a checkpoint directory")
-    return resolve_checkpoint(path)
 
 
 def save_due(step: int, rc) -> bool:
@@ -194,7 +141,14 @@ class Preemption:
     writes even while the main thread is inside C++) and exits the process
     with status 143 if the main thread has not acknowledged it within
     ``grace_s`` seconds.
+
+    The same agreement carries a request to stop without a save (:meth:`request`
+    ``SAVE_FAILED``: a rank's background save was refused by the storage); the larger code
+    wins, and :attr:`agreed` holds the code every rank agreed on (0 until then).
     """
+
+    agreed = 0  # the code the ranks agreed on: 0, SIGNALLED or SAVE_FAILED
+    _asked = 0  # this rank's request besides a signal (request())
 
     def __init__(self, grace_s: float):
         self.flag = False
@@ -214,6 +168,10 @@ class Preemption:
 
     def _handle(self, signum, frame) -> None:
         self.flag = True
+
+    def request(self, code: int) -> None:
+        """Ask every rank to stop for ``code`` (``SAVE_FAILED``); agreed by the next polls."""
+        self._asked = max(self._asked, code)
 
     def _watch(self) -> None:
         try:
@@ -237,15 +195,16 @@ class Preemption:
         result to the host, then returns the previous call's result: on a GPU its copy finished
         a whole step ago, so the event wait costs nothing (no stream synchronisation); on gloo
         the all-reduce has completed on return. Every rank therefore decides on the same step."""
-        agreed = False
+        agreed = 0
         if self._pending is not None:
             done, host = self._pending
             if done is not None:
                 done.synchronize()
-            agreed = bool(host.numpy()[0])  # host memory: no device read
+            agreed = int(host.numpy()[0])  # host memory: no device read
         if self._device_flag is None:
             self._device_flag = torch.zeros(1, device=comm.device_for())
-        flag = self._device_flag.fill_(float(self.flag))  # a kernel, not a host-to-device copy
+        local = max(SIGNALLED if self.flag else 0, self._asked)
+        flag = self._device_flag.fill_(float(local))  # a kernel, not a host-to-device copy
         comm.all_reduce(flag, op=comm.ReduceOp.MAX)
         if flag.device.type == "cuda":  # one pinned buffer and event, reused: the last copy was read above
             done, host = self._pending or (torch.cuda.Event(), torch.empty(1, pin_memory=True))
@@ -255,8 +214,9 @@ class Preemption:
         else:
             self._pending = (None, flag.clone())
         if agreed:
+            self.agreed = agreed
             self._acknowledged.set()
-        return agreed
+        return agreed == SIGNALLED
 
     def close(self) -> None:
         if not self._installed:
@@ -289,10 +249,18 @@ def fault_drill(fault: str | None, rank: int, step: int, where: str = "step") ->
     os.kill(os.getpid(), signal.SIGTERM if kind == "term" else signal.SIGKILL)
 
 
+def __getattr__(name: str):
+    """``checkpointing.Saver``: the loop's writer lives in :mod:`recipes.training.saving`."""
+    if name == "Saver":
+        from .saving import Saver
+
+        return Saver
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "CheckpointError",
     "Preemption",
-    "Saver",
     "checkpoint_root",
     "fault_drill",
     "find_resume_point",

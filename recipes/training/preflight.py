@@ -2,8 +2,10 @@
 
 :func:`recipes.validation.validate` checks the config's keys and their relations
 (pure). :func:`preflight` checks what those keys point at: the backend against
-the hardware, the token files (header, sizes, vocabulary, windows per split),
-the checkpoint to resume (exists, complete, intact, the same model shape).
+the hardware, the run directory (writable, room for one checkpoint:
+:mod:`recipes.training.storage`), the token files (header, sizes, vocabulary,
+windows per split), the checkpoint to resume (exists, complete, intact, the same
+model shape; ``auto``: the newest intact one, :mod:`recipes.training.resume`).
 Both run in the launching process before it spawns workers, and again on every
 rank under torchrun before ``init_distributed``, so a bad input is one
 ``error: <key>=<value>: <reason>; <fix>`` line everywhere (:class:`ConfigError`),
@@ -17,6 +19,7 @@ one home per rule.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -159,30 +162,44 @@ def _expected_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_resume(rc: Any, mc: ModelConfig, run_dir: str | Path, rank: int = 0, world: int = 1) -> Path | None:
     """``train.resume``: the checkpoint it names exists, is complete (manifest), intact (sizes of all
     files; CRC32s of every ``world``-th file from ``rank``, so ranks share the reading) and holds
-    this model's parameters with this model's shapes. Returns the checkpoint (None: start fresh)."""
-    from parallel.checkpoint import CheckpointError, find_damage, saved_tensors
+    this model's parameters with this model's shapes. ``auto``: the newest intact one, each damaged
+    one skipped with a warning (:mod:`recipes.training.resume`; under torchrun with several ranks
+    the workers verify it together). The sums read here are not read again by the workers. Returns
+    the checkpoint (None: start fresh)."""
+    from parallel.checkpoint import CheckpointError, find_damage, resolve_checkpoint, saved_tensors
 
-    from .checkpointing import find_resume_point
+    from .resume import check_path, checkpoint_root, newest_intact, note_verified
 
     value = rc.train.resume
     fix = "give a checkpoint directory (…/checkpoints/step_N), its run directory, or train.resume=auto"
+    if not value:
+        return None
     try:
-        ckpt = find_resume_point(value, run_dir)
-        if ckpt is None:
-            return None
-        problems = find_damage(ckpt, rank, world)
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise bad(
-                "train.resume",
-                value,
-                f"checkpoint {ckpt} is damaged: {problems[0]}{more}",
-                "resume from an older checkpoint (its step_N directory), or delete this one and "
-                "point 'latest' at the previous",
-            )
+        if value == "auto":
+            alone = world == 1  # several torchrun ranks must choose alike: the workers verify together
+            warn = (lambda text: print(text, file=sys.stderr, flush=True)) if rank == 0 and alone else None
+            ckpt = newest_intact(checkpoint_root(run_dir), together=False, say=warn or (lambda t: None), read=alone)
+            if ckpt is None:
+                return None
+            if alone:
+                note_verified(ckpt, hand_on=True)
+        else:
+            ckpt = resolve_checkpoint(check_path(value))
+            problems = find_damage(ckpt, rank, world)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise bad(
+                    "train.resume",
+                    value,
+                    f"checkpoint {ckpt} is damaged: {problems[0]}{more}",
+                    "resume from an older checkpoint (its step_N directory), or delete this one and "
+                    "point 'latest' at the previous (train.resume=auto skips damaged checkpoints)",
+                )
+            note_verified(ckpt, hand_on=True)  # every rank checked its share: the job read every byte
         saved = saved_tensors(ckpt)
     except CheckpointError as e:
-        raise bad("train.resume", value, str(e).split("; ")[0], fix) from None
+        reason, _, own_fix = str(e).partition("; ")
+        raise bad("train.resume", value, reason, own_fix if value == "auto" and own_fix else fix) from None
     except (OSError, EOFError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
@@ -213,6 +230,10 @@ def preflight(rc: Any, layout: Layout, run_dir: str | Path, rank: int = 0, world
     Call after :func:`recipes.validation.validate` (which gives ``layout``), in the launcher with
     ``rank=0, world=1`` and on each torchrun rank with its own, before any collective.
     """
+    from .storage import check_space, check_writable
+
     check_backend(rc.parallel.backend)
+    check_writable(run_dir)
     check_data(rc, layout.model)
     check_resume(rc, layout.model, run_dir, rank, world)
+    check_space(rc, layout.model, run_dir, layout.world_size)

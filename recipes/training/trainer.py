@@ -206,8 +206,7 @@ def _save_or_hold(saver, log: RunLogger, skips: SkipWatch, trainer, on_written, 
             f"(inf/NaN gradients); the previous checkpoint stays the newest"
         )
         return
-    path = saver.save(on_written=on_written)
-    log.info(f"checkpoint {path}" + (" (writing in the background)" if saver.background else ""))
+    saver.save(on_written=on_written)  # it says where
 
 
 def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[str, Any]:
@@ -229,7 +228,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
     _resume(trainer, log, t.resume, run_dir)  # checkpoint: resume (recipes/training/checkpointing.py)
     preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
     install_flight_dumps(run_dir)  # kill -USR1 <pid>: this rank's flight recorder to <run>/flight
-    saver = checkpointing.Saver(trainer)  # train.ckpt_async: saves written in the background
+    saver = checkpointing.Saver(trainer, preemption=preemption, say=log.info)  # train.ckpt_async: in the background
     skips = SkipWatch(t.max_skipped_steps, trainer.device, lr=rc.optim.lr, grad_clip=t.grad_clip, precision=t.precision)
     preempted, stopped = False, None
     profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
@@ -284,8 +283,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             preempted = preemption.poll()  # every step, no host wait: agreed by all ranks one step late
             if launcher.gone():  # its launcher was killed: no save, no barrier with its dead store
                 launcher.stop(trainer.rank, trainer.step)
-            if (done := saver.poll()) is not None:  # raises a failed background save here, at once
-                log.info(f"checkpoint {done} published")
+            saver.poll()  # says a published background save; raises a failed one here, at once
             if save_due or preempted:
 
                 def on_written(at=trainer.step):  # the drill's step is bound now: a background writer calls it later
@@ -294,6 +292,8 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                         launcher.stop(trainer.rank, trainer.step)
 
                 _save_or_hold(saver, log, skips, trainer, on_written, preempted)
+            if saver.stopped:  # the storage refused a save, train.ckpt_on_error=stop: all ranks stop here
+                break
             if preempted:
                 if not read:  # an unlogged step computed no norm: log what it has, no nulls. Every rank
                     # reads (the loss's reduction is collective; `preempted` is agreed by all ranks)
@@ -304,8 +304,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             if read:  # evaluation, logging and saving are not training time
                 window_start, window_steps = time.perf_counter(), 0
                 window_rq = cpu_wait() if cpu_wait else 0.0
-        if (done := saver.close()) is not None:  # the end of training waits for the last save
-            log.info(f"checkpoint {done} published")
+        saver.close()  # the end of training waits for the last save
     finally:
         for part in (profiler, preemption, log, trainer.prefetch):  # the data thread stops reading ahead
             part.close()
@@ -317,6 +316,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
         "steps": trainer.step,
         "run_dir": str(run_dir),
         "preempted": preempted,
+        "stopped": saver.stop_message(),  # a save the storage refused stopped the run (recipes/main.py: exit 1)
     }
     if stopped:  # the launcher (or, under torchrun, every rank) prints it as the last line and exits non-zero
         latest = latest_checkpoint(checkpointing.checkpoint_root(run_dir))
