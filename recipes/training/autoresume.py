@@ -63,8 +63,8 @@ def resolve_auto(rc, run_dir: str | Path, *, recipe: str, fresh: bool) -> str | 
         return None
     run_dir = Path(run_dir)
     try:
-        if find_resume_point("auto", run_dir) is not None:
-            return None  # its own checkpoint: the usual restart
+        if find_resume_point("auto", run_dir, say=lambda text: None) is not None:
+            return None  # its own checkpoint: the usual restart (preflight says what it skipped, once)
     except CheckpointError:
         return None  # preflight names what is wrong with it
     if not fresh:

@@ -18,7 +18,7 @@ from pathlib import Path
 from parallel.comm import flight
 
 #: what turns on torch's own NCCL flight recorder, and where its dumps go (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``)
-TORCH_NCCL_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+TORCH_NCCL_ENV = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 
 
 def folder(run_dir: str | os.PathLike) -> Path:
@@ -26,7 +26,12 @@ def folder(run_dir: str | os.PathLike) -> Path:
 
 
 def torch_recorder_env(run_dir: str | os.PathLike) -> dict[str, str]:
-    """The environment torch's NCCL flight recorder reads (the user's own settings win)."""
+    """The environment torch's NCCL flight recorder reads (the user's own settings win); nothing
+    without CUDA (no NCCL groups to record)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
     env = dict(TORCH_NCCL_ENV, TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(folder(run_dir) / "nccl_trace_rank_"))
     return {k: v for k, v in env.items() if k not in os.environ}
 
