@@ -189,6 +189,20 @@ LLAMA31_ROPE = dict(
     rope_high_freq_factor=4.0,
     rope_original_max_position=8192,
 )
+# Llama 3.1 8B; the 70B differs only in its sizes
+LLAMA3_8B = ModelConfig(
+    arch="llama",
+    n_layers=32,
+    d_model=4096,
+    n_heads=32,
+    n_kv_heads=8,
+    d_ff=14336,
+    vocab_size=128256,
+    seq_len=8192,
+    tie_embeddings=False,
+    rope_theta=500000.0,
+    **LLAMA31_ROPE,
+)
 PRESETS: dict[str, ModelConfig] = {
     # trains on a CPU in minutes on bytes (vocab 256)
     "gpt_tiny": ModelConfig(arch="gpt", n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128),
@@ -234,32 +248,8 @@ PRESETS: dict[str, ModelConfig] = {
         moe_aux_loss_weight=0.02,
     ),
     # Llama 3.1 (rope scaling to 128k; the published 8B and 70B shapes), Qwen3 dense (QK-norm, head_dim 128)
-    "llama3_8b": ModelConfig(
-        arch="llama",
-        n_layers=32,
-        d_model=4096,
-        n_heads=32,
-        n_kv_heads=8,
-        d_ff=14336,
-        vocab_size=128256,
-        seq_len=8192,
-        tie_embeddings=False,
-        rope_theta=500000.0,
-        **LLAMA31_ROPE,
-    ),
-    "llama3_70b": ModelConfig(
-        arch="llama",
-        n_layers=80,
-        d_model=8192,
-        n_heads=64,
-        n_kv_heads=8,
-        d_ff=28672,
-        vocab_size=128256,
-        seq_len=8192,
-        tie_embeddings=False,
-        rope_theta=500000.0,
-        **LLAMA31_ROPE,
-    ),
+    "llama3_8b": LLAMA3_8B,
+    "llama3_70b": LLAMA3_8B.replace(n_layers=80, d_model=8192, n_heads=64, d_ff=28672),
     "qwen3_tiny": ModelConfig(
         arch="llama",
         n_layers=4,
