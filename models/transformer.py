@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel import comm
+from parallel.compile import compile_method
 from parallel.dims import sequence_split_problem
 from parallel.layers import (
     ColumnParallelLinear,
@@ -97,9 +98,22 @@ class TransformerBlock(nn.Module):
             **kw,
         )
 
+    def attention_half(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.attn_norm(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+        x = self.attention_half(x)
         return x + self.mlp(self.mlp_norm(x))
+
+    def compile_regions(self, backend: str = "inductor") -> str:
+        """Compile this block in place (:func:`parallel.compile.compile_method`): its whole forward,
+        or, for a mixture of experts, the attention half only (dropless routing sizes its all-to-alls
+        from token counts read on the host: data-dependent, a graph break). Returns what was compiled."""
+        if isinstance(self.mlp, MoELayer):
+            compile_method(self, "attention_half", backend=backend)
+            return "attention"
+        compile_method(self, "forward", backend=backend)
+        return "block"
 
 
 class TransformerStage(nn.Module):
@@ -265,6 +279,19 @@ class TransformerStage(nn.Module):
             else:
                 h = block(h)
         return self._head(h) if self.has_head else h
+
+    def compile_blocks(self, backend: str = "inductor") -> dict[str, int]:
+        """torchtitan's per-block compile: every block (:meth:`TransformerBlock.compile_regions`) and,
+        on the stage with the head, the loss; the stage's own forward (embedding, the loop over
+        blocks, checkpointing, head) stays eager. Returns how many regions of each kind."""
+        kinds: dict[str, int] = {}
+        for block in self.blocks.values():
+            kind = block.compile_regions(backend)
+            kinds[kind] = kinds.get(kind, 0) + 1
+        if self.has_head:
+            compile_method(self, "loss", backend=backend)
+            kinds["loss"] = 1
+        return kinds
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token cross-entropy over vocabulary-parallel ``logits`` (see

@@ -83,6 +83,9 @@ class TrainConfig:
     # run faults (issue 28): divergence, the run lock (recipes/training/divergence.py, runlock.py)
     max_skipped_steps: int = 10  # more inf/NaN steps in a row than this: stop, exit 3 (0: never stop)
     lock_wait_s: float = 30.0  # a dead launcher's workers still running: wait this long for them to end
+    # torch.compile (issue 30, docs/compile.md): each transformer block and the loss compiled, as torchtitan does
+    compile: bool = False  # off until proven on a GPU; the executor, ZeRO and the schedules stay eager
+    compile_backend: str = "inductor"  # inductor | aot_eager | eager (parallel.compile.COMPILE_BACKENDS)
 
 
 @dataclass

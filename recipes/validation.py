@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from parallel.compile import COMPILE_BACKENDS
 from parallel.dims import (
     CP_IMPLS,
     OFFLOAD_MODES,
@@ -60,6 +61,7 @@ CHOICES = {
     "parallel.backend": (None, "nccl", "gloo"),
     "parallel.cp_impl": CP_IMPLS,
     "train.ckpt_on_error": CKPT_ON_ERROR,
+    "train.compile_backend": COMPILE_BACKENDS,
 }
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from . import traceable
 
 SEQ_DIM = 1
 
@@ -74,11 +75,15 @@ def split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(n, dim)[tp_rank(group)].contiguous()
 
 
-def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (all-gather of N·X bytes)."""
+def all_gather_along(x: torch.Tensor, dim: int, group, *, regather: bool = False) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (all-gather of N·X bytes). ``regather``: this is a
+    backward gathering again what its forward gathered (kept a transfer of its own when compiled:
+    :func:`parallel.comm.traceable.all_gather_along`)."""
     n = tp_world_size(group)
     if n == 1:
         return x
+    if traceable.tracing():  # under torch.compile: one opaque, counted node (parallel.comm.traceable)
+        return torch.ops.gridtrain.all_gather_along(x, dim, group.group_name, n, regather)
     out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
     C.all_gather(out, x.contiguous().view(-1), group=group)
     return torch.cat(out.view((n,) + tuple(x.shape)).unbind(0), dim=dim)
@@ -90,6 +95,8 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if n == 1:
         return x
     _check_divisible(x, dim, n, "reduce-scatter")
+    if traceable.tracing():
+        return torch.ops.gridtrain.reduce_scatter_along(x, dim, group.group_name, n)
     stacked = torch.stack(x.chunk(n, dim), 0)
     out = torch.empty(stacked.shape[1:], dtype=x.dtype, device=x.device)
     C.reduce_scatter(out.view(-1), stacked.view(-1), group=group)
@@ -100,8 +107,21 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Sum of ``x`` over the group, out of place (all-reduce of X)."""
     if tp_world_size(group) == 1:
         return x
+    if traceable.tracing():
+        return torch.ops.gridtrain.same_shape_collective(x, "all_reduce_sum", group.group_name)
     out = x.contiguous().clone()
     C.all_reduce(out, group=group)
+    return out
+
+
+def all_to_all_chunks(x: torch.Tensor, group) -> torch.Tensor:
+    """Out of place all-to-all of ``x``'s equal dim-0 chunks: chunk i goes to rank i (X bytes)."""
+    if tp_world_size(group) == 1:
+        return x
+    if traceable.tracing():
+        return torch.ops.gridtrain.same_shape_collective(x, "all_to_all_chunks", group.group_name)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    C.all_to_all(out, x.contiguous(), group=group)
     return out
 
 

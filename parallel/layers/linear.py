@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
+from ..comm import traceable
 from ..comm.autograd import SEQ_DIM
 from ..params import mark_no_weight_decay, mark_sequence_parallel, mark_tp_sharded
 from .init import reset_default_
@@ -70,16 +71,23 @@ class _SequenceParallelColumns(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         group, n = ctx.group, comm.tp_world_size(ctx.group)
-        gathered = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
-        gather = comm.all_gather(gathered, x.contiguous().view(-1), group=group, async_op=True)
+        traced = traceable.tracing()  # compiled: blocking traceable collectives, the compiler orders them
+        if not traced:
+            gathered = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
+            gather = comm.all_gather(gathered, x.contiguous().view(-1), group=group, async_op=True)
         used = [(g, w) for g, w in zip(grads, weights) if g is not None]
         grad_total = None
         if ctx.needs_input_grad[0] and used:
             grad_total = sum(g.matmul(w) for g, w in used)  # [b, s, in], while the gather runs
-        gather.wait()
-        total = torch.cat(gathered.view((n,) + tuple(x.shape)).unbind(0), dim=SEQ_DIM)
+        if traced:
+            total = comm.all_gather_along(x, SEQ_DIM, group, regather=True)
+        else:
+            gather.wait()
+            total = torch.cat(gathered.view((n,) + tuple(x.shape)).unbind(0), dim=SEQ_DIM)
         grad_x, scatter = None, None
-        if grad_total is not None:
+        if grad_total is not None and traced:
+            grad_x = comm.reduce_scatter_along(grad_total, SEQ_DIM, group)
+        elif grad_total is not None:
             stacked = torch.stack(grad_total.chunk(n, SEQ_DIM), 0).contiguous()
             grad_x = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
             scatter = comm.reduce_scatter(grad_x.view(-1), stacked.view(-1), group=group, async_op=True)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
+from ..comm import traceable
 from ..dims import CP_IMPLS, cp_seq_len_problem, ulysses_heads_problem
 from . import ring_kernels
 from .linear import LayerConfigError
@@ -205,81 +206,91 @@ def _wait(works) -> None:
         w.wait()
 
 
+def ring_forward(q, k, v, group, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's forward: ``(out [b, h, s, d] stored as [b, s, h, d], fp32 lse [b, h, s])``."""
+    cp, r, nxt, prv = _ring_peers(group)
+    h = q.shape[1]
+    kv = torch.stack([k, v])
+    halves: list = [None, None]  # per query half: the fp32 running (output, log-sum-exp)
+    for step in range(cp):
+        src = (r - step) % cp
+        works, nxt_kv = [], None
+        if step < cp - 1:  # post the next block's transfer, then compute on this one
+            nxt_kv = torch.empty_like(kv)
+            works = comm.exchange(sends=[(kv, nxt)], recvs=[(nxt_kv, prv)], group=group)
+        rows, cols, masked = ring_block(cp, r, src, causal)
+        ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
+        block_out, block_lse = _attend(_rows(q, rows), ks, vs, masked, scale)
+        if rows == "all":
+            for i, (oh, lh) in enumerate(zip(block_out.chunk(2, 2), block_lse.chunk(2, 2))):
+                halves[i] = _merge(halves[i], oh, lh)
+        else:
+            halves[1] = _merge(halves[1], block_out, block_lse)
+        _wait(works)
+        kv = nxt_kv
+    out = torch.cat([halves[0][0], halves[1][0]], dim=2)
+    lse = torch.cat([halves[0][1], halves[1][1]], dim=2)
+    # stored [b, s, h, d] (as SDPA's kernels store it), so that the caller's [b, s, h·d] is a view
+    return out.transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2), lse
+
+
+def ring_backward(grad_out, q, k, v, out, lse, group, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """The ring's backward: ``dq, dk, dv`` in the inputs' dtypes, from what :func:`ring_forward` saved."""
+    hk = k.shape[1]
+    cp, r, nxt, prv = _ring_peers(group)
+    h = q.shape[1]
+    do = grad_out.contiguous()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    own = acc = None  # dK/dV of this rank's own block; the accumulator of the block held now
+    for step in range(cp):
+        # step 0: the own block (its gradient stays here); step t ≥ 1: rank r−t's block, whose
+        # partial dK/dV arrive from upstream (t ≥ 2) and travel on: home after cp−1 hops
+        src = (r - step) % cp
+        sends, recvs, nxt_kv, got = [], [], None, None
+        if step < cp - 1:
+            nxt_kv = torch.empty_like(kv)
+            sends.append((kv, nxt))
+            recvs.append((nxt_kv, prv))
+        if step >= 2:
+            got = torch.empty(kv.shape, dtype=torch.float32, device=q.device)
+            sends.append((acc, nxt))
+            recvs.append((got, prv))
+        works = comm.exchange(sends=sends, recvs=recvs, group=group)
+        rows, cols, masked = ring_block(cp, r, src, causal)
+        ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
+        gq, gk, gv = _attend_backward(
+            _rows(do, rows), _rows(q, rows), ks, vs, _rows(out, rows), _rows(lse, rows), masked, scale
+        )
+        _rows(dq, rows).add_(gq)
+        part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        _rows(part[0], cols).add_(_fold_kv(gk, hk))
+        _rows(part[1], cols).add_(_fold_kv(gv, hk))
+        _wait(works)
+        if step == 0:
+            own = part
+        else:
+            acc = part if got is None else part.add_(got)
+        kv = nxt_kv
+    if cp > 1:  # the last hop brings each block's accumulated dK/dV home
+        home = torch.empty_like(own)
+        _wait(comm.exchange(sends=[(acc, nxt)], recvs=[(home, prv)], group=group))
+        own = own.add_(home)
+    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale):
-        cp, r, nxt, prv = _ring_peers(group)
-        h, hk = q.shape[1], k.shape[1]
-        kv = torch.stack([k, v])
-        halves: list = [None, None]  # per query half: the fp32 running (output, log-sum-exp)
-        for step in range(cp):
-            src = (r - step) % cp
-            works, nxt_kv = [], None
-            if step < cp - 1:  # post the next block's transfer, then compute on this one
-                nxt_kv = torch.empty_like(kv)
-                works = comm.exchange(sends=[(kv, nxt)], recvs=[(nxt_kv, prv)], group=group)
-            rows, cols, masked = ring_block(cp, r, src, causal)
-            ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
-            block_out, block_lse = _attend(_rows(q, rows), ks, vs, masked, scale)
-            if rows == "all":
-                for i, (oh, lh) in enumerate(zip(block_out.chunk(2, 2), block_lse.chunk(2, 2))):
-                    halves[i] = _merge(halves[i], oh, lh)
-            else:
-                halves[1] = _merge(halves[1], block_out, block_lse)
-            _wait(works)
-            kv = nxt_kv
-        out = torch.cat([halves[0][0], halves[1][0]], dim=2)
-        lse = torch.cat([halves[0][1], halves[1][1]], dim=2)
-        # stored [b, s, h, d] (as SDPA's kernels store it), so that the caller's [b, s, h·d] is a view
-        out = out.transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
+        out, lse = ring_forward(q, k, v, group, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)  # what SDPA's flash kernels keep: q, k, v, out, fp32 LSE
-        ctx.group, ctx.causal, ctx.scale, ctx.kv_heads = group, causal, scale, hk
+        ctx.group, ctx.causal, ctx.scale = group, causal, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, hk = ctx.group, ctx.causal, ctx.scale, ctx.kv_heads
-        cp, r, nxt, prv = _ring_peers(group)
-        h = q.shape[1]
-        do = grad_out.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        own = acc = None  # dK/dV of this rank's own block; the accumulator of the block held now
-        for step in range(cp):
-            # step 0: the own block (its gradient stays here); step t ≥ 1: rank r−t's block, whose
-            # partial dK/dV arrive from upstream (t ≥ 2) and travel on: home after cp−1 hops
-            src = (r - step) % cp
-            sends, recvs, nxt_kv, got = [], [], None, None
-            if step < cp - 1:
-                nxt_kv = torch.empty_like(kv)
-                sends.append((kv, nxt))
-                recvs.append((nxt_kv, prv))
-            if step >= 2:
-                got = torch.empty(kv.shape, dtype=torch.float32, device=q.device)
-                sends.append((acc, nxt))
-                recvs.append((got, prv))
-            works = comm.exchange(sends=sends, recvs=recvs, group=group)
-            rows, cols, masked = ring_block(cp, r, src, causal)
-            ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
-            gq, gk, gv = _attend_backward(
-                _rows(do, rows), _rows(q, rows), ks, vs, _rows(out, rows), _rows(lse, rows), masked, scale
-            )
-            _rows(dq, rows).add_(gq)
-            part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            _rows(part[0], cols).add_(_fold_kv(gk, hk))
-            _rows(part[1], cols).add_(_fold_kv(gv, hk))
-            _wait(works)
-            if step == 0:
-                own = part
-            else:
-                acc = part if got is None else part.add_(got)
-            kv = nxt_kv
-        if cp > 1:  # the last hop brings each block's accumulated dK/dV home
-            home = torch.empty_like(own)
-            _wait(comm.exchange(sends=[(acc, nxt)], recvs=[(home, prv)], group=group))
-            own = own.add_(home)
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+        grads = ring_backward(grad_out, *ctx.saved_tensors, ctx.group, ctx.causal, ctx.scale)
+        return *grads, None, None, None
 
 
 def _check_qkv(q, k, v, what: str) -> None:
@@ -312,6 +323,10 @@ def ring_attention(
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
+    if traceable.tracing():  # under torch.compile: the ring as registered ops (.ring_traced)
+        from .ring_traced import traced_ring_attention
+
+        return traced_ring_attention(q, k, v, group, causal, scale)
     return _RingAttention.apply(q, k, v, group, causal, scale)
 
 

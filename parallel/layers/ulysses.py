@@ -24,8 +24,7 @@ def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     cp = comm.group_size(group)
     b, h, s, d = x.shape
     send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # chunk j: heads for rank j
-    recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, group=group)  # chunk i: my heads, rank i's tokens
+    recv = comm.all_to_all_chunks(send, group)  # chunk i: my heads, rank i's tokens
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
 
 
@@ -34,8 +33,7 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     cp = comm.group_size(group)
     b, hl, s, d = x.shape
     send = x.reshape(b, hl, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # chunk i: rank i's tokens
-    recv = torch.empty_like(send)
-    comm.all_to_all(recv, send, group=group)  # chunk j: rank j's heads, my tokens
+    recv = comm.all_to_all_chunks(send, group)  # chunk j: rank j's heads, my tokens
     # [b, s/cp, h, d] in memory (as SDPA's kernels store their output): [b, s/cp, h·d] is a view
     return recv.permute(1, 3, 0, 2, 4).reshape(b, s // cp, cp * hl, d).transpose(1, 2)
 

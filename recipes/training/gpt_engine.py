@@ -62,6 +62,9 @@ def build_gpt_engine(
         )
         for c, layers in enumerate(stage_chunks(ranges, p.pp, g.pp_rank))
     ]
+    if t.compile:  # before the engine takes the loss and ZeRO its hooks: they stay outside the graphs
+        for chunk in chunks:
+            chunk.compile_blocks(t.compile_backend)
     zero = ZeroConfig(
         stage=p.zero,
         precision=t.precision,

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from parallel.checkpoint import latest_checkpoint
 from parallel.comm import flight
+from parallel.compile import compile_report, compile_stats, use_inductor_cache
 from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
 from parallel.layers import check_token_ids_together
@@ -68,6 +69,8 @@ class Trainer:
         self.device = default_device(self.groups.backend)
         self.dtype = COMPUTE_DTYPES[t.precision]
         self.model_cfg = self.layout.model
+        # train.compile: inductor's kernels under the run (parallel/compile.py), set before anything compiles
+        self.compile_cache = use_inductor_cache(run_dir) if t.compile and t.compile_backend == "inductor" else None
         self.ranges, self.engine = build_gpt_engine(rc, self.layout, self.groups, self.device, self.dtype)
         self.train_data = self.open_data("train")
         if self.train_data.vocab_size > self.model_cfg.vocab_size:
@@ -158,6 +161,8 @@ def _report_first_steps(trainer, log: RunLogger, step: int, first: int, step_t0:
     on the first step: every rank calls this every step)."""
     if step == first and (report := memory_report(trainer)):
         log.info(report)
+    if step == first and trainer.rc.train.compile:  # compiled during the first step: said once
+        log.info(compile_report(compile_stats(), trainer.compile_cache))
     if step == first + 1:  # a steady step against the planner's time (reports.time_report)
         if trainer.device.type == "cuda":
             torch.cuda.synchronize(trainer.device)

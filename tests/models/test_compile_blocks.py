@@ -1,0 +1,101 @@
+"""``train.compile``'s per-block compile (parallel/compile.py): no graph breaks at the parallel
+layouts, the same numbers as eager, the same bytes counted, and recompiles bounded by shapes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+from parallel.compile import compile_stats
+from parallel.testing import run_ranks
+
+# name: (preset, build_model keywords made from the 2-rank group, local sequence, backend). aot_eager
+# (forward and backward traced, as inductor sees them) where the graph passes matter: sequence
+# parallelism's re-gather, the ring's output strides; dynamo alone (cheaper) elsewhere
+LAYOUTS = {
+    "tp": ("gpt_tiny", lambda g: dict(tp_group=g), 16, "eager"),
+    "tp_sp": ("llama_tiny", lambda g: dict(tp_group=g, sequence_parallel=True), 8, "aot_eager"),
+    "cp_ring": ("llama_tiny", lambda g: dict(cp_group=g, cp_impl="ring"), 8, "aot_eager"),
+    "cp_alltoall": ("llama_tiny", lambda g: dict(cp_group=g, cp_impl="alltoall"), 8, "eager"),
+    "ep_moe": ("mixtral_tiny", lambda g: dict(ep_group=g), 16, "eager"),  # the attention half compiled
+    "tp_selective": ("gpt_tiny", lambda g: dict(tp_group=g), 16, "eager"),  # attention cores recomputed
+}
+
+
+def _block_step(layout: str, compiled: bool):
+    """One block's forward + backward on this rank: (output, input grad, weight grads, bytes by op)."""
+    from models.config import preset
+    from models.transformer import build_model
+
+    name, kwargs, seq, backend = LAYOUTS[layout]
+    group = dist.new_group([0, 1], group_desc="tp")
+    cfg = preset(name, n_layers=1, seq_len=16, d_model=64)
+    if layout == "tp_selective":
+        cfg = cfg.replace(activation_checkpointing="selective")
+    stage = build_model(cfg, seed=3, **kwargs(group))
+    block = stage.blocks["0"]
+    if compiled:
+        block.compile_regions(backend)
+    x = torch.randn(2, seq, cfg.d_model, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x.requires_grad_(True)
+    with comm.CommCounter() as counter:
+        out = block(x)
+        (out * out).sum().backward()
+    grads = [p.grad for p in block.parameters()]
+    bytes_ = {
+        op: counter.sent_bytes(op=op) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+    }
+    return out.detach(), x.grad, grads, bytes_
+
+
+def _compare_all():
+    """Every layout eager and compiled on this rank; returns per layout the largest difference,
+    whether the bytes match, and the graph breaks it added."""
+    torch.manual_seed(0)
+    out = {}
+    for layout in LAYOUTS:
+        before = compile_stats()["graph_breaks"]
+        eager = _block_step(layout, compiled=False)
+        comp = _block_step(layout, compiled=True)
+        diff = max(
+            (a - b).abs().max().item() for a, b in zip([eager[0], eager[1], *eager[2]], [comp[0], comp[1], *comp[2]])
+        )
+        out[layout] = (diff, eager[3] == comp[3] and any(eager[3].values()), compile_stats()["graph_breaks"] - before)
+    return out
+
+
+@pytest.fixture(scope="module")
+def compared():
+    return run_ranks(_compare_all, 2, timeout=240)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_block_compiles_without_breaks_same_numbers_same_bytes(compared, layout):
+    for rank in compared:
+        diff, same_bytes, breaks = rank[layout]
+        assert breaks == 0
+        assert diff <= 1e-6, f"{layout}: compiled differs from eager by {diff:.2e}"
+        assert same_bytes, f"{layout}: the compiled block's counted bytes differ from eager's"
+
+
+def test_recompiles_one_per_shape_and_grad_mode():
+    """A short last micro-batch and evaluation (no grad) compile once each, then never again."""
+    import torch._dynamo
+
+    from models.config import preset
+    from models.transformer import build_model
+
+    torch._dynamo.reset()
+    cfg = preset("gpt_tiny", n_layers=2, d_model=32, seq_len=16)
+    stage = build_model(cfg)
+    stage.compile_blocks("eager")
+    full, short = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (1, 16))
+    graphs = []
+    for _ in range(3):  # steps: two micro-batches (one short), then an evaluation
+        for ids in (full, short):
+            stage.loss(stage(ids), ids).backward()
+        with torch.no_grad():
+            stage.loss(stage(full), full)
+        graphs.append(compile_stats()["graphs"])
+    # block and loss, each at batch 2 and 1 with grad and batch 2 without: 6, both blocks sharing
+    assert graphs == [6, 6, 6]
