@@ -111,9 +111,11 @@ class Theirs:
 
     @staticmethod
     def _wrapped(kind: str, model: torch.nn.Module) -> torch.nn.Module:
-        if kind in ("ddp", "zero_redundancy"):
+        if kind in ("ddp", "ddp_compiled", "zero_redundancy"):
             from torch.nn.parallel import DistributedDataParallel
 
+            if kind == "ddp_compiled":  # DDP over the compiled model (dynamo splits graphs at its buckets)
+                model = torch.compile(model)
             ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
             ddp.register_comm_hook(None, ddp_comm_hook)
             return ddp
@@ -137,6 +139,8 @@ class Theirs:
             return parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)), plan)
         if kind == "plain":
             return model
+        if kind == "plain_compiled":  # the whole model under torch.compile (inductor), as a user would
+            return torch.compile(model)
         raise ValueError(f"unknown contender {kind!r}; known: {sorted(KINDS)}")
 
     @staticmethod
@@ -191,6 +195,6 @@ class Theirs:
         return torch_state_bytes(self.model, self._held_optimizer)
 
 
-DP_KINDS = ("ddp", "zero_redundancy", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_zero3_each")
+DP_KINDS = ("ddp", "ddp_compiled", "zero_redundancy", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_zero3_each")
 INVISIBLE = ("dtensor_tp", "torch_1f1b", "torch_interleaved")
-KINDS = ("plain", *DP_KINDS, *INVISIBLE)
+KINDS = ("plain", "plain_compiled", *DP_KINDS, *INVISIBLE)

@@ -14,7 +14,9 @@
 #   3. mode=calibrate on the device for the ~1.1B GPT of step 4 (writes hardware.json);
 #   4. python -m benchmarks.gpu_mfu: the ~1.1B GPT in bf16 at several micro-batches and with full activation
 #      checkpointing: tokens/s, MFU, memory and step time beside the planner's (stock and calibrated profile);
-#   5. python -m benchmarks.gpu_vs_torch: our single-process bf16 step against plain PyTorch's (autocast);
+#   5. python -m benchmarks.gpu_vs_torch: our single-process bf16 step against plain PyTorch's (autocast); then
+#      both under torch.compile (ours: train.compile=true, each block and the loss; theirs: the whole model),
+#      4 layers so that inductor's compile fits (the dry run traces with the eager backend only);
 #   6. python -m benchmarks.checkpoint --world 1: a background save's stall against a synchronous one;
 #   7. python -m benchmarks.gpu_check: a checkpoint saved and resumed on the device.
 # Every step runs even if one before it failed (one device session shows everything); the exit status is
@@ -53,6 +55,7 @@ if [[ "${GPU_CHECK_DRY:-0}" == 1 ]]; then
     quick=(train.max_steps=20 train.threads=1)
     mfu_args=()
     vs_args=()
+    compile_args=(--compile eager)
     ckpt_args=(--d 64 --layers 2 --seq 32 --rounds 2)
 else
     if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -66,6 +69,7 @@ else
     quick=(train.max_steps=100)
     mfu_args=(--steps 6 --warmup 2)
     vs_args=()
+    compile_args=(--compile inductor --layers 4)
     ckpt_args=(--d 1024 --layers 8 --seq 1024 --rounds 3)
 fi
 
@@ -84,6 +88,8 @@ step "4/7 MFU and step time vs the planner" 300 python -m benchmarks.gpu_mfu "${
 step "4/7 (full activation checkpointing)" 120 python -m benchmarks.gpu_mfu "${mfu_args[@]}" "${hw[@]}" \
     --micro-batch 4 --checkpointing full --json "$out/mfu_full_ckpt.json"
 step "5/7 ours vs plain PyTorch" 180 python -m benchmarks.gpu_vs_torch "${vs_args[@]}" --json "$out/vs_torch.json"
+export TORCHINDUCTOR_CACHE_DIR="$out/inductor"  # the compiled step's kernels stay with the results
+step "5/7 (torch.compile)" 240 python -m benchmarks.gpu_vs_torch "${compile_args[@]}" --json "$out/vs_torch_compiled.json"
 step "6/7 background vs synchronous checkpoint" 180 python -m benchmarks.checkpoint --world 1 "${ckpt_args[@]}"
 step "7/7 checkpoint save and resume" 120 python -m benchmarks.gpu_check
 

@@ -108,6 +108,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--json", help="write the result to this file")
+    ap.add_argument("--compile", metavar="BACKEND", help="both sides under torch.compile: ours train.compile=true")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("No CUDA GPU here: the same comparison on the CPU, tiny (no figures worth reading).")
@@ -115,8 +116,12 @@ def main(argv=None) -> dict:
         a.rounds, a.steps, a.warmup = 2, 1, 1
     _single_process_env()
     rc = recipe(a.layers, a.d, a.heads, a.seq, a.micro_batch, a.global_batch)
+    if a.compile:  # ours: each block and the loss (parallel/compile.py); theirs: the whole model
+        rc.train.compile, rc.train.compile_backend = True, a.compile
     trainer = Trainer(rc, run_dir=".")
     plain = Plain(trainer)
+    if a.compile:
+        plain.model = torch.compile(plain.model, backend=a.compile)
     first = {
         "ours": trainer.train_step(0)["loss"],
         "theirs": plain.step(0).item(),
@@ -147,10 +152,12 @@ def main(argv=None) -> dict:
         "ours_s": statistics.median(r["ours"] for r in rounds),
         "theirs_s": statistics.median(r["theirs"] for r in rounds),
         "first_loss": first,
+        "compile": a.compile,
         "rounds": rounds,
     }
     print(
-        f"{out['device']}: {n_params / 1e6:.0f} M-parameter GPT, bf16, {rc.train.global_batch} × {a.seq} tokens per "
+        f"{out['device']}: {n_params / 1e6:.0f} M-parameter GPT, bf16{f', compiled ({a.compile})' if a.compile else ''}, "
+        f"{rc.train.global_batch} × {a.seq} tokens per "
         f"step in micro-batches of {a.micro_batch}: ours {out['ours_s'] * 1e3:.1f} ms/step "
         f"({tokens / out['ours_s']:,.0f} tokens/s), plain PyTorch (autocast) {out['theirs_s'] * 1e3:.1f} ms/step "
         f"({tokens / out['theirs_s']:,.0f} tokens/s); ours/theirs {out['ratio']:.3f} (IQR {out['ratio_iqr'][0]:.3f}"

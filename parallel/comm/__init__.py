@@ -10,6 +10,7 @@ is decided once per group in :mod:`.gloo` (:func:`transport`).
 from .autograd import (
     SplitError,
     all_gather_along,
+    all_reduce_max,
     all_reduce_sum,
     all_to_all_chunks,
     copy_to_tp_region,
@@ -71,6 +72,7 @@ __all__ = [
     # autograd-aware tensor-parallel regions
     "SplitError",
     "all_gather_along",
+    "all_reduce_max",
     "all_reduce_sum",
     "all_to_all_chunks",
     "copy_to_tp_region",

@@ -114,6 +114,17 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    """Elementwise maximum of ``x`` over the group, out of place (all-reduce of X)."""
+    if tp_world_size(group) == 1:
+        return x
+    if traceable.tracing():
+        return torch.ops.gridtrain.same_shape_collective(x, "all_reduce_max", group.group_name)
+    out = x.contiguous().clone()
+    C.all_reduce(out, group=group, op=C.ReduceOp.MAX)
+    return out
+
+
 def all_to_all_chunks(x: torch.Tensor, group) -> torch.Tensor:
     """Out of place all-to-all of ``x``'s equal dim-0 chunks: chunk i goes to rank i (X bytes)."""
     if tp_world_size(group) == 1:

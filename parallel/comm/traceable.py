@@ -30,7 +30,7 @@ def _group(name: str):
 @torch.library.custom_op("gridtrain::same_shape_collective", mutates_args=())
 def same_shape_collective(x: torch.Tensor, kind: str, group_name: str) -> torch.Tensor:
     """A collective whose output has ``x``'s shape, out of place and counted: ``kind`` is
-    ``all_reduce_sum`` (the sum over the group) or ``all_to_all_chunks`` (equal dim-0 chunks
+    ``all_reduce_sum`` (the sum over the group), ``all_reduce_max`` or ``all_to_all_chunks`` (equal dim-0 chunks
     exchanged), the functions of :mod:`.autograd` of those names."""
     from . import autograd
 

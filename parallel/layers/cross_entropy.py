@@ -39,8 +39,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             pad = torch.arange(start, start + local_v, device=z.device) >= vocab_size
             z = z.masked_fill(pad, float("-inf"))
         zmax = z.amax(dim=-1)
-        if comm.tp_world_size(group) > 1:
-            comm.all_reduce(zmax, group=group, op=comm.ReduceOp.MAX)
+        zmax = comm.all_reduce_max(zmax, group)  # out of place (traceable: parallel.comm.traceable)
         z = z - zmax.unsqueeze(-1)
         exp = z.exp()
         ignored = targets == ignore_index
@@ -49,8 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked = z.gather(-1, local_t.clamp(0, local_v - 1).unsqueeze(-1)).squeeze(-1)
         picked = picked.masked_fill(~mine, 0.0)
         sums = torch.stack([exp.sum(dim=-1), picked])
-        if comm.tp_world_size(group) > 1:
-            comm.all_reduce(sums, group=group)
+        sums = comm.all_reduce_sum(sums, group)
         sum_exp, target_z = sums
         loss = (sum_exp.log() - target_z).masked_fill(ignored, 0.0)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, mine, ignored)

@@ -28,6 +28,8 @@ def test_the_gpu_check_dry_run_passes_every_step():
         "predicted/measured",
         "5/7 ours vs plain PyTorch",
         "ours/theirs",
+        "5/7 (torch.compile)",
+        "compiled (eager)",
         "6/7 background",
         "stall per save",
         "7/7 checkpoint",

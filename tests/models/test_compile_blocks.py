@@ -34,13 +34,18 @@ def _block_step(layout: str, compiled: bool):
         cfg = cfg.replace(activation_checkpointing="selective")
     stage = build_model(cfg, seed=3, **kwargs(group))
     block = stage.blocks["0"]
-    if compiled:
+    if compiled and layout == "tp":  # the block and the vocabulary-parallel loss (its two all-reduces)
+        stage.compile_blocks(backend)
+    elif compiled:
         block.compile_regions(backend)
     x = torch.randn(2, seq, cfg.d_model, generator=torch.Generator().manual_seed(dist.get_rank()))
     x.requires_grad_(True)
     with comm.CommCounter() as counter:
         out = block(x)
-        (out * out).sum().backward()
+        loss = (out * out).sum()
+        if layout == "tp":
+            loss = loss + stage.loss(stage._head(out), torch.arange(2 * seq).view(2, seq) % cfg.vocab_size)
+        loss.backward()
     grads = [p.grad for p in block.parameters()]
     bytes_ = {
         op: counter.sent_bytes(op=op) for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
