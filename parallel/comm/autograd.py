@@ -105,23 +105,21 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Sum of ``x`` over the group, out of place (all-reduce of X)."""
-    if tp_world_size(group) == 1:
-        return x
-    if traceable.tracing():
-        return torch.ops.gridtrain.same_shape_collective(x, "all_reduce_sum", group.group_name)
-    out = x.contiguous().clone()
-    C.all_reduce(out, group=group)
-    return out
+    return _all_reduce(x, group, "sum")
 
 
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
     """Elementwise maximum of ``x`` over the group, out of place (all-reduce of X)."""
+    return _all_reduce(x, group, "max")
+
+
+def _all_reduce(x: torch.Tensor, group, kind: str) -> torch.Tensor:
     if tp_world_size(group) == 1:
         return x
-    if traceable.tracing():
-        return torch.ops.gridtrain.same_shape_collective(x, "all_reduce_max", group.group_name)
+    if traceable.tracing():  # under torch.compile: one opaque, counted node (parallel.comm.traceable)
+        return torch.ops.gridtrain.same_shape_collective(x, f"all_reduce_{kind}", group.group_name)
     out = x.contiguous().clone()
-    C.all_reduce(out, group=group, op=C.ReduceOp.MAX)
+    C.all_reduce(out, group=group, op=C.ReduceOp.SUM if kind == "sum" else C.ReduceOp.MAX)
     return out
 
 

@@ -48,6 +48,7 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["train.eval_batches=0"], "train.eval_batches", {}),
     (["train.ckpt_every=-1"], "train.ckpt_every", {}),
     (["train.ckpt_on_error=retry"], "train.ckpt_on_error", {}),
+    (["train.compile_backend=tvm"], "train.compile_backend", {}),
     (["train.fault=boom"], "train.fault", {}),
     (["train.sigterm_grace_s=0"], "train.sigterm_grace_s", {}),
     (["train.log_every=0"], "train.log_every", {}),
