@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -114,27 +115,25 @@ def test_multirun_runs_each_layout_as_its_own_job_and_summarises(tmp_path):
 
 
 def test_bad_layout_is_refused_before_spawning(tmp_path):
-    p = run(
-        [sys.executable, "-m", "recipes.gpt_tiny", "parallel.tp=3", f"hydra.run.dir={tmp_path}", *TINY], cwd=os.getcwd()
-    )
-    assert p.returncode != 0
-    assert "n_heads 4 is not divisible by tp 3" in p.stderr
-    p = run(
+    """Three refusals, each its own one-process command and run directory (they run together: nothing is spawned)."""
+    cmds = [
+        [sys.executable, "-m", "recipes.gpt_tiny", "parallel.tp=3", f"hydra.run.dir={tmp_path / 'tp3'}", *TINY],
         [
             sys.executable,
             "-m",
             "recipes.gpt_tiny",
             "train.global_batch=7",
-            f"hydra.run.dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'batch7'}",
             *[a for a in TINY if not a.startswith("train.global_batch")],
         ],
-        cwd=os.getcwd(),
-    )
-    assert p.returncode != 0 and "train.global_batch 7 is not a multiple of micro_batch 2" in p.stderr
-    p = run(
-        [sys.executable, "-m", "recipes.gpt_tiny", "model.n_layerz=3", f"hydra.run.dir={tmp_path}"], cwd=os.getcwd()
-    )
-    assert p.returncode != 0 and "n_layerz" in p.stderr
+        [sys.executable, "-m", "recipes.gpt_tiny", "model.n_layerz=3", f"hydra.run.dir={tmp_path / 'typo'}"],
+    ]
+    with ThreadPoolExecutor(3) as pool:  # each thread waits on its command's process
+        tp3, batch7, typo = pool.map(lambda cmd: run(cmd, cwd=os.getcwd()), cmds)
+    assert tp3.returncode != 0
+    assert "n_heads 4 is not divisible by tp 3" in tp3.stderr
+    assert batch7.returncode != 0 and "train.global_batch 7 is not a multiple of micro_batch 2" in batch7.stderr
+    assert typo.returncode != 0 and "n_layerz" in typo.stderr
 
 
 def test_torchrun_world_that_does_not_fit_fails_on_every_rank_quickly(tmp_path):
