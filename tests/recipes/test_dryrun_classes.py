@@ -71,3 +71,19 @@ def test_a_planted_extra_all_reduce_on_a_middle_stage_is_named(tmp_path, planted
             assert {g: round(b) for g, b in cmp["bytes"]["dryrun"].items()} == {
                 g: round(cmp["bytes"]["plan"][g]) for g in cmp["bytes"]["dryrun"]
             }
+
+
+def test_dryrun_ranks_other_than_a_list_or_classes_is_refused():
+    from types import SimpleNamespace
+
+    from recipes.config import ConfigError
+
+    topo = Topology(2, 2, 1)
+    rc = SimpleNamespace(dryrun=SimpleNamespace(ranks="every"))
+    with pytest.raises(ConfigError, match=r"dryrun.ranks=every: is neither a list of ranks nor 'classes'; name ranks"):
+        dryrun._chosen_ranks(rc, 4, topo)
+    rc.dryrun.ranks = [0, 4]
+    with pytest.raises(ConfigError, match=r"rank 4 is outside the world \[0, 4\)"):
+        dryrun._chosen_ranks(rc, 4, topo)
+    rc.dryrun.ranks = None
+    assert dryrun._chosen_ranks(rc, 4, topo) == dryrun.default_ranks(4, 2, 2, 1)
