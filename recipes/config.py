@@ -199,7 +199,9 @@ class PlanSection:
 class DryrunSection:
     """``dryrun.*`` keys for ``mode=dryrun`` (see recipes/tools/dryrun.py)."""
 
-    ranks: Optional[List[int]] = None  # None: the first rank, a middle stage's rank, the last rank
+    # None: the first rank, a middle stage's rank, the last rank; a list of ranks; or "classes": one rank
+    # of every (stage, tp, cp, expert) class at the first and last DP replica, every group cross-checked
+    ranks: Optional[Any] = None
     peers: bool = False  # also run each rank's TP, DP and PP neighbours and check their call sequences
     jobs: int = 2  # ranks run at once (one process each)
 

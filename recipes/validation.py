@@ -26,7 +26,7 @@ from parallel.dims import (
     topk_ratio_problem,
 )
 from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED, MoEConfigError
-from parallel.pipeline.schedules import SCHEDULES, schedule_problem
+from parallel.pipeline.schedules import SCHEDULES, schedule_problem, zero_bubble_problem
 from parallel.precision import PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.policy import ZERO_STAGES
@@ -251,19 +251,9 @@ def _grad_accum(t: Any, dims: ParallelDims) -> int:
 
 def _check_pipeline(p: Any, mc: Any) -> None:
     """The schedule against the rest of the run, and the layer split (pp_layers, vpp)."""
-    if p.pp_schedule == "zb-h1" and mc.activation_checkpointing != "none":
-        raise ConfigError(
-            f"parallel.pp_schedule=zb-h1 with model.activation_checkpointing={mc.activation_checkpointing}: "
-            "zero bubble runs each micro-batch's backward in two autograd passes (input gradient, then weight "
-            "gradient), and recomputed blocks would be recomputed again in each (with their collectives); "
-            "set model.activation_checkpointing=none, or parallel.pp_schedule=1f1b to keep recomputation"
-        )
-    if p.pp_schedule == "zb-h1" and p.zero == 3:
-        raise ConfigError(
-            "parallel.pp_schedule=zb-h1 with parallel.zero=3: the weight-gradient pass (W) runs after ZeRO-3 "
-            "has freed the block's gathered parameters, and some of its kernels (norms) read them; use "
-            "parallel.zero ≤ 2 with zb-h1, or parallel.pp_schedule=1f1b with zero=3"
-        )
+    problem = zero_bubble_problem(p.pp_schedule, mc.activation_checkpointing, p.zero)
+    if problem:
+        raise ConfigError(problem)
     if p.pp_layers is not None:
         layers = list(p.pp_layers)
         if len(layers) != p.pp or sum(layers) != mc.n_layers or min(layers) < 1:

@@ -21,6 +21,7 @@ each block's input (e·sbh/t') and, while one layer's backward runs, that layer'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import zip_longest
 
 from ..zero import theory as zero_theory
@@ -71,10 +72,12 @@ class StageParams:
         return (self.numel, self.replicated, self.full, self.tied_copy, self.shared_embedding)
 
 
-def _bucket_sizes(group: Group, bucket_bytes: float, element_size: int) -> list[int]:
-    return [sum(group[i] for i in bucket) for bucket in pack(group, element_size, bucket_bytes)]
+@lru_cache(maxsize=4096)  # a search packs the same stages' groups for every layout it prices
+def _bucket_sizes(group: Group, bucket_bytes: float, element_size: int) -> tuple[int, ...]:
+    return tuple(sum(group[i] for i in bucket) for bucket in pack(group, element_size, bucket_bytes))
 
 
+@lru_cache(maxsize=4096)  # the middle stages of a pipeline are alike
 def zero_bucket_numels(
     params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> tuple[tuple[int, ...], ...] | None:

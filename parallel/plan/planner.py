@@ -70,7 +70,7 @@ def plan_layout(
         ranks=ranks,
         step=_step_summary(ctx, ranks, totals, makespan, bubble),
     )
-    plan.advice = advise(plan, ctx.shape, hw)
+    plan.advice = advise(plan, ctx.shape, hw, moe=ctx.moe is not None)
     return plan
 
 
