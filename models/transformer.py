@@ -28,6 +28,7 @@ from parallel.layers import (
     VocabParallelEmbedding,
     check_cp_seq_len,
     cp_positions,
+    cp_slice,
     gather_full_tensor,
     init_parameters_,
     mark_vocab_rows,
@@ -237,7 +238,7 @@ class TransformerStage(nn.Module):
             local = h.shape[1]
             start = comm.tp_rank(self.tp_group) * local if self.sequence_parallel else 0
             pos = torch.arange(start, start + local, device=ids.device)
-            if positions is not None:  # packed documents: each token's position in its document, [b, local]
+            if positions is not None:  # packed documents: this rank's tokens' positions in their documents
                 pos = positions[:, start : start + local]
             elif self.cp_size > 1:  # global positions of this cp rank's load-balanced tokens
                 pos = cp_positions(s * self.cp_size, self.cp_size, comm.tp_rank(self.cp_group), ids.device)[pos]
@@ -254,16 +255,14 @@ class TransformerStage(nn.Module):
         return logits
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions`` ``[b, s]`` (the whole sequence, on every stage): packed documents, each
-        token's position in its document (:mod:`parallel.layers.documents`); attention is then
-        document-causal and rotary / learned positions restart at each document."""
+        """``positions`` ``[b, s]`` (the whole window, on every stage and every cp rank): packed
+        documents, each token's position in its document (:mod:`parallel.layers.documents`); attention
+        is then document-causal and rotary / learned positions restart at each document."""
         documents = None
-        if positions is not None:
-            if self.cp_size > 1:
-                raise ModelConfigError("packed documents under context parallelism are not built; use cp=1")
-            documents = DocumentMask(positions)  # one mask for every block of this stage
+        if positions is not None:  # one mask for every block of this stage; this cp rank's positions
+            documents = DocumentMask(positions, cp_slice(positions, self.cp_size, comm.tp_rank(self.cp_group)))
         if self.has_embedding:
-            h = self._embed(x, positions)
+            h = self._embed(x, None if documents is None else documents.local)
         else:
             if x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
                 raise ModelConfigError(

@@ -300,8 +300,8 @@ def _check_zero(p: Any, comm: Any) -> None:
 
 
 def _check_packing(cfg: Any) -> None:
-    """``data.packing=documents`` reads a prepared corpus's document index, at cp=1."""
-    d, cp = cfg.data, cfg.parallel.cp
+    """``data.packing=documents`` reads a prepared corpus's document index; context parallel by Ulysses."""
+    d, cp, impl = cfg.data, cfg.parallel.cp, cfg.parallel.cp_impl
     if d.packing != "documents":
         return
     if d.source == "embedded" and not d.blend:
@@ -312,13 +312,13 @@ def _check_packing(cfg: Any) -> None:
             "prepare a corpus with `python -m recipes.prepare` and set data.source=memmap data.path=DIR, "
             "or use data.packing=concat",
         )
-    if cp > 1:
+    if cp > 1 and impl != "alltoall":
         raise bad(
             "data.packing",
             d.packing,
-            f"document-causal attention under parallel.cp={cp} is not built (the plan: the ring passes the "
-            f"document ids of its K/V block, Ulysses gathers them)",
-            "use parallel.cp=1 (tp, pp, dp and sequence parallelism all work) or data.packing=concat",
+            f"document-causal attention under parallel.cp={cp} is built for Ulysses, not for parallel.cp_impl={impl} "
+            f"(the plan: each ring step masks its K/V block by the document ids every rank holds)",
+            "use parallel.cp_impl=alltoall, parallel.cp=1 or data.packing=concat",
         )
 
 

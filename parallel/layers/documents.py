@@ -14,7 +14,10 @@ Kernels, picked once per device type (:func:`document_kernel`):
 - ``sdpa`` (elsewhere, and the reference): ``F.scaled_dot_product_attention`` with a boolean
   ``[b, 1, s, s]`` mask, memory ``b·s²`` bytes.
 
-No communication: the mask is built locally from the positions every rank holds.
+Context parallelism: every cp rank holds the whole window's positions (tiny next to its
+activations), so no rank needs another's document ids; its own tokens' positions (rotary, learned)
+are ``local`` (:func:`~parallel.layers.ring_attention.cp_slice` of them), and Ulysses attends over
+the whole window with this mask. No communication: the mask is built locally.
 """
 
 from __future__ import annotations
@@ -56,12 +59,14 @@ class DocumentMask:
     """The attention pattern of packed windows, from their ``positions`` ``[b, s]`` (module doc).
 
     Built once per micro-batch and shared by every attention layer of a stage: each kernel's mask
-    is made on first use and kept (``sdpa``: a boolean ``[b, 1, s, s]``; ``flex``: a block mask)."""
+    is made on first use and kept (``sdpa``: a boolean ``[b, 1, s, s]``; ``flex``: a block mask).
+    ``local``: the positions of the tokens this rank holds (its cp part; default: all of them)."""
 
-    def __init__(self, positions: torch.Tensor):
+    def __init__(self, positions: torch.Tensor, local: torch.Tensor | None = None):
         if positions.dim() != 2:
             raise ValueError(f"positions must be [batch, seq], got shape {tuple(positions.shape)}")
         self.positions = positions
+        self.local = positions if local is None else local
         self.ids = document_ids(positions)
         self._masks: dict[str, object] = {}
 
@@ -88,15 +93,22 @@ class DocumentMask:
 
 
 def document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask, *, kernel: str | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: DocumentMask,
+    *,
+    scale: float | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Document-causal attention of ``q`` ``[b, h, s, hd]`` over ``k``, ``v`` ``[b, h_kv, s, hd]``
-    (grouped-query when ``h_kv < h``); ``kernel`` (``flex``/``sdpa``) overrides the device's pick."""
+    (grouped-query when ``h_kv < h``; ``scale`` default ``1/√hd``); ``kernel`` (``flex``/``sdpa``)
+    overrides the device's pick."""
     kernel = kernel or document_kernel(q.device.type)
     gqa = q.shape[1] != k.shape[1]
     if kernel == "flex":
         flex, _ = _flex()
-        return flex(q, k, v, block_mask=mask.block_mask(), enable_gqa=gqa)
+        return flex(q, k, v, block_mask=mask.block_mask(), scale=scale, enable_gqa=gqa)
     if kernel != "sdpa":
         raise ValueError(f"document attention kernel {kernel!r} not in {DOCUMENT_KERNELS}")
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), scale=scale, enable_gqa=gqa)

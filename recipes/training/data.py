@@ -316,12 +316,13 @@ class TokenDataset:
     ) -> list[tuple[torch.Tensor, ...]]:
         """This DP rank's micro-batches of ``step``: disjoint, contiguous slices of the global batch
         (inputs, targets and, packing documents, positions: :meth:`windows`); with ``cp > 1``, cp rank
-        ``cp_rank``'s part of each sequence (``seq_len/cp`` tokens)."""
+        ``cp_rank``'s part of each sequence (``seq_len/cp`` tokens) of the inputs and targets; the
+        positions stay whole (every cp rank builds the whole window's document mask)."""
         starts = self.offsets(step, global_batch, seed)
         per_rank = global_batch // dp
         mine = starts[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         mbs = [self.windows(mine[i : i + micro_batch]) for i in range(0, per_rank, micro_batch)]
-        return [tuple(cp_slice(t, cp, cp_rank) for t in mb) for mb in mbs]
+        return [(cp_slice(mb[0], cp, cp_rank), cp_slice(mb[1], cp, cp_rank), *mb[2:]) for mb in mbs]
 
 
 def batch_shortfalls(rc, seq_len: int) -> list[str]:

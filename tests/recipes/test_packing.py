@@ -1,6 +1,6 @@
 """data.packing=documents end to end: windows' positions come from the document index (they restart
-after every EOS), blends keep them, and a (2,2,2) layout with sequence parallelism trains the same
-model as one process."""
+after every EOS), blends keep them, and the layouts (2,2,2) with sequence parallelism and cp=2
+(Ulysses) train the same model as one process."""
 
 import numpy as np
 import pytest
@@ -72,13 +72,24 @@ def reference(corpora, tmp_path_factory):
 
 
 def _recipe(path, **layout):
-    keys = dict(data__source="memmap", data__path=path, data__packing="documents", train__max_steps=STEPS)
+    keys = dict(
+        data__source="memmap", data__path=path, data__packing="documents", train__max_steps=STEPS,
+        model__preset="llama_tiny",  # RoPE: each rank's own tokens' positions
+    )  # fmt: skip
     return tiny_recipe(**{**keys, **layout})
 
 
-def test_2_2_2_with_sequence_parallelism_matches_one_process(corpora, reference, tmp_path):
-    layout = dict(dp=2, pp=2, tp=2, zero=1, parallel__sequence_parallel=True)
-    run_ranks(_train, 8, _recipe(corpora[0], **layout), str(tmp_path), timeout=300)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(dp=2, pp=2, tp=2, zero=1, parallel__sequence_parallel=True),
+        dict(dp=1, pp=1, tp=1, zero=1, parallel__cp=2, parallel__cp_impl="alltoall"),
+    ],
+    ids=["dp2-pp2-tp2-sp", "cp2-ulysses"],
+)
+def test_layouts_match_one_process(corpora, reference, tmp_path, layout):
+    world = layout["dp"] * layout["pp"] * layout["tp"] * layout.get("parallel__cp", 1)
+    run_ranks(_train, world, _recipe(corpora[0], **layout), str(tmp_path), timeout=300)
     loss, norm = losses(tmp_path)
     assert len(loss) == STEPS
     assert loss == pytest.approx(reference[0], abs=1e-4)
