@@ -115,7 +115,7 @@ class DataConfig:
     blend: Optional[str] = None  # "0.7 data/a 0.3 data/b": prepared corpora mixed by weight (instead of source/path)
     sampling: str = "auto"  # epoch (each window once per epoch) | random | auto: epoch for memmap, else random
     # concat: windows read straight across documents | documents: document-causal attention, positions restart
-    # at each document (needs the document index recipes.prepare writes; cp>1 by cp_impl=alltoall)
+    # at each document (needs the document index recipes.prepare writes)
     packing: str = "concat"
 
 

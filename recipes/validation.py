@@ -300,25 +300,15 @@ def _check_zero(p: Any, comm: Any) -> None:
 
 
 def _check_packing(cfg: Any) -> None:
-    """``data.packing=documents`` reads a prepared corpus's document index; context parallel by Ulysses."""
-    d, cp, impl = cfg.data, cfg.parallel.cp, cfg.parallel.cp_impl
-    if d.packing != "documents":
-        return
-    if d.source == "embedded" and not d.blend:
+    """``data.packing=documents`` reads a prepared corpus's document index (the embedded corpus has none)."""
+    d = cfg.data
+    if d.packing == "documents" and d.source == "embedded" and not d.blend:
         raise bad(
             "data.packing",
             d.packing,
             "the embedded corpus has no document index (its files are joined without boundaries)",
             "prepare a corpus with `python -m recipes.prepare` and set data.source=memmap data.path=DIR, "
             "or use data.packing=concat",
-        )
-    if cp > 1 and impl != "alltoall":
-        raise bad(
-            "data.packing",
-            d.packing,
-            f"document-causal attention under parallel.cp={cp} is built for Ulysses, not for parallel.cp_impl={impl} "
-            f"(the plan: each ring step masks its K/V block by the document ids every rank holds)",
-            "use parallel.cp_impl=alltoall, parallel.cp=1 or data.packing=concat",
         )
 
 

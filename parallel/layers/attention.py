@@ -12,7 +12,6 @@ from .documents import DocumentMask, document_attention
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
 from .norm import RMSNorm
 from .ring_attention import check_cp_impl, check_ulysses_heads, context_parallel_attention, cp_positions
-from .ulysses import ulysses_attention
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -146,12 +145,8 @@ class ParallelSelfAttention(nn.Module):
     ) -> torch.Tensor:
         """Rotary (if any) + causal SDPA on local heads; ``[b, s, local_heads·hd]``. ``documents``
         (packed windows, :mod:`.documents`): rotary positions restart at each document and attention
-        is document-causal (under context parallelism by Ulysses only)."""
+        is document-causal (under context parallelism too: ring or Ulysses)."""
         b, _, s, _ = q.shape
-        if documents is not None and self.cp > 1 and self.cp_impl != "alltoall":
-            raise LayerConfigError(
-                f"document-causal attention under cp_impl={self.cp_impl!r} is not built; use cp_impl='alltoall'"
-            )
         if self.rope:
             cos, sin = rotary_cos_sin(s * self.cp, self.head_dim, self.rope_theta, q.device, self.rope_scaling)
             if documents is not None:  # [b, 1, s, hd]: each token's position in its document
@@ -160,12 +155,10 @@ class ParallelSelfAttention(nn.Module):
                 pos = cp_positions(s * self.cp, self.cp, comm.tp_rank(self.cp_group), q.device)
                 cos, sin = cos[pos], sin[pos]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if documents is not None and self.cp > 1:
-            out = ulysses_attention(q, k, v, self.cp_group, documents=documents)
+        if self.cp > 1:
+            out = context_parallel_attention(q, k, v, self.cp_group, impl=self.cp_impl, documents=documents)
         elif documents is not None:
             out = document_attention(q, k, v, documents)
-        elif self.cp > 1:
-            out = context_parallel_attention(q, k, v, self.cp_group, impl=self.cp_impl, causal=True)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=self.local_heads != self.local_kv_heads

@@ -16,8 +16,9 @@ Kernels, picked once per device type (:func:`document_kernel`):
 
 Context parallelism: every cp rank holds the whole window's positions (tiny next to its
 activations), so no rank needs another's document ids; its own tokens' positions (rotary, learned)
-are ``local`` (:func:`~parallel.layers.ring_attention.cp_slice` of them), and Ulysses attends over
-the whole window with this mask. No communication: the mask is built locally.
+are ``local`` (:func:`~parallel.layers.ring_attention.cp_slice` of them); Ulysses attends over the
+whole window with this mask, the ring masks each K/V block by :attr:`DocumentMask.ids` of its
+queries and keys. No communication: the mask is built locally.
 """
 
 from __future__ import annotations

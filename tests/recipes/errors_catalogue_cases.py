@@ -112,7 +112,6 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["data.packing=pad"], "data.packing", {}),
     (["data.packing=documents"], "data.packing", {}),
     (["data.source=memmap", "data.path={no_index}", "data.packing=documents"], "data.path", {}),
-    (["data.source=memmap", "data.path={no_index}", "data.packing=documents", "parallel.cp=2"], "data.packing", {}),
     (["data.blend='0 {missing}'"], "data.blend", {}),
     (["data.blend='0.5'"], "data.blend", {}),
     (["data.blend='1 {missing}'"], "data.blend", {}),

@@ -1,6 +1,6 @@
 """data.packing=documents end to end: windows' positions come from the document index (they restart
 after every EOS), blends keep them, and the layouts (2,2,2) with sequence parallelism and cp=2
-(Ulysses) train the same model as one process."""
+(Ulysses and the ring) train the same model as one process."""
 
 import numpy as np
 import pytest
@@ -84,8 +84,9 @@ def _recipe(path, **layout):
     [
         dict(dp=2, pp=2, tp=2, zero=1, parallel__sequence_parallel=True),
         dict(dp=1, pp=1, tp=1, zero=1, parallel__cp=2, parallel__cp_impl="alltoall"),
+        dict(dp=1, pp=1, tp=1, zero=1, parallel__cp=2, parallel__cp_impl="ring"),
     ],
-    ids=["dp2-pp2-tp2-sp", "cp2-ulysses"],
+    ids=["dp2-pp2-tp2-sp", "cp2-ulysses", "cp2-ring"],
 )
 def test_layouts_match_one_process(corpora, reference, tmp_path, layout):
     world = layout["dp"] * layout["pp"] * layout["tp"] * layout.get("parallel__cp", 1)
