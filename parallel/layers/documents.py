@@ -38,9 +38,10 @@ def document_ids(positions: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def document_kernel(device_type: str) -> str:
-    """``flex`` on CUDA when torch has flex attention, else ``sdpa`` (decided once per device type)."""
-    if device_type != "cuda":
+def document_kernel(device_type: str, head_dim: int = 64) -> str:
+    """``flex`` on CUDA when torch has flex attention and the head dim is a power of two ≥ 16 (what its
+    Triton kernels tile without padding), else ``sdpa``; decided once per (device type, head dim)."""
+    if device_type != "cuda" or head_dim < 16 or head_dim & (head_dim - 1):
         return "sdpa"
     try:
         from torch.nn.attention import flex_attention  # noqa: F401
@@ -105,7 +106,7 @@ def document_attention(
     """Document-causal attention of ``q`` ``[b, h, s, hd]`` over ``k``, ``v`` ``[b, h_kv, s, hd]``
     (grouped-query when ``h_kv < h``; ``scale`` default ``1/√hd``); ``kernel`` (``flex``/``sdpa``)
     overrides the device's pick."""
-    kernel = kernel or document_kernel(q.device.type)
+    kernel = kernel or document_kernel(q.device.type, q.shape[-1])
     gqa = q.shape[1] != k.shape[1]
     if kernel == "flex":
         flex, _ = _flex()

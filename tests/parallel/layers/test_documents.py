@@ -6,14 +6,17 @@ import torch
 import torch.nn.functional as F
 
 from models import ModelConfig, build_model
-from parallel.layers import DocumentMask, document_attention, document_ids
+from parallel.layers import DocumentMask, document_attention, document_ids, document_kernel
 
 # three documents in row 0 (the first cut by the window start), one in row 1
 POSITIONS = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3], list(range(12))])
 
 
-def test_document_ids_count_the_restarts():
+def test_document_ids_count_the_restarts_and_the_kernel_is_picked_per_device():
     assert document_ids(POSITIONS).tolist() == [[0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2], [0] * 12]
+    assert [document_kernel(*a) for a in (("cpu", 64), ("cuda", 64), ("cuda", 128), ("cuda", 96), ("cuda", 8))] == [
+        "sdpa", "flex", "flex", "sdpa", "sdpa"
+    ]  # fmt: skip
 
 
 def test_no_attention_weight_crosses_a_document_boundary():
