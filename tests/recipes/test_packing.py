@@ -2,6 +2,8 @@
 after every EOS), blends keep them, and the layouts (2,2,2) with sequence parallelism and cp=2
 (Ulysses and the ring) train the same model as one process."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -85,13 +87,21 @@ def reference(corpora, tmp_path_factory):
     concat = tmp_path_factory.mktemp("concat")  # the same first batch read straight: another loss
     run_ranks(_train, 1, _recipe(corpora[0], data__packing="concat", train__max_steps=1), str(concat), timeout=300)
     assert abs(losses(concat)[0][0] - losses(d)[0][0]) > 1e-3
-    return losses(d)
+    return (*losses(d), d)
+
+
+def _val_losses(run_dir):
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    out = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert out, "no evaluation logged"
+    return out
 
 
 def _recipe(path, **layout):
     keys = dict(
         data__source="memmap", data__path=path, data__packing="documents", train__max_steps=STEPS,
         model__preset="llama_tiny",  # RoPE: each rank's own tokens' positions
+        train__eval_every=STEPS, train__eval_batches=1,  # the held-out split's packed windows too
     )  # fmt: skip
     return tiny_recipe(**{**keys, **layout})
 
@@ -112,3 +122,4 @@ def test_layouts_match_one_process(corpora, reference, tmp_path, layout):
     assert len(loss) == STEPS
     assert loss == pytest.approx(reference[0], abs=1e-4)
     assert norm == pytest.approx(reference[1], rel=1e-4)
+    assert _val_losses(tmp_path) == pytest.approx(_val_losses(reference[2]), abs=1e-4)
