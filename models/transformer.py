@@ -19,6 +19,7 @@ from parallel import comm
 from parallel.dims import sequence_split_problem
 from parallel.layers import (
     ColumnParallelLinear,
+    DocumentMask,
     LayerNorm,
     MoELayer,
     ParallelMLP,
@@ -27,6 +28,7 @@ from parallel.layers import (
     VocabParallelEmbedding,
     check_cp_seq_len,
     cp_positions,
+    cp_slice,
     gather_full_tensor,
     init_parameters_,
     mark_vocab_rows,
@@ -97,8 +99,8 @@ class TransformerBlock(nn.Module):
             **kw,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -220,7 +222,7 @@ class TransformerStage(nn.Module):
             block.attn.recompute_core = mode == "selective"
 
     # forward ----------------------------------------------------------------------
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if ids.dim() != 2:
             raise ModelConfigError(f"first stage expects token ids [batch, seq], got shape {tuple(ids.shape)}")
         s = ids.shape[1]
@@ -236,7 +238,9 @@ class TransformerStage(nn.Module):
             local = h.shape[1]
             start = comm.tp_rank(self.tp_group) * local if self.sequence_parallel else 0
             pos = torch.arange(start, start + local, device=ids.device)
-            if self.cp_size > 1:  # global positions of this cp rank's load-balanced tokens
+            if positions is not None:  # packed documents: this rank's tokens' positions in their documents
+                pos = positions[:, start : start + local]
+            elif self.cp_size > 1:  # global positions of this cp rank's load-balanced tokens
                 pos = cp_positions(s * self.cp_size, self.cp_size, comm.tp_rank(self.cp_group), ids.device)[pos]
             h = h + self.pos_embed(pos)
         return h
@@ -250,9 +254,15 @@ class TransformerStage(nn.Module):
             logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
         return logits
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` ``[b, s]`` (the whole window, on every stage and every cp rank): packed
+        documents, each token's position in its document (:mod:`parallel.layers.documents`); attention
+        is then document-causal and rotary / learned positions restart at each document."""
+        documents = None
+        if positions is not None:  # one mask for every block of this stage; this cp rank's positions
+            documents = DocumentMask(positions, cp_slice(positions, self.cp_size, comm.tp_rank(self.cp_group)))
         if self.has_embedding:
-            h = self._embed(x)
+            h = self._embed(x, None if documents is None else documents.local)
         else:
             if x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
                 raise ModelConfigError(
@@ -261,9 +271,9 @@ class TransformerStage(nn.Module):
             h = x
         for block in self.blocks.values():
             if self._checkpointing == "full" and torch.is_grad_enabled():
-                h = checkpoint(block, h, use_reentrant=False)
+                h = checkpoint(block, h, documents, use_reentrant=False)
             else:
-                h = block(h)
+                h = block(h, documents)
         return self._head(h) if self.has_head else h
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -116,8 +116,8 @@ class ModelChunks(nn.Module):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
 
-    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-        return self.chunks[chunk](x)
+    def forward(self, x: torch.Tensor, chunk: int = 0, **context: Any) -> torch.Tensor:
+        return self.chunks[chunk](x, **context)
 
     def global_names(self) -> dict[str, str]:
         """Local parameter name → layout-independent name: the ``chunks.<c>.`` prefix dropped;
@@ -159,8 +159,8 @@ class _ChunkCall:
     def __init__(self, zero: ZeroDataParallel, chunk: int):
         self.zero, self.chunk = zero, chunk
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.zero(x, chunk=self.chunk)
+    def __call__(self, x: torch.Tensor, **context: Any) -> torch.Tensor:
+        return self.zero(x, chunk=self.chunk, **context)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.zero.module.chunks[self.chunk].parameters()
@@ -279,11 +279,14 @@ class StepEngine:
         inputs: Sequence[torch.Tensor],
         targets: Sequence[torch.Tensor],
         *,
+        context: Sequence[dict] | None = None,
         read: bool = True,
         measure_memory: bool = False,
         norm: bool | None = None,
     ) -> dict[str, Any]:
-        """One optimizer step over this rank's micro-batches; the step's stats.
+        """One optimizer step over this rank's micro-batches; the step's stats. ``context``: per
+        micro-batch, keyword arguments for every chunk on every stage (:meth:`PipelineExecutor.run
+        <parallel.pipeline.executor.PipelineExecutor.run>`), such as packed documents' ``positions``.
 
         ``loss`` is the mean over the DP replicas (the global batch). ``read``: reduce the
         loss (a 4-byte ``broadcast`` over PP from the last stage, a 4-byte ``all_reduce``
@@ -303,7 +306,9 @@ class StepEngine:
         t0, host_t0 = clock.mark(), time.perf_counter()
         meter = SavedActivationMeter(self.model.parameters()) if measure_memory else None
         with counter, self.zero.no_sync(), meter or contextlib.nullcontext():
-            loss = self.executor.run(inputs, targets, share_loss=False)  # shared when read (PendingLoss)
+            loss = self.executor.run(
+                inputs, targets, context=context, share_loss=False
+            )  # shared when read (PendingLoss)
         loss = self.zero.unscale_loss(loss)  # before the step, which may change the scale
         if meter is not None:  # per (micro-batch, chunk) × the most the schedule held at once
             pairs = len(inputs or targets) * len(self.model.chunks)
@@ -337,12 +342,15 @@ class StepEngine:
         self.last_comm = counter
         return rec
 
-    def evaluate(self, batches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]) -> torch.Tensor:
-        """Forward-only mean loss over ``batches`` (``(inputs, targets)`` per global batch),
-        averaged over DP: a device tensor, unread."""
+    def evaluate(self, batches: Sequence[tuple]) -> torch.Tensor:
+        """Forward-only mean loss over ``batches`` (``(inputs, targets)`` or ``(inputs, targets,
+        context)`` per global batch, as for :meth:`step`), averaged over DP: a device tensor, unread."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for inputs, targets in batches:  # each batch's mean, summed on the last stage; shared once at the end
-            total += self.zero.unscale_loss(self.executor.run(inputs, targets, forward_only=True, share_loss=False))
+        for inputs, targets, *context in batches:  # each batch's mean, summed on the last stage; shared once at the end
+            run = self.executor.run(
+                inputs, targets, context=(context or [None])[0], forward_only=True, share_loss=False
+            )
+            total += self.zero.unscale_loss(run)
         self.executor.share_loss(total)
         comm.all_reduce(total, group=self.dp_group)
         return total / (len(batches) * self.dp)

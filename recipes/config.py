@@ -114,6 +114,9 @@ class DataConfig:
     embedded_mb: float = 4.0  # size of the embedded corpus
     blend: Optional[str] = None  # "0.7 data/a 0.3 data/b": prepared corpora mixed by weight (instead of source/path)
     sampling: str = "auto"  # epoch (each window once per epoch) | random | auto: epoch for memmap, else random
+    # concat: windows read straight across documents | documents: document-causal attention, positions restart
+    # at each document (needs the document index recipes.prepare writes)
+    packing: str = "concat"
 
 
 @dataclass

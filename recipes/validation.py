@@ -35,6 +35,7 @@ from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies  # noqa: F4
 from .config import ConfigError, Layout, ParallelConfig, _show, bad, model_config
 from .keys import check_keys, check_overrides, check_values, key_error, schema_keys, unknown_keys
 from .training.checkpointing import CKPT_ON_ERROR
+from .training.packing import PACKINGS
 from .training.runlog import LR_SCHEDULES
 from .training.sampling import SAMPLINGS
 
@@ -52,6 +53,7 @@ CHOICES = {
     "comm.dtype": (None, *PRECISIONS),
     "data.source": ("embedded", "memmap"),
     "data.sampling": ("auto", *SAMPLINGS),
+    "data.packing": PACKINGS,
     "logger.wandb": ("disabled", "offline", "online"),
     "parallel.zero": ZERO_STAGES,
     "parallel.offload": OFFLOAD_MODES,
@@ -287,6 +289,19 @@ def _check_zero(p: Any, comm: Any) -> None:
         )
 
 
+def _check_packing(cfg: Any) -> None:
+    """``data.packing=documents`` reads a prepared corpus's document index (the embedded corpus has none)."""
+    d = cfg.data
+    if d.packing == "documents" and d.source == "embedded" and not d.blend:
+        raise bad(
+            "data.packing",
+            d.packing,
+            "the embedded corpus has no document index (its files are joined without boundaries)",
+            "prepare a corpus with `python -m recipes.prepare` and set data.source=memmap data.path=DIR, "
+            "or use data.packing=concat",
+        )
+
+
 def _check_run(cfg: Any) -> None:
     """The run's own keys: data files, profiling, timeouts, checkpoints, injected faults."""
     t, p = cfg.train, cfg.parallel
@@ -296,6 +311,7 @@ def _check_run(cfg: Any) -> None:
         raise ConfigError("data.blend names its corpora itself: leave data.path unset (or drop data.blend)")
     if cfg.data.source == "memmap" and not cfg.data.path and not cfg.data.blend:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
+    _check_packing(cfg)
     from .training.profiling import profile_steps  # logger.profile
 
     profile_steps(cfg.logger.profile, t.max_steps)

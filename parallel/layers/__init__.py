@@ -10,6 +10,7 @@ layout, and :func:`gather_full_tensor` reassembles a sharded one.
 
 from .attention import ParallelSelfAttention, apply_rotary, check_heads, rotary_cos_sin
 from .cross_entropy import mean_token_cross_entropy, vocab_parallel_cross_entropy
+from .documents import DocumentMask, document_attention, document_ids, document_kernel
 from .embedding import VocabParallelEmbedding, mark_vocab_rows, padded_vocab_size
 from .init import gather_full_tensor, init_parameters_, init_tensor_shard_
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
@@ -30,6 +31,7 @@ from .ulysses import ulysses_attention
 
 __all__ = [
     "ColumnParallelLinear",
+    "DocumentMask",
     "LayerConfigError",
     "LayerNorm",
     "MoEConfig",
@@ -51,6 +53,9 @@ __all__ = [
     "check_token_ids",
     "check_token_ids_together",
     "divide",
+    "document_attention",
+    "document_ids",
+    "document_kernel",
     "gather_full_tensor",
     "init_parameters_",
     "init_tensor_shard_",

@@ -170,16 +170,32 @@ def _fold_kv(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _kind(q, k, v, causal: bool, mask) -> str:
+    return "math" if mask is not None else ring_kernels.choose(q, k, v, causal)
+
+
+def _attend(q, k, v, causal: bool, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: ``(out, fp32 log-sum-exp [b, h, sq])``, by the kernel :func:`.ring_kernels.choose` picks
-    for it (CPU: torch's flash kernel; CUDA: torch's flash or memory-efficient kernel; else exact math)."""
-    return ring_kernels.attend(ring_kernels.choose(q, k, v, causal), q, k, v, causal, scale)
+    for it (CPU: torch's flash kernel; CUDA: torch's flash or memory-efficient kernel; else exact math;
+    a document ``mask``: exact math)."""
+    return ring_kernels.attend(_kind(q, k, v, causal, mask), q, k, v, causal, scale, mask)
 
 
-def _attend_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+def _attend_backward(do, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """A block's ``dq, dk, dv`` given the *merged* output and log-sum-exp of all blocks (so that
     ``exp(S − lse)`` is this block's share of the softmax and ``rowsum(dO·O)`` the whole row's)."""
-    return ring_kernels.attend_backward(ring_kernels.choose(q, k, v, causal), do, q, k, v, out, lse, causal, scale)
+    kind = _kind(q, k, v, causal, mask)
+    return ring_kernels.attend_backward(kind, do, q, k, v, out, lse, causal, scale, mask)
+
+
+def _block_mask(ids, cp: int, rank: int, src: int, rows: str, cols: str):
+    """Packed documents: which of this block's (query, key) pairs share a document, ``[b, 1, sq, sk]``,
+    from the whole window's document ids ``[b, s]`` (every rank holds them: nothing travels); None
+    without documents. The ring's causal structure is :func:`ring_block`'s, applied besides."""
+    if ids is None:
+        return None
+    qi, ki = _rows(cp_slice(ids, cp, rank), rows, dim=1), _rows(cp_slice(ids, cp, src), cols, dim=1)
+    return (qi[:, :, None] == ki[:, None, :])[:, None]
 
 
 def _merge(acc, out, lse):
@@ -207,7 +223,7 @@ def _wait(works) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
+    def forward(ctx, q, k, v, group, causal, scale, ids=None):
         cp, r, nxt, prv = _ring_peers(group)
         h, hk = q.shape[1], k.shape[1]
         kv = torch.stack([k, v])
@@ -220,7 +236,8 @@ class _RingAttention(torch.autograd.Function):
                 works = comm.exchange(sends=[(kv, nxt)], recvs=[(nxt_kv, prv)], group=group)
             rows, cols, masked = ring_block(cp, r, src, causal)
             ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
-            block_out, block_lse = _attend(_rows(q, rows), ks, vs, masked, scale)
+            mask = _block_mask(ids, cp, r, src, rows, cols)
+            block_out, block_lse = _attend(_rows(q, rows), ks, vs, masked, scale, mask)
             if rows == "all":
                 for i, (oh, lh) in enumerate(zip(block_out.chunk(2, 2), block_lse.chunk(2, 2))):
                     halves[i] = _merge(halves[i], oh, lh)
@@ -233,13 +250,13 @@ class _RingAttention(torch.autograd.Function):
         # stored [b, s, h, d] (as SDPA's kernels store it), so that the caller's [b, s, h·d] is a view
         out = out.transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, lse)  # what SDPA's flash kernels keep: q, k, v, out, fp32 LSE
-        ctx.group, ctx.causal, ctx.scale, ctx.kv_heads = group, causal, scale, hk
+        ctx.group, ctx.causal, ctx.scale, ctx.kv_heads, ctx.ids = group, causal, scale, hk, ids
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, hk = ctx.group, ctx.causal, ctx.scale, ctx.kv_heads
+        group, causal, scale, hk, ids = ctx.group, ctx.causal, ctx.scale, ctx.kv_heads, ctx.ids
         cp, r, nxt, prv = _ring_peers(group)
         h = q.shape[1]
         do = grad_out.contiguous()
@@ -262,8 +279,9 @@ class _RingAttention(torch.autograd.Function):
             works = comm.exchange(sends=sends, recvs=recvs, group=group)
             rows, cols, masked = ring_block(cp, r, src, causal)
             ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
+            mask = _block_mask(ids, cp, r, src, rows, cols)
             gq, gk, gv = _attend_backward(
-                _rows(do, rows), _rows(q, rows), ks, vs, _rows(out, rows), _rows(lse, rows), masked, scale
+                _rows(do, rows), _rows(q, rows), ks, vs, _rows(out, rows), _rows(lse, rows), masked, scale, mask
             )
             _rows(dq, rows).add_(gq)
             part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
@@ -279,7 +297,7 @@ class _RingAttention(torch.autograd.Function):
             home = torch.empty_like(own)
             _wait(comm.exchange(sends=[(acc, nxt)], recvs=[(home, prv)], group=group))
             own = own.add_(home)
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None, None
 
 
 def _check_qkv(q, k, v, what: str) -> None:
@@ -293,8 +311,9 @@ def _check_qkv(q, k, v, what: str) -> None:
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool = True, scale: float | None = None
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool = True, scale: float | None = None,
+    documents=None,
+) -> torch.Tensor:  # fmt: skip
     """Attention of this rank's queries over the whole sequence, K/V circulating the cp ring.
 
     ``q`` ``[b, h, s/cp, d]``, ``k``/``v`` ``[b, h_kv, s/cp, d]`` (``h`` a multiple of
@@ -302,23 +321,33 @@ def ring_attention(
     Returns ``[b, h, s/cp, d]`` in ``q``'s dtype, equal to this rank's slice of
     full-sequence SDPA. Sends per rank: see :func:`ring_bytes`; the transfers go
     through :func:`parallel.comm.exchange` on ``group`` (counted under its label).
+    ``documents`` (:class:`~parallel.layers.documents.DocumentMask` of the whole window): document-causal;
+    each block is masked by the document ids of its queries and keys, which every rank has (no extra
+    bytes), and runs the exact math kernel (the fused ones take no mask).
     """
     _check_qkv(q, k, v, "ring_attention")
     cp = comm.group_size(group) if group is not None else 1
     if causal and cp > 1 and q.shape[2] % 2:
         raise LayerConfigError(f"ring_attention: local sequence {q.shape[2]} is odd; it must hold two equal chunks")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if cp == 1 and documents is not None:
+        from .documents import document_attention
+
+        return document_attention(q, k, v, documents, scale=scale)
     if cp == 1:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
-    return _RingAttention.apply(q, k, v, group, causal, scale)
+    if documents is not None and not causal:
+        raise LayerConfigError("ring_attention: document masks are causal; call it with causal=True")
+    return _RingAttention.apply(q, k, v, group, causal, scale, None if documents is None else documents.ids)
 
 
-def context_parallel_attention(q, k, v, group, *, impl: str = "ring", causal: bool = True, scale=None):
-    """Dispatch to :func:`ring_attention` or :func:`ulysses_attention` (``impl`` in :data:`CP_IMPLS`)."""
+def context_parallel_attention(q, k, v, group, *, impl: str = "ring", causal: bool = True, scale=None, documents=None):
+    """Dispatch to :func:`ring_attention` or :func:`ulysses_attention` (``impl`` in :data:`CP_IMPLS`);
+    ``documents``: packed documents' mask of the whole window (document-causal attention)."""
     check_cp_impl(impl)
     from .ulysses import ulysses_attention  # it imports this module's layout helpers
 
     fn = ring_attention if impl == "ring" else ulysses_attention
-    return fn(q, k, v, group, causal=causal, scale=scale)
+    return fn(q, k, v, group, causal=causal, scale=scale, documents=documents)

@@ -208,6 +208,7 @@ class PipelineExecutor(StageTransfers):
         microbatch_inputs: Sequence[torch.Tensor] | None = None,
         microbatch_targets: Sequence[torch.Tensor] | None = None,
         *,
+        context: Sequence[dict] | None = None,
         forward_only: bool = False,
         share_loss: bool = True,
     ) -> torch.Tensor:
@@ -215,6 +216,8 @@ class PipelineExecutor(StageTransfers):
         all-reduce and the loss broadcast. Returns the mean micro-batch loss
         (a 0-d tensor) on every stage. Inputs are read on the first stage only,
         targets on the last only; each must hold one tensor per micro-batch.
+        ``context``: per micro-batch, keyword arguments every chunk's forward takes, on every
+        stage (packed documents' ``positions``); None: chunks are called with the activation alone.
 
         ``share_loss=False``: no broadcast; the loss is meaningful on the last
         stage only, and :meth:`share_loss` (on every stage) completes it later.
@@ -233,6 +236,11 @@ class PipelineExecutor(StageTransfers):
         self.device = next((p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
         self._inputs = microbatch_inputs
         self._targets = microbatch_targets
+        if context is not None and len(context) != m:
+            raise ScheduleError(
+                f"stage {self.stage}: the schedule runs {m} micro-batches but context has {len(context)}"
+            )
+        self._context = context
         self._start_transfers()
         self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._deferred: dict[tuple[int, int], WeightGradWork | None] = {}  # B done, W to come
@@ -297,7 +305,7 @@ class PipelineExecutor(StageTransfers):
         if stash:
             self._stashes[(a.mb, a.chunk)] = stash
         with stash.hooks() if stash else contextlib.nullcontext():  # lets B release what W does not read
-            out = self.chunks[a.chunk](x)
+            out = self.chunks[a.chunk](x, **(self._context[a.mb] if self._context else {}))
             if self._is_last(a.chunk):
                 loss = self.loss_fn(out, self._targets[a.mb].to(self.device))
                 self._loss_sum += loss.detach().float()

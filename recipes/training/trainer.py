@@ -84,16 +84,17 @@ class Trainer:
         """The token dataset of ``split`` ("train" / "val") that ``rc.data`` names."""
         d = self.rc.data
         seq = self.model_cfg.seq_len
-        return open_data(d.source, d.path, split, seq, d.embedded_mb, d.val_fraction, d.sampling, d.blend)
+        return open_data(d.source, d.path, split, seq, d.embedded_mb, d.val_fraction, d.sampling, d.blend, d.packing)
 
     def microbatches(self, step: int, data=None, seed: int | None = None):
         """This rank's micro-batches of ``step``: its DP slice of the layout-independent global batch,
         on the device. The training split's host batches are read one step ahead in a background
         thread (:class:`.prefetch.Prefetcher`); only the copy to the device is on the step's path."""
         host = self.prefetch.get(step) if data is None and seed is None else self.host_microbatches(step, data, seed)
-        return [x.to(self.device, non_blocking=True) for x, _ in host], [
-            y.to(self.device, non_blocking=True) for _, y in host
-        ]
+        inputs, targets, *positions = ([t.to(self.device, non_blocking=True) for t in ts] for ts in zip(*host))
+        if positions:  # packing=documents: every stage's chunks take them (parallel.engine.StepEngine.step)
+            return inputs, targets, [{"positions": p} for p in positions[0]]
+        return inputs, targets
 
     def host_microbatches(self, step: int, data=None, seed: int | None = None) -> list:
         """The host side of :meth:`microbatches`: ids checked against the vocabulary, pinned on CUDA."""
@@ -110,10 +111,10 @@ class Trainer:
         )
         # on the host batch, before it moves (no device read), the whole step's ids in one pass
         check_token_ids_together(
-            [(t, what) for x, y in mbs for t, what in ((x, "token ids"), (y, "targets"))], self.model_cfg.vocab_size
+            [(t, what) for x, y, *_ in mbs for t, what in ((x, "token ids"), (y, "targets"))], self.model_cfg.vocab_size
         )
         if self.device.type == "cuda":  # a pinned source makes the non-blocking copy asynchronous
-            mbs = [(x.pin_memory(), y.pin_memory()) for x, y in mbs]
+            mbs = [tuple(t.pin_memory() for t in mb) for mb in mbs]
         return mbs
 
     def evaluate(self, read: bool = True) -> float | torch.Tensor:
@@ -140,8 +141,9 @@ class Trainer:
             schedule=o.schedule,
         )
         self.engine.set_lr(lr)
-        inputs, targets = self.microbatches(step)
-        return {"lr": lr, **self.engine.step(inputs, targets, read=read, measure_memory=measure_memory, norm=norm)}
+        inputs, targets, *context = self.microbatches(step)
+        step_kw = dict(context=context[0] if context else None, read=read, measure_memory=measure_memory, norm=norm)
+        return {"lr": lr, **self.engine.step(inputs, targets, **step_kw)}
 
     # ------------------------------------------------------ checkpoint (recipes/training/checkpointing.py)
     def state_dict(self) -> dict:

@@ -84,6 +84,7 @@ def _fixtures(tmp: Path) -> dict[str, str]:
     f["id_over_vocab"] = _tokens(tmp / "id_over_vocab", {"train": over, "val": ok}, meta)
     f["small_val"] = _tokens(tmp / "small_val", {"train": ok, "val": ok[:100]}, meta)
     f["no_val"] = _tokens(tmp / "no_val", {"train": ok}, meta)
+    f["no_index"] = _tokens(tmp / "no_index", {"train": ok, "val": ok}, meta)  # sound, but no document index
     for name, text in {
         "ds_bad": "{ nope",
         "ds_list": "[1, 2]",
