@@ -79,7 +79,7 @@ def test_padding_and_bucket_packing_have_one_home():
     )
     packed = [[int(s.name[1:]) for s in b.slots] for b in buckets]
     assert packed == layout.pack(sizes, 4, 40) == [[0], [1], [2], [3, 4], [5]]
-    assert plan_memory._bucket_sizes(tuple(sizes), 40, 4) == [b.numel for b in buckets]
+    assert list(plan_memory._bucket_sizes(tuple(sizes), 40, 4)) == [b.numel for b in buckets]
 
 
 def test_ring_factors_and_topk_wire_count_have_one_home():
