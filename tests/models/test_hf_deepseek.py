@@ -104,13 +104,15 @@ def test_a_saved_folder_gives_transformers_logits_on_the_grid(saved):
 
 
 def test_export_is_lossless_and_loads_with_from_pretrained(saved, tmp_path):
-    _, folder, hf, _ = saved
+    variant, folder, hf, _ = saved
     cfg = config_from_hf(hf.config.to_dict())
     assert config_from_hf(hf_config_dict(cfg)) == cfg
     exported = export_hf_state_dict(load_hf_weights(build_model(cfg), folder))
     state = hf.state_dict()
     assert exported.keys() == state.keys()
     assert all(torch.equal(v, state[k]) for k, v in exported.items())
+    if variant != "v3":
+        return  # one from_pretrained round trip is enough
     ours = build_model(cfg, seed=4)
     ours.blocks["2"].mlp.e_score_correction_bias.normal_(0, 0.1)  # the bias travels too
     save_hf_safetensors(export_hf_state_dict(ours), str(tmp_path / "ours"), hf_config_dict(cfg))

@@ -1,6 +1,7 @@
 """End to end: DeepSeek tiny (MLA, sigmoid group-limited routing, shared experts, a dense first layer,
-aux-loss-free bias, sequence-wise aux loss) trains at dp=2 × pp=2 × ep=2 with ZeRO-1 as one process
-does, the router biases after the steps bit-identical; resumed in one process from the ep=2 checkpoint."""
+aux-loss-free bias, sequence-wise aux loss) trains at dp=2 × ep=2 with ZeRO-1 as one process does, the
+router biases after the steps bit-identical; resumed in one process from the ep=2 checkpoint (dp=4 × ep=4
+× pp=2, too slow for the suite, is measured in docs/performance.md)."""
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def _biases(run_dir, step=STEPS):
 def runs(tmp_path_factory):
     one, grid, resumed = (tmp_path_factory.mktemp(n) for n in ("one", "grid", "resumed"))
     run_ranks(_train, 1, _deepseek(), str(one), timeout=300)
-    run_ranks(_train, 4, _deepseek(dp=2, pp=2, parallel__ep=2, zero=1), str(grid), timeout=300)
+    run_ranks(_train, 2, _deepseek(dp=2, parallel__ep=2, zero=1), str(grid), timeout=300)
     ckpt = grid / "checkpoints" / "step_00000002"
     run_ranks(_train, 1, _deepseek(train__resume=str(ckpt)), str(resumed), timeout=300)
     return one, grid, resumed
