@@ -1,4 +1,4 @@
-"""Typed model configuration and the named sizes (GPT-2/3 family, Llama)."""
+"""Typed model configuration (GPT, Llama, Qwen, Mixtral, DeepSeek-V3); the named sizes are in :mod:`models.presets`."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ class ModelConfig:
     ``moe_every``-th block from block ``moe_first_dense`` on (blocks ``i ≥ moe_first_dense`` with
     ``(i + 1) % moe_every == 0``) by a
     :class:`~parallel.layers.moe.MoELayer` of experts of width ``moe_d_ff`` (default ``d_ff``).
+
+    DeepSeek-V3: ``kv_lora_rank > 0`` makes attention multi-head latent attention
+    (:mod:`parallel.layers.mla`; ``n_kv_heads`` and ``attn_head_dim`` then unused), and
+    ``moe_score="sigmoid"`` its router (group-limited choice, a selection bias moved by
+    ``moe_bias_update_rate`` after each optimizer step; docs/moe.md).
     """
 
     arch: str = "gpt"
