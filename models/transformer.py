@@ -22,6 +22,7 @@ from parallel.layers import (
     DocumentMask,
     LayerNorm,
     MoELayer,
+    MultiHeadLatentAttention,
     ParallelMLP,
     ParallelSelfAttention,
     RMSNorm,
@@ -37,6 +38,25 @@ from parallel.layers import (
 from parallel.params import mark_init_key, mark_sequence_parallel, mark_shared_embedding
 
 from .config import CHECKPOINTING, ModelConfig, ModelConfigError
+
+
+def multi_head_latent_attention(d_model: int, n_heads: int, n_kv_heads: int, *, cfg: ModelConfig, **kw):
+    """DeepSeek's attention for ``cfg`` (``parallel.layers.mla``), built from the block's arguments."""
+    for unused in ("bias", "o_bias", "head_dim", "qk_norm_eps", "rope"):
+        kw.pop(unused)
+    return MultiHeadLatentAttention(
+        d_model,
+        n_heads,
+        kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank or None,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope_interleave=cfg.rope_interleave,
+        norm_eps=cfg.norm_eps,
+        bias=cfg.bias("qkv"),
+        **{k: v for k, v in kw.items() if k != "cp_impl"},
+    )
 
 
 class TransformerBlock(nn.Module):
@@ -65,7 +85,7 @@ class TransformerBlock(nn.Module):
         kw = dict(device=device, dtype=dtype)
         norm = RMSNorm if llama else LayerNorm
         self.attn_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
-        self.attn = ParallelSelfAttention(
+        self.attn = (multi_head_latent_attention if cfg.mla else ParallelSelfAttention)(
             cfg.d_model,
             cfg.n_heads,
             cfg.n_kv_heads,
@@ -81,6 +101,7 @@ class TransformerBlock(nn.Module):
             cp_group=cp_group,
             cp_impl=cp_impl,
             **kw,
+            **({"cfg": cfg} if cfg.mla else {}),
         )
         self.mlp_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
         if cfg.is_moe_layer(layer):  # experts instead of the MLP (parallel/layers/moe.py)
@@ -340,6 +361,8 @@ def build_model(
     if torch.device(device).type != "meta":
         stage.to_empty(device=device)
         init_parameters_(stage, seed=seed, tp_group=tp_group, rule=init_rule(cfg))
+        for _, buf in stage.named_buffers():  # DeepSeek's router bias starts at zero
+            buf.zero_()
     return stage
 
 

@@ -32,6 +32,8 @@ from torch import nn
 
 from . import comm
 from .checkpoint import prepare_optimizer_state, publish, zero_state_pieces
+from .checkpoint.zero_state import whole_tensor_pieces
+from .layers.moe import router_biases, update_router_bias_
 from .memory import SavedActivationMeter, peak_memory_bytes
 from .params import init_key
 from .pipeline.executor import PipelineExecutor
@@ -315,6 +317,9 @@ class StepEngine:
             self.activation_bytes = meter.bytes / pairs * self.executor.peak_activations
         with counter:
             stats = self.zero.step(norm=read if norm is None else norm)  # unread: no norm unless it clips or scales
+            # aux-loss-free balancing (DeepSeek-V3): the routers' selection biases follow this step's load,
+            # summed over the ranks that routed other tokens (dp, which spans ep, × cp)
+            update_router_bias_(self.model, (self.dp_group,))
         if measure_memory:  # after the step: the optimizer state exists from its first step
             self.model_state_bytes = self.zero.held_bytes()
         # the mean over the DP replicas (the global batch), reduced only when read: an unread step
@@ -374,7 +379,9 @@ class StepEngine:
         """This rank's model and optimizer state as ``{global key: Chunked | tensor}`` views
         (see :mod:`parallel.checkpoint.zero_state`); no collective, no copy."""
         names = self.model.global_names()
-        return zero_state_pieces(self.zero, global_name=names.__getitem__, tp_group=tp_group)
+        pieces = zero_state_pieces(self.zero, global_name=names.__getitem__, tp_group=tp_group)
+        biases = {re.sub(r"^chunks\.\d+\.", "", n): t for n, t in router_biases(self.model).items()}
+        return pieces | whole_tensor_pieces(biases, "buffer/")  # DeepSeek's router biases: all experts' everywhere
 
     def prepare_load(self, saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Create the optimizer state a checkpoint holds (``saved``: key → (shape, dtype)),

@@ -169,6 +169,18 @@ class ModelSection:
     rope_low_freq_factor: Optional[float] = None
     rope_high_freq_factor: Optional[float] = None
     rope_original_max_position: Optional[int] = None
+    kv_lora_rank: Optional[int] = None  # DeepSeek-V3's multi-head latent attention when > 0 (models/config.py)
+    q_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    rope_interleave: Optional[bool] = None
+    moe_score: Optional[str] = None  # softmax | sigmoid (DeepSeek-V3's router)
+    moe_groups: Optional[int] = None
+    moe_topk_groups: Optional[int] = None
+    moe_routed_scale: Optional[float] = None
+    moe_bias_update_rate: Optional[float] = None  # aux-loss-free balancing's step per optimizer step
+    moe_seq_aux_loss_weight: Optional[float] = None
 
 
 def model_config(section: Any) -> ModelConfig:

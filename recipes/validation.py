@@ -218,6 +218,18 @@ def _check_types(cfg: Any) -> None:
         raise ConfigError(f"parallel.ep must be a positive integer, got {p.ep!r}")
 
 
+def _check_mla(p: Any, mc: Any) -> None:
+    """Multi-head latent attention (DeepSeek-V3) runs without sequence or context parallelism."""
+    if not mc.mla:
+        return
+    for key, on in (("parallel.sequence_parallel=true", p.sequence_parallel), (f"parallel.cp={p.cp}", p.cp > 1)):
+        if on:
+            raise ConfigError(
+                f"{key} with multi-head latent attention (model.kv_lora_rank={mc.kv_lora_rank}): MLA splits "
+                f"its heads over tp only; set {key.split('=')[0]}={'false' if 'sequence' in key else 1}"
+            )
+
+
 def _model(cfg: Any, tp: int) -> Any:
     """The model config, checked at ``tp``; its refusal names the keys this config set."""
     from models.config import ModelConfigError
@@ -346,6 +358,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     if problem:
         raise ConfigError(problem)
     dims = parallel_dims(p, dp, mc, cfg.comm.compression)
+    _check_mla(p, mc)
     _check_moe(p, dims, mc, cfg)
     grad_accum = _grad_accum(t, dims)
     _check_pipeline(p, mc)

@@ -14,8 +14,9 @@ from .documents import DocumentMask, document_attention, document_ids, document_
 from .embedding import VocabParallelEmbedding, mark_vocab_rows, padded_vocab_size
 from .init import gather_full_tensor, init_parameters_, init_tensor_shard_
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
+from .mla import MultiHeadLatentAttention
 from .mlp import ParallelMLP
-from .moe import MoEConfig, MoEConfigError, MoELayer
+from .moe import MoEConfig, MoEConfigError, MoELayer, update_router_bias_
 from .norm import LayerNorm, RMSNorm, reduce_sequence_parallel_grads
 from .ring_attention import (
     check_cp_seq_len,
@@ -37,6 +38,7 @@ __all__ = [
     "MoEConfig",
     "MoEConfigError",
     "MoELayer",
+    "MultiHeadLatentAttention",
     "ParallelMLP",
     "ParallelSelfAttention",
     "RMSNorm",
@@ -65,6 +67,7 @@ __all__ = [
     "ring_attention",
     "rotary_cos_sin",
     "ulysses_attention",
+    "update_router_bias_",
     "mean_token_cross_entropy",
     "vocab_parallel_cross_entropy",
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .hardware import Hardware, host_costs
+from .shape import ModelShape
 
 
 def gemm_seconds(m: float, k: float, n: float, hw: Hardware, precision: str, batch: float = 1.0) -> float:
@@ -59,29 +60,44 @@ def layer_time(
     """One block's forward pieces on one TP rank (module docstring)."""
     e = 4 if precision == "fp32" else 2
     T, d, t = micro_batch * shape.seq_len, shape.d_model, tp
-    kv = shape.n_kv_heads * shape.head_dim
     mlp_in = (2 if shape.arch == "llama" else 1) * shape.d_ff
-    column = gemm_seconds(T, d, (d + 2 * kv) / t, hw, precision) + gemm_seconds(  # q, k, v
-        T, d, mlp_in / t, hw, precision
-    )  # MLP in (SwiGLU: gate and up)
-    gemm = (
-        column
-        + gemm_seconds(T, d / t, d, hw, precision)  # attention output
-        + gemm_seconds(T, shape.d_ff / t, d, hw, precision)  # MLP out
-    )
+    attn_in, attn_out = attention_gemm_seconds(shape, T, t, hw, precision)
+    column = attn_in + gemm_seconds(T, d, mlp_in / t, hw, precision)  # MLP in (SwiGLU: gate and up)
+    gemm = column + attn_out + gemm_seconds(T, shape.d_ff / t, d, hw, precision)  # attention out, MLP out
     s, heads = shape.seq_len, micro_batch * shape.n_heads / t
-    if attention == "flash":
-        attn = 4 * micro_batch * s**2 * d / t / 2 / (hw.peak_flops(precision) * hw.attention_efficiency)
+    qk, v = ModelShape.of(shape).qk_v_head_dims
+    if attention == "flash":  # 2·b·s²·H·(qk + v) FLOPs forward (4·b·s²·d for plain heads), half done (causal)
+        flops = 2 * micro_batch * s**2 * shape.n_heads * (qk + v) / t / 2
+        attn = flops / (hw.peak_flops(precision) * hw.attention_efficiency)
         attn_bwd = 2.5 * attn
     else:
-        bmm = gemm_seconds(s, shape.head_dim, s, hw, precision, heads) + gemm_seconds(
-            s, s, shape.head_dim, hw, precision, heads
-        )
+        bmm = gemm_seconds(s, qk, s, hw, precision, heads) + gemm_seconds(s, s, v, hw, precision, heads)
         scores = heads * s * s * (4 * e + 1) / hw.hbm_bytes_per_s
         attn, attn_bwd = bmm + scores, 2 * bmm + 2.5 * scores
     elementwise = elementwise_bytes(shape, T, t, sequence_parallel, e) / hw.hbm_bytes_per_s
     elementwise += host_costs(hw).block_overhead_us * 1e-6 / 3  # host cost per block: a third forward, two backward
     return LayerTime(gemm, attn, elementwise, attn_bwd, column)
+
+
+def attention_gemm_seconds(shape, T: float, t: int, hw: Hardware, precision: str) -> tuple[float, float]:
+    """(input projections, output projection) seconds of one block's attention for ``T`` tokens on one
+    TP rank: q, k, v column-parallel; MLA's down-projections replicated (every TP rank computes them),
+    its up-projections column-parallel; the output projection row-parallel."""
+    shape = ModelShape.of(shape)
+    d, H = shape.d_model, shape.n_heads
+    qk, v = shape.qk_v_head_dims
+    out = gemm_seconds(T, H * v / t, d, hw, precision)
+    if not shape.kv_lora_rank:
+        return gemm_seconds(T, d, (H * qk + 2 * shape.n_kv_heads * qk) / t, hw, precision), out
+    kv_down, kv_up = shape.kv_lora_rank + shape.qk_rope_head_dim, H * (shape.qk_nope_head_dim + v) / t
+    q = (
+        gemm_seconds(T, d, shape.q_lora_rank, hw, precision)
+        + gemm_seconds(T, shape.q_lora_rank, H * qk / t, hw, precision)
+        if shape.q_lora_rank
+        else gemm_seconds(T, d, H * qk / t, hw, precision)
+    )
+    kv = gemm_seconds(T, d, kv_down, hw, precision) + gemm_seconds(T, shape.kv_lora_rank, kv_up, hw, precision)
+    return q + kv, out
 
 
 def head_time(shape, micro_batch: int, tp: int, hw: Hardware, precision: str) -> LayerTime:

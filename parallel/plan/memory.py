@@ -10,7 +10,8 @@ piece                  bytes
 norms (×2)             LayerNorm: input e·sbh/t' + fp32 mean, rstd 8·sb/t';
                        RMSNorm (fp32 math): fp32 input 4·sbh/t' + normalised e·sbh/t' + 4·sb/t'
 q/k/v, fc_in input     e·sbh/t' each (with SP the sequence chunk, gathered again in backward)
-q, k, v, attention out e·sb(2h + 2k)/t, plus the fp32 log-sum-exp 4·b·a·s/t
+q, k, v, attention out e·sb(2h + 2k)/t, plus the fp32 log-sum-exp 4·b·a·s/t (MLA:
+                       :func:`attention_activation_bytes`)
 MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·sbf/t
 =====================  ===============================================================
 
@@ -29,6 +30,7 @@ from ..zero.layout import pack, padded
 from ..zero.packing import CLASSES, EXTRA_REDUCE
 from ..zero.policy import ZERO_STAGES
 from .hardware import PlanError
+from .shape import ModelShape
 
 PRECISION_BYTES = zero_theory.DTYPE_BYTES  # one home: bytes per element of each precision
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # fp32 tensors per parameter
@@ -158,6 +160,26 @@ def _norm_bytes(arch: str, sbh: float, sb: float, e: int) -> float:
     return e * sbh + 8 * sb  # input, fp32 mean and rstd
 
 
+def attention_activation_bytes(shape, sb: float, tp: int, e: int, checkpointing: str = "none") -> float:
+    """What one layer's attention saves for ``sb`` tokens on one TP rank (a fused attention kernel,
+    whose output is ``o_proj``'s input): q, k, v and the output (``H·qk, K·qk, K·v, H·v`` wide, split
+    over tp). MLA (``kv_lora_rank > 0``) saves per head its query, its key, the expanded ``[k_nope, v]``
+    (v is a view of it), the core's output and ``o_proj``'s input (a copy: the heads are contiguous
+    per head, not per token) — under ``selective`` the core's inputs and output only: the query,
+    ``[k_nope, v]``, the output — and, replicated on every TP rank, each latent's fp32 norm
+    input, normalised and weighted outputs and fp32 rstd, and the rotary key (fp32)."""
+    shape = ModelShape.of(shape)
+    qk, v = shape.qk_v_head_dims
+    if not shape.kv_lora_rank:
+        return e * sb * (shape.n_heads + shape.n_kv_heads) * (qk + v) / tp
+    per_head = (
+        qk + shape.qk_nope_head_dim + 2 * v if checkpointing == "selective" else 2 * qk + shape.qk_nope_head_dim + 3 * v
+    )
+    latents = shape.q_lora_rank + shape.kv_lora_rank
+    replicated = (4 + 2 * e) * latents + 4 * (1 + bool(shape.q_lora_rank)) + 4 * shape.qk_rope_head_dim
+    return e * sb * shape.n_heads * per_head / tp + sb * replicated
+
+
 def layer_activation_bytes(
     shape,
     micro_batch: int,
@@ -174,10 +196,9 @@ def layer_activation_bytes(
     sbh, sb = s * b * h, s * b
     if checkpointing == "full":
         return e * sbh / sp
-    kv = shape.n_kv_heads * (h // shape.n_heads)
     norms = 2 * _norm_bytes(shape.arch, sbh, sb, e) / sp
     linear_inputs = 2 * e * sbh / sp
-    attention = e * s * b * (2 * h + 2 * kv) / tp
+    attention = attention_activation_bytes(shape, sb, tp, e, checkpointing)
     lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0
     mlp = (4 if shape.arch == "llama" else 2) * e * s * b * shape.d_ff / tp
     return norms + linear_inputs + attention + lse + mlp
