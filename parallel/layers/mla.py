@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import comm
 from .attention import apply_rotary, rotary_cos_sin
+from .documents import DocumentMask, document_attention
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
 from .norm import RMSNorm
 
@@ -96,21 +97,31 @@ class MultiHeadLatentAttention(nn.Module):
             t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
         return apply_rotary(t, cos, sin)
 
-    def core(self, q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    def core(
+        self, q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, documents: DocumentMask | None = None
+    ) -> torch.Tensor:
         """``q`` ``[b, h, s, nope+rope]``, ``kv`` ``[b, h, s, nope+v]``, ``k_pe`` ``[b, 1, s, rope]`` →
-        ``[b, s, h·v]`` (rotary on the rope parts, then causal SDPA at this layer's scale)."""
+        ``[b, s, h·v]`` (rotary on the rope parts, then causal SDPA at this layer's scale). ``documents``
+        (packed windows, :mod:`.documents`): rotary positions restart at each document and attention is
+        document-causal."""
         b, h, s, _ = q.shape
         cos, sin = rotary_cos_sin(s, self.rope_dim, self.rope_theta, q.device, self.rope_scaling)
+        if documents is not None:  # [b, 1, s, rope]: each token's position in its document
+            cos, sin = cos[documents.local][:, None], sin[documents.local][:, None]
         q_pe, k_pe = self._rotate(q[..., self.nope :], cos, sin), self._rotate(k_pe, cos, sin)
         q = torch.cat([q[..., : self.nope], q_pe], dim=-1)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, h, s, self.rope_dim)], dim=-1)
         if q.device.type == "meta" and self.v_dim != q.shape[-1]:  # torch's meta SDPA gives q's width: pad v
             v = F.pad(v, (0, q.shape[-1] - self.v_dim)) if self.v_dim < q.shape[-1] else v
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)[..., : self.v_dim]
+        if documents is not None:
+            out = document_attention(q, k, v, documents, scale=self.scale)[..., : self.v_dim]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)[..., : self.v_dim]
         return out.transpose(1, 2).reshape(b, s, h * self.v_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+        """``x`` ``[b, s, d]``; ``documents``: see :meth:`core`."""
         if x.dim() != 3:
             raise LayerConfigError(f"MultiHeadLatentAttention: expected [batch, seq, d_model], got {tuple(x.shape)}")
         b, s, _ = x.shape
@@ -122,7 +133,7 @@ class MultiHeadLatentAttention(nn.Module):
         kv = kv.view(b, s, self.local_heads, -1).transpose(1, 2)
         k_pe = k_pe.unsqueeze(1)
         if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core, q, kv, k_pe, use_reentrant=False)
+            out = checkpoint(self.core, q, kv, k_pe, documents, use_reentrant=False)
         else:
-            out = self.core(q, kv, k_pe)
+            out = self.core(q, kv, k_pe, documents)
         return self.o_proj(out)
