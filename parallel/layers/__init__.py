@@ -11,8 +11,9 @@ layout, and :func:`gather_full_tensor` reassembles a sharded one.
 from .attention import ParallelSelfAttention, apply_rotary, check_heads, rotary_cos_sin
 from .cross_entropy import mean_token_cross_entropy, vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding, mark_vocab_rows, padded_vocab_size
+from .fp8 import Fp8Recipe
 from .init import gather_full_tensor, init_parameters_, init_tensor_shard_
-from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
+from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide, enable_fp8
 from .mlp import ParallelMLP
 from .moe import MoEConfig, MoEConfigError, MoELayer
 from .norm import LayerNorm, RMSNorm, reduce_sequence_parallel_grads
@@ -30,6 +31,7 @@ from .ulysses import ulysses_attention
 
 __all__ = [
     "ColumnParallelLinear",
+    "Fp8Recipe",
     "LayerConfigError",
     "LayerNorm",
     "MoEConfig",
@@ -51,6 +53,7 @@ __all__ = [
     "check_token_ids",
     "check_token_ids_together",
     "divide",
+    "enable_fp8",
     "gather_full_tensor",
     "init_parameters_",
     "init_tensor_shard_",
