@@ -140,30 +140,32 @@ def _gather_seq(chunk: torch.Tensor, group, async_op: bool = False):
     return done
 
 
-class Fp8SequenceParallelColumns(torch.autograd.Function):
-    """:class:`~.linear._SequenceParallelColumns` with fp8 GEMMs: several column layers reading one
-    sequence-parallel input. Tensorwise: amax all-reduced over TP, the chunk cast, the fp8 bytes
-    all-gathered forward and again in backward (``X/2`` each for a bf16 ``X``); rowwise: the bf16 chunk
-    gathered (its scales are per token, local) and re-gathered in backward, as the bf16 path does.
-    Backward: the input gradient's reduce-scatter (``N·X``) as the bf16 path."""
+class Fp8Columns(torch.autograd.Function):
+    """Several column layers reading one input (q/k/v, SwiGLU's gate/up) with fp8 GEMMs: the input
+    cast once for all of them (and kept once for backward). ``sp``: the input is this rank's sequence
+    chunk, as :class:`~.linear._SequenceParallelColumns`: tensorwise, its amax all-reduced over TP, the
+    chunk cast and the fp8 bytes all-gathered forward and again in backward (``X/2`` each for a bf16
+    ``X``); rowwise, the bf16 chunk gathered (its scales are per token, local) and re-gathered in
+    backward, as the bf16 path does; backward reduce-scatters the input gradient (``N·X``). Without
+    ``sp`` the input is whole (the caller's copy-to-region all-reduces its gradient) and nothing moves
+    here but the amax all-reduces."""
 
     @staticmethod
-    def forward(ctx, x, recipe: Fp8Recipe, group, *params):
-        ctx.recipe, ctx.group, ctx.has_bias = recipe, group, [b is not None for b in params[1::2]]
+    def forward(ctx, x, recipe: Fp8Recipe, group, sp: bool, *params):
+        ctx.recipe, ctx.group, ctx.sp, ctx.has_bias = recipe, group, sp, [b is not None for b in params[1::2]]
         weights = params[0::2]
         if recipe.rowwise:
-            keep, total, xq = x, _gather_seq(x, group)(), None
-        else:
-            qx, sx = quantize(x, E4M3, None, group)  # amax over the whole sequence: reduced before the gather
-            keep, total = qx, _gather_seq(qx, group)()
-            xq = (_flat(total), sx)
-            ctx.sx = sx
-        x2 = _flat(total) if recipe.rowwise else None
-        if recipe.rowwise:  # per-token scales of the gathered input: local, once for every layer
-            xq = _q(x2, "x", "K", E4M3, recipe, "N", group)
+            keep = x
+            total = _gather_seq(x, group)() if sp else x
+            xq = _q(_flat(total), "x", "K", E4M3, recipe, "N", group)  # per token: local, once for every layer
+        else:  # sp: the amax over the whole sequence, reduced before the gather
+            qx, ctx.sx = quantize(x, E4M3, None, group if sp else None)
+            keep = qx
+            total = _gather_seq(qx, group)() if sp else qx
+            xq = (_flat(total), ctx.sx)
         outs, scales = [], []
         for w, b in zip(weights, params[1::2]):
-            y, _, w_scale = forward_mm(x2, xq, w, recipe, "N", group, x.dtype)
+            y, _, w_scale = forward_mm(None, xq, w, recipe, "N", group, x.dtype)
             y = y.view(*total.shape[:-1], w.shape[0])
             outs.append(y if b is None else y + b)
             scales.append(w_scale)
@@ -174,8 +176,8 @@ class Fp8SequenceParallelColumns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         keep, *weights = ctx.saved_tensors
-        recipe, group, n = ctx.recipe, ctx.group, comm.tp_world_size(ctx.group)
-        gathered = _gather_seq(keep, group, async_op=True)
+        recipe, group, sp = ctx.recipe, ctx.group, ctx.sp
+        gathered = _gather_seq(keep, group, async_op=True) if sp else (lambda: keep)
         used = [(i, g) for i, g in enumerate(grads) if g is not None]
         flat = {i: _flat(g) for i, g in used}
         qdys = {i: None if recipe.rowwise else grad_output_tensorwise(flat[i], recipe, "N", group) for i, _ in used}
@@ -187,8 +189,9 @@ class Fp8SequenceParallelColumns(torch.autograd.Function):
             grad_total = grad_total.view(*grads[used[0][0]].shape[:-1], keep.shape[-1]).to(ctx.x_dtype)
         total = _flat(gathered())
         x_saved = total if recipe.rowwise else (total, ctx.sx)
-        grad_x, scatter = None, None
-        if grad_total is not None:
+        grad_x, scatter = grad_total, None
+        if grad_total is not None and sp:
+            n = comm.tp_world_size(group)
             stacked = torch.stack(grad_total.chunk(n, SEQ_DIM), 0).contiguous()
             grad_x = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
             scatter = comm.reduce_scatter(grad_x.view(-1), stacked.view(-1), group=group, async_op=True)
@@ -201,4 +204,4 @@ class Fp8SequenceParallelColumns(torch.autograd.Function):
             out += [dw, flat[i].sum(0) if has_bias else None]
         if scatter is not None:
             scatter.wait()
-        return (grad_x, None, None, *out)
+        return (grad_x, None, None, None, *out)

@@ -24,7 +24,7 @@ from .. import comm
 from ..comm.autograd import SEQ_DIM
 from ..params import mark_no_weight_decay, mark_sequence_parallel, mark_tp_sharded
 from .fp8 import Fp8Recipe
-from .fp8_linear import Fp8Linear, Fp8SequenceParallelColumns
+from .fp8_linear import Fp8Columns, Fp8Linear
 from .init import reset_default_
 
 
@@ -194,13 +194,15 @@ class ColumnParallelLinear(nn.Module):
             same = (layer.tp_group, layer.sequence_parallel, layer.fp8)
             if same != (first.tp_group, first.sequence_parallel, first.fp8):
                 raise LayerConfigError("shared_forward: the layers must share tp_group, sequence_parallel and fp8")
+        params = [t for layer in layers for t in (layer.weight, layer.bias)]
+        sp = first.sequence_parallel and first.tp_size > 1
+        if first.fp8 is not None and len(layers) > 1 or sp:  # one input collective / fp8 cast for all
+            h = x if sp or first.tp_size == 1 else comm.copy_to_tp_region(x, first.tp_group)
+            if first.fp8 is not None:
+                return Fp8Columns.apply(h, first.fp8, first.tp_group, sp, *params)
+            return _SequenceParallelColumns.apply(x, first.tp_group, *params)
         if first.tp_size == 1:  # nothing to copy or gather: one linear each (no per-call group lookups)
             return tuple(_linear(x, layer, layer.bias, "N") for layer in layers)
-        if first.sequence_parallel:
-            params = [t for layer in layers for t in (layer.weight, layer.bias)]
-            if first.fp8 is not None:
-                return Fp8SequenceParallelColumns.apply(x, first.fp8, first.tp_group, *params)
-            return _SequenceParallelColumns.apply(x, first.tp_group, *params)
         h = comm.copy_to_tp_region(x, first.tp_group)
         return tuple(_linear(h, layer, layer.bias, "N") for layer in layers)
 

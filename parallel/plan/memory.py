@@ -18,8 +18,8 @@ MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·s
 each block's input (e·sbh/t') and, while one layer's backward runs, that layer's full activations.
 
 ``fp8`` (``train.precision=fp8``, :mod:`parallel.layers.fp8_linear`): tensorwise keeps each linear's
-input as the fp8 tensor its GEMM read (1 byte: q/k/v's and fc_in's inputs, the MLP out's input; the
-attention output's fp8 copy beside the bf16 one attention keeps), rowwise the bf16 inputs (its
+input as the fp8 tensor its GEMM read (1 byte: q/k/v's and fc_in's inputs, the attention output's
+and the MLP out's inputs), rowwise the bf16 inputs (its
 backward re-casts them along the tokens), so it stores what bf16 stores. Weights are re-cast in
 backward from the parameters, never stored; a cast's transient peak is :func:`fp8_cast_peak_bytes`.
 """
@@ -184,7 +184,7 @@ def layer_activation_bytes(
     kv = shape.n_kv_heads * (h // shape.n_heads)
     norms = 2 * _norm_bytes(shape.arch, sbh, sb, e) / sp
     linear_inputs = 2 * (x8 or e) * sbh / sp
-    attention = e * s * b * (2 * h + 2 * kv) / tp + (x8 or 0) * sbh / tp
+    attention = e * s * b * (2 * h + 2 * kv) / tp - (e - x8 if x8 else 0) * sbh / tp  # o's input in fp8
     lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0
     mlp = (4 if shape.arch == "llama" else 2) * e * s * b * shape.d_ff / tp
     if x8:  # the MLP out's input: its fp8 copy instead of the bf16 one

@@ -10,6 +10,7 @@ from parallel import comm
 from parallel.groups import build_groups
 from parallel.layers import Fp8Recipe, enable_fp8, fp8_linear, reduce_sequence_parallel_grads
 from parallel.layers import fp8 as fp8_math
+from parallel.plan.traffic import fp8_amax_calls
 from parallel.testing import run_ranks
 from parallel.topology import Topology
 
@@ -58,7 +59,7 @@ def _ranks(cases):
             out[(recipe, sp, bug)] = _run(recipe, sp, groups.tp)
         finally:
             fp8_math.amax = fp8_linear.amax = orig
-    out["fp32-sp"] = _run(None, True, groups.tp)
+    out["fp32-sp"], out["fp32"] = _run(None, True, groups.tp), _run(None, False, groups.tp)
     return out if groups.tp_rank == 0 else None
 
 
@@ -90,12 +91,19 @@ def test_tp_local_amax_breaks_the_layouts(results, case):
     assert buggy > 5 * TOL and buggy > 20 * ours, (buggy, ours)
 
 
-def test_amax_all_reduces_are_counted(results):
+@pytest.mark.parametrize("case", [("tensorwise", True), ("rowwise", False)])
+def test_amax_all_reduces_are_counted_as_the_planner_prices_them(results, case):
     """Tensorwise with SP, per block: forward the SP input's amax (q/k/v share one, fc_in one), every
     weight's (q, k, v, o, fc_in, fc_out: 6), the row inputs' (o, fc_out: 2); backward the column
-    layers' output gradients (q, k, v, fc_in: 4) — 14 fp32 scalars each, on the TP group."""
+    layers' output gradients (q, k, v, fc_in: 4) — 14 fp32 scalars. Rowwise: per token and per feature
+    where the split axis is reduced. The counter's calls and bytes on TP are the planner's."""
     _, tp2 = results
-    calls, payload = tp2[("tensorwise", True, False)][2]
-    base_calls, base_payload = tp2["fp32-sp"][2]
-    assert calls - base_calls == 14 * CFG.n_layers
-    assert payload - base_payload == 4 * 14 * CFG.n_layers
+    recipe, sp = case
+    calls, payload = tp2[(recipe, sp, False)][2]
+    base_calls, base_payload = tp2["fp32-sp" if sp else "fp32"][2]
+    ids, _ = _batch()
+    priced = fp8_amax_calls(CFG, recipe, sp, ids.numel())
+    assert calls - base_calls == CFG.n_layers * sum(f + b for f, b, _, _ in priced)
+    assert payload - base_payload == CFG.n_layers * sum((f + b) * size for f, b, size, _ in priced)
+    if recipe == "tensorwise":
+        assert calls - base_calls == 14 * CFG.n_layers
