@@ -2,6 +2,7 @@
 
     python -m benchmarks.fp8 gemm [--size 4096] [--json f]   # kernel vs emulation, fp8 vs bf16 linear time
     python -m benchmarks.fp8 converge [--steps 300] [--json f] # gpt_tiny: fp8 vs bf16 final loss (goal: ≤ 2 %)
+    python -m benchmarks.fp8 parity [--steps 20] [--json f]   # fp8 at (2,2,2) SP ZeRO-1 and dp=2 ZeRO-3 vs (1,1,1)
     python -m benchmarks.fp8 compare RUN_BF16 RUN_FP8 [--tol 0.02]  # two runs' final losses
 
 ``gemm``: on a device with fp8 kernels, a ``[s, s]`` column layer's forward and backward through
@@ -9,7 +10,9 @@
 summation order only, so ≤ 1e-3 relative), for both recipes, and the fp8 layer's forward + backward
 time beside ``F.linear``'s in bf16 (CUDA events). Without fp8 kernels only the emulation runs (the CPU
 dry run of benchmarks/gpu_check.sh). ``converge`` trains the recipe twice in one process each (bf16,
-then fp8 tensorwise, emulated where the device has no fp8 kernels) and prints both final losses.
+then fp8 tensorwise and rowwise, emulated where the device has no fp8 kernels) and prints the final
+losses. ``parity`` trains fp8 (tensorwise) at three layouts and prints each step's largest relative
+difference from one process (goal ≤ 1e-3: the same math, the accumulation order differs).
 """
 
 from __future__ import annotations
@@ -77,9 +80,21 @@ def gemm(size: int, reps: int = 20) -> dict:
     return out
 
 
+#: parity's layouts, and the small GPT they train
+LAYOUTS = {
+    "dp2-pp2-tp2-sp-zero1": ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "dp2-zero3": ["parallel.dp=2", "parallel.zero=3"],
+}
+SMALL = ["model.n_layers=4", "model.d_model=64", "model.seq_len=32", "train.global_batch=8", "train.micro_batch=2"]
+SMALL += ["train.log_every=1", "train.eval_every=0", "train.threads=1", "data.embedded_mb=0.25", "parallel.zero=1"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl")]
+
+
 def final_loss(run_dir: Path) -> float:
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return rows[-1]["loss"]
+    return losses(run_dir)[-1]
 
 
 def _train(run_dir: Path, steps: int, precision: str, extra: list[str]) -> float:
@@ -102,6 +117,19 @@ def converge(steps: int, extra: list[str]) -> dict:
     return out
 
 
+def parity(steps: int) -> dict:
+    """Per layout, the largest relative per-step loss difference from (1,1,1), all at fp8 tensorwise."""
+    with tempfile.TemporaryDirectory() as d:
+        _train(Path(d) / "one", steps, "fp8", SMALL)
+        ref = losses(Path(d) / "one")
+        out = {"steps": steps, "(1,1,1)": ref}
+        for name, layout in LAYOUTS.items():
+            _train(Path(d) / name, steps, "fp8", [*SMALL, *layout, "parallel.oversubscribe=true"])
+            got = losses(Path(d) / name)
+            out[name] = {"losses": got, "max_relative": max(abs(a - b) / b for a, b in zip(got, ref))}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.fp8", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -113,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--steps", type=int, default=300)
     c.add_argument("--json")
     c.add_argument("overrides", nargs="*", help="more recipe overrides, e.g. train.threads=2")
+    p = sub.add_parser("parity")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json")
     k = sub.add_parser("compare")
     k.add_argument("bf16_run")
     k.add_argument("fp8_run")
@@ -123,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         rel = abs(fp8 - bf16) / bf16
         print(f"fp8 final loss {fp8:.4f} vs bf16 {bf16:.4f}: {rel:.2%} apart (goal ≤ {a.tol:.0%})")
         return 0 if rel <= a.tol else 1
-    out = gemm(a.size, a.reps) if a.what == "gemm" else converge(a.steps, a.overrides)
+    if a.what == "gemm":
+        out = gemm(a.size, a.reps)
+    else:
+        out = converge(a.steps, a.overrides) if a.what == "converge" else parity(a.steps)
     print(json.dumps(out, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
