@@ -40,8 +40,9 @@ def _run(recipe, sp, tp_group):
         loss.backward()
     reduce_sequence_parallel_grads(model, tp_group)
     grads = gather_full_state_dict(model, tp_group, grads=True)
-    amax_calls = (counter.calls("tp", "all_reduce"), counter.payload_bytes("tp", "all_reduce"))
-    return loss.item(), {k: v for k, v in grads.items() if "blocks" in k}, amax_calls
+    sent = (counter.calls("tp", "all_reduce"), counter.payload_bytes("tp", "all_reduce"))
+    sent += (counter.payload_bytes("tp", "all_gather"),)
+    return loss.item(), {k: v for k, v in grads.items() if "blocks" in k}, sent
 
 
 def _local_amax(orig):
@@ -99,11 +100,22 @@ def test_amax_all_reduces_are_counted_as_the_planner_prices_them(results, case):
     where the split axis is reduced. The counter's calls and bytes on TP are the planner's."""
     _, tp2 = results
     recipe, sp = case
-    calls, payload = tp2[(recipe, sp, False)][2]
-    base_calls, base_payload = tp2["fp32-sp" if sp else "fp32"][2]
+    calls, payload, _ = tp2[(recipe, sp, False)][2]
+    base_calls, base_payload, _ = tp2["fp32-sp" if sp else "fp32"][2]
     ids, _ = _batch()
     priced = fp8_amax_calls(CFG, recipe, sp, ids.numel())
     assert calls - base_calls == CFG.n_layers * sum(f + b for f, b, _, _ in priced)
     assert payload - base_payload == CFG.n_layers * sum((f + b) * size for f, b, size, _ in priced)
     if recipe == "tensorwise":
         assert calls - base_calls == 14 * CFG.n_layers
+
+
+def test_sequence_parallel_gathers_carry_fp8_bytes(results):
+    """Tensorwise with SP: the column layers' input all-gathers (attention's and the MLP's, forward and
+    again in backward) move 1 byte an element instead of fp32's 4, as the planner prices them."""
+    _, tp2 = results
+    ids, _ = _batch()
+    gathered = ids.numel() * CFG.d_model  # a block input, all-gathered (an all-gather's payload: the whole)
+    saved = CFG.n_layers * 2 * 2 * gathered * (4 - 1)  # layers × (attention, MLP) × (forward, backward)
+    assert tp2["fp32-sp"][2][2] - tp2[("tensorwise", True, False)][2][2] == saved
+    assert tp2[("rowwise", True, False)][2][2] == tp2["fp32-sp"][2][2]  # rowwise gathers the input as it is
