@@ -65,7 +65,9 @@ class TrainConfig:
     global_batch: int = 32  # sequences per optimizer step, whatever the layout
     micro_batch: int = 4  # sequences per micro-batch per DP rank
     max_steps: int = 200
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (a bf16 run, its TP linears' GEMMs in fp8: docs/precision.md)
+    fp8_recipe: str = "tensorwise"  # precision=fp8: tensorwise (e4m3/e5m2, a scale per tensor) | rowwise
+    fp8_emulate: bool = False  # precision=fp8 without fp8 kernels (CPU, pre-Ada GPU): fp8 casts, fp32 matmul
     seed: int = 1234
     grad_clip: float = 1.0  # 0 disables
     log_every: int = 10

@@ -25,9 +25,10 @@ from parallel.dims import (
     offload_problem,
     topk_ratio_problem,
 )
+from parallel.layers.fp8 import fp8_device_problem
 from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED, MoEConfigError
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem, zero_bubble_problem
-from parallel.precision import PRECISIONS
+from parallel.precision import FP8, FP8_RECIPES, PRECISIONS, TRAIN_PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.policy import ZERO_STAGES
 from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies  # noqa: F401 (re-exported)
@@ -46,7 +47,8 @@ from .training.sampling import SAMPLINGS
 CHOICES = {
     "mode": ("train", "plan", "recommend", "dryrun", "calibrate"),
     "parallel.pp_schedule": SCHEDULES,
-    "train.precision": PRECISIONS,
+    "train.precision": TRAIN_PRECISIONS,
+    "train.fp8_recipe": FP8_RECIPES,
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": LR_SCHEDULES,
     "comm.compression": COMPRESSIONS,
@@ -314,6 +316,32 @@ def _check_packing(cfg: Any) -> None:
         )
 
 
+def _check_fp8(cfg: Any, dims: ParallelDims) -> None:
+    """``train.precision=fp8``: what its scales are not reduced over (cp), and a device with fp8 kernels
+    unless ``train.fp8_emulate`` (asked on the device this rank will train on; mode=train only)."""
+    t, p = cfg.train, cfg.parallel
+    if t.precision != FP8:
+        return
+    if dims.cp_enabled:
+        raise ConfigError(
+            f"train.precision=fp8 with parallel.cp={p.cp}: the fp8 scales are taken per rank's sequence chunk, "
+            "not over the context-parallel group, so the layouts would not compute the same model; use parallel.cp=1"
+        )
+    if cfg.mode != "train":
+        return
+    from parallel.groups import default_device
+
+    problem = fp8_device_problem(default_device(p.backend), t.fp8_emulate)
+    if problem:
+        raise bad(
+            "train.precision",
+            FP8,
+            problem,
+            "set train.fp8_emulate=true (fp8 casts, fp32 matmuls: the same numerics, slower than bf16) "
+            "or train.precision=bf16",
+        )
+
+
 def _check_run(cfg: Any) -> None:
     """The run's own keys: data files, profiling, timeouts, checkpoints, injected faults."""
     t, p = cfg.train, cfg.parallel
@@ -363,6 +391,7 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     grad_accum = _grad_accum(t, dims)
     _check_pipeline(p, mc)
     _check_zero(p, cfg.comm)
+    _check_fp8(cfg, dims)
     _check_run(cfg)
     return Layout(
         dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc, cp=p.cp, dims=dims

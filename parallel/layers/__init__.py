@@ -12,8 +12,9 @@ from .attention import ParallelSelfAttention, apply_rotary, check_heads, rotary_
 from .cross_entropy import mean_token_cross_entropy, vocab_parallel_cross_entropy
 from .documents import DocumentMask, document_attention, document_ids, document_kernel
 from .embedding import VocabParallelEmbedding, mark_vocab_rows, padded_vocab_size
+from .fp8 import Fp8Recipe
 from .init import gather_full_tensor, init_parameters_, init_tensor_shard_
-from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
+from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide, enable_fp8
 from .mla import MultiHeadLatentAttention
 from .mlp import ParallelMLP
 from .moe import MoEConfig, MoEConfigError, MoELayer, update_router_bias_
@@ -33,6 +34,7 @@ from .ulysses import ulysses_attention
 __all__ = [
     "ColumnParallelLinear",
     "DocumentMask",
+    "Fp8Recipe",
     "LayerConfigError",
     "LayerNorm",
     "MoEConfig",
@@ -58,6 +60,7 @@ __all__ = [
     "document_attention",
     "document_ids",
     "document_kernel",
+    "enable_fp8",
     "gather_full_tensor",
     "init_parameters_",
     "init_tensor_shard_",

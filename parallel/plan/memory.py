@@ -17,6 +17,12 @@ MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·s
 
 ``selective`` recomputes the attention core (its log-sum-exp is not stored); ``full`` stores only
 each block's input (e·sbh/t') and, while one layer's backward runs, that layer's full activations.
+
+``fp8`` (``train.precision=fp8``, :mod:`parallel.layers.fp8_linear`): tensorwise keeps each linear's
+input as the fp8 tensor its GEMM read (1 byte: q/k/v's and fc_in's inputs, the attention output's
+and the MLP out's inputs), rowwise the bf16 inputs (its
+backward re-casts them along the tokens), so it stores what bf16 stores. Weights are re-cast in
+backward from the parameters, never stored; a cast's transient peak is :func:`fp8_cast_peak_bytes`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import zip_longest
 
+from ..precision import FP8_BYTES
 from ..zero import theory as zero_theory
 from ..zero.layout import pack, padded
 from ..zero.packing import CLASSES, EXTRA_REDUCE
@@ -188,20 +195,35 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     checkpointing: str = "none",
     precision: str = "bf16",
+    fp8: str | None = None,
 ) -> float:
-    """Bytes one transformer layer stores per micro-batch on one TP rank (module table)."""
+    """Bytes one transformer layer stores per micro-batch on one TP rank (module table; ``fp8`` the
+    recipe of ``train.precision=fp8``, its inputs 1 byte at tensorwise)."""
     e = PRECISION_BYTES[precision]
+    x8 = FP8_BYTES if fp8 == "tensorwise" else None
     s, b, h = shape.seq_len, micro_batch, shape.d_model
     sp = tp if sequence_parallel else 1
     sbh, sb = s * b * h, s * b
     if checkpointing == "full":
         return e * sbh / sp
     norms = 2 * _norm_bytes(shape.arch, sbh, sb, e) / sp
-    linear_inputs = 2 * e * sbh / sp
+    linear_inputs = 2 * (x8 or e) * sbh / sp
     attention = attention_activation_bytes(shape, sb, tp, e, checkpointing)
+    if x8:  # o's input in fp8
+        attention -= (e - x8) * sb * shape.n_heads * ModelShape.of(shape).qk_v_head_dims[1] / tp
     lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0
     mlp = (4 if shape.arch == "llama" else 2) * e * s * b * shape.d_ff / tp
+    if x8:  # the MLP out's input: its fp8 copy instead of the bf16 one
+        mlp -= (e - x8) * s * b * shape.d_ff / tp
     return norms + linear_inputs + attention + lse + mlp
+
+
+def fp8_cast_peak_bytes(shape, micro_batch: int, *, tp: int = 1) -> float:
+    """The largest transient of one fp8 cast (``x.float() · scale``, clamped, then fp8: 4 + 4 + 1 bytes
+    per element) over a block's operands on one TP rank: its largest weight or GEMM input/output."""
+    s, b, h, f = shape.seq_len, micro_batch, shape.d_model, shape.d_ff
+    mlp_in = (2 if shape.arch == "llama" else 1) * f
+    return 9 * max(h * mlp_in / tp, s * b * max(h, f / tp))
 
 
 def head_activation_bytes(
@@ -242,10 +264,11 @@ def stage_activation_bytes(
     sequence_parallel: bool = False,
     checkpointing: str = "none",
     precision: str = "bf16",
+    fp8: str | None = None,
 ) -> float:
     """What one micro-batch leaves stored on a chunk of ``n_layers`` layers until its backward."""
     kw = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision)
-    total = n_layers * layer_activation_bytes(shape, micro_batch, checkpointing=checkpointing, **kw)
+    total = n_layers * layer_activation_bytes(shape, micro_batch, checkpointing=checkpointing, fp8=fp8, **kw)
     if has_head:
         total += head_activation_bytes(shape, micro_batch, **kw)
     if has_embedding:

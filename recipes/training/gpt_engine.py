@@ -12,6 +12,7 @@ from parallel.layers.moe import MoELayer
 from parallel.pipeline.partition import stage_chunks
 from parallel.pipeline.schedules import build_schedule
 from parallel.plan.shape import ModelShape, layer_partition
+from parallel.precision import base_precision
 from parallel.zero import ZeroConfig
 
 from ..config import Layout, RecipeConfig
@@ -64,7 +65,7 @@ def build_gpt_engine(
     ]
     zero = ZeroConfig(
         stage=p.zero,
-        precision=t.precision,
+        precision=base_precision(t.precision),  # fp8 keeps bf16 parameters (parallel.precision)
         comm_dtype=cm.dtype,
         bucket_mb=cm.bucket_mb,
         overlap=cm.overlap,

@@ -26,10 +26,10 @@ from parallel.checkpoint import latest_checkpoint
 from parallel.comm import flight
 from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
-from parallel.layers import check_token_ids_together
+from parallel.layers import Fp8Recipe, check_token_ids_together, enable_fp8
 from parallel.layers.moe import moe_metrics
 from parallel.plan.shape import model_tflops_per_device
-from parallel.precision import TORCH_DTYPES
+from parallel.precision import FP8, TORCH_DTYPES, base_precision
 from parallel.topology import Topology
 
 from ..config import Layout, RecipeConfig
@@ -66,9 +66,12 @@ class Trainer:
         self.groups: ParallelGroups = build_groups(self.topology, timeout_s=p.timeout_s)
         self.rank = self.groups.rank
         self.device = default_device(self.groups.backend)
-        self.dtype = COMPUTE_DTYPES[t.precision]
+        self.dtype = COMPUTE_DTYPES[base_precision(t.precision)]  # fp8: a bf16 run, its TP GEMMs in fp8
         self.model_cfg = self.layout.model
         self.ranges, self.engine = build_gpt_engine(rc, self.layout, self.groups, self.device, self.dtype)
+        if t.precision == FP8:  # the blocks' linears only: the head and the embedding stay bf16
+            blocks = [b for ch in self.engine.model.chunks for b in ch.blocks.values()]
+            enable_fp8(blocks, Fp8Recipe(t.fp8_recipe, emulate=t.fp8_emulate))
         self.train_data = self.open_data("train")
         if self.train_data.vocab_size > self.model_cfg.vocab_size:
             raise ValueError(

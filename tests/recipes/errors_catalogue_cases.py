@@ -44,7 +44,10 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["train.max_steps=0"], "train.max_steps", {}),
     (["train.global_batch=30"], "train.global_batch", {}),
     (["train.micro_batch=0"], "train.micro_batch", {}),
-    (["train.precision=fp8"], "train.precision", {}),
+    (["train.precision=fp4"], "train.precision", {}),
+    (["train.precision=fp8"], "train.precision", {}),  # on a device without fp8 kernels (this CPU)
+    (["train.precision=fp8", "train.fp8_recipe=blockwise"], "train.fp8_recipe", {}),
+    (["train.precision=fp8", "train.fp8_emulate=true", "parallel.cp=2"], "train.precision", {}),
     (["train.eval_batches=0"], "train.eval_batches", {}),
     (["train.ckpt_every=-1"], "train.ckpt_every", {}),
     (["train.ckpt_on_error=retry"], "train.ckpt_on_error", {}),
