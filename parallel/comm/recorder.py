@@ -112,6 +112,8 @@ def note(
     other tensors (an output buffer), whose device is checked as well. Every call also goes into
     the flight recorder's ring (:mod:`.flight`)."""
     RECORDER.record(group_label, group, op, tensor.numel(), str(tensor.dtype).removeprefix("torch."), peer)
+    if RECORDER.drill is not None:
+        RECORDER.drill.inside(op, group_label)  # a fault drill: held, killed or slowed inside this call (flight.Drill)
     active = _ACTIVE.get()
     if not active:
         return
