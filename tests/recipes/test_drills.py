@@ -176,3 +176,29 @@ def test_an_out_of_memory_rank_prints_its_bytes_by_kind_beside_the_plan(tmp_path
         assert rows[kind][0] == rows[kind][1], table
     assert "no memory snapshot (logger.memory_snapshot=true on CUDA records one)" in err
     assert forensics.start(True, torch.device("cpu")) is False  # the snapshot is CUDA's
+
+
+def test_sigterm_dumps_the_flight_recorder_at_once_from_the_watcher_thread(tmp_path):
+    """The pre-emption watcher wakes on the signal even with the main thread inside C++ and dumps there."""
+    import os
+    import signal
+    import threading
+
+    from recipes.training.checkpointing import Preemption
+    from recipes.training.flight import dump_now
+
+    seen = threading.Event()
+
+    def on_signal(name):
+        dump_now(tmp_path, name)
+        seen.set()
+
+    flight.set_phase("step 7")
+    watch = Preemption(30.0, on_signal=on_signal)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen.wait(10)
+    finally:
+        watch.close()
+    dump = json.loads((tmp_path / "flight" / "rank0.json").read_text())
+    assert dump["reason"] == "SIGTERM" and dump["phase"] == "step 7" and watch.flag
