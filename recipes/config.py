@@ -57,7 +57,7 @@ class ParallelConfig:
     gpus_per_node: int = 8  # for describe() and the planner
     timeout_s: float = 600.0  # every collective fails after this instead of hanging
     # a step with no progress for this long: dump the flight recorder, name the rank, end the job
-    # (recipes/training/watchdog.py). None: max(60 s, 5 × the median step) once a step is done; 0: off
+    # (recipes/training/watchdog.py), from the run's second step. None: max(60 s, 5 × the median step); 0: off
     hang_s: Optional[float] = None
     backend: Optional[str] = None  # nccl | gloo; default: nccl with CUDA, else gloo
     oversubscribe: bool = False  # self-spawn more local workers than launch.local.local_capacity allows

@@ -155,23 +155,22 @@ class Diagnosis:
         return last is not None and last[1] == group and last[2] == seq and last[5]
 
     def _transfers(self, limit: int = 8) -> list[str]:
-        """Pipeline pairs whose sends and receives do not match, or whose last transfer is pending on both."""
+        """Pipeline pairs whose sender is stuck inside its send to the receiver: the receiver never
+        posted that receive, or posted it and waits (a receive posted early, ahead of its send, is
+        the pipeline's normal state and not reported by itself)."""
         out = []
         for (src, dst), sides in sorted(self.p2p.items()):
-            if src not in self.seen or dst not in self.seen:
+            if src not in self.seen or dst not in self.seen or not self._pending(src, "send", dst):
                 continue
-            (ns, ps), (nr, pr) = sides.get("send", (0, "")), sides.get("recv", (0, ""))
+            (ns, ps), (nr, _) = sides.get("send", (0, "")), sides.get("recv", (0, ""))
             if ns > nr:
-                out.append(f"p2p {src} → {dst}: rank {dst} never posted receive #{nr} of rank {src}'s send ({ps})")
-            elif nr > ns:
                 out.append(
-                    f"p2p {src} → {dst}: rank {dst} waits for send #{ns} ({pr}); rank {src} issued {ns}, "
-                    f"{'and is inside the last' if self._pending(src, 'send', dst) else 'then moved on'}"
+                    f"p2p {src} → {dst}: rank {src} is inside send #{ns - 1} ({ps}); rank {dst} never posted its receive"
                 )
-            elif self._pending(src, "send", dst) and self._pending(dst, "recv", src):
+            else:
+                waits = "waits inside it" if self._pending(dst, "recv", src) else "posted it"
                 out.append(
-                    f"p2p {src} → {dst}: transfer #{ns - 1} issued on both sides never completed: "
-                    f"rank {src} stopped inside its send ({ps})"
+                    f"p2p {src} → {dst}: rank {src} is inside send #{ns - 1} ({ps}), rank {dst} {waits}: the transfer never completed"
                 )
         return out[:limit]
 
@@ -213,8 +212,8 @@ class Diagnosis:
         missing = sorted(set(range(self.world)) - self.seen)
         if missing:
             lines.append(f"no dump from ranks {_ranks(missing)} (dead, or never reached a dump)")
+        lines += self._transfers()  # a rank stuck inside a send: what the others wait for, first
         lines += self._disagreements() or ["every group's members issued the same collectives"]
-        lines += self._transfers()
         lines += self._stopped()
         if (slow := self._slowest()) is not None:
             lines.append(slow)

@@ -13,7 +13,9 @@ began (:meth:`Watchdog.begin`) has not ended (:meth:`Watchdog.end`) ``hang_s`` s
 
 The launcher then stops the other ranks (SIGTERM: each dumps too, :mod:`recipes.training.flight`).
 ``hang_s`` None: :data:`HANG_FACTOR` × the median of the last steps' times, at least
-:data:`HANG_MIN_S`, armed once the first step is done (it warms up); 0: no watchdog. torch's own
+:data:`HANG_MIN_S`; 0: no watchdog. Either way it is armed once the run's first step is done: that
+step warms up (allocations, the memory report, NCCL's communicators made at their first use,
+minutes at scale), and torch's timeout guards it. torch's own
 collective timeout (``parallel.timeout_s``) stays the backstop, and the only guard of what runs
 between steps (evaluation, a checkpoint's save). It reads only host clocks and the
 recorder's Python fields: no device work, no host sync on the step's path.
@@ -92,12 +94,11 @@ class Watchdog:
 
     def limit(self) -> float | None:
         """The seconds a step may run; None: not armed."""
-        if self.hang_s == 0:
+        if self.hang_s == 0 or not self.times:  # the first step (warm-up, NCCL's lazy setup) is not timed
             return None
         if self.hang_s is not None:
             return float(self.hang_s)
-        median = self.median_step_s()
-        return None if median is None else max(HANG_MIN_S, HANG_FACTOR * median)
+        return max(HANG_MIN_S, HANG_FACTOR * self.median_step_s())
 
     def expired(self) -> float | None:
         """The seconds the current step has run, if they exceed :meth:`limit`; else None."""
@@ -123,7 +124,8 @@ class Watchdog:
         """Dump, say so, write the error file, leave with status 1 (module docstring)."""
         line = self.message(idle)
         dump_now(self.run_dir, line)
-        print(line, file=sys.stderr, flush=True)
+        sys.stderr.write(line + "\n")  # one write: the other ranks' lines do not cut into it
+        sys.stderr.flush()
         _record(Hang(line))
         sys.stdout.flush()
         time.sleep(LINGER_S)
