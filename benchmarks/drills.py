@@ -8,7 +8,8 @@ Each drill (``train.fault``, :mod:`recipes.training.drills`) runs a 2-layer d_mo
 ``parallel.hang_s`` set, in its own session; per drill the table says how long the job took, and how
 long after the fault's step began it ended (the goal: within ``hang_s`` + 30 s; the straggler's job
 just finishes), the launcher's last line, whether ``python -m recipes.diagnose``
-(or, for the straggler, ``metrics.jsonl``) names the guilty rank and the call, and whether any
+(or, for the straggler, ``metrics.jsonl``; for ``oom``, the rank's memory table) names the guilty
+rank and the call, and whether any
 process of the session is left behind. ``--doc`` replaces each ``<!-- drill:<kind> -->`` …
 ``<!-- /drill -->`` block of the page with the drill's real output (the launcher's line, diagnose's).
 """
@@ -72,6 +73,7 @@ def expected(kind: str, rank: int) -> str:
         # killed: no dump of its own (peers that lose it may abort in gloo's C++ too); the launcher names it
         "die_in_comm": rf"^no dump from ranks \[(\d+, )*{rank}(, \d+)*\]",
         "straggle": rf"^metrics.jsonl: slowest_rank {rank} ",
+        "oom": rf"^rank {rank} ran out of memory in step 2; its memory by kind",
     }[kind]
 
 
@@ -104,6 +106,12 @@ def run_drill(kind: str, rank: int, layout: dict, hang_s: float, folder: Path) -
             f"metrics.jsonl: slowest_rank {row.get('slowest_rank')} at step {step}, lag {row.get('slowest_lag', 0):+.0%}"
         ]
         shown = [line for line in out.splitlines() if line.startswith(f"step {step}:")]
+    elif kind == "oom":  # the rank's table on stderr, then the usual end
+        err_lines = err.splitlines()
+        first = next((i for i, line in enumerate(err_lines) if "ran out of memory in step" in line), len(err_lines))
+        lines = err_lines[first : first + 9]
+        lines = lines[: next((i + 1 for i, line in enumerate(lines) if "memory snapshot" in line), len(lines))]
+        shown = []
     else:
         done = subprocess.run(
             [sys.executable, "-m", "recipes.diagnose", str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True
@@ -119,7 +127,9 @@ def run_drill(kind: str, rank: int, layout: dict, hang_s: float, folder: Path) -
         "exit": proc.returncode,
         "seconds": took,
         "after_fault_s": after,
-        "within": proc.returncode == 0 if kind == "straggle" else after <= hang_s + 30,
+        "within": proc.returncode == (0 if kind == "straggle" else 1)
+        if kind in ("straggle", "oom")
+        else after <= hang_s + 30,
         "named": named,
         "left_behind": left,
         "launcher": last,
@@ -134,7 +144,9 @@ def write_doc(page: Path, results: list[dict], command: str) -> None:
     text = page.read_text()
     for r in results:
         body = [f"$ {command}  # train.fault={r['kind']}@{r['rank']}:…", *r["watchdog"], *r["progress"]]
-        if r["kind"] != "straggle":
+        if r["kind"] == "oom":
+            body += [*r["diagnose"], "…", r["launcher"]]
+        elif r["kind"] != "straggle":
             body += [r["launcher"], "", "$ python -m recipes.diagnose <run dir>", *r["diagnose"]]
         else:
             body += r["diagnose"]

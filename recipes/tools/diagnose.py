@@ -164,15 +164,16 @@ class Diagnosis:
                 continue
             (ns, ps), (nr, _) = sides.get("send", (0, "")), sides.get("recv", (0, ""))
             if ns > nr:
-                out.append(
-                    f"p2p {src} → {dst}: rank {src} is inside send #{ns - 1} ({ps}); rank {dst} never posted its receive"
+                line = f"p2p {src} → {dst}: rank {src} is inside send #{ns - 1} ({ps}); rank {dst} never posted its receive"
+                out.append((1, line))
+            else:  # a receiver waiting inside the receive first: the sender is what it waits for
+                waiting = self._pending(dst, "recv", src)
+                line = (
+                    f"p2p {src} → {dst}: rank {src} is inside send #{ns - 1} ({ps}), rank {dst} "
+                    f"{'waits inside it' if waiting else 'posted it'}: the transfer never completed"
                 )
-            else:
-                waits = "waits inside it" if self._pending(dst, "recv", src) else "posted it"
-                out.append(
-                    f"p2p {src} → {dst}: rank {src} is inside send #{ns - 1} ({ps}), rank {dst} {waits}: the transfer never completed"
-                )
-        return out[:limit]
+                out.append((0 if waiting else 2, line))
+        return [line for _, line in sorted(out, key=lambda x: x[0])][:limit]
 
     def _pending(self, rank: int, op: str, peer: int) -> bool:
         last = self.last.get(rank)

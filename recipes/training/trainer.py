@@ -4,7 +4,8 @@ Read top to bottom: validate the config (pure, before any collective) → join
 the process group → build this rank's grid groups → build this rank's step
 engine (:func:`recipes.training.gpt_engine.build_gpt_engine`: its GPT chunks under ZeRO,
 the pipeline schedule; :class:`parallel.engine.StepEngine` owns the step) → the
-loop: learning rate, evaluation, logging, checkpoint policy, profiler, timeline.
+loop: learning rate, evaluation, logging, checkpoint policy, profiler, timeline, and the step's
+guards (:mod:`recipes.training.guards`: hang watchdog, stragglers, fault drills, OOM forensics).
 
 Every layout runs the same math: the global batch of a step is fixed by
 ``(seed, step)``; DP ranks take disjoint slices; micro-batches are accumulated
