@@ -206,3 +206,6 @@ def test_sigterm_dumps_the_flight_recorder_at_once_from_the_watcher_thread(tmp_p
         watch.close()
     dump = json.loads((tmp_path / "flight" / "rank0.json").read_text())
     assert dump["reason"] == "SIGTERM" and dump["phase"] == "step 7" and watch.flag
+    assert dump_now(tmp_path, "watchdog: rank 0 made no progress") is not None
+    assert dump_now(tmp_path, "SIGTERM") is None  # the launcher stopping the job: the watchdog's reason stays
+    assert json.loads((tmp_path / "flight" / "rank0.json").read_text())["reason"].startswith("watchdog")
