@@ -101,10 +101,15 @@ def read_stats(stats: dict[str, Any]) -> dict[str, Any]:
     groups at the same step)."""
     stats = reduce_stats(stats)
     keys = [k for k in READ_KEYS if torch.is_tensor(stats.get(k))]
-    if not keys:
+    every = stats.get("rank_times")  # StepEngine.step's gather: read in the same host read
+    if not keys and not torch.is_tensor(every):
         return stats
-    values = torch.stack([stats[k].detach().float().reshape(()) for k in keys]).tolist()
+    every = every.float() if torch.is_tensor(every) else None
+    values = torch.cat([stats[k].detach().float().reshape(1) for k in keys] + ([every] if every is not None else []))
+    values = values.tolist()
     out = dict(stats, **dict(zip(keys, values)))
+    if every is not None:
+        out["rank_times"] = values[len(keys) :]
     if "skipped" in keys:
         out["skipped"] = bool(out["skipped"])
     return out
@@ -285,6 +290,7 @@ class StepEngine:
         read: bool = True,
         measure_memory: bool = False,
         norm: bool | None = None,
+        gather: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches; the step's stats. ``context``: per
         micro-batch, keyword arguments for every chunk on every stage (:meth:`PipelineExecutor.run
@@ -302,6 +308,8 @@ class StepEngine:
         ``measure_memory``: also record :attr:`activation_bytes` (autograd's saved activations
         at the schedule's peak) and :attr:`model_state_bytes`. ``norm``: compute the gradient
         norm (its collectives) even unread; None: when read (a dry run of a logged step passes True).
+        ``gather`` (read steps): this rank's few numbers (its step and data time, on the device), all-gathered
+        over the world with the loss's reduction and read with it: ``rank_times``, rank by rank.
         """
         counter = comm.CommCounter()
         clock = StepClock(self.device)  # CUDA events on a GPU (host clocks would time enqueueing)
@@ -334,6 +342,9 @@ class StepEngine:
         if read:
             with counter:
                 pending.reduce()
+                if gather is not None:  # the stragglers: every rank's times, in the same read
+                    rec["rank_times"] = every = gather.new_empty(gather.numel() * dist.get_world_size())
+                    comm.all_gather(every, gather)
         end = clock.mark()
         host_s = time.perf_counter() - host_t0
         if read:

@@ -56,6 +56,9 @@ class ParallelConfig:
     order: str = "tp-dp-pp"  # rank order, fastest axis first
     gpus_per_node: int = 8  # for describe() and the planner
     timeout_s: float = 600.0  # every collective fails after this instead of hanging
+    # a step with no progress for this long: dump the flight recorder, name the rank, end the job
+    # (recipes/training/watchdog.py), from the run's second step. None: max(60 s, 5 × the median step); 0: off
+    hang_s: Optional[float] = None
     backend: Optional[str] = None  # nccl | gloo; default: nccl with CUDA, else gloo
     oversubscribe: bool = False  # self-spawn more local workers than launch.local.local_capacity allows
 
@@ -80,7 +83,7 @@ class TrainConfig:
     ckpt_keep: int = 3  # published checkpoints kept (0: all)
     ckpt_async: bool = True  # stage to host memory, write in a background thread (docs/checkpoint.md)
     ckpt_on_error: str = "stop"  # a save the storage refuses (disk full, read-only): stop | continue without it
-    fault: Optional[str] = None  # fault drill: "<kind>@<rank>:<step>" (kinds: recipes/training/checkpointing.py)
+    fault: Optional[str] = None  # fault drill: "<kind>@<rank>:<step>" (kinds: recipes/training/drills.py)
     threads: int = 0  # intra-op threads per rank on CPU; 0: cores / local ranks
     # run faults (issue 28): divergence, the run lock (recipes/training/divergence.py, runlock.py)
     max_skipped_steps: int = 10  # more inf/NaN steps in a row than this: stop, exit 3 (0: never stop)
@@ -129,6 +132,7 @@ class LoggerConfig:
     peak_tflops: Optional[float] = None  # for MFU; default: measured (CPU) or device table
     timeline: bool = False  # record step 2 on every stage; write timeline.png (the pipeline's bubble)
     profile: Optional[list[int]] = None  # [first, last] step: torch.profiler traces (recipes/training/profiling.py)
+    memory_snapshot: bool = False  # CUDA: record allocations; an out-of-memory error writes <run>/memory/rank<r>.pickle
 
 
 @dataclass

@@ -359,9 +359,11 @@ def _check_run(cfg: Any) -> None:
         raise ConfigError(f"parallel.timeout_s must be positive, got {p.timeout_s}")
     if t.ckpt_every < 0 or t.ckpt_keep < 0:
         raise ConfigError(f"train.ckpt_every ({t.ckpt_every}) and train.ckpt_keep ({t.ckpt_keep}) must be ≥ 0")
-    if t.fault is not None and not re.fullmatch(r"(raise|kill|term|kill_in_save|raise_in_save)@\d+:\d+", t.fault):
+    from .training.drills import FAULT_KINDS
+
+    if t.fault is not None and not re.fullmatch(rf"({'|'.join(FAULT_KINDS)})@\d+:\d+", t.fault):
         raise ConfigError(
-            f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind raise, kill, term, kill_in_save or raise_in_save"
+            f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind {', '.join(FAULT_KINDS[:-1])} or {FAULT_KINDS[-1]}"
         )
 
 

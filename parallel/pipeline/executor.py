@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..comm.flight import RECORDER
 from ..params import is_shared_embedding
 from ..timing import StepClock, named_range
 from .schedules import (
@@ -258,6 +259,7 @@ class PipelineExecutor(StageTransfers):
             items, ahead = (self.forward_items, self._forward_ahead) if forward_only else (self.items, self._ahead)
             post_ahead = comm.transport(self.pp_group, self.device).posts_receives_early
             for item, next_recvs in zip(items, ahead):
+                RECORDER.action = item  # the flight recorder's phase: this schedule item (a reference)
                 if isinstance(item, Compute):
                     self._await_input(item)  # its received tensor, if any (idle time: outside its span)
                 start = clock and clock.mark()
@@ -274,6 +276,7 @@ class PipelineExecutor(StageTransfers):
                         self._transfer(item, next_recvs if post_ahead else ())
                 if clock:
                     marks.append((item if isinstance(item, Compute) else tuple(item), start, clock.mark()))
+        RECORDER.action = None
         self._complete_sends()
         if self._stored or self._outbox or self._deferred or self._received:
             raise ScheduleError(

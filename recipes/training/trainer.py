@@ -4,7 +4,8 @@ Read top to bottom: validate the config (pure, before any collective) → join
 the process group → build this rank's grid groups → build this rank's step
 engine (:func:`recipes.training.gpt_engine.build_gpt_engine`: its GPT chunks under ZeRO,
 the pipeline schedule; :class:`parallel.engine.StepEngine` owns the step) → the
-loop: learning rate, evaluation, logging, checkpoint policy, profiler, timeline.
+loop: learning rate, evaluation, logging, checkpoint policy, profiler, timeline, and the step's
+guards (:mod:`recipes.training.guards`: hang watchdog, stragglers, fault drills, OOM forensics).
 
 Every layout runs the same math: the global batch of a step is fixed by
 ``(seed, step)``; DP ranks take disjoint slices; micro-batches are accumulated
@@ -23,7 +24,6 @@ import torch
 from omegaconf import OmegaConf
 
 from parallel.checkpoint import latest_checkpoint
-from parallel.comm import flight
 from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
 from parallel.layers import Fp8Recipe, check_token_ids_together, enable_fp8
@@ -38,8 +38,10 @@ from . import checkpointing, runlock
 from .data import open_data
 from .divergence import SkipWatch, stop_message
 from .exits import EXIT_DIVERGED, LauncherWatch, finish_distributed
+from .flight import dump_now
 from .flight import install as install_flight_dumps
 from .gpt_engine import build_gpt_engine
+from .guards import StepGuards
 from .prefetch import Prefetcher
 from .profiling import StepProfiler, profile_steps
 from .reports import cpu_wait_clock, memory_report, time_report, timeline_step
@@ -82,6 +84,7 @@ class Trainer:
         self.val_data = self.open_data("val") if t.eval_every else None
         self.prefetch = Prefetcher(self.host_microbatches)  # its thread starts at the first read
         self.step = 0
+        self.guards = None  # the loop's StepGuards (recipes/training/guards.py): data time, stragglers
 
     def open_data(self, split: str):
         """The token dataset of ``split`` ("train" / "val") that ``rc.data`` names."""
@@ -144,9 +147,14 @@ class Trainer:
             schedule=o.schedule,
         )
         self.engine.set_lr(lr)
-        inputs, targets, *context = self.microbatches(step)
-        step_kw = dict(context=context[0] if context else None, read=read, measure_memory=measure_memory, norm=norm)
-        return {"lr": lr, **self.engine.step(inputs, targets, **step_kw)}
+        g = self.guards
+        inputs, targets, *context = (
+            g.read_data(step + 1, lambda: self.microbatches(step)) if g else self.microbatches(step)
+        )
+        gather = g.gather() if g and read else None  # every rank's times, read with the loss (the stragglers)
+        step_kw = dict(read=read, measure_memory=measure_memory, norm=norm, gather=gather)
+        stats = self.engine.step(inputs, targets, context=context[0] if context else None, **step_kw)
+        return {"lr": lr, **stats}
 
     # ------------------------------------------------------ checkpoint (recipes/training/checkpointing.py)
     def state_dict(self) -> dict:
@@ -231,12 +239,13 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
     world = trainer.topology.world_size
     last: dict[str, Any] = {}
     _resume(trainer, log, t.resume, run_dir)  # checkpoint: resume (recipes/training/checkpointing.py)
-    preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
+    preemption = checkpointing.Preemption(t.sigterm_grace_s, on_signal=lambda name: dump_now(run_dir, name))
     install_flight_dumps(run_dir)  # kill -USR1 <pid>: this rank's flight recorder to <run>/flight
     saver = checkpointing.Saver(trainer, preemption=preemption, say=log.info)  # train.ckpt_async: in the background
     skips = SkipWatch(t.max_skipped_steps, trainer.device, lr=rc.optim.lr, grad_clip=t.grad_clip, precision=t.precision)
     preempted, stopped = False, None
     profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
+    trainer.guards = guards = StepGuards(trainer, run_dir)  # watchdog, drills, stragglers, memory forensics
     try:
         first = trainer.step  # 0, or the step a resumed checkpoint continues from
         window_start, window_steps = time.perf_counter(), 0  # wall time and steps since the last read
@@ -251,7 +260,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             # parallel.engine.PendingLoss), which an unread step does not
             read = (step + 1) % t.log_every == 0 or step == first or step + 1 == t.max_steps or eval_due or save_due
             profiler.before(step + 1)  # logger.profile
-            flight.set_phase(f"step {step + 1}")  # what the flight recorder's next calls say they were for
+            guards.begin(step + 1)  # the flight recorder's phase, the watchdog's clock, the drills
             step_t0 = time.perf_counter()
             if rc.logger.timeline and step == first + 1:  # a steady step (the first warms up, measures memory)
                 rec = timeline_step(trainer, step, Path(run_dir) / "timeline.png", read=read)
@@ -261,10 +270,10 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             _report_first_steps(trainer, log, step, first, step_t0, read)
             skips.after_step(rec)  # the divergence policy's counts, on the device (no host read)
             rec["step"] = step + 1
+            guards.after(step + 1, rec)  # read: the slowest rank and its lag
             window_steps += 1
             if read:  # the device has done every step since the last read: wall time is its time
                 rec["tokens_per_s"] = tokens_per_step * window_steps / (time.perf_counter() - window_start)
-                flight.RECORDER.note_step(step + 1, (time.perf_counter() - window_start) / window_steps)
                 if cpu_wait:  # per step
                     rec["runqueue_s"] = (cpu_wait() - window_rq) / window_steps
                 if peak:
@@ -286,6 +295,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                     break
             # --- checkpoint: periodic / final save, SIGTERM → save and stop ---
             preempted = preemption.poll()  # every step, no host wait: agreed by all ranks one step late
+            guards.watchdog.end()  # the step's collectives are all issued: saves are not timed
             if launcher.gone():  # its launcher was killed: no save, no barrier with its dead store
                 launcher.stop(trainer.rank, trainer.step)
             saver.poll()  # says a published background save; raises a failed one here, at once
@@ -310,8 +320,11 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                 window_start, window_steps = time.perf_counter(), 0
                 window_rq = cpu_wait() if cpu_wait else 0.0
         saver.close()  # the end of training waits for the last save
+    except torch.OutOfMemoryError as e:
+        guards.out_of_memory(e)  # its bytes by kind beside the planner's; a CUDA snapshot
+        raise
     finally:
-        for part in (profiler, preemption, log, trainer.prefetch):  # the data thread stops reading ahead
+        for part in (guards, profiler, preemption, log, trainer.prefetch):  # the data thread stops reading ahead
             part.close()
     last = read_stats(last)  # the last step was read, or reduced by the pre-emption log: no collective here
     finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/training/exits.py)

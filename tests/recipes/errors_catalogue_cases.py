@@ -80,6 +80,7 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["parallel.mp=2", "parallel.tp=4"], "parallel.mp", {}),
     (["parallel.pp=2", "parallel.pp_layers=[1,2]"], "parallel.pp_layers", {}),
     (["parallel.timeout_s=0"], "parallel.timeout_s", {}),
+    (["parallel.hang_s=-1"], "parallel.hang_s", {}),
     (["parallel.gpus_per_node=0"], "parallel.gpus_per_node", {}),
     (["parallel.cp=2", "model.seq_len=30"], "parallel.cp", {}),
     (["parallel.cp=4", "parallel.cp_impl=alltoall", "model.n_heads=2"], "parallel.cp", {}),

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from parallel.params import init_key, vocab_rows
+from parallel.testing import procs_with as _procs_with
 
 from .errors_catalogue_cases import CATALOGUE, SUBPROCESS
 
@@ -113,19 +114,6 @@ def _fixtures(tmp: Path) -> dict[str, str]:
         (tmp / name / "checkpoints" / "latest").write_text(latest)
         f[name] = str(tmp / name)
     return f
-
-
-def _procs_with(field: int, value: int) -> list[int]:
-    """Live pids whose /proc stat field ``field`` (after the name: 1 = parent, 3 = session) is ``value``."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[field]) == value:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def _children(pid: int) -> list[int]:
