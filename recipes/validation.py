@@ -25,15 +25,15 @@ from parallel.dims import (
     offload_problem,
     topk_ratio_problem,
 )
-from parallel.layers.fp8 import fp8_device_problem
 from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED, MoEConfigError
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem, zero_bubble_problem
-from parallel.precision import FP8, FP8_RECIPES, PRECISIONS, TRAIN_PRECISIONS
+from parallel.precision import FP8_RECIPES, PRECISIONS, TRAIN_PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.policy import ZERO_STAGES
 from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies  # noqa: F401 (re-exported)
 
 from .config import ConfigError, Layout, ParallelConfig, _show, bad, model_config
+from .feature_checks import check_fp8, check_mla, check_packing
 from .keys import check_keys, check_overrides, check_values, key_error, schema_keys, unknown_keys
 from .training.checkpointing import CKPT_ON_ERROR
 from .training.packing import PACKINGS
@@ -220,18 +220,6 @@ def _check_types(cfg: Any) -> None:
         raise ConfigError(f"parallel.ep must be a positive integer, got {p.ep!r}")
 
 
-def _check_mla(p: Any, mc: Any) -> None:
-    """Multi-head latent attention (DeepSeek-V3) runs without sequence or context parallelism."""
-    if not mc.mla:
-        return
-    for key, on in (("parallel.sequence_parallel=true", p.sequence_parallel), (f"parallel.cp={p.cp}", p.cp > 1)):
-        if on:
-            raise ConfigError(
-                f"{key} with multi-head latent attention (model.kv_lora_rank={mc.kv_lora_rank}): MLA splits "
-                f"its heads over tp only; set {key.split('=')[0]}={'false' if 'sequence' in key else 1}"
-            )
-
-
 def _model(cfg: Any, tp: int) -> Any:
     """The model config, checked at ``tp``; its refusal names the keys this config set."""
     from models.config import ModelConfigError
@@ -303,45 +291,6 @@ def _check_zero(p: Any, comm: Any) -> None:
         )
 
 
-def _check_packing(cfg: Any) -> None:
-    """``data.packing=documents`` reads a prepared corpus's document index (the embedded corpus has none)."""
-    d = cfg.data
-    if d.packing == "documents" and d.source == "embedded" and not d.blend:
-        raise bad(
-            "data.packing",
-            d.packing,
-            "the embedded corpus has no document index (its files are joined without boundaries)",
-            "prepare a corpus with `python -m recipes.prepare` and set data.source=memmap data.path=DIR, "
-            "or use data.packing=concat",
-        )
-
-
-def _check_fp8(cfg: Any, dims: ParallelDims) -> None:
-    """``train.precision=fp8``: what its scales are not reduced over (cp), and a device with fp8 kernels
-    unless ``train.fp8_emulate`` (asked on the device this rank will train on; mode=train only)."""
-    t, p = cfg.train, cfg.parallel
-    if t.precision != FP8:
-        return
-    if dims.cp_enabled:
-        raise ConfigError(
-            f"train.precision=fp8 with parallel.cp={p.cp}: the fp8 scales are taken per rank's sequence chunk, "
-            "not over the context-parallel group, so the layouts would not compute the same model; use parallel.cp=1"
-        )
-    if cfg.mode != "train":
-        return
-    from parallel.groups import default_device
-
-    problem = fp8_device_problem(default_device(p.backend), t.fp8_emulate)
-    if problem:
-        raise bad(
-            "train.precision",
-            FP8,
-            problem,
-            "set train.fp8_emulate=true (fp8 casts, fp32 matmuls: the same numerics, slower than bf16) "
-            "or train.precision=bf16",
-        )
-
-
 def _check_run(cfg: Any) -> None:
     """The run's own keys: data files, profiling, timeouts, checkpoints, injected faults."""
     t, p = cfg.train, cfg.parallel
@@ -351,7 +300,7 @@ def _check_run(cfg: Any) -> None:
         raise ConfigError("data.blend names its corpora itself: leave data.path unset (or drop data.blend)")
     if cfg.data.source == "memmap" and not cfg.data.path and not cfg.data.blend:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
-    _check_packing(cfg)
+    check_packing(cfg)
     from .training.profiling import profile_steps  # logger.profile
 
     profile_steps(cfg.logger.profile, t.max_steps)
@@ -388,12 +337,12 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     if problem:
         raise ConfigError(problem)
     dims = parallel_dims(p, dp, mc, cfg.comm.compression)
-    _check_mla(p, mc)
+    check_mla(p, mc)
     _check_moe(p, dims, mc, cfg)
     grad_accum = _grad_accum(t, dims)
     _check_pipeline(p, mc)
     _check_zero(p, cfg.comm)
-    _check_fp8(cfg, dims)
+    check_fp8(cfg, dims)
     _check_run(cfg)
     return Layout(
         dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc, cp=p.cp, dims=dims
