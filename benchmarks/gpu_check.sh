@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: what CPU tests cannot show, on one CUDA GPU, in about 5 minutes (4 min 15 s on an H200).
+# The GPU check: what CPU tests cannot show, on one CUDA GPU, in about 5 minutes (4 min 15 s on an H200
+# for steps 1-7; step 8's fp8 GEMMs and 100 fp8 steps are not yet timed on a GPU).
 #
 #   benchmarks/gpu_check.sh                  # on a machine with a CUDA GPU (uses GPU 0)
 #   GPU_CHECK_DRY=1 benchmarks/gpu_check.sh  # CPU dry run: the same steps, tiny models (CI runs this)
@@ -18,7 +19,10 @@
 #      both under torch.compile (ours: train.compile=true, each block and the loss; theirs: the whole model),
 #      4 layers so that inductor's compile fits (the dry run traces with the eager backend only);
 #   6. python -m benchmarks.checkpoint --world 1: a background save's stall against a synchronous one;
-#   7. python -m benchmarks.gpu_check: a checkpoint saved and resumed on the device.
+#   7. python -m benchmarks.gpu_check: a checkpoint saved and resumed on the device;
+#   8. fp8 (train.precision=fp8): python -m benchmarks.fp8 gemm, a column layer's forward and backward through
+#      torch._scaled_mm against the emulation (≤ 1e-3) and its time beside bf16's; the Quickstart at fp8, its final
+#      loss within 2 % of step 2's (the CPU dry run skips this step: tests/benchmarks/test_fp8_bench.py runs it).
 # Every step runs even if one before it failed (one device session shows everything); the exit status is
 # 0 when every step passed, else the number of failed steps (2 as well: no GPU and no dry run).
 set -uo pipefail
@@ -57,6 +61,7 @@ if [[ "${GPU_CHECK_DRY:-0}" == 1 ]]; then
     vs_args=()
     compile_args=(--compile eager)
     ckpt_args=(--d 64 --layers 2 --seq 32 --rounds 2)
+    fp8=0
 else
     if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "GPU check: no CUDA device visible to torch; GPU_CHECK_DRY=1 runs the CPU dry run" >&2
@@ -71,27 +76,37 @@ else
     vs_args=()
     compile_args=(--compile inductor --layers 4)
     ckpt_args=(--d 1024 --layers 8 --seq 1024 --rounds 3)
+    fp8=1
 fi
 
-step "1/7 CUDA-capable tests" 300 python -m pytest -q -p no:cacheprovider -m cuda \
+step "1/8 CUDA-capable tests" 300 python -m pytest -q -p no:cacheprovider -m cuda \
     tests/test_cuda_ready.py tests/parallel/layers/test_ring_kernels.py "${test_args[@]}"
 [[ -f "$out/ring_kernels.json" ]] && python -c "import json, sys; r = json.load(open(sys.argv[1])); \
 print('ring attention blocks:', {c['dtype'] + ' d=' + str(c['head_dim']): c['kinds'] for c in r['cases']}, \
 r['block_timing'])" "$out/ring_kernels.json"
-step "2/7 Quickstart training on the device" 180 python -m recipes.gpt_tiny "${quick[@]}" logger.progress=false \
+step "2/8 Quickstart training on the device" 180 python -m recipes.gpt_tiny "${quick[@]}" logger.progress=false \
     "hydra.run.dir=$out/quickstart"
-step "3/7 mode=calibrate" 180 python -m recipes.gpt_tiny mode=calibrate "${big[@]}" "hydra.run.dir=$out/calibrated"
+step "3/8 mode=calibrate" 180 python -m recipes.gpt_tiny mode=calibrate "${big[@]}" "hydra.run.dir=$out/calibrated"
 hw=(--hardware "$out/calibrated/hardware.json")
 [[ -f "$out/calibrated/hardware.json" ]] || hw=()
-step "4/7 MFU and step time vs the planner" 300 python -m benchmarks.gpu_mfu "${mfu_args[@]}" "${hw[@]}" \
+step "4/8 MFU and step time vs the planner" 300 python -m benchmarks.gpu_mfu "${mfu_args[@]}" "${hw[@]}" \
     --micro-batches 1,4,8 --json "$out/mfu.json"
-step "4/7 (full activation checkpointing)" 120 python -m benchmarks.gpu_mfu "${mfu_args[@]}" "${hw[@]}" \
+step "4/8 (full activation checkpointing)" 120 python -m benchmarks.gpu_mfu "${mfu_args[@]}" "${hw[@]}" \
     --micro-batch 4 --checkpointing full --json "$out/mfu_full_ckpt.json"
-step "5/7 ours vs plain PyTorch" 180 python -m benchmarks.gpu_vs_torch "${vs_args[@]}" --json "$out/vs_torch.json"
+step "5/8 ours vs plain PyTorch" 180 python -m benchmarks.gpu_vs_torch "${vs_args[@]}" --json "$out/vs_torch.json"
 export TORCHINDUCTOR_CACHE_DIR="$out/inductor"  # the compiled step's kernels stay with the results
-step "5/7 (torch.compile)" 240 python -m benchmarks.gpu_vs_torch "${compile_args[@]}" --json "$out/vs_torch_compiled.json"
-step "6/7 background vs synchronous checkpoint" 180 python -m benchmarks.checkpoint --world 1 "${ckpt_args[@]}"
-step "7/7 checkpoint save and resume" 120 python -m benchmarks.gpu_check
+step "5/8 (torch.compile)" 240 python -m benchmarks.gpu_vs_torch "${compile_args[@]}" --json "$out/vs_torch_compiled.json"
+step "6/8 background vs synchronous checkpoint" 180 python -m benchmarks.checkpoint --world 1 "${ckpt_args[@]}"
+step "7/8 checkpoint save and resume" 120 python -m benchmarks.gpu_check
+if ((fp8)); then
+    step "8/8 fp8 GEMMs: torch._scaled_mm vs emulation, vs bf16" 120 python -m benchmarks.fp8 gemm --size 8192 \
+        --json "$out/fp8_gemm.json"
+    step "8/8 (the Quickstart at fp8)" 180 python -m recipes.gpt_tiny "${quick[@]}" train.precision=fp8 \
+        logger.progress=false "hydra.run.dir=$out/quickstart_fp8"
+    step "8/8 (fp8 vs the Quickstart's loss)" 30 python -m benchmarks.fp8 compare "$out/quickstart" "$out/quickstart_fp8"
+else
+    echo "== 8/8 fp8: skipped in the dry run (tests/benchmarks/test_fp8_bench.py runs benchmarks.fp8 on the CPU)"
+fi
 
 echo
 if ((${#failed[@]})); then

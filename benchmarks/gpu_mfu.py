@@ -233,7 +233,7 @@ def main(argv=None) -> list[dict]:
     if dry_run:
         print("No CUDA GPU here: a tiny CPU dry run of the same path (2 steps, 1 warm-up); no MFU figures.")
         a.steps, a.warmup, a.global_batch = 2, 1, 4 * world
-        micro_batches = [min(m, 2) for m in micro_batches]
+        micro_batches = list(dict.fromkeys(min(m, 2) for m in micro_batches))  # 1,4,8 -> 1,2: each size once
     layouts = [tuple(int(v) for v in s.split(",")) for s in a.layout] if a.layout else default_layouts(world)
     bad = [lay for lay in layouts if len(lay) != 3 or lay[0] * lay[1] * lay[2] != world]
     if bad:

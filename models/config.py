@@ -1,4 +1,4 @@
-"""Typed model configuration and the named sizes (GPT-2/3 family, Llama)."""
+"""Typed model configuration (GPT, Llama, Qwen, Mixtral, DeepSeek-V3); the named sizes are in :mod:`models.presets`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from parallel.dims import tp_split_problem
 from parallel.layers.attention import ROPE_TYPES
 from parallel.layers.embedding import padded_vocab_size
 from parallel.layers.moe import MoEConfig, MoEConfigError
+from parallel.layers.moe_routing import SCORE_FUNCS
 from parallel.memory import CHECKPOINTING
 
 ARCHS = ("gpt", "llama")
@@ -32,6 +33,11 @@ class ModelConfig:
     ``moe_every``-th block from block ``moe_first_dense`` on (blocks ``i ≥ moe_first_dense`` with
     ``(i + 1) % moe_every == 0``) by a
     :class:`~parallel.layers.moe.MoELayer` of experts of width ``moe_d_ff`` (default ``d_ff``).
+
+    DeepSeek-V3: ``kv_lora_rank > 0`` makes attention multi-head latent attention
+    (:mod:`parallel.layers.mla`; ``n_kv_heads`` and ``attn_head_dim`` then unused), and
+    ``moe_score="sigmoid"`` its router (group-limited choice, a selection bias moved by
+    ``moe_bias_update_rate`` after each optimizer step; docs/moe.md).
     """
 
     arch: str = "gpt"
@@ -69,6 +75,20 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    # DeepSeek-V3 (models/deepseek.py): multi-head latent attention when kv_lora_rank > 0
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: a plain q projection (HF's q_lora_rank=None)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True  # the rotary dims of MLA are interleaved pairs (DeepSeek's checkpoints)
+    # … and its router: sigmoid scores, group-limited choice, aux-loss-free selection bias
+    moe_score: str = "softmax"  # softmax | sigmoid
+    moe_groups: int = 1  # HF's n_group
+    moe_topk_groups: int = 1  # HF's topk_group
+    moe_routed_scale: float = 1.0  # HF's routed_scaling_factor
+    moe_bias_update_rate: float = 0.0  # aux-loss-free balancing's step (DeepSeek-V3: 0.001); 0: the bias stays
+    moe_seq_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss (its α: 0.0001)
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -103,7 +123,18 @@ class ModelConfig:
             aux_loss_weight=self.moe_aux_loss_weight,
             z_loss_weight=self.moe_z_loss_weight,
             normalize_top_k=self.moe_normalize_top_k,
+            score_func=self.moe_score,
+            n_group=self.moe_groups,
+            topk_group=self.moe_topk_groups,
+            routed_scaling_factor=self.moe_routed_scale,
+            bias_update_rate=self.moe_bias_update_rate,
+            seq_aux_loss_weight=self.moe_seq_aux_loss_weight,
         )
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank > 0
 
     @property
     def head_dim(self) -> int:
@@ -157,11 +188,11 @@ class ModelConfig:
             need(getattr(self, field) >= 1, f"{field} must be ≥ 1, got {getattr(self, field)}")
         need(tp >= 1, f"tp must be ≥ 1, got {tp}")
         need(
-            self.attn_head_dim is not None or self.d_model % self.n_heads == 0,
+            self.attn_head_dim is not None or self.mla or self.d_model % self.n_heads == 0,
             f"d_model {self.d_model} is not divisible by n_heads {self.n_heads} (or give attn_head_dim)",
         )
         need(
-            self.head_dim % 2 == 0 or self.arch != "llama",
+            self.head_dim % 2 == 0 or self.arch != "llama" or self.mla,
             f"rotary embeddings need an even head_dim, got {self.head_dim}",
         )
         need(self.rope_type in ROPE_TYPES, f"rope_type {self.rope_type!r} not in {ROPE_TYPES}")
@@ -173,152 +204,38 @@ class ModelConfig:
         )
         split = tp_split_problem(self.n_heads, self.n_kv_heads, self.d_ff, tp)  # the one home: parallel.dims
         need(split is None, split)
+        if self.mla:
+            need(self.arch == "llama", "multi-head latent attention (kv_lora_rank > 0) needs arch llama")
+            dims = {k: getattr(self, k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+            need(min(dims.values()) >= 1, f"multi-head latent attention needs {dims} all ≥ 1")
+            need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.moe_experts:
             need(self.moe_every >= 1, f"moe_every must be ≥ 1, got {self.moe_every}")
+            self._validate_deepseek_router(need)
             try:
                 self.moe_config().check()
             except MoEConfigError as e:
                 raise ModelConfigError(str(e)) from None
         return self
 
-
-LLAMA31_ROPE = dict(
-    rope_type="llama3",
-    rope_factor=8.0,
-    rope_low_freq_factor=1.0,
-    rope_high_freq_factor=4.0,
-    rope_original_max_position=8192,
-)
-# Llama 3.1 8B; the 70B differs only in its sizes
-LLAMA3_8B = ModelConfig(
-    arch="llama",
-    n_layers=32,
-    d_model=4096,
-    n_heads=32,
-    n_kv_heads=8,
-    d_ff=14336,
-    vocab_size=128256,
-    seq_len=8192,
-    tie_embeddings=False,
-    rope_theta=500000.0,
-    **LLAMA31_ROPE,
-)
-PRESETS: dict[str, ModelConfig] = {
-    # trains on a CPU in minutes on bytes (vocab 256)
-    "gpt_tiny": ModelConfig(arch="gpt", n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128),
-    "llama_tiny": ModelConfig(
-        arch="llama",
-        n_layers=4,
-        d_model=128,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=352,
-        vocab_size=256,
-        seq_len=128,
-        tie_embeddings=False,
-        norm_eps=1e-6,
-    ),
-    "gpt2": ModelConfig(arch="gpt", n_layers=12, d_model=768, n_heads=12, vocab_size=50257, seq_len=1024),
-    "gpt3_175b": ModelConfig(arch="gpt", n_layers=96, d_model=12288, n_heads=96, vocab_size=50257, seq_len=2048),
-    "llama_7b": ModelConfig(
-        arch="llama",
-        n_layers=32,
-        d_model=4096,
-        n_heads=32,
-        n_kv_heads=32,
-        d_ff=11008,
-        vocab_size=32000,
-        seq_len=4096,
-        tie_embeddings=False,
-        norm_eps=1e-6,
-    ),
-    # tests: Mixtral's shape in miniature (odd sizes on purpose)
-    "mixtral_tiny": ModelConfig(
-        arch="llama",
-        n_layers=2,
-        d_model=48,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=40,
-        vocab_size=256,
-        seq_len=32,
-        tie_embeddings=False,
-        moe_experts=4,
-        moe_top_k=2,
-        moe_aux_loss_weight=0.02,
-    ),
-    # Llama 3.1 (rope scaling to 128k; the published 8B and 70B shapes), Qwen3 dense (QK-norm, head_dim 128)
-    "llama3_8b": LLAMA3_8B,
-    "llama3_70b": LLAMA3_8B.replace(n_layers=80, d_model=8192, n_heads=64, d_ff=28672),
-    "qwen3_tiny": ModelConfig(
-        arch="llama",
-        n_layers=4,
-        d_model=128,
-        n_heads=4,
-        n_kv_heads=2,
-        attn_head_dim=48,
-        d_ff=352,
-        vocab_size=256,
-        seq_len=128,
-        qk_norm=True,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-    ),
-    "qwen3_8b": ModelConfig(
-        arch="llama",
-        n_layers=36,
-        d_model=4096,
-        n_heads=32,
-        n_kv_heads=8,
-        attn_head_dim=128,
-        d_ff=12288,
-        vocab_size=151936,
-        seq_len=32768,
-        tie_embeddings=False,
-        qk_norm=True,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-    ),
-    "qwen3_30b_a3b": ModelConfig(
-        arch="llama",
-        n_layers=48,
-        d_model=2048,
-        n_heads=32,
-        n_kv_heads=4,
-        attn_head_dim=128,
-        d_ff=6144,
-        vocab_size=151936,
-        seq_len=32768,
-        tie_embeddings=False,
-        qk_norm=True,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-        moe_experts=128,
-        moe_top_k=8,
-        moe_d_ff=768,
-        moe_aux_loss_weight=0.001,
-    ),
-    # Mixtral-8x7B (46.7B parameters, 12.9B active per token); the planner's MoE reference
-    "mixtral_8x7b": ModelConfig(
-        arch="llama",
-        n_layers=32,
-        d_model=4096,
-        n_heads=32,
-        n_kv_heads=8,
-        d_ff=14336,
-        vocab_size=32000,
-        seq_len=4096,
-        tie_embeddings=False,
-        rope_theta=1e6,
-        moe_experts=8,
-        moe_top_k=2,
-        moe_aux_loss_weight=0.02,
-    ),
-}
+    def _validate_deepseek_router(self, need) -> None:
+        E, k, G, g = self.moe_experts, self.moe_top_k, self.moe_groups, self.moe_topk_groups
+        if not 1 <= k <= E:
+            return  # the layer's own check names top_k
+        need(self.moe_score in SCORE_FUNCS, f"moe_score {self.moe_score!r} not in {SCORE_FUNCS}")
+        need(
+            G >= 1 and E % G == 0 and (G == 1 or E // G >= 2),
+            f"moe_groups={G} must split moe_experts={E} into equal groups of ≥ 2 experts; "
+            f"choose among {[1] + [d for d in range(2, E // 2 + 1) if E % d == 0]}",
+        )
+        need(
+            1 <= g <= G and g * (E // G) >= k,
+            f"moe_topk_groups={g} must be in [1, moe_groups={G}] and hold ≥ moe_top_k={k} experts ({E // G} per group)",
+        )
+        need(
+            not self.moe_bias_update_rate or self.moe_score == "sigmoid",
+            f"moe_bias_update_rate={self.moe_bias_update_rate} (aux-loss-free balancing) needs moe_score=sigmoid",
+        )
 
 
-def preset(name: str, **overrides) -> ModelConfig:
-    """A named size (``gpt_tiny``, ``llama_tiny``, ``gpt2``, ``gpt3_175b``, ``llama_7b``), optionally changed."""
-    if name not in PRESETS:
-        raise ModelConfigError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
-    return PRESETS[name].replace(**overrides)
+from .presets import PRESETS, preset  # noqa: E402, F401 (the named sizes: models/presets.py)

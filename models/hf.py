@@ -1,4 +1,4 @@
-"""Hugging Face ``transformers`` weights for GPT-2, Llama (3.1+), Qwen2, Qwen3 and Mixtral, into and out of any tp / pp layout.
+"""Hugging Face ``transformers`` weights for GPT-2, Llama (3.1+), Qwen2, Qwen3, Mixtral and DeepSeek-V3, into and out of any tp / pp layout.
 
 ``load_hf_weights(stage, source, tp_group)`` fills a stage from a ``transformers``
 state dict or a folder of ``*.safetensors`` as ``save_pretrained`` writes it: each
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from parallel import comm
+from parallel.layers.moe import router_biases
 from parallel.params import expert_shard, tp_shard_dim, vocab_rows
 
 from .config import ModelConfig, ModelConfigError
@@ -95,17 +96,41 @@ def _llama_rules(cfg: ModelConfig) -> list[Rule]:
             Rule((f"{b}attn_norm.weight",), f"{h}input_layernorm.weight"),
             Rule((f"{b}mlp_norm.weight",), f"{h}post_attention_layernorm.weight"),
         ]
-        rules += [Rule((f"{b}attn.{x}_proj.weight",), f"{h}self_attn.{x}_proj.weight") for x in "qkvo"]
-        biased = [x for x in "qkvo" if cfg.bias("o" if x == "o" else "qkv")]
-        rules += [Rule((f"{b}attn.{x}_proj.bias",), f"{h}self_attn.{x}_proj.bias") for x in biased]
+        if cfg.mla:
+            rules += _mla_rules(cfg, b, h)
+        else:
+            rules += [Rule((f"{b}attn.{x}_proj.weight",), f"{h}self_attn.{x}_proj.weight") for x in "qkvo"]
+            biased = [x for x in "qkvo" if cfg.bias("o" if x == "o" else "qkv")]
+            rules += [Rule((f"{b}attn.{x}_proj.bias",), f"{h}self_attn.{x}_proj.bias") for x in biased]
         if cfg.qk_norm:
             rules += [Rule((f"{b}attn.{x}_norm.weight",), f"{h}self_attn.{x}_norm.weight") for x in "qk"]
         if cfg.is_moe_layer(i):
             rules += _mixtral_expert_rules(cfg.moe_config().d_ff, b, h)
+            if cfg.moe_score == "sigmoid":  # DeepSeek-V3's selection bias and shared experts
+                rules += [Rule((f"{b}mlp.e_score_correction_bias",), f"{h}mlp.gate.e_score_correction_bias")]
+            if cfg.moe_shared_experts:
+                rules += [
+                    Rule((f"{b}mlp.shared.{x}_proj.weight",), f"{h}mlp.shared_experts.{x}_proj.weight")
+                    for x in ("gate", "up", "down")
+                ]
         else:
             rules += [Rule((f"{b}mlp.{x}_proj.weight",), f"{h}mlp.{x}_proj.weight") for x in ("gate", "up", "down")]
             if cfg.bias("mlp"):
                 rules += [Rule((f"{b}mlp.{x}_proj.bias",), f"{h}mlp.{x}_proj.bias") for x in ("gate", "up", "down")]
+    return rules
+
+
+def _mla_rules(cfg: ModelConfig, b: str, h: str) -> list[Rule]:
+    """DeepSeek's multi-head latent attention (``parallel.layers.mla``): the same layouts, other names."""
+    names = {"kv_a_proj": "kv_a_proj_with_mqa", "kv_a_norm": "kv_a_layernorm", "kv_b_proj": "kv_b_proj"}
+    names |= {"q_a_proj": "q_a_proj", "q_a_norm": "q_a_layernorm", "q_b_proj": "q_b_proj"} if cfg.q_lora_rank else {}
+    names |= {"q_proj": "q_proj"} if not cfg.q_lora_rank else {}
+    rules = [
+        Rule((f"{b}attn.{o}.weight",), f"{h}self_attn.{t}.weight") for o, t in (names | {"o_proj": "o_proj"}).items()
+    ]
+    if cfg.bias("qkv"):
+        biased = [o for o in ("q_a_proj", "kv_a_proj") if o in names] + ["o_proj"]
+        rules += [Rule((f"{b}attn.{o}.bias",), f"{h}self_attn.{names.get(o, o)}.bias") for o in biased]
     return rules
 
 
@@ -201,7 +226,7 @@ def load_hf_weights(stage: nn.Module, source, tp_group=None) -> nn.Module:
     """
     src = _Source(source)
     keys = src.keys()
-    params = dict(stage.named_parameters())
+    params = dict(stage.named_parameters()) | router_biases(stage)  # DeepSeek's selection biases: buffers HF holds
     tp, filled = comm.tp_world_size(tp_group), set()
     for rule in hf_rules(stage.cfg, keys):
         if not all(n in params for n in rule.ours):
@@ -241,7 +266,9 @@ def export_hf_state_dict(stage: nn.Module, tp_group=None) -> dict[str, torch.Ten
     every rank: one all-gather per sharded parameter). A tied head is omitted, as HF does."""
     if any((expert_shard(p) or (0, 1))[1] > 1 for p in stage.parameters()):
         raise ModelConfigError("HF export of MoE experts split over ep > 1 is not supported; export at ep = 1")
-    ours = gather_full_state_dict(stage, tp_group)
+    ours = gather_full_state_dict(stage, tp_group) | router_biases(
+        stage
+    )  # DeepSeek's selection biases: buffers HF holds
     out = {}
     for rule in hf_rules(stage.cfg):
         if all(n in ours for n in rule.ours) and not (rule.ours == ("lm_head.weight",) and stage.cfg.tie_embeddings):

@@ -1,5 +1,5 @@
 """``transformers`` configs (objects or ``config.json`` dicts) to and from :class:`ModelConfig`:
-GPT-2, Llama (3.1+ rope scaling, biases, head_dim), Mixtral, Qwen2 and Qwen3 (see :mod:`models.hf`)."""
+GPT-2, Llama (3.1+ rope scaling, biases, head_dim), Mixtral, Qwen2, Qwen3 and DeepSeek-V3 (see :mod:`models.hf`)."""
 
 from __future__ import annotations
 
@@ -29,25 +29,32 @@ def _rope_fields(c: Mapping) -> dict:
     return out
 
 
+def llama_shape_fields(c: Mapping) -> dict:
+    """The fields every Llama-shaped ``config.json`` (Llama, Mixtral, Qwen, DeepSeek) gives alike."""
+    return dict(
+        arch="llama",
+        n_layers=c["num_hidden_layers"],
+        d_model=c["hidden_size"],
+        n_heads=c["num_attention_heads"],
+        d_ff=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        seq_len=c["max_position_embeddings"],
+        norm_eps=c.get("rms_norm_eps", 1e-6),
+        tie_embeddings=c.get("tie_word_embeddings", False),
+    )
+
+
 def _llama_like_config(c: Mapping, kind: str) -> ModelConfig:
     """Llama (3.1+ rope scaling, biases, head_dim), Mixtral, Qwen2 (q/k/v biases), Qwen3 (QK-norm)."""
     if c.get("use_sliding_window"):
         raise ModelConfigError(f"{kind} sliding-window attention is not supported (set use_sliding_window=false)")
     attention_bias = bool(c.get("attention_bias", False))
     return ModelConfig(
-        arch="llama",
-        n_layers=c["num_hidden_layers"],
-        d_model=c["hidden_size"],
-        n_heads=c["num_attention_heads"],
+        **llama_shape_fields(c),
         n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
         attn_head_dim=c["head_dim"]
         if c.get("head_dim") not in (None, c["hidden_size"] // c["num_attention_heads"])
         else None,
-        d_ff=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        seq_len=c["max_position_embeddings"],
-        norm_eps=c.get("rms_norm_eps", 1e-6),
-        tie_embeddings=c.get("tie_word_embeddings", False),
         qkv_bias=True if kind == "qwen2" else attention_bias,
         o_bias=attention_bias and kind != "qwen2",
         mlp_bias=bool(c.get("mlp_bias", False)),
@@ -101,9 +108,14 @@ def config_from_hf(hf_config, **overrides) -> ModelConfig:
             )
         if kind == "qwen3_moe":
             cfg = cfg.replace(**_qwen3_moe_fields(c))
+    elif kind == "deepseek_v3":
+        from .hf_deepseek import deepseek_config  # it reads this module's shape fields
+
+        cfg = deepseek_config(c)
     else:
         raise ModelConfigError(
-            f"model_type {kind!r} not supported; gridtrain imports 'gpt2', {', '.join(map(repr, LLAMA_LIKE))}"
+            f"model_type {kind!r} not supported; gridtrain imports 'gpt2', {', '.join(map(repr, LLAMA_LIKE))}, "
+            f"'deepseek_v3'"
         )
     return cfg.replace(**overrides)
 
@@ -124,6 +136,10 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
             "activation_function": "gelu_new",
             "tie_word_embeddings": cfg.tie_embeddings,
         }
+    if cfg.mla:
+        from .hf_deepseek import deepseek_config_dict
+
+        return deepseek_config_dict(cfg)
     if cfg.moe_experts and cfg.qk_norm:  # Qwen3-MoE
         if cfg.moe_shared_experts:
             raise ModelConfigError("Qwen3-MoE has no shared experts; moe_shared_experts does not export")

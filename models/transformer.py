@@ -16,18 +16,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel import comm
-from parallel.compile import compile_method
 from parallel.dims import sequence_split_problem
 from parallel.layers import (
     ColumnParallelLinear,
+    DocumentMask,
     LayerNorm,
     MoELayer,
+    MultiHeadLatentAttention,
     ParallelMLP,
     ParallelSelfAttention,
     RMSNorm,
     VocabParallelEmbedding,
     check_cp_seq_len,
     cp_positions,
+    cp_slice,
     gather_full_tensor,
     init_parameters_,
     mark_vocab_rows,
@@ -36,6 +38,25 @@ from parallel.layers import (
 from parallel.params import mark_init_key, mark_sequence_parallel, mark_shared_embedding
 
 from .config import CHECKPOINTING, ModelConfig, ModelConfigError
+
+
+def multi_head_latent_attention(d_model: int, n_heads: int, n_kv_heads: int, *, cfg: ModelConfig, **kw):
+    """DeepSeek's attention for ``cfg`` (``parallel.layers.mla``), built from the block's arguments."""
+    for unused in ("bias", "o_bias", "head_dim", "qk_norm_eps", "rope"):
+        kw.pop(unused)
+    return MultiHeadLatentAttention(
+        d_model,
+        n_heads,
+        kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank or None,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope_interleave=cfg.rope_interleave,
+        norm_eps=cfg.norm_eps,
+        bias=cfg.bias("qkv"),
+        **{k: v for k, v in kw.items() if k != "cp_impl"},
+    )
 
 
 class TransformerBlock(nn.Module):
@@ -64,7 +85,7 @@ class TransformerBlock(nn.Module):
         kw = dict(device=device, dtype=dtype)
         norm = RMSNorm if llama else LayerNorm
         self.attn_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
-        self.attn = ParallelSelfAttention(
+        self.attn = (multi_head_latent_attention if cfg.mla else ParallelSelfAttention)(
             cfg.d_model,
             cfg.n_heads,
             cfg.n_kv_heads,
@@ -80,6 +101,7 @@ class TransformerBlock(nn.Module):
             cp_group=cp_group,
             cp_impl=cp_impl,
             **kw,
+            **({"cfg": cfg} if cfg.mla else {}),
         )
         self.mlp_norm = norm(cfg.d_model, cfg.norm_eps, sequence_parallel=sequence_parallel, **kw)
         if cfg.is_moe_layer(layer):  # experts instead of the MLP (parallel/layers/moe.py)
@@ -98,22 +120,12 @@ class TransformerBlock(nn.Module):
             **kw,
         )
 
-    def attention_half(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.attn(self.attn_norm(x))
+    def attention_half(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+        return x + self.attn(self.attn_norm(x), documents)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.attention_half(x)
+    def forward(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+        x = self.attention_half(x, documents)
         return x + self.mlp(self.mlp_norm(x))
-
-    def compile_regions(self, backend: str = "inductor") -> str:
-        """Compile this block in place (:func:`parallel.compile.compile_method`): its whole forward,
-        or, for a mixture of experts, the attention half only (dropless routing sizes its all-to-alls
-        from token counts read on the host: data-dependent, a graph break). Returns what was compiled."""
-        if isinstance(self.mlp, MoELayer):
-            compile_method(self, "attention_half", backend=backend)
-            return "attention"
-        compile_method(self, "forward", backend=backend)
-        return "block"
 
 
 class TransformerStage(nn.Module):
@@ -234,7 +246,7 @@ class TransformerStage(nn.Module):
             block.attn.recompute_core = mode == "selective"
 
     # forward ----------------------------------------------------------------------
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if ids.dim() != 2:
             raise ModelConfigError(f"first stage expects token ids [batch, seq], got shape {tuple(ids.shape)}")
         s = ids.shape[1]
@@ -250,7 +262,9 @@ class TransformerStage(nn.Module):
             local = h.shape[1]
             start = comm.tp_rank(self.tp_group) * local if self.sequence_parallel else 0
             pos = torch.arange(start, start + local, device=ids.device)
-            if self.cp_size > 1:  # global positions of this cp rank's load-balanced tokens
+            if positions is not None:  # packed documents: this rank's tokens' positions in their documents
+                pos = positions[:, start : start + local]
+            elif self.cp_size > 1:  # global positions of this cp rank's load-balanced tokens
                 pos = cp_positions(s * self.cp_size, self.cp_size, comm.tp_rank(self.cp_group), ids.device)[pos]
             h = h + self.pos_embed(pos)
         return h
@@ -264,9 +278,15 @@ class TransformerStage(nn.Module):
             logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
         return logits
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` ``[b, s]`` (the whole window, on every stage and every cp rank): packed
+        documents, each token's position in its document (:mod:`parallel.layers.documents`); attention
+        is then document-causal and rotary / learned positions restart at each document."""
+        documents = None
+        if positions is not None:  # one mask for every block of this stage; this cp rank's positions
+            documents = DocumentMask(positions, cp_slice(positions, self.cp_size, comm.tp_rank(self.cp_group)))
         if self.has_embedding:
-            h = self._embed(x)
+            h = self._embed(x, None if documents is None else documents.local)
         else:
             if x.dim() != 3 or x.shape[-1] != self.cfg.d_model:
                 raise ModelConfigError(
@@ -275,23 +295,10 @@ class TransformerStage(nn.Module):
             h = x
         for block in self.blocks.values():
             if self._checkpointing == "full" and torch.is_grad_enabled():
-                h = checkpoint(block, h, use_reentrant=False)
+                h = checkpoint(block, h, documents, use_reentrant=False)
             else:
-                h = block(h)
+                h = block(h, documents)
         return self._head(h) if self.has_head else h
-
-    def compile_blocks(self, backend: str = "inductor") -> dict[str, int]:
-        """torchtitan's per-block compile: every block (:meth:`TransformerBlock.compile_regions`) and,
-        on the stage with the head, the loss; the stage's own forward (embedding, the loop over
-        blocks, checkpointing, head) stays eager. Returns how many regions of each kind."""
-        kinds: dict[str, int] = {}
-        for block in self.blocks.values():
-            kind = block.compile_regions(backend)
-            kinds[kind] = kinds.get(kind, 0) + 1
-        if self.has_head:
-            compile_method(self, "loss", backend=backend)
-            kinds["loss"] = 1
-        return kinds
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token cross-entropy over vocabulary-parallel ``logits`` (see
@@ -357,6 +364,8 @@ def build_model(
     if torch.device(device).type != "meta":
         stage.to_empty(device=device)
         init_parameters_(stage, seed=seed, tp_group=tp_group, rule=init_rule(cfg))
+        for _, buf in stage.named_buffers():  # DeepSeek's router bias starts at zero
+            buf.zero_()
     return stage
 
 

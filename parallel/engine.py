@@ -32,6 +32,8 @@ from torch import nn
 
 from . import comm
 from .checkpoint import prepare_optimizer_state, publish, zero_state_pieces
+from .checkpoint.zero_state import whole_tensor_pieces
+from .layers.moe import router_biases, update_router_bias_
 from .memory import SavedActivationMeter, peak_memory_bytes
 from .params import init_key
 from .pipeline.executor import PipelineExecutor
@@ -99,10 +101,15 @@ def read_stats(stats: dict[str, Any]) -> dict[str, Any]:
     groups at the same step)."""
     stats = reduce_stats(stats)
     keys = [k for k in READ_KEYS if torch.is_tensor(stats.get(k))]
-    if not keys:
+    every = stats.get("rank_times")  # StepEngine.step's gather: read in the same host read
+    if not keys and not torch.is_tensor(every):
         return stats
-    values = torch.stack([stats[k].detach().float().reshape(()) for k in keys]).tolist()
+    every = every.float() if torch.is_tensor(every) else None
+    values = torch.cat([stats[k].detach().float().reshape(1) for k in keys] + ([every] if every is not None else []))
+    values = values.tolist()
     out = dict(stats, **dict(zip(keys, values)))
+    if every is not None:
+        out["rank_times"] = values[len(keys) :]
     if "skipped" in keys:
         out["skipped"] = bool(out["skipped"])
     return out
@@ -116,8 +123,8 @@ class ModelChunks(nn.Module):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
 
-    def forward(self, x: torch.Tensor, chunk: int = 0) -> torch.Tensor:
-        return self.chunks[chunk](x)
+    def forward(self, x: torch.Tensor, chunk: int = 0, **context: Any) -> torch.Tensor:
+        return self.chunks[chunk](x, **context)
 
     def global_names(self) -> dict[str, str]:
         """Local parameter name → layout-independent name: the ``chunks.<c>.`` prefix dropped;
@@ -159,8 +166,8 @@ class _ChunkCall:
     def __init__(self, zero: ZeroDataParallel, chunk: int):
         self.zero, self.chunk = zero, chunk
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.zero(x, chunk=self.chunk)
+    def __call__(self, x: torch.Tensor, **context: Any) -> torch.Tensor:
+        return self.zero(x, chunk=self.chunk, **context)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.zero.module.chunks[self.chunk].parameters()
@@ -279,11 +286,15 @@ class StepEngine:
         inputs: Sequence[torch.Tensor],
         targets: Sequence[torch.Tensor],
         *,
+        context: Sequence[dict] | None = None,
         read: bool = True,
         measure_memory: bool = False,
         norm: bool | None = None,
+        gather: torch.Tensor | None = None,
     ) -> dict[str, Any]:
-        """One optimizer step over this rank's micro-batches; the step's stats.
+        """One optimizer step over this rank's micro-batches; the step's stats. ``context``: per
+        micro-batch, keyword arguments for every chunk on every stage (:meth:`PipelineExecutor.run
+        <parallel.pipeline.executor.PipelineExecutor.run>`), such as packed documents' ``positions``.
 
         ``loss`` is the mean over the DP replicas (the global batch). ``read``: reduce the
         loss (a 4-byte ``broadcast`` over PP from the last stage, a 4-byte ``all_reduce``
@@ -297,19 +308,26 @@ class StepEngine:
         ``measure_memory``: also record :attr:`activation_bytes` (autograd's saved activations
         at the schedule's peak) and :attr:`model_state_bytes`. ``norm``: compute the gradient
         norm (its collectives) even unread; None: when read (a dry run of a logged step passes True).
+        ``gather`` (read steps): this rank's few numbers (its step and data time, on the device), all-gathered
+        over the world with the loss's reduction and read with it: ``rank_times``, rank by rank.
         """
         counter = comm.CommCounter()
         clock = StepClock(self.device)  # CUDA events on a GPU (host clocks would time enqueueing)
         t0, host_t0 = clock.mark(), time.perf_counter()
         meter = SavedActivationMeter(self.model.parameters()) if measure_memory else None
         with counter, self.zero.no_sync(), meter or contextlib.nullcontext():
-            loss = self.executor.run(inputs, targets, share_loss=False)  # shared when read (PendingLoss)
+            loss = self.executor.run(
+                inputs, targets, context=context, share_loss=False
+            )  # shared when read (PendingLoss)
         loss = self.zero.unscale_loss(loss)  # before the step, which may change the scale
         if meter is not None:  # per (micro-batch, chunk) × the most the schedule held at once
             pairs = len(inputs or targets) * len(self.model.chunks)
             self.activation_bytes = meter.bytes / pairs * self.executor.peak_activations
         with counter:
             stats = self.zero.step(norm=read if norm is None else norm)  # unread: no norm unless it clips or scales
+            # aux-loss-free balancing (DeepSeek-V3): the routers' selection biases follow this step's load,
+            # summed over the ranks that routed other tokens (dp, which spans ep, × cp)
+            update_router_bias_(self.model, (self.dp_group,))
         if measure_memory:  # after the step: the optimizer state exists from its first step
             self.model_state_bytes = self.zero.held_bytes()
         # the mean over the DP replicas (the global batch), reduced only when read: an unread step
@@ -324,6 +342,9 @@ class StepEngine:
         if read:
             with counter:
                 pending.reduce()
+                if gather is not None:  # the stragglers: every rank's times, in the same read
+                    rec["rank_times"] = every = gather.new_empty(gather.numel() * dist.get_world_size())
+                    comm.all_gather(every, gather)
         end = clock.mark()
         host_s = time.perf_counter() - host_t0
         if read:
@@ -337,12 +358,15 @@ class StepEngine:
         self.last_comm = counter
         return rec
 
-    def evaluate(self, batches: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]) -> torch.Tensor:
-        """Forward-only mean loss over ``batches`` (``(inputs, targets)`` per global batch),
-        averaged over DP: a device tensor, unread."""
+    def evaluate(self, batches: Sequence[tuple]) -> torch.Tensor:
+        """Forward-only mean loss over ``batches`` (``(inputs, targets)`` or ``(inputs, targets,
+        context)`` per global batch, as for :meth:`step`), averaged over DP: a device tensor, unread."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for inputs, targets in batches:  # each batch's mean, summed on the last stage; shared once at the end
-            total += self.zero.unscale_loss(self.executor.run(inputs, targets, forward_only=True, share_loss=False))
+        for inputs, targets, *context in batches:  # each batch's mean, summed on the last stage; shared once at the end
+            run = self.executor.run(
+                inputs, targets, context=(context or [None])[0], forward_only=True, share_loss=False
+            )
+            total += self.zero.unscale_loss(run)
         self.executor.share_loss(total)
         comm.all_reduce(total, group=self.dp_group)
         return total / (len(batches) * self.dp)
@@ -366,7 +390,9 @@ class StepEngine:
         """This rank's model and optimizer state as ``{global key: Chunked | tensor}`` views
         (see :mod:`parallel.checkpoint.zero_state`); no collective, no copy."""
         names = self.model.global_names()
-        return zero_state_pieces(self.zero, global_name=names.__getitem__, tp_group=tp_group)
+        pieces = zero_state_pieces(self.zero, global_name=names.__getitem__, tp_group=tp_group)
+        biases = {re.sub(r"^chunks\.\d+\.", "", n): t for n, t in router_biases(self.model).items()}
+        return pieces | whole_tensor_pieces(biases, "buffer/")  # DeepSeek's router biases: all experts' everywhere
 
     def prepare_load(self, saved: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """Create the optimizer state a checkpoint holds (``saved``: key → (shape, dtype)),

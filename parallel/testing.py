@@ -256,3 +256,19 @@ class HostSyncCounter:
         for owner, name, fn in reversed(self._saved):
             setattr(owner, name, fn)
         self._saved.clear()
+
+
+def procs_with(field: int, value: int, zombies: bool = True) -> list[int]:
+    """Pids whose ``/proc/<pid>/stat`` field ``field`` (counted after the name: 0 = state, 1 = parent,
+    3 = session) is ``value`` (Linux; ``zombies=False`` leaves out the dead not yet reaped)."""
+    from pathlib import Path
+
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[field]) == value and (zombies or fields[0] != "Z"):
+            out.append(int(stat.parent.name))
+    return out

@@ -56,6 +56,9 @@ class ParallelConfig:
     order: str = "tp-dp-pp"  # rank order, fastest axis first
     gpus_per_node: int = 8  # for describe() and the planner
     timeout_s: float = 600.0  # every collective fails after this instead of hanging
+    # a step with no progress for this long: dump the flight recorder, name the rank, end the job
+    # (recipes/training/watchdog.py), from the run's second step. None: max(60 s, 5 × the median step); 0: off
+    hang_s: Optional[float] = None
     backend: Optional[str] = None  # nccl | gloo; default: nccl with CUDA, else gloo
     oversubscribe: bool = False  # self-spawn more local workers than launch.local.local_capacity allows
 
@@ -65,7 +68,9 @@ class TrainConfig:
     global_batch: int = 32  # sequences per optimizer step, whatever the layout
     micro_batch: int = 4  # sequences per micro-batch per DP rank
     max_steps: int = 200
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (a bf16 run, its TP linears' GEMMs in fp8: docs/precision.md)
+    fp8_recipe: str = "tensorwise"  # precision=fp8: tensorwise (e4m3/e5m2, a scale per tensor) | rowwise
+    fp8_emulate: bool = False  # precision=fp8 without fp8 kernels (CPU, pre-Ada GPU): fp8 casts, fp32 matmul
     seed: int = 1234
     grad_clip: float = 1.0  # 0 disables
     log_every: int = 10
@@ -78,7 +83,7 @@ class TrainConfig:
     ckpt_keep: int = 3  # published checkpoints kept (0: all)
     ckpt_async: bool = True  # stage to host memory, write in a background thread (docs/checkpoint.md)
     ckpt_on_error: str = "stop"  # a save the storage refuses (disk full, read-only): stop | continue without it
-    fault: Optional[str] = None  # fault drill: "<kind>@<rank>:<step>" (kinds: recipes/training/checkpointing.py)
+    fault: Optional[str] = None  # fault drill: "<kind>@<rank>:<step>" (kinds: recipes/training/drills.py)
     threads: int = 0  # intra-op threads per rank on CPU; 0: cores / local ranks
     # run faults (issue 28): divergence, the run lock (recipes/training/divergence.py, runlock.py)
     max_skipped_steps: int = 10  # more inf/NaN steps in a row than this: stop, exit 3 (0: never stop)
@@ -117,6 +122,9 @@ class DataConfig:
     embedded_mb: float = 4.0  # size of the embedded corpus
     blend: Optional[str] = None  # "0.7 data/a 0.3 data/b": prepared corpora mixed by weight (instead of source/path)
     sampling: str = "auto"  # epoch (each window once per epoch) | random | auto: epoch for memmap, else random
+    # concat: windows read straight across documents | documents: document-causal attention, positions restart
+    # at each document (needs the document index recipes.prepare writes)
+    packing: str = "concat"
 
 
 @dataclass
@@ -127,6 +135,7 @@ class LoggerConfig:
     peak_tflops: Optional[float] = None  # for MFU; default: measured (CPU) or device table
     timeline: bool = False  # record step 2 on every stage; write timeline.png (the pipeline's bubble)
     profile: Optional[list[int]] = None  # [first, last] step: torch.profiler traces (recipes/training/profiling.py)
+    memory_snapshot: bool = False  # CUDA: record allocations; an out-of-memory error writes <run>/memory/rank<r>.pickle
 
 
 @dataclass
@@ -169,6 +178,18 @@ class ModelSection:
     rope_low_freq_factor: Optional[float] = None
     rope_high_freq_factor: Optional[float] = None
     rope_original_max_position: Optional[int] = None
+    kv_lora_rank: Optional[int] = None  # DeepSeek-V3's multi-head latent attention when > 0 (models/config.py)
+    q_lora_rank: Optional[int] = None
+    qk_nope_head_dim: Optional[int] = None
+    qk_rope_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
+    rope_interleave: Optional[bool] = None
+    moe_score: Optional[str] = None  # softmax | sigmoid (DeepSeek-V3's router)
+    moe_groups: Optional[int] = None
+    moe_topk_groups: Optional[int] = None
+    moe_routed_scale: Optional[float] = None
+    moe_bias_update_rate: Optional[float] = None  # aux-loss-free balancing's step per optimizer step
+    moe_seq_aux_loss_weight: Optional[float] = None
 
 
 def model_config(section: Any) -> ModelConfig:
@@ -202,7 +223,9 @@ class PlanSection:
 class DryrunSection:
     """``dryrun.*`` keys for ``mode=dryrun`` (see recipes/tools/dryrun.py)."""
 
-    ranks: Optional[List[int]] = None  # None: the first rank, a middle stage's rank, the last rank
+    # None: the first rank, a middle stage's rank, the last rank; a list of ranks; or "classes": one rank
+    # of every (stage, tp, cp, expert) class at the first and last DP replica, every group cross-checked
+    ranks: Optional[Any] = None
     peers: bool = False  # also run each rank's TP, DP and PP neighbours and check their call sequences
     jobs: int = 2  # ranks run at once (one process each)
 

@@ -96,6 +96,13 @@ def check_values(cfg: Any) -> None:
         fix="the embedded corpus size in MiB, e.g. data.embedded_mb=4",
     )
     _number("parallel.gpus_per_node", p.gpus_per_node, lo=1, integer=True, fix="e.g. parallel.gpus_per_node=8")
+    if p.hang_s is not None:  # unset: the watchdog's own default (recipes/training/watchdog.py)
+        _number(
+            "parallel.hang_s",
+            p.hang_s,
+            lo=0,
+            fix="e.g. parallel.hang_s=600; 0: no watchdog; unset: 5 × the median step, ≥ 60 s",
+        )
     from parallel.topology import Topology, TopologyError
 
     try:

@@ -27,15 +27,17 @@ from parallel.dims import (
     topk_ratio_problem,
 )
 from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED, MoEConfigError
-from parallel.pipeline.schedules import SCHEDULES, schedule_problem
-from parallel.precision import PRECISIONS
+from parallel.pipeline.schedules import SCHEDULES, schedule_problem, zero_bubble_problem
+from parallel.precision import FP8_RECIPES, PRECISIONS, TRAIN_PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
 from parallel.zero.policy import ZERO_STAGES
 from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies  # noqa: F401 (re-exported)
 
 from .config import ConfigError, Layout, ParallelConfig, _show, bad, model_config
+from .feature_checks import check_compile, check_fp8, check_mla, check_packing
 from .keys import check_keys, check_overrides, check_values, key_error, schema_keys, unknown_keys
 from .training.checkpointing import CKPT_ON_ERROR
+from .training.packing import PACKINGS
 from .training.runlog import LR_SCHEDULES
 from .training.sampling import SAMPLINGS
 
@@ -46,13 +48,15 @@ from .training.sampling import SAMPLINGS
 CHOICES = {
     "mode": ("train", "plan", "recommend", "dryrun", "calibrate"),
     "parallel.pp_schedule": SCHEDULES,
-    "train.precision": PRECISIONS,
+    "train.precision": TRAIN_PRECISIONS,
+    "train.fp8_recipe": FP8_RECIPES,
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": LR_SCHEDULES,
     "comm.compression": COMPRESSIONS,
     "comm.dtype": (None, *PRECISIONS),
     "data.source": ("embedded", "memmap"),
     "data.sampling": ("auto", *SAMPLINGS),
+    "data.packing": PACKINGS,
     "logger.wandb": ("disabled", "offline", "online"),
     "parallel.zero": ZERO_STAGES,
     "parallel.offload": OFFLOAD_MODES,
@@ -253,19 +257,9 @@ def _grad_accum(t: Any, dims: ParallelDims) -> int:
 
 def _check_pipeline(p: Any, mc: Any) -> None:
     """The schedule against the rest of the run, and the layer split (pp_layers, vpp)."""
-    if p.pp_schedule == "zb-h1" and mc.activation_checkpointing != "none":
-        raise ConfigError(
-            f"parallel.pp_schedule=zb-h1 with model.activation_checkpointing={mc.activation_checkpointing}: "
-            "zero bubble runs each micro-batch's backward in two autograd passes (input gradient, then weight "
-            "gradient), and recomputed blocks would be recomputed again in each (with their collectives); "
-            "set model.activation_checkpointing=none, or parallel.pp_schedule=1f1b to keep recomputation"
-        )
-    if p.pp_schedule == "zb-h1" and p.zero == 3:
-        raise ConfigError(
-            "parallel.pp_schedule=zb-h1 with parallel.zero=3: the weight-gradient pass (W) runs after ZeRO-3 "
-            "has freed the block's gathered parameters, and some of its kernels (norms) read them; use "
-            "parallel.zero ≤ 2 with zb-h1, or parallel.pp_schedule=1f1b with zero=3"
-        )
+    problem = zero_bubble_problem(p.pp_schedule, mc.activation_checkpointing, p.zero)
+    if problem:
+        raise ConfigError(problem)
     if p.pp_layers is not None:
         layers = list(p.pp_layers)
         if len(layers) != p.pp or sum(layers) != mc.n_layers or min(layers) < 1:
@@ -308,6 +302,7 @@ def _check_run(cfg: Any) -> None:
         raise ConfigError("data.blend names its corpora itself: leave data.path unset (or drop data.blend)")
     if cfg.data.source == "memmap" and not cfg.data.path and not cfg.data.blend:
         raise ConfigError("data.source=memmap needs data.path (a directory made by `python -m recipes.prepare`)")
+    check_packing(cfg)
     from .training.profiling import profile_steps  # logger.profile
 
     profile_steps(cfg.logger.profile, t.max_steps)
@@ -315,9 +310,11 @@ def _check_run(cfg: Any) -> None:
         raise ConfigError(f"parallel.timeout_s must be positive, got {p.timeout_s}")
     if t.ckpt_every < 0 or t.ckpt_keep < 0:
         raise ConfigError(f"train.ckpt_every ({t.ckpt_every}) and train.ckpt_keep ({t.ckpt_keep}) must be ≥ 0")
-    if t.fault is not None and not re.fullmatch(r"(raise|kill|term|kill_in_save|raise_in_save)@\d+:\d+", t.fault):
+    from .training.drills import FAULT_KINDS
+
+    if t.fault is not None and not re.fullmatch(rf"({'|'.join(FAULT_KINDS)})@\d+:\d+", t.fault):
         raise ConfigError(
-            f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind raise, kill, term, kill_in_save or raise_in_save"
+            f"train.fault={t.fault!r} must look like <kind>@<rank>:<step> with kind {', '.join(FAULT_KINDS[:-1])} or {FAULT_KINDS[-1]}"
         )
 
 
@@ -342,10 +339,13 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     if problem:
         raise ConfigError(problem)
     dims = parallel_dims(p, dp, mc, cfg.comm.compression)
+    check_mla(p, mc)
     _check_moe(p, dims, mc, cfg)
     grad_accum = _grad_accum(t, dims)
     _check_pipeline(p, mc)
     _check_zero(p, cfg.comm)
+    check_fp8(cfg, dims)
+    check_compile(cfg)
     _check_run(cfg)
     return Layout(
         dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc, cp=p.cp, dims=dims

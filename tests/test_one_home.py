@@ -36,7 +36,8 @@ def test_names_and_stage_numbers_have_one_home():
     assert config.CHOICES["parallel.pp_schedule"] is schedules.SCHEDULES
     assert config.CHOICES["parallel.zero"] is policy.ZERO_STAGES
     assert plan_memory.ZERO_STAGES is policy.ZERO_STAGES
-    assert config.CHOICES["train.precision"] is precision.PRECISIONS
+    assert config.CHOICES["train.precision"] is precision.TRAIN_PRECISIONS  # PRECISIONS and fp8
+    assert config.CHOICES["train.fp8_recipe"] is precision.FP8_RECIPES
     assert config.CHOICES["comm.dtype"] == (None, *precision.PRECISIONS)
     assert config.CHOICES["comm.compression"] is compression.COMPRESSIONS
     from recipes.training.runlog import LR_SCHEDULES, lr_at
@@ -79,7 +80,7 @@ def test_padding_and_bucket_packing_have_one_home():
     )
     packed = [[int(s.name[1:]) for s in b.slots] for b in buckets]
     assert packed == layout.pack(sizes, 4, 40) == [[0], [1], [2], [3, 4], [5]]
-    assert plan_memory._bucket_sizes(tuple(sizes), 40, 4) == [b.numel for b in buckets]
+    assert list(plan_memory._bucket_sizes(tuple(sizes), 40, 4)) == [b.numel for b in buckets]
 
 
 def test_ring_factors_and_topk_wire_count_have_one_home():

@@ -90,6 +90,17 @@ def zero_state_pieces(
     return {k: v for k, v in out.items() if not isinstance(v, Chunked) or v.pieces}
 
 
+def whole_tensor_pieces(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, Chunked]:
+    """``{prefix + name: Chunked}`` of tensors every rank holds whole and identical (e.g. the MoE
+    routers' selection biases, ``[E]`` by global expert index): one piece each, a view that loading
+    writes into; the writer keeps one copy, and any layout reads them back."""
+    out = {}
+    for name, t in tensors.items():
+        out[prefix + name] = chunked = Chunked(tuple(t.shape), t.dtype)
+        chunked.add((0,) * t.dim(), t)
+    return out
+
+
 def prepare_optimizer_state(
     zdp: ZeroDataParallel,
     saved_keys: dict[str, tuple[tuple[int, ...], torch.dtype]],

@@ -127,6 +127,11 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
     n = group_size(group)
     if n == 1:
         return _Done() if async_op else None
+    if (
+        RECORDER.drill is not None
+        and (tensor := RECORDER.drill.before("all_reduce", group_label(group), tensor)) is None
+    ):
+        return _Done() if async_op else None  # a fault drill: this rank skips it (flight.Drill)
     record(group_label(group), "all_reduce", _nbytes(tensor), n)
     note(group_label(group), group, "all_reduce", tensor)
     return _call(group_label(group), "all_reduce", async_op, (tensor,), dist.all_reduce, tensor, op=op, group=group)

@@ -112,6 +112,8 @@ def note(
     other tensors (an output buffer), whose device is checked as well. Every call also goes into
     the flight recorder's ring (:mod:`.flight`)."""
     RECORDER.record(group_label, group, op, tensor.numel(), str(tensor.dtype).removeprefix("torch."), peer)
+    if RECORDER.drill is not None:
+        RECORDER.drill.inside(op, group_label)  # a fault drill: held, killed or slowed inside this call (flight.Drill)
     active = _ACTIVE.get()
     if not active:
         return
@@ -175,10 +177,8 @@ def first_difference(a: list[Call], b: list[Call], key=Call.key) -> tuple[int, s
     """The first index at which ``a`` and ``b`` differ by ``key`` (or one ends), with both calls
     described (``"nothing"`` past an end); None if they agree."""
     for i in range(max(len(a), len(b))):
-        ca = a[i].describe() if i < len(a) else "nothing"
-        cb = b[i].describe() if i < len(b) else "nothing"
-        if i >= len(a) or i >= len(b) or key(a[i]) != key(b[i]):
-            return i, ca, cb
+        if i >= len(a) or i >= len(b) or key(a[i]) != key(b[i]):  # described only where they differ
+            return i, a[i].describe() if i < len(a) else "nothing", b[i].describe() if i < len(b) else "nothing"
     return None
 
 

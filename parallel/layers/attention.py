@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import comm
+from .documents import DocumentMask, document_attention
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
 from .norm import RMSNorm
 from .ring_attention import check_cp_impl, check_ulysses_heads, context_parallel_attention, cp_positions
@@ -139,24 +140,33 @@ class ParallelSelfAttention(nn.Module):
         b, s, _ = t.shape
         return t.view(b, s, n, self.head_dim).transpose(1, 2)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Rotary (if any) + causal SDPA on local heads; ``[b, s, local_heads·hd]``."""
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None = None
+    ) -> torch.Tensor:
+        """Rotary (if any) + causal SDPA on local heads; ``[b, s, local_heads·hd]``. ``documents``
+        (packed windows, :mod:`.documents`): rotary positions restart at each document and attention
+        is document-causal (under context parallelism too: ring or Ulysses)."""
         b, _, s, _ = q.shape
         if self.rope:
             cos, sin = rotary_cos_sin(s * self.cp, self.head_dim, self.rope_theta, q.device, self.rope_scaling)
-            if self.cp > 1:  # this rank's tokens sit at their global positions
+            if documents is not None:  # [b, 1, s, hd]: each token's position in its document
+                cos, sin = cos[documents.local][:, None], sin[documents.local][:, None]
+            elif self.cp > 1:  # this rank's tokens sit at their global positions
                 pos = cp_positions(s * self.cp, self.cp, comm.tp_rank(self.cp_group), q.device)
                 cos, sin = cos[pos], sin[pos]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.cp > 1:
-            out = context_parallel_attention(q, k, v, self.cp_group, impl=self.cp_impl, causal=True)
+            out = context_parallel_attention(q, k, v, self.cp_group, impl=self.cp_impl, documents=documents)
+        elif documents is not None:
+            out = document_attention(q, k, v, documents)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, enable_gqa=self.local_heads != self.local_kv_heads
             )
         return out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
+        """``x`` ``[b, s, d]`` (``[b, s/tp, d]`` sequence-parallel); ``documents``: see :meth:`core`."""
         if x.dim() != 3:
             raise LayerConfigError(f"ParallelSelfAttention: expected [batch, seq, d_model], got {tuple(x.shape)}")
         q, k, v = ColumnParallelLinear.shared_forward(x, self.q_proj, self.k_proj, self.v_proj)
@@ -165,7 +175,7 @@ class ParallelSelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core, q, k, v, use_reentrant=False)
+            out = checkpoint(self.core, q, k, v, documents, use_reentrant=False)
         else:
-            out = self.core(q, k, v)
+            out = self.core(q, k, v, documents)
         return self.o_proj(out)

@@ -24,6 +24,8 @@ from .. import comm
 from ..comm import traceable
 from ..comm.autograd import SEQ_DIM
 from ..params import mark_no_weight_decay, mark_sequence_parallel, mark_tp_sharded
+from .fp8 import Fp8Recipe
+from .fp8_linear import Fp8Columns, Fp8Linear
 from .init import reset_default_
 
 
@@ -104,6 +106,26 @@ class _SequenceParallelColumns(torch.autograd.Function):
         return (grad_x, None, *out)
 
 
+def _linear(x: torch.Tensor, layer: nn.Module, bias: torch.Tensor | None, split: str) -> torch.Tensor:
+    """``x Wᵀ (+ bias)`` of ``layer``: ``F.linear``, or with ``layer.fp8`` set its fp8 GEMMs (``split``
+    the axis the layer shards: ``"N"`` column, ``"K"`` row; :mod:`.fp8_linear`)."""
+    if layer.fp8 is None:
+        return F.linear(x, layer.weight, bias)
+    return Fp8Linear.apply(x, layer.weight, bias, layer.fp8, split, layer.tp_group)
+
+
+def enable_fp8(modules, recipe: Fp8Recipe | None) -> int:
+    """Set every column / row parallel linear inside ``modules`` to cast its GEMMs as ``recipe``
+    (None: back to ``F.linear``); returns how many. The parameters, their dtype and the state dict
+    are untouched, so a checkpoint moves between fp8 and bf16 runs as it is."""
+    count = 0
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                m.fp8, count = recipe, count + 1
+    return count
+
+
 def _reset_linear(weight: nn.Parameter, bias: nn.Parameter | None, in_features: int, tp_group) -> None:
     bound = 1.0 / in_features**0.5 if in_features else 0.0
     reset_default_(weight, tp_group, bound=bound)
@@ -131,6 +153,10 @@ class ColumnParallelLinear(nn.Module):
 
     Several column layers reading the same input (q/k/v, SwiGLU's gate/up) share those
     collectives: :meth:`shared_forward`.
+
+    ``fp8`` (an :class:`~.fp8.Fp8Recipe`, None by default; :func:`enable_fp8`): the GEMMs in fp8 with
+    the amax all-reduces of :mod:`.fp8_linear` on ``tp_group`` (4 bytes a scale); with sequence
+    parallelism and the tensorwise recipe the all-gathers carry fp8 (half the bytes above).
     """
 
     def __init__(
@@ -150,6 +176,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.tp_size = tp_group, tp
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.fp8: Fp8Recipe | None = None
         local_out = divide(out_features, tp, f"{type(self).__name__} out_features")
         kw = dict(device=device, dtype=dtype)
         self.weight = mark_tp_sharded(nn.Parameter(torch.empty(local_out, in_features, **kw)), 0)
@@ -172,20 +199,25 @@ class ColumnParallelLinear(nn.Module):
         first = layers[0]
         for layer in layers:
             _check_last_dim(x, layer.in_features, type(layer).__name__)
-            if (layer.tp_group, layer.sequence_parallel) != (first.tp_group, first.sequence_parallel):
-                raise LayerConfigError("shared_forward: the layers must share tp_group and sequence_parallel")
-        if first.tp_size == 1:  # nothing to copy or gather: one linear each (no per-call group lookups)
-            return tuple(F.linear(x, layer.weight, layer.bias) for layer in layers)
-        if first.sequence_parallel:
-            params = [t for layer in layers for t in (layer.weight, layer.bias)]
+            same = (layer.tp_group, layer.sequence_parallel, layer.fp8)
+            if same != (first.tp_group, first.sequence_parallel, first.fp8):
+                raise LayerConfigError("shared_forward: the layers must share tp_group, sequence_parallel and fp8")
+        params = [t for layer in layers for t in (layer.weight, layer.bias)]
+        sp = first.sequence_parallel and first.tp_size > 1
+        if first.fp8 is not None and len(layers) > 1 or sp:  # one input collective / fp8 cast for all
+            h = x if sp or first.tp_size == 1 else comm.copy_to_tp_region(x, first.tp_group)
+            if first.fp8 is not None:
+                return Fp8Columns.apply(h, first.fp8, first.tp_group, sp, *params)
             return _SequenceParallelColumns.apply(x, first.tp_group, *params)
+        if first.tp_size == 1:  # nothing to copy or gather: one linear each (no per-call group lookups)
+            return tuple(_linear(x, layer, layer.bias, "N") for layer in layers)
         h = comm.copy_to_tp_region(x, first.tp_group)
-        return tuple(F.linear(h, layer.weight, layer.bias) for layer in layers)
+        return tuple(_linear(h, layer, layer.bias, "N") for layer in layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # the hot path of one process: one check and the matmul
             _check_last_dim(x, self.in_features, type(self).__name__)
-            return F.linear(x, self.weight, self.bias)
+            return _linear(x, self, self.bias, "N")
         (y,) = self.shared_forward(x, self)
         return comm.gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
@@ -232,6 +264,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.tp_size = tp_group, tp
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.fp8: Fp8Recipe | None = None  # the GEMM in fp8 (ColumnParallelLinear's docstring)
         self.local_in = divide(in_features, tp, f"{type(self).__name__} in_features")
         kw = dict(device=device, dtype=dtype)
         self.weight = mark_tp_sharded(nn.Parameter(torch.empty(out_features, self.local_in, **kw)), 1)
@@ -254,8 +287,8 @@ class RowParallelLinear(nn.Module):
             _check_last_dim(x, self.in_features, type(self).__name__)
             x = comm.scatter_to_tp_region(x, self.tp_group)
         if self.tp_size == 1:  # nothing to reduce: the bias joins the matmul (one addmm, as nn.Linear)
-            return F.linear(x, self.weight, self.bias)
-        partial = F.linear(x, self.weight)
+            return _linear(x, self, self.bias, "K")
+        partial = _linear(x, self, None, "K")
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

@@ -27,7 +27,10 @@ segment: a loop over the ``L`` local experts, never over tokens. ``torch._groupe
 for recent CUDA GPUs, not on the CPU path this project tests, so the segment loop is used
 everywhere.
 
-**Routing and capacity**: :mod:`.moe_routing`.
+**Routing and capacity**: :mod:`.moe_routing` (softmax, or DeepSeek-V3's sigmoid scores with
+group-limited choice). With sigmoid scores the layer holds ``e_score_correction_bias`` (fp32 ``[E]``,
+all global experts on every rank), which only selection reads; :func:`update_router_bias_` moves it
+after each optimizer step from the load the training forwards counted (aux-loss-free balancing).
 
 **Gradients.** Expert parameters (marked :func:`parallel.params.mark_expert`) receive the
 gradient of every ep rank's tokens routed to them; dense parameters (router, shared experts) only
@@ -62,6 +65,7 @@ from .moe_routing import (  # noqa: F401 - the router's public names, re-exporte
     aux_losses,
     kept_assignments,
     route,
+    sequence_aux_loss,
 )
 
 
@@ -179,6 +183,8 @@ class MoELayer(nn.Module):
             raise MoEConfigError(SEQUENCE_PARALLEL_REFUSED)
         if comm.tp_world_size(cp_group) > 1 and cfg.capacity_factor is not None:
             raise MoEConfigError(CONTEXT_PARALLEL_CAPACITY_REFUSED)
+        if comm.tp_world_size(cp_group) > 1 and cfg.seq_aux_loss_weight:
+            raise MoEConfigError("MoE: the sequence-wise aux loss needs whole sequences; set its weight to 0 or cp=1")
         self.cfg, self.ep_group, self.ep, self.cp_group = cfg, ep_group, ep, cp_group
         self.num_local = cfg.num_experts // ep
         ep_rank = comm.tp_rank(ep_group)
@@ -193,6 +199,10 @@ class MoELayer(nn.Module):
             self.shared = ParallelMLP(
                 d_model, width, activation=cfg.activation, bias=cfg.bias, tp_group=tp_group, device=device, dtype=dtype
             )
+        # DeepSeek-V3's selection bias (fp32), every global expert's on every rank; None with softmax scores
+        bias = torch.zeros(cfg.num_experts, device=device) if cfg.score_func == "sigmoid" else None
+        self.register_buffer("e_score_correction_bias", bias)
+        self.load_sum: torch.Tensor | None = None  # assignments per global expert since the last bias update
         self.aux_loss_scale = 1.0
         self.last_stats: dict[str, torch.Tensor] = {}
         self.stats_sum: dict[str, torch.Tensor] = {}
@@ -202,9 +212,11 @@ class MoELayer(nn.Module):
         cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.top_k
         shape = x.shape
         h = x.reshape(-1, shape[-1])
-        r = route(self.router(h), cfg)
+        r = route(self.router(h), cfg, self.e_score_correction_bias)
         balance, z = aux_losses(r, cfg, self.cp_group)
         aux = cfg.aux_loss_weight * balance + cfg.z_loss_weight * z
+        if cfg.seq_aux_loss_weight:
+            aux = aux + cfg.seq_aux_loss_weight * sequence_aux_loss(r, cfg, batch=h.shape[0] // shape[-2])
 
         flat_e = r.experts.reshape(-1)  # token-major: assignment a = t·k + j
         keep = kept_assignments(r.experts, cfg)
@@ -253,12 +265,50 @@ class MoELayer(nn.Module):
             "tokens_per_expert": _count(r.experts.reshape(-1), E),
             "dropped": counts[E],
         }
+        if torch.is_grad_enabled() and cfg.bias_update_rate:  # the load the next bias update balances
+            load = self.last_stats["tokens_per_expert"]
+            self.load_sum = load.clone() if self.load_sum is None else self.load_sum + load
         if torch.is_grad_enabled():  # training: add up over the micro-batches until moe_metrics() reads them
             for key, v in self.last_stats.items():
                 self.stats_sum[key] = self.stats_sum[key] + v if key in self.stats_sum else v.clone()
             self.stats_calls += 1
         out = _AttachAux.apply(out, aux, self.aux_loss_scale) if torch.is_grad_enabled() else out
         return out.view(shape)
+
+
+def router_biases(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The MoE layers' selection biases (DeepSeek-V3) by buffer name: ``{"<layer>.e_score_correction_bias": [E]}``."""
+    return {
+        f"{name}.e_score_correction_bias": m.e_score_correction_bias
+        for name, m in model.named_modules()
+        if isinstance(m, MoELayer) and m.e_score_correction_bias is not None
+    }
+
+
+def update_router_bias_(model: nn.Module, groups=()) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3), after an optimizer step: every MoE layer with a
+    ``bias_update_rate`` γ moves its selection bias by ``γ·sign(mean load − load_e)`` (up for
+    under-loaded experts), the load being its assignments per global expert since the last update
+    summed over ``groups`` — every group whose ranks route different tokens (the data-parallel
+    group, which spans ep, and cp; never tp, whose ranks route the same tokens). One all-reduce of
+    ``[layers, E]`` int64 per group; integer sums, so every rank computes the same bias bit for bit.
+    Recomputed forwards (full checkpointing) count every token twice: the sign is unchanged."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.cfg.bias_update_rate]
+    if not layers:
+        return
+    E = layers[0].cfg.num_experts
+    dev = layers[0].e_score_correction_bias.device
+    zero = torch.zeros(E, dtype=torch.int64, device=dev)
+    load = torch.stack([zero if m.load_sum is None else m.load_sum for m in layers])
+    for g in groups:
+        if comm.tp_world_size(g) > 1:
+            load = comm.all_reduce_sum(load, g)
+    load = load.double()
+    with torch.no_grad():
+        for m, row in zip(layers, load):
+            step = torch.sign(row.mean() - row).float() * m.cfg.bias_update_rate
+            m.e_score_correction_bias.add_(step)
+            m.load_sum = None
 
 
 def moe_metrics(model: nn.Module) -> dict[str, float | list[int]]:

@@ -61,6 +61,13 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
     normalize_top_k: bool = True
+    # DeepSeek-V3: sigmoid scores, group-limited selection, a selection-only bias (aux-loss-free balancing)
+    score_func: str = "softmax"  # softmax | sigmoid
+    n_group: int = 1  # experts in n_group equal groups; a token picks from its topk_group best groups
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    bias_update_rate: float = 0.0  # the selection bias moves by this × sign(mean load − load) per step
+    seq_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
 
     def check(self, ep_size: int = 1) -> None:
         """Raise :class:`MoEConfigError` naming the numbers and the fix when this cannot run."""
@@ -80,12 +87,26 @@ class MoEConfig:
             raise MoEConfigError(f"MoE: capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
         if self.num_shared_experts < 0:
             raise MoEConfigError(f"MoE: num_shared_experts={self.num_shared_experts} must be ≥ 0")
+        if self.score_func not in SCORE_FUNCS:
+            raise MoEConfigError(f"MoE: score_func {self.score_func!r} not in {SCORE_FUNCS}")
+        G, g = self.n_group, self.topk_group
+        if G < 1 or E % G or not 1 <= g <= G or (G > 1 and E // G < 2) or g * (E // G) < k:
+            raise MoEConfigError(
+                f"MoE: n_group={G}, topk_group={g} do not fit num_experts={E}, top_k={k}: n_group must divide "
+                f"the experts into groups of ≥ 2, and topk_group groups must hold ≥ top_k experts"
+            )
+        if self.bias_update_rate and self.score_func != "sigmoid":
+            raise MoEConfigError("MoE: bias_update_rate (aux-loss-free balancing) needs score_func='sigmoid'")
 
     def capacity(self, tokens: int) -> int | None:
         """Assignments each expert accepts from ``tokens`` local tokens (None: dropless)."""
         if self.capacity_factor is None:
             return None
         return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+
+#: the router's score functions: Mixtral/Qwen's softmax, DeepSeek-V3's sigmoid
+SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -98,14 +119,48 @@ class Routing:
     logits: torch.Tensor
 
 
-def route(logits: torch.Tensor, cfg: MoEConfig) -> Routing:
-    """Top-k softmax gating in fp32 (ties broken by ``torch.topk``)."""
+def route(logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None = None) -> Routing:
+    """Top-k gating in fp32 (ties broken by ``torch.topk``).
+
+    ``softmax``: the k largest probabilities. ``sigmoid`` (DeepSeek-V3): scores ``σ(logits)``; the
+    choice ranks ``score + bias`` (``bias`` ``[E]``: selection only, no gradient), first keeping the
+    ``topk_group`` of ``n_group`` groups whose two best choice values sum highest; the weights are
+    the chosen *scores* (renormalised if ``normalize_top_k``). Either way the weights are then
+    multiplied by ``routed_scaling_factor``. ``probs``: the softmax, or the scores normalised per
+    token (what the sequence-wise loss averages)."""
     logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    weights, experts = probs.topk(cfg.top_k, dim=-1)
+    if cfg.score_func == "softmax":
+        probs = torch.softmax(logits, dim=-1)
+        weights, experts = probs.topk(cfg.top_k, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        choice = scores.detach() if bias is None else scores.detach() + bias
+        if cfg.n_group > 1:
+            T, G = choice.shape[0], cfg.n_group
+            grouped = choice.view(T, G, -1)
+            best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(cfg.topk_group, dim=-1).indices
+            keep = torch.zeros(T, G, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
+        experts = choice.topk(cfg.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        probs = scores / scores.sum(dim=-1, keepdim=True)
     if cfg.normalize_top_k:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.score_func == "sigmoid" else 0.0))
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
     return Routing(experts, weights, probs, logits)
+
+
+def sequence_aux_loss(r: Routing, cfg: MoEConfig, batch: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, unweighted: per sequence ``Σ_e f_e·P_e`` with
+    ``f_e = E/(k·S)·(assignments to e)`` and ``P_e`` the mean normalised score over its ``S`` tokens,
+    averaged over the ``batch`` sequences (rows of ``r`` are ``batch × S`` tokens, sequence-major)."""
+    E, k = cfg.num_experts, cfg.top_k
+    probs = r.probs.view(batch, -1, E)
+    S = probs.shape[1]
+    onehot = torch.zeros(batch, S * k, E, device=probs.device).scatter_(2, r.experts.view(batch, S * k, 1), 1.0)
+    f = onehot.sum(dim=1) * (E / (k * S))
+    return (f * probs.mean(dim=1)).sum(dim=-1).mean()
 
 
 def aux_losses(r: Routing, cfg: MoEConfig, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -171,16 +171,32 @@ def _fold_kv(g: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return g if h == kv_heads else g.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def _attend(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _kind(q, k, v, causal: bool, mask) -> str:
+    return "math" if mask is not None else ring_kernels.choose(q, k, v, causal)
+
+
+def _attend(q, k, v, causal: bool, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block: ``(out, fp32 log-sum-exp [b, h, sq])``, by the kernel :func:`.ring_kernels.choose` picks
-    for it (CPU: torch's flash kernel; CUDA: torch's flash or memory-efficient kernel; else exact math)."""
-    return ring_kernels.attend(ring_kernels.choose(q, k, v, causal), q, k, v, causal, scale)
+    for it (CPU: torch's flash kernel; CUDA: torch's flash or memory-efficient kernel; else exact math;
+    a document ``mask``: exact math)."""
+    return ring_kernels.attend(_kind(q, k, v, causal, mask), q, k, v, causal, scale, mask)
 
 
-def _attend_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+def _attend_backward(do, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """A block's ``dq, dk, dv`` given the *merged* output and log-sum-exp of all blocks (so that
     ``exp(S − lse)`` is this block's share of the softmax and ``rowsum(dO·O)`` the whole row's)."""
-    return ring_kernels.attend_backward(ring_kernels.choose(q, k, v, causal), do, q, k, v, out, lse, causal, scale)
+    kind = _kind(q, k, v, causal, mask)
+    return ring_kernels.attend_backward(kind, do, q, k, v, out, lse, causal, scale, mask)
+
+
+def _block_mask(ids, cp: int, rank: int, src: int, rows: str, cols: str):
+    """Packed documents: which of this block's (query, key) pairs share a document, ``[b, 1, sq, sk]``,
+    from the whole window's document ids ``[b, s]`` (every rank holds them: nothing travels); None
+    without documents. The ring's causal structure is :func:`ring_block`'s, applied besides."""
+    if ids is None:
+        return None
+    qi, ki = _rows(cp_slice(ids, cp, rank), rows, dim=1), _rows(cp_slice(ids, cp, src), cols, dim=1)
+    return (qi[:, :, None] == ki[:, None, :])[:, None]
 
 
 def _merge(acc, out, lse):
@@ -206,8 +222,9 @@ def _wait(works) -> None:
         w.wait()
 
 
-def ring_forward(q, k, v, group, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ring's forward: ``(out [b, h, s, d] stored as [b, s, h, d], fp32 lse [b, h, s])``."""
+def ring_forward(q, k, v, group, causal: bool, scale: float, ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's forward: ``(out [b, h, s, d] stored as [b, s, h, d], fp32 lse [b, h, s])``; ``ids``:
+    packed documents' ids of the whole window (document-causal blocks), or None."""
     cp, r, nxt, prv = _ring_peers(group)
     h = q.shape[1]
     kv = torch.stack([k, v])
@@ -220,7 +237,8 @@ def ring_forward(q, k, v, group, causal: bool, scale: float) -> tuple[torch.Tens
             works = comm.exchange(sends=[(kv, nxt)], recvs=[(nxt_kv, prv)], group=group)
         rows, cols, masked = ring_block(cp, r, src, causal)
         ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
-        block_out, block_lse = _attend(_rows(q, rows), ks, vs, masked, scale)
+        mask = _block_mask(ids, cp, r, src, rows, cols)
+        block_out, block_lse = _attend(_rows(q, rows), ks, vs, masked, scale, mask)
         if rows == "all":
             for i, (oh, lh) in enumerate(zip(block_out.chunk(2, 2), block_lse.chunk(2, 2))):
                 halves[i] = _merge(halves[i], oh, lh)
@@ -234,7 +252,7 @@ def ring_forward(q, k, v, group, causal: bool, scale: float) -> tuple[torch.Tens
     return out.transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2), lse
 
 
-def ring_backward(grad_out, q, k, v, out, lse, group, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+def ring_backward(grad_out, q, k, v, out, lse, group, causal: bool, scale: float, ids=None) -> tuple[torch.Tensor, ...]:
     """The ring's backward: ``dq, dk, dv`` in the inputs' dtypes, from what :func:`ring_forward` saved."""
     hk = k.shape[1]
     cp, r, nxt, prv = _ring_peers(group)
@@ -259,8 +277,9 @@ def ring_backward(grad_out, q, k, v, out, lse, group, causal: bool, scale: float
         works = comm.exchange(sends=sends, recvs=recvs, group=group)
         rows, cols, masked = ring_block(cp, r, src, causal)
         ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
+        mask = _block_mask(ids, cp, r, src, rows, cols)
         gq, gk, gv = _attend_backward(
-            _rows(do, rows), _rows(q, rows), ks, vs, _rows(out, rows), _rows(lse, rows), masked, scale
+            _rows(do, rows), _rows(q, rows), ks, vs, _rows(out, rows), _rows(lse, rows), masked, scale, mask
         )
         _rows(dq, rows).add_(gq)
         part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
@@ -281,16 +300,16 @@ def ring_backward(grad_out, q, k, v, out, lse, group, causal: bool, scale: float
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
-        out, lse = ring_forward(q, k, v, group, causal, scale)
+    def forward(ctx, q, k, v, group, causal, scale, ids=None):
+        out, lse = ring_forward(q, k, v, group, causal, scale, ids)
         ctx.save_for_backward(q, k, v, out, lse)  # what SDPA's flash kernels keep: q, k, v, out, fp32 LSE
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.group, ctx.causal, ctx.scale, ctx.ids = group, causal, scale, ids
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = ring_backward(grad_out, *ctx.saved_tensors, ctx.group, ctx.causal, ctx.scale)
-        return *grads, None, None, None
+        grads = ring_backward(grad_out, *ctx.saved_tensors, ctx.group, ctx.causal, ctx.scale, ctx.ids)
+        return *grads, None, None, None, None
 
 
 def _check_qkv(q, k, v, what: str) -> None:
@@ -304,8 +323,9 @@ def _check_qkv(q, k, v, what: str) -> None:
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool = True, scale: float | None = None
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool = True, scale: float | None = None,
+    documents=None,
+) -> torch.Tensor:  # fmt: skip
     """Attention of this rank's queries over the whole sequence, K/V circulating the cp ring.
 
     ``q`` ``[b, h, s/cp, d]``, ``k``/``v`` ``[b, h_kv, s/cp, d]`` (``h`` a multiple of
@@ -313,27 +333,38 @@ def ring_attention(
     Returns ``[b, h, s/cp, d]`` in ``q``'s dtype, equal to this rank's slice of
     full-sequence SDPA. Sends per rank: see :func:`ring_bytes`; the transfers go
     through :func:`parallel.comm.exchange` on ``group`` (counted under its label).
+    ``documents`` (:class:`~parallel.layers.documents.DocumentMask` of the whole window): document-causal;
+    each block is masked by the document ids of its queries and keys, which every rank has (no extra
+    bytes), and runs the exact math kernel (the fused ones take no mask).
     """
     _check_qkv(q, k, v, "ring_attention")
     cp = comm.group_size(group) if group is not None else 1
     if causal and cp > 1 and q.shape[2] % 2:
         raise LayerConfigError(f"ring_attention: local sequence {q.shape[2]} is odd; it must hold two equal chunks")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if cp == 1 and documents is not None:
+        from .documents import document_attention
+
+        return document_attention(q, k, v, documents, scale=scale)
     if cp == 1:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
-    if traceable.tracing():  # under torch.compile: the ring as registered ops (.ring_traced)
+    if documents is not None and not causal:
+        raise LayerConfigError("ring_attention: document masks are causal; call it with causal=True")
+    ids = None if documents is None else documents.ids
+    if traceable.tracing() and ids is None:  # under torch.compile: the ring as registered ops (.ring_traced)
         from .ring_traced import traced_ring_attention
 
         return traced_ring_attention(q, k, v, group, causal, scale)
-    return _RingAttention.apply(q, k, v, group, causal, scale)
+    return _RingAttention.apply(q, k, v, group, causal, scale, ids)
 
 
-def context_parallel_attention(q, k, v, group, *, impl: str = "ring", causal: bool = True, scale=None):
-    """Dispatch to :func:`ring_attention` or :func:`ulysses_attention` (``impl`` in :data:`CP_IMPLS`)."""
+def context_parallel_attention(q, k, v, group, *, impl: str = "ring", causal: bool = True, scale=None, documents=None):
+    """Dispatch to :func:`ring_attention` or :func:`ulysses_attention` (``impl`` in :data:`CP_IMPLS`);
+    ``documents``: packed documents' mask of the whole window (document-causal attention)."""
     check_cp_impl(impl)
     from .ulysses import ulysses_attention  # it imports this module's layout helpers
 
     fn = ring_attention if impl == "ring" else ulysses_attention
-    return fn(q, k, v, group, causal=causal, scale=scale)
+    return fn(q, k, v, group, causal=causal, scale=scale, documents=documents)

@@ -98,8 +98,10 @@ def _no_dropout_rng(device, dtype, seed_shape) -> tuple[torch.Tensor, torch.Tens
     return torch.empty(seed_shape, dtype=dtype, device=device), torch.empty((), dtype=dtype, device=device)
 
 
-def attend(kind: str, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block with kernel ``kind``: ``(out in q's dtype or fp32, fp32 log-sum-exp [b, h, sq])``."""
+def attend(kind: str, q, k, v, causal: bool, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block with kernel ``kind``: ``(out in q's dtype or fp32, fp32 log-sum-exp [b, h, sq])``.
+    ``mask`` (boolean ``[b, 1, sq, sk]``, True: may attend; packed documents) takes ``math`` only; a
+    row it masks whole gets output 0 and log-sum-exp ``-inf`` (it adds nothing to the merge)."""
     if kind == "cpu_flash":
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     if kind == "flash":
@@ -111,14 +113,15 @@ def attend(kind: str, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor
     tiles = _row_tiles(q, k.shape[2])
     outs, lses = [], []
     for start, stop in zip(tiles, tiles[1:]):
-        p, lse = _tile_probs(q, k, None, start, stop, causal, scale)
+        p, lse = _tile_probs(q, k, None, start, stop, causal, scale, mask)
         outs.append(torch.matmul(p, v.float()).to(q.dtype))
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def attend_backward(kind: str, do, q, k, v, out, lse, causal: bool, scale: float):
-    """A block's ``dq, dk, dv`` with kernel ``kind``, given the *merged* ``out`` and ``lse`` of all blocks."""
+def attend_backward(kind: str, do, q, k, v, out, lse, causal: bool, scale: float, mask=None):
+    """A block's ``dq, dk, dv`` with kernel ``kind``, given the *merged* ``out`` and ``lse`` of all blocks
+    (``mask``: :func:`attend`'s, ``math`` only)."""
     if kind == "cpu_flash":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal, scale=scale
@@ -150,7 +153,7 @@ def attend_backward(kind: str, do, q, k, v, out, lse, causal: bool, scale: float
             do, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale
         )
         return dq, dk, dv
-    return _math_backward(do, q, k, v, out, lse, causal, scale)
+    return _math_backward(do, q, k, v, out, lse, causal, scale, mask)
 
 
 # ---------------------------------------------------------------- the math kernel
@@ -164,23 +167,27 @@ def _row_tiles(q: torch.Tensor, sk: int) -> list[int]:
     return list(range(0, sq, rows)) + [sq]
 
 
-def _tile_probs(q, k, lse, start, stop, causal, scale):
-    """``exp(S − lse)`` and the scores of query rows ``[start, stop)`` (fp32; causal: key j ≤ row i)."""
+def _tile_probs(q, k, lse, start, stop, causal, scale, mask=None):
+    """``exp(S − lse)`` and the log-sum-exp of query rows ``[start, stop)`` (fp32; causal: key j ≤ row i;
+    ``mask``: where True only); a row with no key left has probabilities 0 and log-sum-exp ``-inf``."""
     s = torch.matmul(q[:, :, start:stop].float(), k.float().transpose(-1, -2)) * scale
     if causal:
         rows = torch.arange(start, stop, device=s.device)[:, None]
         s = s.masked_fill(torch.arange(k.shape[2], device=s.device)[None, :] > rows, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask[:, :, start:stop], float("-inf"))
     if lse is None:
         lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)), lse
+    finite = lse.masked_fill(torch.isinf(lse), 0.0) if mask is not None else lse
+    return torch.exp(s - finite.unsqueeze(-1)), lse
 
 
-def _math_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+def _math_backward(do, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     kf, vf = k.float(), v.float()
     dq, dk, dv = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(kf), torch.zeros_like(vf)
     tiles = _row_tiles(q, k.shape[2])
     for start, stop in zip(tiles, tiles[1:]):
-        p, _ = _tile_probs(q, k, lse[:, :, start:stop], start, stop, causal, scale)
+        p, _ = _tile_probs(q, k, lse[:, :, start:stop], start, stop, causal, scale, mask)
         dof = do[:, :, start:stop].float()
         dv += torch.matmul(p.transpose(-1, -2), dof)
         delta = (dof * out[:, :, start:stop].float()).sum(-1, keepdim=True)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
+from .documents import DocumentMask, document_attention
 from .ring_attention import _check_qkv, check_ulysses_heads, cp_positions
 
 
@@ -61,9 +62,17 @@ class _HeadsToSeq(torch.autograd.Function):
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, *, causal: bool = True, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    documents: DocumentMask | None = None,
 ) -> torch.Tensor:
-    """The same contract as :func:`ring_attention`, by all-to-all (DeepSpeed-Ulysses).
+    """The same contract as :func:`ring_attention`, by all-to-all (DeepSpeed-Ulysses). ``documents``
+    (the whole window's, :mod:`.documents`): document-causal attention over the gathered sequence.
 
     Four all-to-alls on ``group`` forward (q, k, v in; the output back) and four
     backward, each moving ``(cp−1)/cp`` of its tensor (:func:`ulysses_bytes`).
@@ -72,6 +81,8 @@ def ulysses_attention(
     cp = comm.group_size(group) if group is not None else 1
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     gqa = q.shape[1] != k.shape[1]
+    if cp == 1 and documents is not None:
+        return document_attention(q, k, v, documents, scale=scale)
     if cp == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
     check_ulysses_heads(q.shape[1], k.shape[1], cp, 1)
@@ -80,5 +91,8 @@ def ulysses_attention(
     order = torch.cat([cp_positions(s_local * cp, cp, r, device=q.device) for r in range(cp)])
     inverse = torch.argsort(order)
     qs, ks, vs = (_SeqToHeads.apply(t.contiguous(), group).index_select(2, inverse) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if documents is not None:
+        out = document_attention(qs, ks, vs, documents, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=gqa)
     return _HeadsToSeq.apply(out.index_select(2, order).contiguous(), group)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..comm.flight import RECORDER
 from ..params import is_shared_embedding
 from ..timing import StepClock, named_range
 from .schedules import (
@@ -208,6 +209,7 @@ class PipelineExecutor(StageTransfers):
         microbatch_inputs: Sequence[torch.Tensor] | None = None,
         microbatch_targets: Sequence[torch.Tensor] | None = None,
         *,
+        context: Sequence[dict] | None = None,
         forward_only: bool = False,
         share_loss: bool = True,
     ) -> torch.Tensor:
@@ -215,6 +217,8 @@ class PipelineExecutor(StageTransfers):
         all-reduce and the loss broadcast. Returns the mean micro-batch loss
         (a 0-d tensor) on every stage. Inputs are read on the first stage only,
         targets on the last only; each must hold one tensor per micro-batch.
+        ``context``: per micro-batch, keyword arguments every chunk's forward takes, on every
+        stage (packed documents' ``positions``); None: chunks are called with the activation alone.
 
         ``share_loss=False``: no broadcast; the loss is meaningful on the last
         stage only, and :meth:`share_loss` (on every stage) completes it later.
@@ -233,6 +237,11 @@ class PipelineExecutor(StageTransfers):
         self.device = next((p.device for c in self.chunks for p in c.parameters()), torch.device("cpu"))
         self._inputs = microbatch_inputs
         self._targets = microbatch_targets
+        if context is not None and len(context) != m:
+            raise ScheduleError(
+                f"stage {self.stage}: the schedule runs {m} micro-batches but context has {len(context)}"
+            )
+        self._context = context
         self._start_transfers()
         self._stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._deferred: dict[tuple[int, int], WeightGradWork | None] = {}  # B done, W to come
@@ -250,6 +259,7 @@ class PipelineExecutor(StageTransfers):
             items, ahead = (self.forward_items, self._forward_ahead) if forward_only else (self.items, self._ahead)
             post_ahead = comm.transport(self.pp_group, self.device).posts_receives_early
             for item, next_recvs in zip(items, ahead):
+                RECORDER.action = item  # the flight recorder's phase: this schedule item (a reference)
                 if isinstance(item, Compute):
                     self._await_input(item)  # its received tensor, if any (idle time: outside its span)
                 start = clock and clock.mark()
@@ -266,6 +276,7 @@ class PipelineExecutor(StageTransfers):
                         self._transfer(item, next_recvs if post_ahead else ())
                 if clock:
                     marks.append((item if isinstance(item, Compute) else tuple(item), start, clock.mark()))
+        RECORDER.action = None
         self._complete_sends()
         if self._stored or self._outbox or self._deferred or self._received:
             raise ScheduleError(
@@ -297,7 +308,7 @@ class PipelineExecutor(StageTransfers):
         if stash:
             self._stashes[(a.mb, a.chunk)] = stash
         with stash.hooks() if stash else contextlib.nullcontext():  # lets B release what W does not read
-            out = self.chunks[a.chunk](x)
+            out = self.chunks[a.chunk](x, **(self._context[a.mb] if self._context else {}))
             if self._is_last(a.chunk):
                 loss = self.loss_fn(out, self._targets[a.mb].to(self.device))
                 self._loss_sum += loss.detach().float()

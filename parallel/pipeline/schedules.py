@@ -303,6 +303,27 @@ def schedule_problem(name: str, pp: int, vpp: int, *, prefix: str = "") -> str |
     return None
 
 
+def zero_bubble_problem(name: str, checkpointing: str, zero: int) -> str | None:
+    """Why the executor cannot run schedule ``name`` with this recomputation and ZeRO stage (only ``zb-h1``
+    has such limits), or ``None``: the one rule the recipe's validation and ``mode=recommend`` share."""
+    if name != "zb-h1":
+        return None
+    if checkpointing != "none":
+        return (
+            f"parallel.pp_schedule=zb-h1 with model.activation_checkpointing={checkpointing}: "
+            "zero bubble runs each micro-batch's backward in two autograd passes (input gradient, then weight "
+            "gradient), and recomputed blocks would be recomputed again in each (with their collectives); "
+            "set model.activation_checkpointing=none, or parallel.pp_schedule=1f1b to keep recomputation"
+        )
+    if zero == 3:
+        return (
+            "parallel.pp_schedule=zb-h1 with parallel.zero=3: the weight-gradient pass (W) runs after ZeRO-3 "
+            "has freed the block's gathered parameters, and some of its kernels (norms) read them; use "
+            "parallel.zero ≤ 2 with zb-h1, or parallel.pp_schedule=1f1b with zero=3"
+        )
+    return None
+
+
 def build_schedule(name: str, pp: int, m: int, vpp: int = 1) -> list[list[Action]]:
     """The schedule called ``name`` (one of :data:`SCHEDULES`; config key ``parallel.pp_schedule``).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..pipeline.schedules import zero_bubble_problem
 from . import memory as M
 
 GB = 1e9
@@ -17,7 +18,25 @@ def _smallest_zero_that_fits(plan, rank, hw) -> int | None:
     return None
 
 
-def advise(plan, shape, hw) -> list[str]:
+def _bubble_fixes(plan, shape, moe: bool) -> list[str]:
+    """What shrinks the bubble at this global batch and dp that the recipe can run (what ``mode=recommend``
+    searches): more micro-batches per step, ZB-H1, interleaving (its micro-batches a multiple of pp), more chunks."""
+    L, T, pp = plan.layout, plan.training, plan.layout["pp"]
+    fixes = []
+    if plan.grad_accum < 4 * pp and T["micro_batch"] > 1:
+        fixes.append(f"lower the micro-batch below {T['micro_batch']} for more micro-batches per step (≥ 4·pp)")
+    if L["schedule"] == "1f1b" and not moe and not zero_bubble_problem("zb-h1", T["checkpointing"], L["zero"]):
+        fixes.append("use the zero-bubble schedule (zb-h1)")
+    if L["schedule"] != "interleaved" and 2 * pp <= shape.n_layers and plan.grad_accum % pp == 0:
+        fixes.append("use the interleaved schedule")
+    elif L["schedule"] == "interleaved" and pp * (L["vpp"] + 1) <= shape.n_layers:
+        fixes.append(f"raise vpp above {L['vpp']}")
+    return fixes
+
+
+def advise(plan, shape, hw, *, moe: bool = False) -> list[str]:
+    """The plan's problems and their fixes in plain words; a fix is only named where the recipe can run it
+    (``moe``: an MoE model, which zb-h1 does not run)."""
     L, T, step = plan.layout, plan.training, plan.step
     out: list[str] = []
     worst = max(plan.ranks, key=lambda r: r.memory["total"])
@@ -64,13 +83,7 @@ def advise(plan, shape, hw) -> list[str]:
             f"{hw.gpus_per_node} and use pipeline stages across nodes."
         )
     if L["pp"] > 1 and step["bubble_fraction"] > 0.2:
-        fixes = []
-        if plan.grad_accum < 4 * L["pp"]:
-            fixes.append("raise the micro-batches per step (≥ 4·pp)")
-        if L["schedule"] != "interleaved":
-            fixes.append("use the interleaved schedule")
-        elif L["pp"] * L["vpp"] * 2 <= shape.n_layers:
-            fixes.append(f"raise vpp above {L['vpp']}")
+        fixes = _bubble_fixes(plan, shape, moe)
         if fixes:
             out.append(
                 f"the pipeline bubble is {step['bubble_fraction']:.0%}: with {plan.grad_accum} micro-batches "

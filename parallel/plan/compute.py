@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..precision import FP8, FP8_BYTES
 from .hardware import Hardware, host_costs
+from .shape import ModelShape
 
 
 def gemm_seconds(m: float, k: float, n: float, hw: Hardware, precision: str, batch: float = 1.0) -> float:
-    """Seconds of ``batch`` GEMMs ``[m, k] × [k, n]`` (module docstring)."""
-    e = 4 if precision == "fp32" else 2
+    """Seconds of ``batch`` GEMMs ``[m, k] × [k, n]`` (module docstring); ``fp8``: at the fp8 peak, its
+    operands one byte each (the output's 2 bytes counted as one more operand byte: bf16 out)."""
+    e = 4 if precision == "fp32" else FP8_BYTES if precision == FP8 else 2
     flops = 2.0 * batch * m * k * n
     return flops / (hw.peak_flops(precision) * hw.efficiency) + batch * e * (m * k + k * n + m * n) / hw.hbm_bytes_per_s
 
@@ -53,35 +56,75 @@ class LayerTime:
 ATTENTION = ("flash", "unfused")
 
 
+def fp8_cast_elements(shape, tokens: float, tp: int) -> float:
+    """Elements one block's forward casts to fp8 on one TP rank: each linear's input and weight
+    (backward casts as many again: the output gradients and the re-cast weights)."""
+    d, t, kv = shape.d_model, tp, shape.n_kv_heads * shape.head_dim
+    mlp_in = (2 if shape.arch == "llama" else 1) * shape.d_ff
+    inputs = tokens * (2 * d + d / t + shape.d_ff / t)  # q/k/v's and MLP in's (shared), o's, MLP out's
+    weights = d * (d + 2 * kv + mlp_in + d + shape.d_ff) / t
+    return inputs + weights
+
+
+#: HBM bytes an fp8 cast moves per element: read 2 (bf16), write 1 (the amax pass reads 2 more)
+FP8_CAST_BYTES = 5
+
+
 def layer_time(
-    shape, micro_batch: int, tp: int, sequence_parallel: bool, hw: Hardware, precision: str, attention: str = "flash"
+    shape,
+    micro_batch: int,
+    tp: int,
+    sequence_parallel: bool,
+    hw: Hardware,
+    precision: str,
+    attention: str = "flash",
+    fp8: str | None = None,
 ) -> LayerTime:
-    """One block's forward pieces on one TP rank (module docstring)."""
+    """One block's forward pieces on one TP rank (module docstring); ``fp8`` (a recipe): its four linears'
+    GEMMs at :func:`gemm_seconds`'s fp8 rate and their casts (:func:`fp8_cast_elements`) elementwise."""
     e = 4 if precision == "fp32" else 2
     T, d, t = micro_batch * shape.seq_len, shape.d_model, tp
-    kv = shape.n_kv_heads * shape.head_dim
     mlp_in = (2 if shape.arch == "llama" else 1) * shape.d_ff
-    column = gemm_seconds(T, d, (d + 2 * kv) / t, hw, precision) + gemm_seconds(  # q, k, v
-        T, d, mlp_in / t, hw, precision
-    )  # MLP in (SwiGLU: gate and up)
-    gemm = (
-        column
-        + gemm_seconds(T, d / t, d, hw, precision)  # attention output
-        + gemm_seconds(T, shape.d_ff / t, d, hw, precision)  # MLP out
-    )
+    lin = FP8 if fp8 else precision
+    attn_in, attn_out = attention_gemm_seconds(shape, T, t, hw, lin)
+    column = attn_in + gemm_seconds(T, d, mlp_in / t, hw, lin)  # MLP in (SwiGLU: gate and up)
+    gemm = column + attn_out + gemm_seconds(T, shape.d_ff / t, d, hw, lin)  # attention out, MLP out
     s, heads = shape.seq_len, micro_batch * shape.n_heads / t
-    if attention == "flash":
-        attn = 4 * micro_batch * s**2 * d / t / 2 / (hw.peak_flops(precision) * hw.attention_efficiency)
+    qk, v = ModelShape.of(shape).qk_v_head_dims
+    if attention == "flash":  # 2·b·s²·H·(qk + v) FLOPs forward (4·b·s²·d for plain heads), half done (causal)
+        flops = 2 * micro_batch * s**2 * shape.n_heads * (qk + v) / t / 2
+        attn = flops / (hw.peak_flops(precision) * hw.attention_efficiency)
         attn_bwd = 2.5 * attn
     else:
-        bmm = gemm_seconds(s, shape.head_dim, s, hw, precision, heads) + gemm_seconds(
-            s, s, shape.head_dim, hw, precision, heads
-        )
+        bmm = gemm_seconds(s, qk, s, hw, precision, heads) + gemm_seconds(s, s, v, hw, precision, heads)
         scores = heads * s * s * (4 * e + 1) / hw.hbm_bytes_per_s
         attn, attn_bwd = bmm + scores, 2 * bmm + 2.5 * scores
     elementwise = elementwise_bytes(shape, T, t, sequence_parallel, e) / hw.hbm_bytes_per_s
+    if fp8:
+        elementwise += FP8_CAST_BYTES * fp8_cast_elements(shape, T, t) / hw.hbm_bytes_per_s
     elementwise += host_costs(hw).block_overhead_us * 1e-6 / 3  # host cost per block: a third forward, two backward
     return LayerTime(gemm, attn, elementwise, attn_bwd, column)
+
+
+def attention_gemm_seconds(shape, T: float, t: int, hw: Hardware, precision: str) -> tuple[float, float]:
+    """(input projections, output projection) seconds of one block's attention for ``T`` tokens on one
+    TP rank: q, k, v column-parallel; MLA's down-projections replicated (every TP rank computes them),
+    its up-projections column-parallel; the output projection row-parallel."""
+    shape = ModelShape.of(shape)
+    d, H = shape.d_model, shape.n_heads
+    qk, v = shape.qk_v_head_dims
+    out = gemm_seconds(T, H * v / t, d, hw, precision)
+    if not shape.kv_lora_rank:
+        return gemm_seconds(T, d, (H * qk + 2 * shape.n_kv_heads * qk) / t, hw, precision), out
+    kv_down, kv_up = shape.kv_lora_rank + shape.qk_rope_head_dim, H * (shape.qk_nope_head_dim + v) / t
+    q = (
+        gemm_seconds(T, d, shape.q_lora_rank, hw, precision)
+        + gemm_seconds(T, shape.q_lora_rank, H * qk / t, hw, precision)
+        if shape.q_lora_rank
+        else gemm_seconds(T, d, H * qk / t, hw, precision)
+    )
+    kv = gemm_seconds(T, d, kv_down, hw, precision) + gemm_seconds(T, shape.kv_lora_rank, kv_up, hw, precision)
+    return q + kv, out
 
 
 def head_time(shape, micro_batch: int, tp: int, hw: Hardware, precision: str) -> LayerTime:
@@ -119,6 +162,7 @@ def colocated(hw: Hardware, ranks_on_host: int) -> Hardware:
     return hw.replace(
         peak_tflops_16=hw.peak_tflops_16 / f,
         peak_tflops_32=hw.peak_tflops_32 / f,
+        peak_tflops_8=hw.peak_tflops_8 / f,
         hbm_gbps=hw.hbm_gbps / f,
         block_overhead_us=h.block_overhead_us * f,
         microbatch_overhead_us=h.microbatch_overhead_us * f,

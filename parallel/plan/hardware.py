@@ -26,6 +26,7 @@ _RANGES = {
     "attention_efficiency": (0.0, False, 1.0),
     "colocated_slowdown": (0.0, True, math.inf),
     "overlap_fraction": (0.0, True, 1.0),
+    "peak_tflops_8": (0.0, True, math.inf),  # 0: no fp8 kernels
 }
 
 
@@ -112,6 +113,7 @@ class Hardware:
     host_link_gbps: float = 25.0  # GB/s host <-> device per GPU per direction (PCIe)
     host_memory_gbps: float = 51.2  # GB/s host memory per GPU: bounds the host AdamW (plan.offload); DGX A100
     host: HostCosts | None = None  # a calibrated CPU's host costs; None on GPU profiles
+    peak_tflops_8: float = 0.0  # fp8 dense tensor-core peak (torch._scaled_mm); 0: no fp8 kernels
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -132,7 +134,10 @@ class Hardware:
         return {**flat, **dataclasses.asdict(host_costs(self))}
 
     def peak_flops(self, precision: str) -> float:
-        """Peak FLOP/s for ``precision`` (``fp32`` or 16-bit ``bf16``/``fp16``)."""
+        """Peak FLOP/s for ``precision`` (``fp32``, 16-bit ``bf16``/``fp16``, or an ``fp8`` GEMM: its
+        own peak, or without fp8 kernels the fp32 one, since emulation multiplies in fp32)."""
+        if precision == "fp8":
+            return 1e12 * (self.peak_tflops_8 or self.peak_tflops_32)
         return 1e12 * (self.peak_tflops_32 if precision == "fp32" else self.peak_tflops_16)
 
     def bandwidth(self, crosses_node: bool) -> float:
@@ -179,7 +184,8 @@ SCALE_FREE_FIELDS = tuple(f for f in _FIELDS if f not in RATE_FIELDS + TIME_FIEL
 # The datasheets' dense peaks, memory bandwidth and links; ``efficiency`` and ``attention_efficiency``
 # as docs/performance.md says where they come from. No profile here has host costs: mode=calibrate
 # measures them for a CPU.
-# H100 SXM5 80GB (DGX H100): NVLink4 900 GB/s both ways, NDR 400 Gb/s per GPU, 2 TB host, PCIe Gen5 pinned
+# H100 SXM5 80GB (DGX H100): NVLink4 900 GB/s both ways, NDR 400 Gb/s per GPU, 2 TB host, PCIe Gen5 pinned;
+# fp8 dense 1979 TFLOP/s, twice bf16 (Hopper and Ada double the 16-bit rate; A100 has no fp8)
 _H100_SXM = Hardware(
     "h100_80gb",
     989.0,
@@ -193,6 +199,7 @@ _H100_SXM = Hardware(
     attention_efficiency=0.4,
     host_ram_gb=2048,
     host_link_gbps=50,
+    peak_tflops_8=2 * 989.0,
 )
 PROFILES: dict[str, Hardware] = {
     # A100 SXM4 80GB: NVLink3 600 GB/s both ways, one HDR 200 Gb/s NIC per GPU
@@ -213,6 +220,7 @@ PROFILES: dict[str, Hardware] = {
         hbm_gbps=2000.0,
         attention_efficiency=0.4,
         host_link_gbps=50,
+        peak_tflops_8=2 * 756.0,
     ),
     # H200 SXM 141GB (DGX H200): the H100 SXM's compute and links, HBM3e 141 GB at 4.8 TB/s
     "h200": _H100_SXM.replace(name="h200", memory_bytes=141e9, hbm_gbps=4800.0),

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..dims import LayoutError, ParallelDims, interleaved_problem, topk_ratio_problem, world_size_mismatch
 from ..memory import CHECKPOINTING
+from ..precision import FP8_RECIPES
 from ..zero.compression import COMPRESSIONS
 from ..zero.policy import ZERO_STAGES
 from . import memory as M
@@ -36,6 +37,7 @@ class Training:
     bucket_mb: float = 25.0
     attention: str = "flash"  # flash (the engine's SDPA) | unfused (scores materialised; plan.compute)
     grad_clip: float = 1.0  # train.grad_clip (0: off); clipping computes the norm on every step, read or not
+    fp8: str | None = None  # train.precision=fp8: the blocks' linears' recipe (tensorwise | rowwise); precision bf16
 
 
 def _positive(name: str, v) -> int:
@@ -79,6 +81,11 @@ def check(shape, layout: ParallelDims, training: Training, world_size: int | Non
         raise PlanError(f"activation checkpointing {training.checkpointing!r} not in {CHECKPOINTING}")
     if training.precision not in M.PRECISION_BYTES:
         raise PlanError(f"precision {training.precision!r} not in {sorted(M.PRECISION_BYTES)}")
+    if training.fp8 is not None and (training.fp8 not in FP8_RECIPES or training.precision != "bf16"):
+        raise PlanError(
+            f"fp8={training.fp8!r} with precision {training.precision!r}: fp8 is a bf16 run whose linears use one "
+            f"of {FP8_RECIPES}; pass precision='bf16'"
+        )
     if not training.grad_clip >= 0 or training.grad_clip == float("inf"):
         raise PlanError(f"grad_clip must be a finite number ≥ 0 (0 disables clipping), got {training.grad_clip!r}")
     if training.attention not in ATTENTION:

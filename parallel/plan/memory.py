@@ -10,24 +10,34 @@ piece                  bytes
 norms (×2)             LayerNorm: input e·sbh/t' + fp32 mean, rstd 8·sb/t';
                        RMSNorm (fp32 math): fp32 input 4·sbh/t' + normalised e·sbh/t' + 4·sb/t'
 q/k/v, fc_in input     e·sbh/t' each (with SP the sequence chunk, gathered again in backward)
-q, k, v, attention out e·sb(2h + 2k)/t, plus the fp32 log-sum-exp 4·b·a·s/t
+q, k, v, attention out e·sb(2h + 2k)/t, plus the fp32 log-sum-exp 4·b·a·s/t (MLA:
+                       :func:`attention_activation_bytes`)
 MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·sbf/t
 =====================  ===============================================================
 
 ``selective`` recomputes the attention core (its log-sum-exp is not stored); ``full`` stores only
 each block's input (e·sbh/t') and, while one layer's backward runs, that layer's full activations.
+
+``fp8`` (``train.precision=fp8``, :mod:`parallel.layers.fp8_linear`): tensorwise keeps each linear's
+input as the fp8 tensor its GEMM read (1 byte: q/k/v's and fc_in's inputs, the attention output's
+and the MLP out's inputs), rowwise the bf16 inputs (its
+backward re-casts them along the tokens), so it stores what bf16 stores. Weights are re-cast in
+backward from the parameters, never stored; a cast's transient peak is :func:`fp8_cast_peak_bytes`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import zip_longest
 
+from ..precision import FP8_BYTES
 from ..zero import theory as zero_theory
 from ..zero.layout import pack, padded
 from ..zero.packing import CLASSES, EXTRA_REDUCE
 from ..zero.policy import ZERO_STAGES
 from .hardware import PlanError
+from .shape import ModelShape
 
 PRECISION_BYTES = zero_theory.DTYPE_BYTES  # one home: bytes per element of each precision
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0}  # fp32 tensors per parameter
@@ -71,10 +81,12 @@ class StageParams:
         return (self.numel, self.replicated, self.full, self.tied_copy, self.shared_embedding)
 
 
-def _bucket_sizes(group: Group, bucket_bytes: float, element_size: int) -> list[int]:
-    return [sum(group[i] for i in bucket) for bucket in pack(group, element_size, bucket_bytes)]
+@lru_cache(maxsize=4096)  # a search packs the same stages' groups for every layout it prices
+def _bucket_sizes(group: Group, bucket_bytes: float, element_size: int) -> tuple[int, ...]:
+    return tuple(sum(group[i] for i in bucket) for bucket in pack(group, element_size, bucket_bytes))
 
 
+@lru_cache(maxsize=4096)  # the middle stages of a pipeline are alike
 def zero_bucket_numels(
     params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True
 ) -> tuple[tuple[int, ...], ...] | None:
@@ -155,6 +167,26 @@ def _norm_bytes(arch: str, sbh: float, sb: float, e: int) -> float:
     return e * sbh + 8 * sb  # input, fp32 mean and rstd
 
 
+def attention_activation_bytes(shape, sb: float, tp: int, e: int, checkpointing: str = "none") -> float:
+    """What one layer's attention saves for ``sb`` tokens on one TP rank (a fused attention kernel,
+    whose output is ``o_proj``'s input): q, k, v and the output (``H·qk, K·qk, K·v, H·v`` wide, split
+    over tp). MLA (``kv_lora_rank > 0``) saves per head its query, its key, the expanded ``[k_nope, v]``
+    (v is a view of it), the core's output and ``o_proj``'s input (a copy: the heads are contiguous
+    per head, not per token) — under ``selective`` the core's inputs and output only: the query,
+    ``[k_nope, v]``, the output — and, replicated on every TP rank, each latent's fp32 norm
+    input, normalised and weighted outputs and fp32 rstd, and the rotary key (fp32)."""
+    shape = ModelShape.of(shape)
+    qk, v = shape.qk_v_head_dims
+    if not shape.kv_lora_rank:
+        return e * sb * (shape.n_heads + shape.n_kv_heads) * (qk + v) / tp
+    per_head = (
+        qk + shape.qk_nope_head_dim + 2 * v if checkpointing == "selective" else 2 * qk + shape.qk_nope_head_dim + 3 * v
+    )
+    latents = shape.q_lora_rank + shape.kv_lora_rank
+    replicated = (4 + 2 * e) * latents + 4 * (1 + bool(shape.q_lora_rank)) + 4 * shape.qk_rope_head_dim
+    return e * sb * shape.n_heads * per_head / tp + sb * replicated
+
+
 def layer_activation_bytes(
     shape,
     micro_batch: int,
@@ -163,21 +195,35 @@ def layer_activation_bytes(
     sequence_parallel: bool = False,
     checkpointing: str = "none",
     precision: str = "bf16",
+    fp8: str | None = None,
 ) -> float:
-    """Bytes one transformer layer stores per micro-batch on one TP rank (module table)."""
+    """Bytes one transformer layer stores per micro-batch on one TP rank (module table; ``fp8`` the
+    recipe of ``train.precision=fp8``, its inputs 1 byte at tensorwise)."""
     e = PRECISION_BYTES[precision]
+    x8 = FP8_BYTES if fp8 == "tensorwise" else None
     s, b, h = shape.seq_len, micro_batch, shape.d_model
     sp = tp if sequence_parallel else 1
     sbh, sb = s * b * h, s * b
     if checkpointing == "full":
         return e * sbh / sp
-    kv = shape.n_kv_heads * (h // shape.n_heads)
     norms = 2 * _norm_bytes(shape.arch, sbh, sb, e) / sp
-    linear_inputs = 2 * e * sbh / sp
-    attention = e * s * b * (2 * h + 2 * kv) / tp
+    linear_inputs = 2 * (x8 or e) * sbh / sp
+    attention = attention_activation_bytes(shape, sb, tp, e, checkpointing)
+    if x8:  # o's input in fp8
+        attention -= (e - x8) * sb * shape.n_heads * ModelShape.of(shape).qk_v_head_dims[1] / tp
     lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0
     mlp = (4 if shape.arch == "llama" else 2) * e * s * b * shape.d_ff / tp
+    if x8:  # the MLP out's input: its fp8 copy instead of the bf16 one
+        mlp -= (e - x8) * s * b * shape.d_ff / tp
     return norms + linear_inputs + attention + lse + mlp
+
+
+def fp8_cast_peak_bytes(shape, micro_batch: int, *, tp: int = 1) -> float:
+    """The largest transient of one fp8 cast (``x.float() · scale``, clamped, then fp8: 4 + 4 + 1 bytes
+    per element) over a block's operands on one TP rank: its largest weight or GEMM input/output."""
+    s, b, h, f = shape.seq_len, micro_batch, shape.d_model, shape.d_ff
+    mlp_in = (2 if shape.arch == "llama" else 1) * f
+    return 9 * max(h * mlp_in / tp, s * b * max(h, f / tp))
 
 
 def head_activation_bytes(
@@ -218,10 +264,11 @@ def stage_activation_bytes(
     sequence_parallel: bool = False,
     checkpointing: str = "none",
     precision: str = "bf16",
+    fp8: str | None = None,
 ) -> float:
     """What one micro-batch leaves stored on a chunk of ``n_layers`` layers until its backward."""
     kw = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision)
-    total = n_layers * layer_activation_bytes(shape, micro_batch, checkpointing=checkpointing, **kw)
+    total = n_layers * layer_activation_bytes(shape, micro_batch, checkpointing=checkpointing, fp8=fp8, **kw)
     if has_head:
         total += head_activation_bytes(shape, micro_batch, **kw)
     if has_embedding:

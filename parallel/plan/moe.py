@@ -24,10 +24,16 @@ class MoEShape(ModelShape):
     moe_d_ff: int | None = None
     moe_shared_experts: int = 0
     moe_capacity_factor: float | None = None  # None: dropless (the only routing cp can take)
+    moe_first_dense: int = 0  # the first blocks keep their MLP (DeepSeek's first_k_dense_replace)
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` has experts (``models.config.ModelConfig.is_moe_layer``)."""
+        return bool(self.moe_experts) and i >= self.moe_first_dense and (i + 1) % self.moe_every == 0
 
     @property
     def moe_layers(self) -> int:
-        return sum(1 for i in range(self.n_layers) if self.moe_experts and (i + 1) % self.moe_every == 0)
+        return sum(1 for i in range(self.n_layers) if self.is_moe_layer(i))
 
     @property
     def expert_d_ff(self) -> int:
@@ -40,9 +46,11 @@ class MoEShape(ModelShape):
         return 2 * self.d_model * width + width + self.d_model
 
     def attention_params(self) -> int:
-        d, kv = self.d_model, self.n_kv_heads * (self.d_model // self.n_heads)
-        biases = 0 if self.arch == "llama" else 2 * d + 2 * kv
-        return 2 * d * d + 2 * d * kv + biases
+        """One block's attention: its matmuls, GPT's biases, Qwen3's QK-norms, MLA's latent norms."""
+        d, kv = self.d_model, self.n_kv_heads * self.head_dim
+        biases = 0 if self.arch == "llama" else self.n_heads * self.head_dim + d + 2 * kv
+        norms = (2 * self.head_dim if self.qk_norm else 0) + self.q_lora_rank + self.kv_lora_rank
+        return self.attention_matmul_params() + biases + norms
 
     def norm_params(self) -> int:
         return self.d_model * (1 if self.arch == "llama" else 2)
@@ -74,10 +82,11 @@ def all_to_all_payload_bytes(shape: MoEShape, tokens: int, *, elem_bytes: int = 
 
 
 def flops_per_token(shape: MoEShape) -> float:
-    """Training FLOPs per token: ``6 ·`` active parameters (embedding lookup excluded) + ``12·L·d·s``."""
+    """Training FLOPs per token: ``6 ·`` active parameters (embedding lookup excluded) + the attention
+    core's ``6·L·s·H·(qk + v)`` (``12·L·d·s`` for plain heads; :meth:`ModelShape.attention_core_flops_per_token`)."""
     s = MoEShape.of(shape)
     active = param_counts(s)["active"] - (0 if s.tie_embeddings else s.vocab_size * s.d_model)
-    return 6 * active + 12 * s.n_layers * s.d_model * s.seq_len
+    return 6 * active + s.n_layers * s.attention_core_flops_per_token()
 
 
 # ------------------------------------------------------------------ the planner's hooks (plan_layout)
@@ -125,7 +134,7 @@ def ep_choices(moe: MoEShape | None, dp: int) -> list[int]:
 
 def moe_layers_in(moe: MoEShape | None, layers: range) -> int:
     """How many of ``layers`` (global indices) are MoE blocks (``models.config.ModelConfig.is_moe_layer``)."""
-    return 0 if moe is None else sum(1 for i in layers if (i + 1) % moe.moe_every == 0)
+    return 0 if moe is None else sum(1 for i in layers if moe.is_moe_layer(i))
 
 
 def ep_split(params, ep: int):

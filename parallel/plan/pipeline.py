@@ -1,27 +1,39 @@
-"""A step's makespan, bubble and in-flight activations from one chunk's costs: the standard schedules'
-closed forms (equal to :mod:`parallel.pipeline.simulator`), else the simulator; the p2p messages' cost."""
+"""A step's makespan, bubble and in-flight activations from one chunk's costs: every schedule's
+closed form (equal to :mod:`parallel.pipeline.simulator`, which stays their test oracle); the p2p messages' cost."""
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from ..overlap import PIPELINE_P2P
-from ..pipeline.schedules import ScheduleError, build_schedule, schedule_problem
-from ..pipeline.simulator import simulate
+from ..pipeline.schedules import schedule_problem
 from .hardware import PlanError, host_costs
 
 
-@lru_cache(maxsize=256)
-def _simulate(schedule: str, pp: int, m: int, vpp: int, bwd: float, p2p: float):
-    r = simulate(build_schedule(schedule, pp, m, vpp), forward=1.0, backward=bwd, p2p_latency=p2p)
-    return r.makespan, r.bubble_fraction, tuple(r.peak_activations)
+def zb_h1_paths(pp: int, m: int) -> list[tuple[int, int, int]]:
+    """The critical paths of ZB-H1 (:func:`parallel.pipeline.schedules.zb_h1`) under the simulator, as
+    (forwards, half-backwards, transfers) on the path; the makespan is the longest, ``max(a·F + b·B + c·p)``
+    with B = W = half a backward (the simulator's default split) and ``p`` one transfer, pp ≥ 2.
+
+    With m ≥ pp: the first stage's (its first B waits for the round trip, then it never idles), the last
+    stage's (it starts after pp − 1 forwards and transfers, then never idles) and one between; with no
+    transfer cost that is ``m·(F + B + W) + (pp − 1)·max(F, B)``: Qi et al.'s ``(pp − 1)(F + B − W)``
+    bubble while F ≥ B. Fewer micro-batches: the fill-and-drain path, and two more once 2m > pp.
+    Found by timing the simulator over costs carried symbolically; held against it in
+    ``tests/parallel/plan/test_pipeline_closed_form.py``."""
+    if m >= pp:
+        hops = m + 1 if pp == 2 else 2 * m + 2 * pp - 5
+        first = m + 1 if pp == 2 else 2 * m + pp - 3
+        return [(m, 2 * m + pp - 1, first), (m + pp - 2, 2 * m + 1, hops), (m + pp - 1, 2 * m, hops)]
+    out = [(m + pp - 1, min(2 * m + pp - 1, 2 * pp - 1), max(2 * m + 2 * pp - 5, 2 * pp - 2))]
+    if 2 * m > pp:
+        out += [(2 * pp - m - 1, 2 * m + pp - 1, 3 * pp - 4), (m + pp - 2, 2 * pp, 2 * m + 2 * pp - 5)]
+    return out
 
 
 def closed_form(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float):
-    """The simulator's (makespan, peak in-flight per stage) of a standard schedule (GPipe, 1F1B,
-    interleaved 1F1B) in closed form, or None for another schedule. ``fwd``/``bwd`` are one chunk's costs,
-    ``p2p`` one rendezvous transfer (it delays both ends); the simulator's timing is linear in them.
-    ``tests/parallel/plan/test_pipeline_closed_form.py`` holds each against the simulator."""
+    """The simulator's (makespan, peak in-flight per stage) of a schedule of
+    :data:`parallel.pipeline.schedules.SCHEDULES` in closed form, or None for another name. ``fwd``/``bwd`` are
+    one chunk's costs, ``p2p`` one rendezvous transfer (it delays both ends); ZB-H1 splits ``bwd`` in halves
+    (:func:`zb_h1_paths`). ``tests/parallel/plan/test_pipeline_closed_form.py`` holds each against the simulator."""
     if pp == 1:
         return m * vpp * (fwd + bwd), (m * vpp if schedule == "gpipe" else 1,)
     if schedule == "gpipe":
@@ -34,6 +46,9 @@ def closed_form(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float
         span = (total + pp - 1) * (fwd + bwd) + ((vpp + 1) * pp + vpp * m - 3) * p2p
         peaks = tuple(min(min(2 * (pp - s - 1) + (vpp - 1) * pp, total) + 1, total) for s in range(pp))
         return span, peaks
+    if schedule == "zb-h1":  # every stage stores min(pp, m): the postponed W passes keep the first stage's peak
+        span = max(a * fwd + b * bwd / 2 + c * p2p for a, b, c in zb_h1_paths(pp, m))
+        return span, (min(pp, m),) * pp
     return None
 
 
@@ -47,22 +62,15 @@ def uneven_stages_saving(stage_costs: list[float]) -> float:
 def pipeline_time(
     schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float, p2p: float
 ) -> tuple[float, float, tuple[int, ...]]:
-    """(makespan seconds, bubble fraction, peak in-flight per stage) of a step of one chunk's ``fwd``/``bwd``:
-    :func:`closed_form`, else the simulator (costs normalised to the forward's, rounded to 0.1 %)."""
+    """(makespan seconds, bubble fraction, peak in-flight per stage) of a step of one chunk's ``fwd``/``bwd``
+    (:func:`closed_form`)."""
     if not fwd > 0 or not bwd >= 0 or not p2p >= 0:
         raise PlanError(f"pipeline costs must be finite and positive, got forward {fwd}, backward {bwd}, p2p {p2p}")
     problem = schedule_problem(schedule, pp, vpp)
     if problem:
         raise PlanError(problem)
-    form = closed_form(schedule, pp, m, vpp, fwd, bwd, p2p)
-    if form is not None:
-        span, peaks = form
-        return span, 1 - m * vpp * (fwd + bwd) / span, peaks
-    try:
-        span, bubble, peaks = _simulate(schedule, pp, m, vpp, round(bwd / fwd, 3), round(p2p / fwd, 3))
-    except ScheduleError as e:
-        raise PlanError(str(e)) from None
-    return span * fwd, bubble, peaks
+    span, peaks = closed_form(schedule, pp, m, vpp, fwd, bwd, p2p)
+    return span, 1 - m * vpp * (fwd + bwd) / span, peaks
 
 
 def p2p_message_seconds(hw, message_bytes: float, crosses_node: bool, pp: int, forward_s: float) -> float:

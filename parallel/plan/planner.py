@@ -70,7 +70,7 @@ def plan_layout(
         ranks=ranks,
         step=_step_summary(ctx, ranks, totals, makespan, bubble),
     )
-    plan.advice = advise(plan, ctx.shape, hw)
+    plan.advice = advise(plan, ctx.shape, hw, moe=ctx.moe is not None)
     return plan
 
 
@@ -195,11 +195,12 @@ def _memory(ctx: Setup, st: Stage, states: dict, params, experts, in_flight: int
     """Bytes per rank: model states, activations at the peak (the in-flight micro-batches and the larger
     transient, the loss's or recomputation's), communication buffers, and their total."""
     dims, tr = ctx.dims, ctx.tr
-    kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision)
+    kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision, fp8=tr.fp8)
     recompute = M.recompute_peak_bytes(ctx.local, tr.micro_batch, checkpointing=tr.checkpointing, **kw)
+    casts = M.fp8_cast_peak_bytes(ctx.local, tr.micro_batch, tp=dims.tp) if tr.fp8 else 0.0
     has_head = any(v == dims.pp * dims.vpp - 1 for v, _ in st.chunks)
     loss = M.loss_temporary_bytes(ctx.local, tr.micro_batch, tp=dims.tp, precision=tr.precision) if has_head else 0.0
-    activations = in_flight * max(st.activations) + max(recompute, loss)
+    activations = in_flight * max(st.activations) + max(recompute, loss, casts)
     buffers = buffer_bytes(ctx, params, experts)
     mem = {
         **{k: float(v) for k, v in states.items() if k != "total"},

@@ -1,13 +1,24 @@
-"""``mode=recommend``: the layouts that fit a device count, ranked by predicted throughput. Searched:
+"""``mode=recommend``: the layouts that fit a device count, ranked by predicted step time. Searched:
 tp inside a node, cp beside it for long sequences, pp up to the layer count, dp the rest, ep for MoE
-models, ZeRO 0–3, micro-batches, checkpointing; sequence parallelism wherever it applies.
+models, ZeRO 0–3, the pipeline schedule (1F1B, ZB-H1, interleaved with every vpp up to
+:data:`MAX_VPP`), micro-batches, checkpointing, offload where nothing fits without it; sequence
+parallelism wherever it applies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
-from ..dims import OFFLOAD_MIN_STAGE, OFFLOAD_MODES, compression_problem, sequence_split_problem, tp_split_problem
+from ..dims import (
+    OFFLOAD_MIN_STAGE,
+    OFFLOAD_MODES,
+    compression_problem,
+    interleaved_problem,
+    sequence_split_problem,
+    tp_split_problem,
+)
+from ..pipeline.schedules import zero_bubble_problem
 from ..zero.theory import accumulate_applies
 from .cp import cp_choices
 from .hardware import Hardware, PlanError
@@ -17,9 +28,20 @@ from .planner import plan_layout
 from .result import ParamCounter, Plan
 from .shape import ModelShape
 
+MAX_VPP = 8  # interleaved: the most model chunks per rank searched (Megatron's runs use 2–6)
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def schedules(pp: int, n_layers: int, moe: bool) -> list[tuple[str, int]]:
+    """(schedule, vpp) pairs searched for ``pp`` stages: 1F1B, ZB-H1 (not for MoE models: the recipe
+    refuses it there) and interleaved with 2 … :data:`MAX_VPP` chunks while ``pp·vpp ≤ n_layers``."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1)] + ([] if moe else [("zb-h1", 1)])
+    return out + [("interleaved", v) for v in range(2, min(MAX_VPP, n_layers // pp) + 1)]
 
 
 def candidate_layouts(
@@ -56,8 +78,10 @@ def candidate_layouts(
                         compression="none" if compression_problem(compression, zero) else compression,
                         accumulate=accumulate if accumulate_applies(zero) else "sharded",
                     )
-                    for ep in ep_choices(moe, dp):
-                        sizes = dict(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep)
+                    for ep, (schedule, vpp) in itertools.product(
+                        ep_choices(moe, dp), schedules(pp, model.n_layers, moe is not None)
+                    ):
+                        sizes = dict(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, schedule=schedule, vpp=vpp)
                         out.append(resolve(shape, **sizes, sequence_parallel=sp, zero=zero, offload=offload, **kept))
     return out
 
@@ -76,41 +100,56 @@ def recommend(
     compression: str = "none",
     accumulate: str = "sharded",
 ) -> list[Plan]:
-    """The ``top`` fitting plans, fastest first, the leaner of equally fast ones first (``training.micro_batch`` and
-    ``checkpointing`` are searched; the global batch, the rest and the layout's ``compression`` and ZeRO-2/3
+    """The ``top`` fitting plans, fastest step first, the leaner of equally fast ones first (``training.micro_batch``
+    and ``checkpointing`` are searched; the global batch, the rest and the layout's ``compression`` and ZeRO-2/3
     ``accumulate`` are kept)."""
     if world_size < 1:
         raise PlanError(f"world size must be positive, got {world_size}")
-    rough: list[tuple[float, Layout, Training]] = []
+    fitting: list[Plan] = []
     for offload in OFFLOAD_MODES:  # offload only when nothing fits on the devices alone
-        if not rough:
+        if not fitting:
             layouts = candidate_layouts(shape, world_size, hw, zeros, offload, compression, accumulate)
-            rough = _fitting(shape, layouts, training, hw, count_params, micro_batches, checkpointing)
-    if not rough:
+            fitting = _fitting(shape, layouts, training, hw, count_params, micro_batches, checkpointing)
+    if not fitting:
         raise PlanError(
             f"no layout of {world_size} × {hw.name} fits this model at global batch "
             f"{training.global_batch}, even with ZeRO-Offload; add devices or choose a larger device profile"
         )
-    rough.sort(key=lambda x: -x[0])
-    exact = [plan_layout(shape, lay, tr, hw, count_params) for _, lay, tr in rough[: 3 * top]]  # shape: MoE too
-    exact = [p for p in exact if p.fits]
-    exact.sort(key=lambda p: (-round(p.step["tokens_per_s"], 6), p.peak_memory))  # ties: less memory first
-    return exact[:top]
+    fitting.sort(key=lambda p: (round(p.step["step_time_s"], 9), p.peak_memory))  # ties: less memory first
+    return fitting[:top]
 
 
-def _fitting(shape, layouts, training, hw, count_params, micro_batches, checkpointing):
-    """(rough tokens/s, layout, training) of every one of ``layouts`` that fits."""
-    rough: list[tuple[float, Layout, Training]] = []
+def _base(layout: Layout, mb: int, ckpt: str) -> tuple:
+    """What a layout and training are apart from the pipeline schedule."""
+    skip = ("schedule", "vpp")
+    return (*(getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name not in skip), mb, ckpt)
+
+
+def _fitting(shape, layouts, training, hw, count_params, micro_batches, checkpointing) -> list[Plan]:
+    """The plan of every one of ``layouts`` × micro-batch × checkpointing that the recipe can run and that fits.
+    ZB-H1 and interleaved are priced only where 1F1B fits the same layout: they hold as many activations
+    or more (every stage holds 1F1B's first stage's ``min(pp, m)``, or more chunks in flight)."""
+    out: list[Plan] = []
+    one_f_one_b_fits: set[tuple] = set()  # candidate_layouts lists a layout's 1F1B before its other schedules
     for layout in layouts:
         for mb in micro_batches:
-            if training.global_batch % (mb * layout.dp):
+            if training.global_batch % (mb * layout.dp) or interleaved_problem(
+                layout.schedule, layout.pp, training.global_batch, mb, layout.dp
+            ):
                 continue
             for ckpt in checkpointing:
+                base = _base(layout, mb, ckpt) if layout.pp > 1 else None
+                if zero_bubble_problem(layout.schedule, ckpt, layout.zero) or (
+                    layout.schedule != "1f1b" and base not in one_f_one_b_fits
+                ):
+                    continue
                 tr = dataclasses.replace(training, micro_batch=mb, checkpointing=ckpt)
                 try:
                     p = plan_layout(shape, layout, tr, hw, count_params)
                 except PlanError:
                     continue
                 if p.fits:
-                    rough.append((p.step["tokens_per_s"], layout, tr))
-    return rough
+                    out.append(p)
+                    if layout.schedule == "1f1b":
+                        one_f_one_b_fits.add(base)
+    return out

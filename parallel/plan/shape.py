@@ -4,7 +4,7 @@ of a GPT or Llama decoder from any config with those attributes, so ``parallel.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 from ..layers.embedding import padded_vocab_size
 from ..pipeline.partition import partition_layers
@@ -23,24 +23,59 @@ class ModelShape:
     seq_len: int
     tie_embeddings: bool = True
     vocab_multiple: int = 128
+    attn_head_dim: int | None = None  # None: d_model / n_heads
+    # multi-head latent attention (DeepSeek-V3) when kv_lora_rank > 0 (parallel.layers.mla)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def of(cls, cfg) -> ModelShape:
-        """The shape of any object carrying these attributes (e.g. ``models.config.ModelConfig``)."""
-        return cfg if isinstance(cfg, cls) else cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+        """The shape of any object carrying these attributes (e.g. ``models.config.ModelConfig``;
+        those with defaults may be absent)."""
+        if isinstance(cfg, cls):
+            return cfg
+        return cls(
+            **{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name) or f.default is MISSING}
+        )
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_head_dim or self.d_model // self.n_heads
+
+    @property
+    def qk_v_head_dims(self) -> tuple[int, int]:
+        """Each head's query/key and value widths (MLA: nope + rope and v_head_dim)."""
+        if self.kv_lora_rank:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.head_dim, self.head_dim
+
+    def attention_matmul_params(self) -> int:
+        """Weights of one block's attention matmuls (biases and norms excluded): q, k, v, o; or MLA's
+        q (down + up, or one projection), kv down (with the shared rotary key), kv up and o."""
+        d, H = self.d_model, self.n_heads
+        qk, v = self.qk_v_head_dims
+        if not self.kv_lora_rank:
+            return d * H * qk + 2 * d * self.n_kv_heads * qk + H * v * d
+        q = self.q_lora_rank * (d + H * qk) if self.q_lora_rank else d * H * qk
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * H * (self.qk_nope_head_dim + v)
+        return q + kv + H * v * d
+
+    def attention_core_flops_per_token(self) -> float:
+        """One block's attention scores and mixing, forward + backward, per token: ``6·s·H·(qk + v)``
+        (PaLM's ``12·s·d`` when both head widths are ``d / H``; causal masking not discounted)."""
+        qk, v = self.qk_v_head_dims
+        return 6 * self.seq_len * self.n_heads * (qk + v)
 
     def padded_vocab(self, tp: int) -> int:
         return padded_vocab_size(self.vocab_size, tp, self.vocab_multiple)
 
     def block_matmul_params(self) -> int:
-        """Weights of one block's matmuls (q, k, v, o and the MLP), biases and norms excluded."""
-        kv = self.n_kv_heads * self.head_dim
+        """Weights of one block's matmuls (attention and the MLP), biases and norms excluded."""
         mats = 3 if self.arch == "llama" else 2
-        return self.d_model * (self.d_model + 2 * kv) + self.d_model**2 + mats * self.d_model * self.d_ff
+        return self.attention_matmul_params() + mats * self.d_model * self.d_ff
 
 
 def layer_costs(shape: ModelShape) -> dict[str, float]:
@@ -66,7 +101,7 @@ def model_flops_per_token(shape: ModelShape) -> float:
     """Training FLOPs per token without recomputation (PaLM's 6·N + 12·L·d·s; the MFU numerator) of any config."""
     shape = ModelShape.of(shape)
     n = shape.n_layers * shape.block_matmul_params() + shape.vocab_size * shape.d_model
-    return 6 * n + 12 * shape.n_layers * shape.d_model * shape.seq_len
+    return 6 * n + shape.n_layers * shape.attention_core_flops_per_token()
 
 
 def model_tflops_per_device(tokens_per_s: float, shape: ModelShape, devices: int) -> float:

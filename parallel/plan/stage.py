@@ -60,7 +60,7 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
     ep_axis = AxisTraffic(dims.ep, group_crosses_node(t * dims.cp, dims.ep, hw.gpus_per_node))
     fwd = bwd = flops_s = 0.0
     acts = []
-    layer = C.layer_time(local, mb, t, sp, hw, tr.precision, tr.attention)
+    layer = C.layer_time(local, mb, t, sp, hw, tr.precision, tr.attention, tr.fp8)
     if dims.cp_enabled:  # each cp rank's s/cp queries attend over all s keys: cp × the local square
         layer = dataclasses.replace(
             layer, attention=layer.attention * dims.cp, attention_backward=layer.attention_backward * dims.cp
@@ -75,7 +75,18 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
         blocks_b = (n - n_moe) * layer.backward + n_moe * moe_layer.backward
         recompute = {"full": blocks_f, "selective": n * layer.attention}.get(ckpt, 0.0)
         tf, tb, (regather, scatter) = tp_traffic(
-            local, tp_axis, hw, n_layers=n, has_embedding=first, has_head=last, mb=mb, m=m, e=e, sp=sp, ckpt=ckpt
+            local,
+            tp_axis,
+            hw,
+            n_layers=n,
+            has_embedding=first,
+            has_head=last,
+            mb=mb,
+            m=m,
+            e=e,
+            sp=sp,
+            ckpt=ckpt,
+            fp8=tr.fp8,
         )
         cf, cb = cp_traffic(
             ctx.shape, cp_axis, hw, dims, n_layers=n, mb=mb, m=m, e=e, ckpt=ckpt, peak_flops=ctx.peak_flops
@@ -95,7 +106,7 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
         sp_b = partly_hidden(regather + scatter, sp_b, host_costs(hw).overlap_fraction)
         bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb + eb
         flops_s += f_s + b_s
-        kw = dict(tp=t, sequence_parallel=sp, checkpointing=ckpt, precision=tr.precision)
+        kw = dict(tp=t, sequence_parallel=sp, checkpointing=ckpt, precision=tr.precision, fp8=tr.fp8)
         acts.append(
             M.stage_activation_bytes(local, mb, len(r), has_embedding=first, has_head=last, **kw)
             + len(r) * extra_activation_bytes(ctx.shape, mb, dims, checkpointing=ckpt, e=e)

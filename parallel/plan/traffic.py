@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ..comm.counter import SENT_FRACTION
 from ..layers.cross_entropy import CE_MAX_BYTES_PER_TOKEN, CE_SUMS_BYTES_PER_TOKEN
 from ..overlap import DP_REDUCTION, ZERO3_GATHER
+from ..precision import FP8_BYTES
 from ..zero.compression import INDEX_BYTES, topk_count
 from ..zero.policy import policy
 from ..zero.theory import grad_reductions_per_step
@@ -172,12 +173,27 @@ def dp_traffic(
     return out
 
 
-def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt):
+def fp8_amax_calls(shape, fp8: str, sp: bool, tokens: int) -> tuple[tuple[int, int, int, str], ...]:
+    """One block's fp8 amax all-reduces on TP (:mod:`parallel.layers.fp8_linear`'s table):
+    ``(forward calls, backward calls, bytes each, what)``; fp32 scales, 4 bytes each."""
+    cols = 5 if shape.arch == "llama" else 4  # q, k, v and the MLP's column layers; 2 row layers
+    if fp8 == "tensorwise":  # the SP inputs', every weight's, the row inputs'; backward the column dY's
+        return ((2 * sp + cols + 2 + 2, cols, 4, "fp8 amax (tensorwise scales)"),)
+    return (  # rowwise: per token and per feature where the reduced axis is split
+        (2, cols, 4 * tokens, "fp8 amax (rowwise: row inputs forward, column dY backward, per token)"),
+        (2, cols, 4 * shape.d_model, "fp8 amax (rowwise: row weights forward, column weights backward)"),
+    )
+
+
+def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt, fp8=None):
     """TP collectives of a chunk, as the layers issue them (``axis`` accumulates all ``m`` micro-batches'
     bytes): seconds per micro-batch (forward, backward, (re-gathers, reduce-scatters)), the last pair
     sequence parallel's asynchronous column-layer backward (:data:`parallel.overlap.TP_SP_BACKWARD`). Each
-    call also costs ``tp_call_us`` (0 on GPU profiles), in the seconds but not in ``axis``."""
+    call also costs ``tp_call_us`` (0 on GPU profiles), in the seconds but not in ``axis``. ``fp8`` (a
+    recipe): its amax all-reduces (:func:`fp8_amax_calls`); tensorwise with SP the column layers' input
+    all-gathers carry fp8 (1 byte an element)."""
     act = e * mb * shape.seq_len * shape.d_model
+    gathered = act * FP8_BYTES / e if fp8 == "tensorwise" else act  # the column layers' input all-gathers
 
     calls_apart = [0.0]  # the calls of the collectives backward can hide: their cost cannot hide
 
@@ -190,23 +206,28 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
             return wire
         return wire + calls
 
-    def pair(count, what):
+    def pair(count, what, gather=act):
         if sp:
-            return op("all_gather", count, what + " (all-gather)") + op(
+            return op("all_gather", count, what + " (all-gather)", gather) + op(
                 "reduce_scatter", count, what + " (reduce-scatter)"
             )
         return op("all_reduce", count, what)
 
-    fwd = pair(2 * n_layers, "block forward")
+    fwd = pair(2 * n_layers, "block forward", gathered)
     regather = scatter = 0.0
     if sp:  # the row layers' all-gathers block; the column layers' input-gradient reduce-scatters do not
         bwd = op("all_gather", 2 * n_layers, "block backward (all-gather)")
         scatter = op("reduce_scatter", 2 * n_layers, "block backward (reduce-scatter)", hidable=True)
         # the column layers saved their input's sequence chunk: gathered again in backward
-        regather = op("all_gather", 2 * n_layers, "block backward (column inputs, gathered again)", hidable=True)
+        regather = op(
+            "all_gather", 2 * n_layers, "block backward (column inputs, gathered again)", gathered, hidable=True
+        )
         bwd += calls_apart[0]  # compute-side cost: what TP_SP_BACKWARD hides is the collectives' wait only
     else:
         bwd = pair(2 * n_layers, "block backward")
+    for f_calls, b_calls, payload, what in fp8_amax_calls(shape, fp8, sp, mb * shape.seq_len) if fp8 else ():
+        fwd += op("all_reduce", f_calls * n_layers, what + ", forward", payload)
+        bwd += op("all_reduce", b_calls * n_layers, what + ", backward", payload)
     if ckpt == "full":  # recomputation stops early (torch's non-reentrant checkpoint): the block's last
         # collective, the MLP's output reduction, is not redone
         if sp:

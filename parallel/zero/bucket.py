@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..comm.flight import RECORDER
 from .compression import TopKCompressor
 from .layout import BucketLayout
 from .offload import host_copy, host_empty, to_device
@@ -140,6 +141,7 @@ class FlatBucket:
 
     def launch_reduction(self) -> None:
         """Start this bucket's gradient collective (asynchronously)."""
+        RECORDER.bucket = self.layout.index  # the flight recorder's phase for the call(s) below
         if self.flat_grad is not None:
             self._settle()
         if self.compressor is not None:
@@ -157,6 +159,7 @@ class FlatBucket:
             handle = comm.reduce_scatter(out, full, group=self.group, async_op=True)
             self._pending = (handle, lambda: self._keep_shard(out))
         self.reduced = True
+        RECORDER.bucket = None
 
     def accumulate_full(self, param, slot_index: int) -> None:
         """ZeRO-2/3 with unsharded accumulation: add ``param.grad`` into the fp32 full gradient

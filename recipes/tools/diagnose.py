@@ -5,9 +5,11 @@
 Says:
 
 * the ranks that wrote no dump (dead before they could, or never reached a dump);
-* the first call at which a group's members disagree: another op, size or dtype at the same
-  sequence number, or a member that never issued a call the others did (it is elsewhere: its own
-  last call says where);
+* the first call at which a group's members disagree: another op, size, dtype or phase (step,
+  schedule action, bucket) at the same sequence number, or a member that never issued a call the
+  others did (it is elsewhere: its own last call says where);
+* for each pipeline pair, sends and receives that do not match (a send never received, a receive
+  whose send was never issued), or a transfer both sides issued that never completed;
 * where each rank stopped: its last call (op, group, sequence number, phase), ranks grouped;
 * the slowest rank over the steps every dump holds, and its lag behind the median.
 
@@ -22,9 +24,24 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from parallel.comm.recorder import Call, first_difference
+
+
+@dataclass(frozen=True)
+class Entry(Call):
+    """A recorded call with the phase it was issued in: members of a group issue each call in the
+    same phase (the same step, schedule action and bucket), so a shifted sequence shows at once."""
+
+    phase: str = ""
+
+    def key(self) -> tuple:
+        return (*super().key(), self.phase)
+
+    def describe(self) -> str:
+        return super().describe() + (f" in {self.phase}" if self.phase else "")
 
 
 class Diagnosis:
@@ -39,18 +56,23 @@ class Diagnosis:
         self.calls: dict[str, dict[int, tuple[int, list[Call]]]] = {}  # group -> rank -> (first seq, calls)
         self.last: dict[int, tuple] = {}
         self.steps: dict[int, dict[int, float]] = {}
+        self.p2p: dict[tuple[int, int], dict[str, tuple[int, str]]] = {}  # (src, dst) -> side -> (issued, phase)
 
     def add(self, dump: dict) -> None:
         r = dump["rank"]
         self.world = max(self.world, dump["world"])
         self.seen.add(r)
-        self.reasons.setdefault(dump["reason"], []).append(r)
+        self.reasons.setdefault(dump["reason"].split(":")[0], []).append(r)  # "watchdog", "SIGTERM", …
         e = dump["entries"]
         mine: dict[str, tuple[int, list[Call]]] = {}
-        for seq, group, op, numel, dtype, peer in zip(e["seq"], e["group"], e["op"], e["numel"], e["dtype"], e["peer"]):
+        cols = (e["seq"], e["group"], e["op"], e["numel"], e["dtype"], e["peer"], e["phase"])
+        for seq, group, op, numel, dtype, peer, phase in zip(*cols):
             if peer is None:
                 first, calls = mine.setdefault(group, (seq, []))
-                calls.append(Call(group, (), op, numel, dtype, ""))
+                calls.append(Entry(group, (), op, numel, dtype, "", phase=phase))
+            else:  # the p2p pair's last call on this side: how many it issued, and whether it completed
+                pair, side = ((r, peer), "send") if op == "send" else ((peer, r), "recv")
+                self.p2p.setdefault(pair, {})[side] = (seq + 1, phase)
         for group, ranks in dump["groups"].items():
             self.members[group] = tuple(ranks)
             self.issued.setdefault(group, {})[r] = dump["issued"].get(group, 0)
@@ -62,33 +84,100 @@ class Diagnosis:
         self.steps[r] = dict(dump.get("step_times", []))
 
     def _disagreements(self) -> list[str]:
-        out = []
+        """Per group, its first bad collective; the groups ordered by the step of that call (the
+        root cause first: a rank that skipped a call in step 3 then disagrees everywhere in step 4)."""
+        found = []
         for group, by_rank in sorted(self.issued.items()):
             members = [m for m in self.members[group] if m in self.seen]
             if len(members) < 2:
                 continue
+            candidates = []
             most = max(by_rank.get(m, 0) for m in members)
             behind = [m for m in members if by_rank.get(m, 0) < most]
             if behind:
                 n = min(by_rank.get(m, 0) for m in behind)
-                out.append(
-                    f"group {group}: ranks {_ranks(behind)} never issued collective #{n} that "
-                    f"{_ranks([m for m in members if by_rank.get(m, 0) > n])} did"
+                ahead = [m for m in members if by_rank.get(m, 0) > n]
+                call = self._call(group, ahead, n)
+                what = f" ({call.describe()})" if call else ""
+                line = (
+                    f"group {group}: ranks {_ranks(behind)} never issued collective #{n}{what} that {_ranks(ahead)} did"
                 )
-            held = self.calls.get(group, {})
-            start = max((held[m][0] for m in members if m in held), default=0)
-            ref = next((m for m in members if m in held), None)
-            for m in members:
-                if m == ref or m not in held or ref is None:
-                    continue
-                a, b = held[ref][1][start - held[ref][0] :], held[m][1][start - held[m][0] :]
-                n = min(len(a), len(b))
-                diff = first_difference(a[:n], b[:n])
-                if diff is not None:
-                    i, ca, cb = diff
-                    out.append(f"group {group}: ranks {ref} and {m} differ at collective #{start + i}: {ca} vs {cb}")
-                    break
-        return out
+                candidates.append((n, line, call.phase if call else ""))
+            if (diff := self._first_mismatch(group, members)) is not None:
+                candidates.append(diff)
+            if candidates:
+                i, line, phase = min(candidates)
+                found.append((_step_of(phase), i, line))
+        return [line for *_, line in sorted(found)]
+
+    def _call(self, group: str, ranks: list[int], n: int) -> Entry | None:
+        """Collective ``n`` of ``group`` as one of ``ranks`` holds it in its ring (None: none does)."""
+        for m in ranks:
+            first, calls = self.calls.get(group, {}).get(m, (0, []))
+            if first <= n < first + len(calls):
+                return calls[n - first]
+        return None
+
+    def _first_mismatch(self, group: str, members: list[int]) -> tuple[int, str, str] | None:
+        """The first collective every member holds on which they differ (the dry run's comparator,
+        :func:`first_difference`, against one member): the odd ones out by majority, or, two against
+        two, the side that is not stuck inside it."""
+        held = self.calls.get(group, {})
+        have = [m for m in members if m in held]
+        if len(have) < 2:
+            return None
+        start = max(held[m][0] for m in have)
+        seqs = {m: held[m][1][start - held[m][0] :] for m in have}
+        n = min(len(c) for c in seqs.values())
+        ref, first = have[0], None
+        for m in have[1:]:
+            diff = first_difference(seqs[ref][:n], seqs[m][:n])
+            if diff is not None and (first is None or diff[0] < first):
+                first = diff[0]
+        if first is None:
+            return None
+        sides: dict[tuple, list[int]] = {}
+        for m in have:
+            sides.setdefault(seqs[m][first].key(), []).append(m)
+        ordered = sorted(sides.values(), key=len)
+        odd, rest = ordered[0], [m for side in ordered[1:] for m in side]
+        if len(odd) == len(rest) and all(self._inside(m, group, start + first) for m in odd):
+            odd, rest = rest, odd  # a tie: the stuck side waits for the other
+        i = start + first
+        line = (
+            f"group {group}: ranks {_ranks(odd)} differ at collective #{i}: {seqs[odd[0]][first].describe()}, "
+            f"where ranks {_ranks(rest)} issued {seqs[rest[0]][first].describe()}"
+        )
+        return i, line, seqs[odd[0]][first].phase
+
+    def _inside(self, rank: int, group: str, seq: int) -> bool:
+        last = self.last.get(rank)
+        return last is not None and last[1] == group and last[2] == seq and last[5]
+
+    def _transfers(self, limit: int = 8) -> list[str]:
+        """Pipeline pairs whose sender is stuck inside its send to the receiver: the receiver never
+        posted that receive, or posted it and waits (a receive posted early, ahead of its send, is
+        the pipeline's normal state and not reported by itself)."""
+        out = []
+        for (src, dst), sides in sorted(self.p2p.items()):
+            if src not in self.seen or dst not in self.seen or not self._pending(src, "send", dst):
+                continue
+            (ns, ps), (nr, _) = sides.get("send", (0, "")), sides.get("recv", (0, ""))
+            if ns > nr:
+                line = f"p2p {src} → {dst}: rank {src} is inside send #{ns - 1} ({ps}); rank {dst} never posted its receive"
+                out.append((1, line))
+            else:  # a receiver waiting inside the receive first: the sender is what it waits for
+                waiting = self._pending(dst, "recv", src)
+                line = (
+                    f"p2p {src} → {dst}: rank {src} is inside send #{ns - 1} ({ps}), rank {dst} "
+                    f"{'waits inside it' if waiting else 'posted it'}: the transfer never completed"
+                )
+                out.append((0 if waiting else 2, line))
+        return [line for _, line in sorted(out, key=lambda x: x[0])][:limit]
+
+    def _pending(self, rank: int, op: str, peer: int) -> bool:
+        last = self.last.get(rank)
+        return last is not None and last[0] == op and last[3] == peer
 
     def _stopped(self, limit: int = 8) -> list[str]:
         """Ranks by where they stopped (op, sequence number, phase; the group's name aside, so that
@@ -124,11 +213,18 @@ class Diagnosis:
         missing = sorted(set(range(self.world)) - self.seen)
         if missing:
             lines.append(f"no dump from ranks {_ranks(missing)} (dead, or never reached a dump)")
+        lines += self._transfers()  # a rank stuck inside a send: what the others wait for, first
         lines += self._disagreements() or ["every group's members issued the same collectives"]
         lines += self._stopped()
         if (slow := self._slowest()) is not None:
             lines.append(slow)
         return lines
+
+
+def _step_of(phase: str) -> int:
+    """The step a phase names (``"step 3 F mb1"`` → 3; none: after every step)."""
+    words = phase.split()
+    return int(words[1]) if len(words) > 1 and words[0] == "step" and words[1].isdigit() else 1 << 62
 
 
 def _ranks(ranks) -> str:

@@ -1,6 +1,6 @@
 """``mode=dryrun``: one real training step of chosen ranks of any layout, on no hardware.
 
-``python -m recipes.gpt175b mode=dryrun [dryrun.ranks=[0,8704,17919]] [dryrun.peers=true]``
+``python -m recipes.gpt175b mode=dryrun [dryrun.ranks=[0,8704,17919] | dryrun.ranks=classes] [dryrun.peers=true]``
 
 Each chosen rank runs in a fresh process (a clean default process group), ``dryrun.jobs``
 at a time. The process joins torch's ``fake`` process group as that rank of the real
@@ -46,6 +46,7 @@ from parallel.dims import local_seq_len
 from ..config import RecipeConfig, bad
 from ..training.trainer import Trainer
 from ..validation import validate
+from . import dryrun_classes as classes
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 MEMORY_KEYS = ("params", "grads", "optimizer", "buffers", "activations", "temporaries")
@@ -320,6 +321,21 @@ def format_rank(result: dict, comparison: dict | None) -> str:
     return "\n".join(lines)
 
 
+def _chosen_ranks(rc: RecipeConfig, world: int, topo) -> list[int]:
+    """``dryrun.ranks`` as given (checked against the world), or :func:`default_ranks`."""
+    given = rc.dryrun.ranks
+    if given is None:
+        return default_ranks(world, topo.pp, topo.dp, topo.tp)
+    if isinstance(given, str) or not all(isinstance(r, int) and not isinstance(r, bool) for r in given):
+        raise bad("dryrun.ranks", given, "is neither a list of ranks nor 'classes'", "name ranks, or classes")
+    for r in given:
+        if not 0 <= r < world:
+            raise bad(
+                "dryrun.ranks", list(given), f"rank {r} is outside the world [0, {world})", f"name ranks 0..{world - 1}"
+            )
+    return list(given)
+
+
 def run_dryrun(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     """``mode=dryrun``: dry-run the configured ranks (and peers); print and write ``dryrun.json``."""
     from parallel.comm import Call, compare_sequences
@@ -333,30 +349,27 @@ def run_dryrun(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     topo = Topology(
         layout.dp, rc.parallel.pp, rc.parallel.tp, rc.parallel.cp, ep=rc.parallel.ep, order=rc.parallel.order
     )
-    ranks = list(rc.dryrun.ranks) if rc.dryrun.ranks else default_ranks(world, topo.pp, topo.dp, topo.tp)
-    for r in ranks:
-        if not 0 <= r < world:
-            raise bad(
-                "dryrun.ranks",
-                list(rc.dryrun.ranks),
-                f"rank {r} is outside the world [0, {world})",
-                f"name ranks 0..{world - 1}",
-            )
-    if rc.dryrun.peers:
+    by_class = rc.dryrun.ranks == "classes"
+    ranks = classes.class_ranks(topo) if by_class else _chosen_ranks(rc, world, topo)
+    if rc.dryrun.peers and not by_class:
         ranks = sorted(set(ranks) | {p for r in ranks for p in peer_ranks(topo, r)})
     t0 = time.perf_counter()
-    results = run_ranks(rc, ranks, world, run_dir, jobs=rc.dryrun.jobs)
+    results = (classes.run_forked if by_class else run_ranks)(rc, ranks, world, run_dir, jobs=rc.dryrun.jobs)
     try:
         plan = plan_from_config(rc)
     except (ValueError, KeyError) as e:  # the planner refuses some layouts the trainer runs: say so
         print(f"(no planner figures: {e})")
         plan = None
     report: dict[str, Any] = {"world_size": world, "ranks": {}, "seconds": time.perf_counter() - t0}
+    comparisons = {r: compare_with_plan(results[r], plan) if plan else None for r in ranks}
     for r in ranks:
-        comparison = compare_with_plan(results[r], plan) if plan else None
-        print(format_rank(results[r], comparison))
-        report["ranks"][r] = {**results[r], "plan": comparison}
-    if rc.dryrun.peers:
+        if not by_class:
+            print(format_rank(results[r], comparisons[r]))
+        report["ranks"][r] = {**results[r], "plan": comparisons[r]}
+    if by_class:
+        print(f"{len(ranks)} ranks, one per class and DP replica, in {report['seconds']:.1f} s:")
+        print("\n".join(classes.class_table(topo, results, comparisons)))
+    if rc.dryrun.peers or by_class:
         calls = {r: [Call(**{**c, "ranks": tuple(c["ranks"])}) for c in results[r]["calls"]] for r in ranks}
         problems = compare_sequences(calls)
         report["sequence_problems"] = problems

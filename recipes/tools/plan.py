@@ -29,6 +29,7 @@ from parallel.plan import (
     recommend,
     resolve,
 )
+from parallel.precision import FP8, base_precision
 
 from ..config import ConfigError, RecipeConfig, model_config
 
@@ -74,7 +75,8 @@ def _training(rc: RecipeConfig, mc: ModelConfig) -> Training:
     return Training(
         global_batch=t.global_batch,
         micro_batch=t.micro_batch,
-        precision=t.precision,
+        precision=base_precision(t.precision),
+        fp8=t.fp8_recipe if t.precision == FP8 else None,
         checkpointing=mc.activation_checkpointing,
         optimizer=rc.optim.name,
         comm_dtype=c.dtype,
@@ -255,7 +257,8 @@ def plan_footer(plan: Plan) -> list[str]:
         + (f" cp={L['cp']} ({L['cp_impl']})" if L.get("cp", 1) > 1 else "")
         + (f" ep={L['ep']}" if "params_total" in s else "")
         + f" zero={L['zero']} sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
-        f"{plan.grad_accum} per step, checkpointing {plan.training['checkpointing']}, {plan.training['precision']}",
+        f"{plan.grad_accum} per step, checkpointing {plan.training['checkpointing']}, {plan.training['precision']}"
+        + (f" with fp8 {plan.training['fp8']} GEMMs" if plan.training.get("fp8") else ""),
         f"fits: {'yes' if plan.fits else 'NO'} (peak {plan.peak_memory / GB:.2f} GB)  step {s['step_time_s']:.3f} s "
         f"(pipeline {s['pipeline_s']:.3f}, bubble {s['bubble_fraction']:.1%}, exposed DP {s['dp_exposed_s']:.3f})  "
         f"{s['tokens_per_s']:,.0f} tokens/s  MFU {s['mfu']:.1%}  compute/comm {s['compute_comm_ratio']:.2f}",

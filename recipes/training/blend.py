@@ -47,6 +47,8 @@ class BlendedDataset(TokenDataset):
         super().__init__(ShardedTokens(flat), parts[0].vocab_size, parts[0].seq_len, parts[0].sampling)
         self.parts, self.names = parts, names
         self.bases = np.cumsum([0] + [p.tokens.size for p in parts])[:-1]
+        if parts[0].doc_ends is not None:  # packing=documents: the corpora's document ends, in the joined stream
+            self.doc_ends = np.concatenate([p.doc_ends + np.uint64(b) for p, b in zip(parts, self.bases)])
         w = np.asarray(weights, dtype=np.float64)
         self.cumulative = np.cumsum(w / w.sum())
         self.cumulative[-1] = 1.0
@@ -82,13 +84,13 @@ class BlendedDataset(TokenDataset):
         return out
 
 
-def open_blend(spec: str, split: str, seq_len: int, sampling: str) -> BlendedDataset:
+def open_blend(spec: str, split: str, seq_len: int, sampling: str, packing: str = "concat") -> BlendedDataset:
     """The blend ``spec`` names (:func:`parse_blend`), its corpora opened at ``split``."""
     pairs = parse_blend(spec)
     parts = []
     for _, path in pairs:
         try:
-            parts.append(TokenDataset.open(path, split, seq_len, sampling))
+            parts.append(TokenDataset.open(path, split, seq_len, sampling, packing))
         except DataError as e:
             raise DataError(f"data.blend corpus {e}") from None  # TokenDataset.open names the path
     return BlendedDataset(parts, [w for w, _ in pairs], [p for _, p in pairs])

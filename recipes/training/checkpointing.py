@@ -43,6 +43,7 @@ from parallel.checkpoint import (
     verify_checkpoint,
 )
 
+from .drills import PROCESS_KINDS
 from .resume import checkpoint_root, find_resume_point, is_verified, note_verified
 
 CKPT_ON_ERROR = ("stop", "continue")  # train.ckpt_on_error: what a save the storage refuses does
@@ -140,7 +141,8 @@ class Preemption:
     die: a watchdog thread wakes on the signal at once (``signal.set_wakeup_fd``
     writes even while the main thread is inside C++) and exits the process
     with status 143 if the main thread has not acknowledged it within
-    ``grace_s`` seconds.
+    ``grace_s`` seconds. ``on_signal(name)``, if given, runs on that thread as the
+    signal arrives (the trainer dumps its flight recorder there).
 
     The same agreement carries a request to stop without a save (:meth:`request`
     ``SAVE_FAILED``: a rank's background save was refused by the storage); the larger code
@@ -150,9 +152,10 @@ class Preemption:
     agreed = 0  # the code the ranks agreed on: 0, SIGNALLED or SAVE_FAILED
     _asked = 0  # this rank's request besides a signal (request())
 
-    def __init__(self, grace_s: float):
+    def __init__(self, grace_s: float, on_signal=None):
         self.flag = False
         self.grace_s = grace_s
+        self.on_signal = on_signal  # called by the watcher thread as the signal arrives (the flight dump)
         self._pending: tuple | None = None  # the previous poll's (copy event, host flag)
         self._device_flag: torch.Tensor | None = None
         self._acknowledged = threading.Event()
@@ -181,6 +184,8 @@ class Preemption:
                     return  # closed
                 if signal.SIGTERM in data or signal.SIGINT in data:
                     self.flag = True
+                    if self.on_signal is not None:  # at once, even with the main thread stuck in C++
+                        self.on_signal("SIGTERM" if signal.SIGTERM in data else "SIGINT")
                     if not self._acknowledged.wait(self.grace_s):
                         os._exit(128 + signal.SIGTERM)
                     return
@@ -241,6 +246,8 @@ def fault_drill(fault: str | None, rank: int, step: int, where: str = "step") ->
         return
     kind, at = fault.split("@")
     r, s = (int(x) for x in at.split(":"))
+    if kind not in PROCESS_KINDS:  # a communication drill, a straggler, an OOM: recipes/training/drills.py
+        return
     if r != rank or s != step or kind.endswith("_in_save") != (where == "save"):
         return
     if kind in ("raise", "raise_in_save"):

@@ -32,6 +32,7 @@ import torch
 
 from parallel.layers import cp_slice
 
+from .packing import window_positions
 from .sampling import SAMPLINGS, epoch_walk
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -144,6 +145,27 @@ class ShardedTokens:
         return out
 
 
+def document_index(path: str | Path, split: str, meta: dict, n_tokens: int) -> np.ndarray:
+    """The document ends of one split (``<split>.idx``, uint64, memory-mapped) that ``packing=documents``
+    reads; :class:`DataError` when the directory has none or it does not cover the split's tokens."""
+    name = (meta.get("index") or {}).get(split) if isinstance(meta.get("index"), dict) else None
+    where = Path(path) / (name or f"{split}.idx")
+    if not name or not where.is_file():
+        raise DataError(
+            f"{where} is missing: data.packing=documents needs the document index that `python -m recipes.prepare` "
+            f"writes (this corpus has none); prepare it again with recipes.prepare, or use data.packing=concat"
+        )
+    size = where.stat().st_size
+    ends = np.memmap(where, dtype=np.uint64, mode="r") if size and not size % 8 else np.zeros(0, np.uint64)
+    if ends.size == 0 or int(ends[-1]) != n_tokens:
+        last = int(ends[-1]) if ends.size else 0
+        raise DataError(
+            f"{where} ends at token {last:,} but the {split!r} split holds {n_tokens:,} (truncated or replaced); "
+            f"prepare it again with recipes.prepare"
+        )
+    return ends
+
+
 def max_token(tokens: np.ndarray | ShardedTokens, chunk: int = 1 << 24) -> int:
     """The largest id in ``tokens``, read in chunks (bounded memory)."""
     if isinstance(tokens, ShardedTokens):
@@ -224,6 +246,7 @@ class TokenDataset:
     vocab_size: int
     seq_len: int
     sampling: str = "random"
+    doc_ends: np.ndarray | None = None  # packing=documents: one past each document's last token (uint64)
 
     def n_windows(self) -> int:
         """Windows of an epoch: ``seq_len`` inputs each, consecutive ones sharing one token (the target)."""
@@ -239,7 +262,9 @@ class TokenDataset:
         return {"epoch": self.epochs_done(steps, global_batch)} if self.sampling == "epoch" else {}
 
     @classmethod
-    def open(cls, path: str | Path, split: str, seq_len: int, sampling: str = "random") -> TokenDataset:
+    def open(
+        cls, path: str | Path, split: str, seq_len: int, sampling: str = "random", packing: str = "concat"
+    ) -> TokenDataset:
         path = Path(path)
         try:
             meta = read_meta(path)
@@ -253,7 +278,8 @@ class TokenDataset:
             )
         if sampling not in SAMPLINGS:
             raise DataError(f"data.sampling must be one of {SAMPLINGS}, got {sampling!r}")
-        return cls(tokens=tokens, vocab_size=int(meta["vocab_size"]), seq_len=seq_len, sampling=sampling)
+        ends = document_index(path, split, meta, tokens.size) if packing == "documents" else None
+        return cls(tokens=tokens, vocab_size=int(meta["vocab_size"]), seq_len=seq_len, sampling=sampling, doc_ends=ends)
 
     def offsets(self, step: int, count: int, seed: int) -> np.ndarray:
         """The ``count`` window starts of ``step`` (0-based), a function of (seed, step, count) only.
@@ -264,13 +290,16 @@ class TokenDataset:
         rng = np.random.default_rng([seed, step])
         return rng.integers(0, self.tokens.size - window_tokens(self.seq_len) + 1, size=count)
 
-    def windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets ``[len(starts), seq_len]`` (int64)."""
+    def windows(self, starts: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """Inputs and next-token targets ``[len(starts), seq_len]`` (int64); with a document index
+        (``packing=documents``) also the inputs' positions in their documents (:func:`window_positions`)."""
         idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
         chunk = torch.from_numpy(self.tokens[idx].astype(np.int64))
-        return chunk[:, :-1], chunk[:, 1:]
+        if self.doc_ends is None:
+            return chunk[:, :-1], chunk[:, 1:]
+        return chunk[:, :-1], chunk[:, 1:], window_positions(self.doc_ends, np.asarray(starts), self.seq_len)
 
-    def global_batch(self, step: int, global_batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def global_batch(self, step: int, global_batch: int, seed: int) -> tuple[torch.Tensor, ...]:
         return self.windows(self.offsets(step, global_batch, seed))
 
     def rank_microbatches(
@@ -284,14 +313,16 @@ class TokenDataset:
         seed: int,
         cp: int = 1,
         cp_rank: int = 0,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This DP rank's micro-batches of ``step``: disjoint, contiguous slices of the global batch;
-        with ``cp > 1``, cp rank ``cp_rank``'s part of each sequence (``seq_len/cp`` tokens)."""
+    ) -> list[tuple[torch.Tensor, ...]]:
+        """This DP rank's micro-batches of ``step``: disjoint, contiguous slices of the global batch
+        (inputs, targets and, packing documents, positions: :meth:`windows`); with ``cp > 1``, cp rank
+        ``cp_rank``'s part of each sequence (``seq_len/cp`` tokens) of the inputs and targets; the
+        positions stay whole (every cp rank builds the whole window's document mask)."""
         starts = self.offsets(step, global_batch, seed)
         per_rank = global_batch // dp
         mine = starts[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         mbs = [self.windows(mine[i : i + micro_batch]) for i in range(0, per_rank, micro_batch)]
-        return [(cp_slice(x, cp, cp_rank), cp_slice(y, cp, cp_rank)) for x, y in mbs]
+        return [(cp_slice(mb[0], cp, cp_rank), cp_slice(mb[1], cp, cp_rank), *mb[2:]) for mb in mbs]
 
 
 def batch_shortfalls(rc, seq_len: int) -> list[str]:
@@ -330,18 +361,20 @@ def open_data(
     val_fraction: float = 0.05,
     sampling: str = "auto",
     blend: str | None = None,
+    packing: str = "concat",
 ) -> TokenDataset:
     """The dataset a recipe's ``data`` config names: ``blend`` (prepared corpora mixed by weight,
     :mod:`.blend`), else ``source``. ``sampling="auto"``: epochs for prepared data, random windows
-    for the embedded corpus."""
+    for the embedded corpus. ``packing="documents"``: windows carry their positions (needs the
+    document index ``recipes.prepare`` writes)."""
     if sampling == "auto":
         sampling = "epoch" if source == "memmap" or blend else "random"
     if blend:
         from .blend import open_blend
 
-        return open_blend(blend, split, seq_len, sampling)
+        return open_blend(blend, split, seq_len, sampling, packing)
     if source == "embedded":
         path = embedded_corpus(embedded_mb, val_fraction)
     elif source != "memmap":
         raise DataError(f"unknown data.source {source!r}; expected 'embedded' or 'memmap'")
-    return TokenDataset.open(path, split, seq_len, sampling)
+    return TokenDataset.open(path, split, seq_len, sampling, packing)

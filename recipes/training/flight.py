@@ -36,8 +36,16 @@ def torch_recorder_env(run_dir: str | os.PathLike) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
+_WATCHDOG_DUMPED: set[str] = set()  # run dirs where this process's watchdog wrote its dump
+
+
 def dump_now(run_dir: str | os.PathLike, reason: str) -> Path | None:
-    """Write this rank's dump; None (and no exception) if the disk refuses it."""
+    """Write this rank's dump; None (and no exception) if the disk refuses it. A signal after this
+    rank's watchdog dumped (the launcher stopping the job it ended) keeps the watchdog's reason."""
+    if reason in ("SIGTERM", "SIGINT") and str(run_dir) in _WATCHDOG_DUMPED:
+        return None
+    if reason.startswith("watchdog"):
+        _WATCHDOG_DUMPED.add(str(run_dir))
     try:
         return flight.dump(folder(run_dir), reason)
     except OSError:

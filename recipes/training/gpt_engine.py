@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from models.compiled import compile_stage
 from models.transformer import build_model
 from parallel.engine import StepEngine
 from parallel.groups import ParallelGroups
@@ -12,6 +13,7 @@ from parallel.layers.moe import MoELayer
 from parallel.pipeline.partition import stage_chunks
 from parallel.pipeline.schedules import build_schedule
 from parallel.plan.shape import ModelShape, layer_partition
+from parallel.precision import base_precision
 from parallel.zero import ZeroConfig
 
 from ..config import Layout, RecipeConfig
@@ -64,10 +66,10 @@ def build_gpt_engine(
     ]
     if t.compile:  # before the engine takes the loss and ZeRO its hooks: they stay outside the graphs
         for chunk in chunks:
-            chunk.compile_blocks(t.compile_backend)
+            compile_stage(chunk, t.compile_backend)
     zero = ZeroConfig(
         stage=p.zero,
-        precision=t.precision,
+        precision=base_precision(t.precision),  # fp8 keeps bf16 parameters (parallel.precision)
         comm_dtype=cm.dtype,
         bucket_mb=cm.bucket_mb,
         overlap=cm.overlap,

@@ -63,8 +63,10 @@ def check_backend(backend: str | None) -> None:
         )
 
 
-def _split(path: Path, split: str, meta: dict, key: str, value: Any, seq_len: int, vocab: int) -> None:
-    from .data import MAX_SCANNED_TOKENS, DataError, max_token, split_tokens, window_tokens
+def _split(
+    path: Path, split: str, meta: dict, key: str, value: Any, seq_len: int, vocab: int, packing: str = "concat"
+) -> None:
+    from .data import MAX_SCANNED_TOKENS, DataError, document_index, max_token, split_tokens, window_tokens
 
     try:
         tokens = split_tokens(path, split, meta)
@@ -86,6 +88,12 @@ def _split(path: Path, split: str, meta: dict, key: str, value: Any, seq_len: in
             f"{path / (split + '.bin')} holds token id {top}, ≥ model.vocab_size {vocab}",
             f"set model.vocab_size={top + 1} or more, or tokenise the data again",
         )
+    if packing == "documents":
+        try:
+            document_index(path, split, meta, tokens.size)
+        except DataError as e:
+            reason, _, fix = str(e).partition("; ")
+            raise bad(key, value, reason, fix) from None
 
 
 def check_data(rc: Any, mc: ModelConfig) -> list[Path]:
@@ -140,7 +148,7 @@ def _check_dir(rc: Any, mc: ModelConfig, key: str, value: Any, path: Path) -> Pa
         )
     splits = ["train", "val"] if rc.train.eval_every else ["train"]
     for split in splits:
-        _split(path, split, meta, key, value, mc.seq_len, mc.vocab_size)
+        _split(path, split, meta, key, value, mc.seq_len, mc.vocab_size, rc.data.packing)
     return path
 
 

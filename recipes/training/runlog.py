@@ -59,6 +59,8 @@ WANDB_CHECK_TIMEOUT_S = 3.0
 BAR_COLUMNS = 64
 #: the metrics a progress line shows, most important first (the ones that do not fit are left out)
 SHOWN = ("loss", "val_loss", "epoch", "lr", "grad_norm", "tokens_per_s", "mfu", "comm_frac", "mem_gb")
+#: the line also names the slowest rank (recipes/training/guards.py) when it lags the median by more than this
+STRAGGLER_SHOWN = 0.10
 
 
 def terminal_columns(stream=None) -> int:
@@ -203,6 +205,8 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=record.get("step"))
         shown = {k: _fmt(record[k]) for k in SHOWN if k in record}
+        if (record.get("slowest_lag") or 0.0) > STRAGGLER_SHOWN:
+            shown["slowest"] = f"rank{record['slowest_rank']}{record['slowest_lag']:+.0%}"
         if self._bar is not None:  # the metrics that fit beside the bar in the terminal's current width
             width = terminal_columns() or self._bar.ncols
             self._bar.ncols = width

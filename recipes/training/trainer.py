@@ -4,7 +4,8 @@ Read top to bottom: validate the config (pure, before any collective) → join
 the process group → build this rank's grid groups → build this rank's step
 engine (:func:`recipes.training.gpt_engine.build_gpt_engine`: its GPT chunks under ZeRO,
 the pipeline schedule; :class:`parallel.engine.StepEngine` owns the step) → the
-loop: learning rate, evaluation, logging, checkpoint policy, profiler, timeline.
+loop: learning rate, evaluation, logging, checkpoint policy, profiler, timeline, and the step's
+guards (:mod:`recipes.training.guards`: hang watchdog, stragglers, fault drills, OOM forensics).
 
 Every layout runs the same math: the global batch of a step is fixed by
 ``(seed, step)``; DP ranks take disjoint slices; micro-batches are accumulated
@@ -23,14 +24,13 @@ import torch
 from omegaconf import OmegaConf
 
 from parallel.checkpoint import latest_checkpoint
-from parallel.comm import flight
 from parallel.compile import compile_report, compile_stats, use_inductor_cache
 from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
-from parallel.layers import check_token_ids_together
+from parallel.layers import Fp8Recipe, check_token_ids_together, enable_fp8
 from parallel.layers.moe import moe_metrics
 from parallel.plan.shape import model_tflops_per_device
-from parallel.precision import TORCH_DTYPES
+from parallel.precision import FP8, TORCH_DTYPES, base_precision
 from parallel.topology import Topology
 
 from ..config import Layout, RecipeConfig
@@ -39,8 +39,10 @@ from . import checkpointing, runlock
 from .data import open_data
 from .divergence import SkipWatch, stop_message
 from .exits import EXIT_DIVERGED, LauncherWatch, finish_distributed
+from .flight import dump_now
 from .flight import install as install_flight_dumps
 from .gpt_engine import build_gpt_engine
+from .guards import StepGuards
 from .prefetch import Prefetcher
 from .profiling import StepProfiler, profile_steps
 from .reports import cpu_wait_clock, memory_report, time_report, timeline_step
@@ -67,11 +69,14 @@ class Trainer:
         self.groups: ParallelGroups = build_groups(self.topology, timeout_s=p.timeout_s)
         self.rank = self.groups.rank
         self.device = default_device(self.groups.backend)
-        self.dtype = COMPUTE_DTYPES[t.precision]
+        self.dtype = COMPUTE_DTYPES[base_precision(t.precision)]  # fp8: a bf16 run, its TP GEMMs in fp8
         self.model_cfg = self.layout.model
         # train.compile: inductor's kernels under the run (parallel/compile.py), set before anything compiles
         self.compile_cache = use_inductor_cache(run_dir) if t.compile and t.compile_backend == "inductor" else None
         self.ranges, self.engine = build_gpt_engine(rc, self.layout, self.groups, self.device, self.dtype)
+        if t.precision == FP8:  # the blocks' linears only: the head and the embedding stay bf16
+            blocks = [b for ch in self.engine.model.chunks for b in ch.blocks.values()]
+            enable_fp8(blocks, Fp8Recipe(t.fp8_recipe, emulate=t.fp8_emulate))
         self.train_data = self.open_data("train")
         if self.train_data.vocab_size > self.model_cfg.vocab_size:
             raise ValueError(
@@ -82,21 +87,23 @@ class Trainer:
         self.val_data = self.open_data("val") if t.eval_every else None
         self.prefetch = Prefetcher(self.host_microbatches)  # its thread starts at the first read
         self.step = 0
+        self.guards = None  # the loop's StepGuards (recipes/training/guards.py): data time, stragglers
 
     def open_data(self, split: str):
         """The token dataset of ``split`` ("train" / "val") that ``rc.data`` names."""
         d = self.rc.data
         seq = self.model_cfg.seq_len
-        return open_data(d.source, d.path, split, seq, d.embedded_mb, d.val_fraction, d.sampling, d.blend)
+        return open_data(d.source, d.path, split, seq, d.embedded_mb, d.val_fraction, d.sampling, d.blend, d.packing)
 
     def microbatches(self, step: int, data=None, seed: int | None = None):
         """This rank's micro-batches of ``step``: its DP slice of the layout-independent global batch,
         on the device. The training split's host batches are read one step ahead in a background
         thread (:class:`.prefetch.Prefetcher`); only the copy to the device is on the step's path."""
         host = self.prefetch.get(step) if data is None and seed is None else self.host_microbatches(step, data, seed)
-        return [x.to(self.device, non_blocking=True) for x, _ in host], [
-            y.to(self.device, non_blocking=True) for _, y in host
-        ]
+        inputs, targets, *positions = ([t.to(self.device, non_blocking=True) for t in ts] for ts in zip(*host))
+        if positions:  # packing=documents: every stage's chunks take them (parallel.engine.StepEngine.step)
+            return inputs, targets, [{"positions": p} for p in positions[0]]
+        return inputs, targets
 
     def host_microbatches(self, step: int, data=None, seed: int | None = None) -> list:
         """The host side of :meth:`microbatches`: ids checked against the vocabulary, pinned on CUDA."""
@@ -113,10 +120,10 @@ class Trainer:
         )
         # on the host batch, before it moves (no device read), the whole step's ids in one pass
         check_token_ids_together(
-            [(t, what) for x, y in mbs for t, what in ((x, "token ids"), (y, "targets"))], self.model_cfg.vocab_size
+            [(t, what) for x, y, *_ in mbs for t, what in ((x, "token ids"), (y, "targets"))], self.model_cfg.vocab_size
         )
         if self.device.type == "cuda":  # a pinned source makes the non-blocking copy asynchronous
-            mbs = [(x.pin_memory(), y.pin_memory()) for x, y in mbs]
+            mbs = [tuple(t.pin_memory() for t in mb) for mb in mbs]
         return mbs
 
     def evaluate(self, read: bool = True) -> float | torch.Tensor:
@@ -143,8 +150,14 @@ class Trainer:
             schedule=o.schedule,
         )
         self.engine.set_lr(lr)
-        inputs, targets = self.microbatches(step)
-        return {"lr": lr, **self.engine.step(inputs, targets, read=read, measure_memory=measure_memory, norm=norm)}
+        g = self.guards
+        inputs, targets, *context = (
+            g.read_data(step + 1, lambda: self.microbatches(step)) if g else self.microbatches(step)
+        )
+        gather = g.gather() if g and read else None  # every rank's times, read with the loss (the stragglers)
+        step_kw = dict(read=read, measure_memory=measure_memory, norm=norm, gather=gather)
+        stats = self.engine.step(inputs, targets, context=context[0] if context else None, **step_kw)
+        return {"lr": lr, **stats}
 
     # ------------------------------------------------------ checkpoint (recipes/training/checkpointing.py)
     def state_dict(self) -> dict:
@@ -231,12 +244,13 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
     world = trainer.topology.world_size
     last: dict[str, Any] = {}
     _resume(trainer, log, t.resume, run_dir)  # checkpoint: resume (recipes/training/checkpointing.py)
-    preemption = checkpointing.Preemption(grace_s=t.sigterm_grace_s)
+    preemption = checkpointing.Preemption(t.sigterm_grace_s, on_signal=lambda name: dump_now(run_dir, name))
     install_flight_dumps(run_dir)  # kill -USR1 <pid>: this rank's flight recorder to <run>/flight
     saver = checkpointing.Saver(trainer, preemption=preemption, say=log.info)  # train.ckpt_async: in the background
     skips = SkipWatch(t.max_skipped_steps, trainer.device, lr=rc.optim.lr, grad_clip=t.grad_clip, precision=t.precision)
     preempted, stopped = False, None
     profiler = StepProfiler(profile_steps(rc.logger.profile, t.max_steps), run_dir, trainer.rank, trainer.device)
+    trainer.guards = guards = StepGuards(trainer, run_dir)  # watchdog, drills, stragglers, memory forensics
     try:
         first = trainer.step  # 0, or the step a resumed checkpoint continues from
         window_start, window_steps = time.perf_counter(), 0  # wall time and steps since the last read
@@ -251,7 +265,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             # parallel.engine.PendingLoss), which an unread step does not
             read = (step + 1) % t.log_every == 0 or step == first or step + 1 == t.max_steps or eval_due or save_due
             profiler.before(step + 1)  # logger.profile
-            flight.set_phase(f"step {step + 1}")  # what the flight recorder's next calls say they were for
+            guards.begin(step + 1)  # the flight recorder's phase, the watchdog's clock, the drills
             step_t0 = time.perf_counter()
             if rc.logger.timeline and step == first + 1:  # a steady step (the first warms up, measures memory)
                 rec = timeline_step(trainer, step, Path(run_dir) / "timeline.png", read=read)
@@ -261,10 +275,10 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
             _report_first_steps(trainer, log, step, first, step_t0, read)
             skips.after_step(rec)  # the divergence policy's counts, on the device (no host read)
             rec["step"] = step + 1
+            guards.after(step + 1, rec)  # read: the slowest rank and its lag
             window_steps += 1
             if read:  # the device has done every step since the last read: wall time is its time
                 rec["tokens_per_s"] = tokens_per_step * window_steps / (time.perf_counter() - window_start)
-                flight.RECORDER.note_step(step + 1, (time.perf_counter() - window_start) / window_steps)
                 if cpu_wait:  # per step
                     rec["runqueue_s"] = (cpu_wait() - window_rq) / window_steps
                 if peak:
@@ -286,6 +300,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                     break
             # --- checkpoint: periodic / final save, SIGTERM → save and stop ---
             preempted = preemption.poll()  # every step, no host wait: agreed by all ranks one step late
+            guards.watchdog.end()  # the step's collectives are all issued: saves are not timed
             if launcher.gone():  # its launcher was killed: no save, no barrier with its dead store
                 launcher.stop(trainer.rank, trainer.step)
             saver.poll()  # says a published background save; raises a failed one here, at once
@@ -310,8 +325,11 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                 window_start, window_steps = time.perf_counter(), 0
                 window_rq = cpu_wait() if cpu_wait else 0.0
         saver.close()  # the end of training waits for the last save
+    except torch.OutOfMemoryError as e:
+        guards.out_of_memory(e)  # its bytes by kind beside the planner's; a CUDA snapshot
+        raise
     finally:
-        for part in (profiler, preemption, log, trainer.prefetch):  # the data thread stops reading ahead
+        for part in (guards, profiler, preemption, log, trainer.prefetch):  # the data thread stops reading ahead
             part.close()
     last = read_stats(last)  # the last step was read, or reduced by the pre-emption log: no collective here
     finish_distributed(trainer.device, owned=trainer.owns_process_group)  # a clean exit (recipes/training/exits.py)

@@ -24,6 +24,7 @@ LAYOUTS = {
 
 def _block_step(layout: str, compiled: bool):
     """One block's forward + backward on this rank: (output, input grad, weight grads, bytes by op)."""
+    from models.compiled import compile_block, compile_stage
     from models.config import preset
     from models.transformer import build_model
 
@@ -35,9 +36,9 @@ def _block_step(layout: str, compiled: bool):
     stage = build_model(cfg, seed=3, **kwargs(group))
     block = stage.blocks["0"]
     if compiled and layout == "tp":  # the block and the vocabulary-parallel loss (its two all-reduces)
-        stage.compile_blocks(backend)
+        compile_stage(stage, backend)
     elif compiled:
-        block.compile_regions(backend)
+        compile_block(block, backend)
     x = torch.randn(2, seq, cfg.d_model, generator=torch.Generator().manual_seed(dist.get_rank()))
     x.requires_grad_(True)
     with comm.CommCounter() as counter:
@@ -87,13 +88,14 @@ def test_recompiles_one_per_shape_and_grad_mode():
     """A short last micro-batch and evaluation (no grad) compile once each, then never again."""
     import torch._dynamo
 
+    from models.compiled import compile_stage
     from models.config import preset
     from models.transformer import build_model
 
     torch._dynamo.reset()
     cfg = preset("gpt_tiny", n_layers=2, d_model=32, seq_len=16)
     stage = build_model(cfg)
-    stage.compile_blocks("eager")
+    compile_stage(stage, "eager")
     full, short = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (1, 16))
     graphs = []
     for _ in range(3):  # steps: two micro-batches (one short), then an evaluation

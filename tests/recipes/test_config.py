@@ -43,7 +43,9 @@ def test_model_section_mirrors_every_model_config_field():
         (dict(parallel__tp=3), None, "n_heads 4 is not divisible by tp 3"),
         (dict(parallel__pp=5), None, "5 stages but the model has 4 layers; use pp·vpp ≤ 4"),
         (dict(parallel__pp_schedule="zigzag"), None, "parallel.pp_schedule='zigzag' is not one of"),
-        (dict(train__precision="fp8"), None, "train.precision='fp8'"),
+        (dict(train__precision="fp4"), None, "train.precision='fp4'"),
+        (dict(train__fp8_recipe="blockwise"), None, "train.fp8_recipe='blockwise' is not one of"),
+        (dict(train__precision="fp8", parallel__cp=2), None, "fp8 scales are taken per rank's sequence chunk"),
         (dict(parallel__pp_layers=[1, 2], parallel__pp=2), None, "summing to model.n_layers 4"),
         (
             dict(parallel__sequence_parallel=True),

@@ -5,6 +5,7 @@ planner: bytes per group equal, model-state bytes equal, peak memory close (see 
 """
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
@@ -80,21 +81,22 @@ def test_the_planner_counts_the_collective_calls_the_engine_issues(tmp_path):
     micro-batch) and dp=2 ZeRO-3 (each unit's buckets, as the engine packs them), sharded and
     unsharded accumulation, with sequence parallelism (a third bucket class per block), and pp=2 with
     tied embeddings at ZeRO-1 (the embedding a class of its own); for ZeRO-3 also the buffers and
-    the peak (see :func:`_check_zero3_memory`)."""
-    for i, layout in enumerate(
-        (
-            ["parallel.tp=2", "train.global_batch=8"],
-            # clipping off: a logged step still computes the norm the planner prices (the dry run asks for it)
-            ["parallel.dp=2", "parallel.zero=3", "train.global_batch=16", "train.grad_clip=0"],
-            ["parallel.dp=2", "parallel.zero=3", "train.global_batch=16", "parallel.zero_accumulate=unsharded"],
-            # bucket classes (parallel/zero/packing.py): sequence-parallel norms and biases a third per block
-            ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.zero=3"],
-            # a tied embedding at pp > 1: the first stage's rest is two buckets
-            ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "train.global_batch=16"],
-        )
-    ):
-        rc = recipe("gpt_tiny", layout + ["train.micro_batch=4", "dryrun.ranks=[0]"])
-        dryrun.run_dryrun(rc, str(tmp_path / str(i)))
+    the peak (see :func:`_check_zero3_memory`). The five dry runs are independent processes (one rank
+    each, one thread): two at a time, then every layout is checked as before."""
+    layouts = (
+        ["parallel.tp=2", "train.global_batch=8"],
+        # clipping off: a logged step still computes the norm the planner prices (the dry run asks for it)
+        ["parallel.dp=2", "parallel.zero=3", "train.global_batch=16", "train.grad_clip=0"],
+        ["parallel.dp=2", "parallel.zero=3", "train.global_batch=16", "parallel.zero_accumulate=unsharded"],
+        # bucket classes (parallel/zero/packing.py): sequence-parallel norms and biases a third per block
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2", "parallel.zero=3"],
+        # a tied embedding at pp > 1: the first stage's rest is two buckets
+        ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "train.global_batch=16"],
+    )
+    rcs = [recipe("gpt_tiny", layout + ["train.micro_batch=4", "dryrun.ranks=[0]"]) for layout in layouts]
+    with ThreadPoolExecutor(2) as pool:  # each thread waits on its rank's process
+        list(pool.map(lambda i: dryrun.run_dryrun(rcs[i], str(tmp_path / str(i))), range(len(rcs))))
+    for i, (layout, rc) in enumerate(zip(layouts, rcs)):
         res = json.loads((tmp_path / str(i) / "dryrun.json").read_text())["ranks"]["0"]
         plan = plan_from_config(rc)
         traffic = plan.ranks[0].traffic

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from parallel.params import init_key, vocab_rows
+from parallel.testing import procs_with as _procs_with
 
 from .errors_catalogue_cases import CATALOGUE, SUBPROCESS
 
@@ -84,6 +85,7 @@ def _fixtures(tmp: Path) -> dict[str, str]:
     f["id_over_vocab"] = _tokens(tmp / "id_over_vocab", {"train": over, "val": ok}, meta)
     f["small_val"] = _tokens(tmp / "small_val", {"train": ok, "val": ok[:100]}, meta)
     f["no_val"] = _tokens(tmp / "no_val", {"train": ok}, meta)
+    f["no_index"] = _tokens(tmp / "no_index", {"train": ok, "val": ok}, meta)  # sound, but no document index
     for name, text in {
         "ds_bad": "{ nope",
         "ds_list": "[1, 2]",
@@ -112,19 +114,6 @@ def _fixtures(tmp: Path) -> dict[str, str]:
         (tmp / name / "checkpoints" / "latest").write_text(latest)
         f[name] = str(tmp / name)
     return f
-
-
-def _procs_with(field: int, value: int) -> list[int]:
-    """Live pids whose /proc stat field ``field`` (after the name: 1 = parent, 3 = session) is ``value``."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[field]) == value:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def _children(pid: int) -> list[int]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -61,7 +62,10 @@ def test_preemption_is_agreed_by_every_rank_on_the_same_step_one_step_late_witho
 
 
 def test_finished_torchrun_jobs_exit_zero_every_time(tmp_path):
-    for i in range(3):
+    """Three independent torchrun jobs (each its own free port, ``--standalone``), in flight together:
+    every one ends with status 0 and no teardown crash."""
+
+    def job(i):
         args = [
             sys.executable,
             "-m",
@@ -73,7 +77,11 @@ def test_finished_torchrun_jobs_exit_zero_every_time(tmp_path):
             "recipes.gpt_tiny",
             *cli_overrides(tmp_path / str(i), max_steps=1),
         ]
-        done, _ = launch(args, timeout=180)
+        return launch(args, timeout=180)[0]
+
+    with ThreadPoolExecutor(3) as pool:  # each thread waits on its job's process
+        jobs = list(pool.map(job, range(3)))
+    for done in jobs:
         assert done.returncode == 0, done.stderr[-3000:]
         assert "terminate called" not in done.stderr and "Traceback" not in done.stderr
         if not torch.cuda.is_available():  # only GPU ranks are called GPUs

@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -65,64 +66,35 @@ def test_self_spawn_trains_and_writes_one_run_dir(self_spawned):
 
 
 def test_torchrun_and_two_nodes_give_the_same_losses(self_spawned, tmp_path):
+    """One torchrun node of 4 workers and two torchrun "nodes" of 2 (c10d rendezvous on a free port),
+    the three launchers in flight together: both runs log the self-spawned run's losses."""
     ref = losses(self_spawned[0])
+    layout = ["-m", "recipes.gpt_tiny", "parallel.tp=2", "parallel.pp=2"]
     one = tmp_path / "torchrun"
-    p = run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            "-m",
-            "recipes.gpt_tiny",
-            "parallel.tp=2",
-            "parallel.pp=2",
-            f"hydra.run.dir={one}",
-            *TINY,
-        ],
-        cwd=os.getcwd(),
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert losses(one) == pytest.approx(ref, abs=1e-5)
-
+    single = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     two = tmp_path / "two-nodes"
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{port}",
-        "--rdzv-id",
-        "twonode",
-        "-m",
-        "recipes.gpt_tiny",
-        "parallel.tp=2",
-        "parallel.pp=2",
-        f"hydra.run.dir={two}",
-        *TINY,
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "twonode"]
+    multi = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", *rdzv]
+    cmds = [
+        [*single, *layout, f"hydra.run.dir={one}", *TINY],
+        *[[*multi, *layout, f"hydra.run.dir={two}", *TINY]] * 2,
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    nodes = [
+    procs = [
         subprocess.Popen(cmd, cwd=os.getcwd(), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
+        for cmd in cmds
     ]
     outs = []
     try:
-        for n in nodes:
+        for n in procs:
             outs.append(n.communicate(timeout=TIMEOUT))
     finally:
-        for n in nodes:
+        for n in procs:
             n.kill()
-    assert all(n.returncode == 0 for n in nodes), outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert procs[0].returncode == 0, outs[0][1][-3000:]
+    assert losses(one) == pytest.approx(ref, abs=1e-5)
+    assert all(n.returncode == 0 for n in procs[1:]), outs[1][1][-2000:] + outs[2][1][-2000:]
     assert losses(two) == pytest.approx(ref, abs=1e-5)
     # only rank 0 wrote: one metrics file, no per-rank directories
     assert sorted(os.listdir(tmp_path)) == ["torchrun", "two-nodes"]
@@ -143,27 +115,25 @@ def test_multirun_runs_each_layout_as_its_own_job_and_summarises(tmp_path):
 
 
 def test_bad_layout_is_refused_before_spawning(tmp_path):
-    p = run(
-        [sys.executable, "-m", "recipes.gpt_tiny", "parallel.tp=3", f"hydra.run.dir={tmp_path}", *TINY], cwd=os.getcwd()
-    )
-    assert p.returncode != 0
-    assert "n_heads 4 is not divisible by tp 3" in p.stderr
-    p = run(
+    """Three refusals, each its own one-process command and run directory (they run together: nothing is spawned)."""
+    cmds = [
+        [sys.executable, "-m", "recipes.gpt_tiny", "parallel.tp=3", f"hydra.run.dir={tmp_path / 'tp3'}", *TINY],
         [
             sys.executable,
             "-m",
             "recipes.gpt_tiny",
             "train.global_batch=7",
-            f"hydra.run.dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'batch7'}",
             *[a for a in TINY if not a.startswith("train.global_batch")],
         ],
-        cwd=os.getcwd(),
-    )
-    assert p.returncode != 0 and "train.global_batch 7 is not a multiple of micro_batch 2" in p.stderr
-    p = run(
-        [sys.executable, "-m", "recipes.gpt_tiny", "model.n_layerz=3", f"hydra.run.dir={tmp_path}"], cwd=os.getcwd()
-    )
-    assert p.returncode != 0 and "n_layerz" in p.stderr
+        [sys.executable, "-m", "recipes.gpt_tiny", "model.n_layerz=3", f"hydra.run.dir={tmp_path / 'typo'}"],
+    ]
+    with ThreadPoolExecutor(3) as pool:  # each thread waits on its command's process
+        tp3, batch7, typo = pool.map(lambda cmd: run(cmd, cwd=os.getcwd()), cmds)
+    assert tp3.returncode != 0
+    assert "n_heads 4 is not divisible by tp 3" in tp3.stderr
+    assert batch7.returncode != 0 and "train.global_batch 7 is not a multiple of micro_batch 2" in batch7.stderr
+    assert typo.returncode != 0 and "n_layerz" in typo.stderr
 
 
 def test_torchrun_world_that_does_not_fit_fails_on_every_rank_quickly(tmp_path):

@@ -160,15 +160,19 @@ def test_pipeline_and_tied_embedding_bytes_match_a_run():
         assert traffic["embedding"]["bytes"] == pytest.approx(emb_sent)
 
 
-def _saved_per_layer(preset_name, tp):
+def _saved_per_layer(preset_name, tp, fp8=None, dtype=torch.float32):
+    """Bytes autograd saves per layer (selective recomputation, SP); ``fp8`` a recipe for the blocks."""
     from models.config import preset
+    from parallel.layers import Fp8Recipe, enable_fp8
     from parallel.memory import SavedActivationMeter
 
     groups = build_groups(Topology(1, 1, tp))
     saved = []
     for n_layers in (1, 3):  # the difference over two layers: embedding and head cancel
         cfg = preset(preset_name, d_model=64, seq_len=32, n_layers=n_layers, activation_checkpointing="selective")
-        model = build_model(cfg, tp_group=groups.tp, sequence_parallel=True, seed=0)
+        model = build_model(cfg, tp_group=groups.tp, sequence_parallel=True, seed=0, dtype=dtype)
+        if fp8:
+            enable_fp8(list(model.blocks.values()), Fp8Recipe(fp8, emulate=True))
         ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(0))
         meter = SavedActivationMeter(model.parameters())
         with meter:

@@ -170,7 +170,7 @@ def test_planner_prices_zb_h1_below_1f1b_at_the_same_peak():
     from parallel.plan.pipeline import pipeline_time
 
     for pp, m, f, b, d in [(4, 8, 1.0, 2.0, 0.1), (8, 16, 1.0, 2.3, 0.05), (3, 2, 0.5, 1.5, 0.0)]:
-        exact = pipeline_time("zb-h1", pp, m, 1, f, b, d)  # the planner simulates ZB-H1 (no closed form)
+        exact = pipeline_time("zb-h1", pp, m, 1, f, b, d)  # the planner's closed form
         one = pipeline_time("1f1b", pp, m, 1, f, b, d)
         assert exact[0] < one[0] and exact[1] < one[1] and max(exact[2]) == max(one[2])
 

@@ -1,4 +1,4 @@
-"""The planner's closed forms for the standard schedules equal the simulator (many small cases)."""
+"""The planner's closed forms for every schedule equal the simulator (many small cases)."""
 
 import itertools
 
@@ -14,14 +14,14 @@ COSTS = [(1.0, 2.0, 0.0), (1.0, 2.0, 0.01), (1.0, 1.0, 0.7), (0.5, 2.0, 1.5), (0
 
 
 def _cases():
-    for schedule, pp, m in itertools.product(("gpipe", "1f1b"), range(1, 8), range(1, 14)):
+    for schedule, pp, m in itertools.product(("gpipe", "1f1b", "zb-h1"), range(1, 8), range(1, 14)):
         yield schedule, pp, m, 1
     for vpp, pp in itertools.product((2, 3, 4), range(2, 6)):
         for m in range(pp, 4 * pp + 1, pp):
             yield "interleaved", pp, m, vpp
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb-h1"])
 def test_closed_form_equals_the_simulator(schedule):
     n = 0
     for name, pp, m, vpp in _cases():
@@ -38,8 +38,27 @@ def test_closed_form_equals_the_simulator(schedule):
     assert n > 100
 
 
-def test_other_schedules_fall_back_to_the_simulator():
-    assert closed_form("zb-h1", 4, 8, 1, 1.0, 2.0, 0.0) is None
+def test_zb_h1_closed_form_equals_the_simulator_at_random_costs():
+    """ZB-H1's critical paths (:func:`zb_h1_paths`) switch with the costs: random forward, backward and
+    transfer costs (transfers from none to three forwards) over pp ≤ 10, m ≤ 24, each against the simulator."""
+    import random
+
+    rng = random.Random(7)
+    for pp, m in itertools.product(range(2, 11), (1, 2, 3, 4, 5, 6, 9, 10, 11, 17, 24)):
+        f, b = rng.uniform(0.2, 2.0), rng.uniform(0.1, 6.0)
+        p = rng.choice((0.0, rng.uniform(0, 0.05), rng.uniform(0, 3.0)))
+        sim = simulate(build_schedule("zb-h1", pp, m), forward=f, backward=b, p2p_latency=p)
+        assert closed_form("zb-h1", pp, m, 1, f, b, p)[0] == pytest.approx(sim.makespan, rel=1e-12), (pp, m, f, b, p)
+    assert closed_form("no-such", 4, 8, 1, 1.0, 2.0, 0.0) is None
+
+
+def test_zb_h1_without_transfers_is_the_papers_third_of_1f1b():
+    """Qi et al. §2.1 (F = B = W): bubble (pp − 1)·F, a third of 1F1B's (pp − 1)·(F + B + W), at 1F1B's peak;
+    128 stages × 4,096 micro-batches in closed form (the simulator took 34.5 s there)."""
+    span, bubble, peaks = pipeline_time("zb-h1", 128, 4096, 1, 1.0, 2.0, 0.0)
+    one = pipeline_time("1f1b", 128, 4096, 1, 1.0, 2.0, 0.0)
+    assert span == 4096 * 3.0 + 127 and one[0] - 4096 * 3.0 == pytest.approx(3 * 127)
+    assert bubble == pytest.approx(127 / (3 * 4096 + 127)) and max(peaks) == max(one[2]) == 128
 
 
 def test_the_largest_pipeline_is_planned_in_closed_form():

@@ -1,0 +1,33 @@
+"""torchtitan's per-block compile for :mod:`models.transformer` stages (``train.compile``, docs/compile.md)."""
+
+from __future__ import annotations
+
+from parallel.compile import compile_method
+from parallel.layers import MoELayer
+
+from .transformer import TransformerBlock, TransformerStage
+
+
+def compile_block(block: TransformerBlock, backend: str = "inductor") -> str:
+    """Compile ``block`` in place (:func:`parallel.compile.compile_method`): its whole forward, or, for a
+    mixture of experts, the attention half only (dropless routing sizes its all-to-alls from token counts
+    read on the host: data-dependent, a graph break). Returns what was compiled."""
+    if isinstance(block.mlp, MoELayer):
+        compile_method(block, "attention_half", backend=backend)
+        return "attention"
+    compile_method(block, "forward", backend=backend)
+    return "block"
+
+
+def compile_stage(stage: TransformerStage, backend: str = "inductor") -> dict[str, int]:
+    """Every block of ``stage`` (:func:`compile_block`) and, on the stage with the head, the loss; the
+    stage's own forward (embedding, the loop over blocks, checkpointing, head) stays eager. Returns how
+    many regions of each kind."""
+    kinds: dict[str, int] = {}
+    for block in stage.blocks.values():
+        kind = compile_block(block, backend)
+        kinds[kind] = kinds.get(kind, 0) + 1
+    if stage.has_head:
+        compile_method(stage, "loss", backend=backend)
+        kinds["loss"] = 1
+    return kinds
