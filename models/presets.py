@@ -53,6 +53,22 @@ DEEPSEEK_V3 = ModelConfig(
     moe_bias_update_rate=1e-3,
     moe_seq_aux_loss_weight=1e-4,
 )
+QWEN3_8B = ModelConfig(
+    arch="llama",
+    n_layers=36,
+    d_model=4096,
+    n_heads=32,
+    n_kv_heads=8,
+    attn_head_dim=128,
+    d_ff=12288,
+    vocab_size=151936,
+    seq_len=32768,
+    tie_embeddings=False,
+    qk_norm=True,
+    norm_eps=1e-6,
+    rope_theta=1e6,
+)
+
 PRESETS: dict[str, ModelConfig] = {
     # trains on a CPU in minutes on bytes (vocab 256)
     "gpt_tiny": ModelConfig(arch="gpt", n_layers=4, d_model=128, n_heads=4, vocab_size=256, seq_len=128),
@@ -114,40 +130,17 @@ PRESETS: dict[str, ModelConfig] = {
         norm_eps=1e-6,
         rope_theta=1e6,
     ),
-    "qwen3_8b": ModelConfig(
-        arch="llama",
-        n_layers=36,
-        d_model=4096,
-        n_heads=32,
-        n_kv_heads=8,
-        attn_head_dim=128,
-        d_ff=12288,
-        vocab_size=151936,
-        seq_len=32768,
-        tie_embeddings=False,
-        qk_norm=True,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-    ),
-    "qwen3_30b_a3b": ModelConfig(
-        arch="llama",
+    "qwen3_8b": QWEN3_8B,
+    "qwen3_30b_a3b": QWEN3_8B.replace(  # Qwen3's MoE: the 8B's heads, vocabulary and norms
         n_layers=48,
         d_model=2048,
-        n_heads=32,
         n_kv_heads=4,
-        attn_head_dim=128,
         d_ff=6144,
-        vocab_size=151936,
-        seq_len=32768,
-        tie_embeddings=False,
-        qk_norm=True,
-        norm_eps=1e-6,
-        rope_theta=1e6,
         moe_experts=128,
         moe_top_k=8,
         moe_d_ff=768,
         moe_aux_loss_weight=0.001,
-    ),
+    ),  # fmt: skip
     # Mixtral-8x7B (46.7B parameters, 12.9B active per token); the planner's MoE reference
     "mixtral_8x7b": ModelConfig(
         arch="llama",
