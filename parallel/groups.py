@@ -181,14 +181,6 @@ class ParallelGroups:
         return self.topology.ep
 
     @property
-    def edp_size(self) -> int:
-        return self.topology.size("edp")
-
-    @property
-    def dpcp_size(self) -> int:
-        return self.topology.size("dpcp")
-
-    @property
     def tp_rank(self) -> int:
         return self.coords.tp
 
@@ -203,10 +195,6 @@ class ParallelGroups:
     @property
     def edp_rank(self) -> int:
         return self.topology.edp_index(self.rank)
-
-    @property
-    def dpcp_rank(self) -> int:
-        return self.topology.dpcp_index(self.rank)
 
     @property
     def pp_rank(self) -> int:
