@@ -55,7 +55,7 @@ from .. import comm
 from .chunks import CheckpointError
 from .faults import agree, failure_code, raise_agreed
 from .planner import LoadPlanner, SafeFileSystemReader, SavePlanner, read_dcp_metadata
-from .verify import MANIFEST, _digest, _write_durably, quick_damage, read_manifest, verify_checkpoint
+from .verify import MANIFEST, _digest, _rank_world, _write_durably, quick_damage, read_manifest, verify_checkpoint
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -63,12 +63,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def _rank_world(group) -> tuple[int, int]:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def barrier(group=None) -> None:
