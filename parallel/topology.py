@@ -222,26 +222,13 @@ class Topology:
         return {a: self._groups_varying((a,)) for a in AXES}
 
     def _derived_groups(self, axis: str) -> list[list[int]]:
-        members: dict[tuple[int, ...], list[int]] = {}
+        # each group once, from its lowest rank, its members as :meth:`group_of` lists them
+        out, seen = [], set()
         for r in range(self.world_size):
-            members.setdefault(self._derived_key(axis, r), []).append(r)
-        groups = [sorted(g, key=lambda r: self._derived_position(axis, r)) for g in members.values()]
-        return sorted(groups, key=lambda g: min(g))
-
-    def _derived_key(self, axis: str, rank: int) -> tuple[int, ...]:
-        c = self.coords(rank)
-        if axis == "dpcp":
-            return (c.pp, c.tp)
-        if axis == "ep":
-            return (c.pp, c.tp, c.cp, c.dp // self.ep)
-        return (c.pp, c.tp, c.dp % self.ep)  # edp
-
-    def _derived_position(self, axis: str, rank: int) -> int:
-        if axis == "dpcp":
-            return self.dpcp_index(rank)
-        if axis == "ep":
-            return self.ep_index(rank)
-        return self.edp_index(rank)
+            if r not in seen:
+                out.append(self.group_of(axis, r))
+                seen.update(out[-1])
+        return out
 
     def groups(self, axis: str) -> list[list[int]]:
         """All groups along ``axis`` (an axis, or "dpcp", "ep", "edp"): a partition of the world.
