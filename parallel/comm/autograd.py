@@ -134,80 +134,29 @@ def all_to_all_chunks(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+def _region(name: str, forward, backward, dim: int | None = None) -> type[torch.autograd.Function]:
+    """An autograd Function named ``name``: ``forward(x, [dim,] group)``, its gradient
+    ``backward(grad, [dim,] group)``."""
+    along = () if dim is None else (dim,)
+
+    def fwd(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return forward(x, *along, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_sum(grad, ctx.group), None
+    def bwd(ctx, grad):
+        return backward(grad, *along, ctx.group), None
 
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce_sum(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ScatterLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_along(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, -1, ctx.group), None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_along(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split_along(grad, -1, ctx.group), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_along(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, SEQ_DIM, ctx.group), None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_along(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_along(grad, SEQ_DIM, ctx.group), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_along(x, SEQ_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(grad, SEQ_DIM, ctx.group), None
+# each forward with its adjoint (the module docstring's table)
+_CopyToRegion = _region("_CopyToRegion", lambda x, group: x.view_as(x), all_reduce_sum)
+_ReduceFromRegion = _region("_ReduceFromRegion", all_reduce_sum, lambda grad, group: grad)
+_ScatterLastDim = _region("_ScatterLastDim", split_along, all_gather_along, dim=-1)
+_GatherLastDim = _region("_GatherLastDim", all_gather_along, split_along, dim=-1)
+_ScatterSeq = _region("_ScatterSeq", split_along, all_gather_along, dim=SEQ_DIM)
+_GatherSeq = _region("_GatherSeq", all_gather_along, reduce_scatter_along, dim=SEQ_DIM)
+_ReduceScatterSeq = _region("_ReduceScatterSeq", reduce_scatter_along, all_gather_along, dim=SEQ_DIM)
 
 
 def _apply(fn, x: torch.Tensor, group) -> torch.Tensor:
