@@ -134,9 +134,9 @@ def all_to_all_chunks(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _region(name: str, forward, backward, dim: int | None = None) -> type[torch.autograd.Function]:
+def autograd_pair(name: str, forward, backward, dim: int | None = None) -> type[torch.autograd.Function]:
     """An autograd Function named ``name``: ``forward(x, [dim,] group)``, its gradient
-    ``backward(grad, [dim,] group)``."""
+    ``backward(grad, [dim,] group)`` (a collective and its adjoint)."""
     along = () if dim is None else (dim,)
 
     def fwd(ctx, x, group):
@@ -150,13 +150,13 @@ def _region(name: str, forward, backward, dim: int | None = None) -> type[torch.
 
 
 # each forward with its adjoint (the module docstring's table)
-_CopyToRegion = _region("_CopyToRegion", lambda x, group: x.view_as(x), all_reduce_sum)
-_ReduceFromRegion = _region("_ReduceFromRegion", all_reduce_sum, lambda grad, group: grad)
-_ScatterLastDim = _region("_ScatterLastDim", split_along, all_gather_along, dim=-1)
-_GatherLastDim = _region("_GatherLastDim", all_gather_along, split_along, dim=-1)
-_ScatterSeq = _region("_ScatterSeq", split_along, all_gather_along, dim=SEQ_DIM)
-_GatherSeq = _region("_GatherSeq", all_gather_along, reduce_scatter_along, dim=SEQ_DIM)
-_ReduceScatterSeq = _region("_ReduceScatterSeq", reduce_scatter_along, all_gather_along, dim=SEQ_DIM)
+_CopyToRegion = autograd_pair("_CopyToRegion", lambda x, group: x.view_as(x), all_reduce_sum)
+_ReduceFromRegion = autograd_pair("_ReduceFromRegion", all_reduce_sum, lambda grad, group: grad)
+_ScatterLastDim = autograd_pair("_ScatterLastDim", split_along, all_gather_along, dim=-1)
+_GatherLastDim = autograd_pair("_GatherLastDim", all_gather_along, split_along, dim=-1)
+_ScatterSeq = autograd_pair("_ScatterSeq", split_along, all_gather_along, dim=SEQ_DIM)
+_GatherSeq = autograd_pair("_GatherSeq", all_gather_along, reduce_scatter_along, dim=SEQ_DIM)
+_ReduceScatterSeq = autograd_pair("_ReduceScatterSeq", reduce_scatter_along, all_gather_along, dim=SEQ_DIM)
 
 
 def _apply(fn, x: torch.Tensor, group) -> torch.Tensor:

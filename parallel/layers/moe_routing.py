@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
+from ..comm.autograd import autograd_pair
 from .linear import LayerConfigError
 from .mlp import ACTIVATIONS
 
@@ -188,17 +189,10 @@ def aux_losses(r: Routing, cfg: MoEConfig, cp_group=None) -> tuple[torch.Tensor,
     return balance, z
 
 
-class _AllReduceBothWays(torch.autograd.Function):
-    """Sum over the group; backward sums the gradient over the group too (each rank's loss uses the sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return comm.all_reduce_sum(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return comm.all_reduce_sum(grad.contiguous(), ctx.group), None
+# sum over the group; backward sums the gradient over the group too (each rank's loss uses the sum)
+_AllReduceBothWays = autograd_pair(
+    "_AllReduceBothWays", comm.all_reduce_sum, lambda grad, group: comm.all_reduce_sum(grad.contiguous(), group)
+)
 
 
 def all_reduce_sum_both_ways(x: torch.Tensor, group) -> torch.Tensor:

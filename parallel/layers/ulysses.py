@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
+from ..comm.autograd import autograd_pair
 from .documents import DocumentMask, document_attention
 from .ring_attention import _check_qkv, check_ulysses_heads, cp_positions
 
@@ -39,26 +40,9 @@ def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return recv.permute(1, 3, 0, 2, 4).reshape(b, s // cp, cp * hl, d).transpose(1, 2)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
+# the two all-to-alls are each other's adjoint
+_SeqToHeads = autograd_pair("_SeqToHeads", _seq_to_heads, lambda grad, group: _heads_to_seq(grad.contiguous(), group))
+_HeadsToSeq = autograd_pair("_HeadsToSeq", _heads_to_seq, lambda grad, group: _seq_to_heads(grad.contiguous(), group))
 
 
 def ulysses_attention(
