@@ -121,19 +121,29 @@ def enable_fp8(modules, recipe: Fp8Recipe | None) -> int:
     count = 0
     for module in modules:
         for m in module.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(m, _TPLinear):
                 m.fp8, count = recipe, count + 1
     return count
 
 
-def _reset_linear(weight: nn.Parameter, bias: nn.Parameter | None, in_features: int, tp_group) -> None:
-    bound = 1.0 / in_features**0.5 if in_features else 0.0
-    reset_default_(weight, tp_group, bound=bound)
-    if bias is not None:
-        reset_default_(bias, tp_group, bound=bound)
+class _TPLinear(nn.Module):
+    """What the column and the row layer share: ``torch.nn.Linear``'s initialisation and a repr."""
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s distributions, layout-independent (module docstring); no-op on ``meta``."""
+        bound = 1.0 / self.in_features**0.5 if self.in_features else 0.0
+        reset_default_(self.weight, self.tp_group, bound=bound)
+        if self.bias is not None:
+            reset_default_(self.bias, self.tp_group, bound=bound)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
+            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
+        )
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_TPLinear):
     """``y = x Wᵀ + b`` with ``W``'s output rows split over the TP group.
 
     Rank ``r`` holds rows ``[r·out/N, (r+1)·out/N)`` of ``weight`` (``tp_shard_dim`` 0)
@@ -187,10 +197,6 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """``torch.nn.Linear``'s distributions, layout-independent (module docstring); no-op on ``meta``."""
-        _reset_linear(self.weight, self.bias, self.in_features, self.tp_group)
-
     @staticmethod
     def shared_forward(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tensor, ...]:
         """Every layer's output slice for one input ``x``, with one input collective for all:
@@ -221,14 +227,8 @@ class ColumnParallelLinear(nn.Module):
         (y,) = self.shared_forward(x, self)
         return comm.gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
-    def extra_repr(self) -> str:
-        return (
-            f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
-            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
-        )
 
-
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_TPLinear):
     """``y = x Wᵀ + b`` with ``W``'s input columns split over the TP group.
 
     Rank ``r`` holds columns ``[r·in/N, (r+1)·in/N)`` of ``weight`` (``tp_shard_dim`` 1);
@@ -276,10 +276,6 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """``torch.nn.Linear``'s distributions, layout-independent (module docstring); no-op on ``meta``."""
-        _reset_linear(self.weight, self.bias, self.in_features, self.tp_group)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_parallel:
             _check_last_dim(x, self.local_in, type(self).__name__ + " (parallel input)")
@@ -294,9 +290,3 @@ class RowParallelLinear(nn.Module):
         else:
             y = comm.reduce_from_tp_region(partial, self.tp_group)
         return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return (
-            f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
-            f"bias={self.bias is not None}, sequence_parallel={self.sequence_parallel}"
-        )
