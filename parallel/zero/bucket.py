@@ -52,6 +52,7 @@ import torch
 from .. import comm
 from ..comm.flight import RECORDER
 from .compression import TopKCompressor
+from .config import ZeroConfig
 from .layout import BucketLayout
 from .offload import host_copy, host_empty, to_device
 from .policy import policy
@@ -72,25 +73,18 @@ def _zero_unwritten(flat: torch.Tensor, slots, written) -> None:
 
 
 class FlatBucket:
-    def __init__(
-        self,
-        layout: BucketLayout,
-        params,
-        *,
-        stage: int,
-        dp_rank: int,
-        group,
-        param_dtype: torch.dtype,
-        comm_dtype: torch.dtype,
-        compressor: TopKCompressor | None,
-        offload: str = "none",
-        keep_full: bool = False,
-    ):
-        self.layout, self.params, self.stage, self.group = layout, list(params), stage, group
-        self.policy = pol = policy(stage)  # what this stage shards, reduces and gathers
-        self.param_dtype, self.comm_dtype, self.compressor = param_dtype, comm_dtype, compressor
+    def __init__(self, layout: BucketLayout, params, config: ZeroConfig, *, dp_rank: int, group):
+        self.layout, self.params, self.stage, self.group = layout, list(params), config.stage, group
+        self.policy = pol = policy(config.stage)  # what this stage shards, reduces and gathers
+        self.param_dtype = param_dtype = config.param_dtype
+        self.comm_dtype, offload = config.wire_dtype, config.offload
         self.lo, self.hi = layout.shard_range(dp_rank) if pol.shards_optimizer else (0, layout.padded_numel)
         device = self.params[0].device
+        self.compressor = (  # error feedback over the whole bucket (stage 0)
+            TopKCompressor(layout.padded_numel, config.topk_ratio, self.comm_dtype, device)
+            if config.compression
+            else None
+        )
         self.flat_param = torch.zeros(layout.padded_numel, dtype=param_dtype, device=device)
         for p, slot in zip(self.params, layout.slots):
             self.flat_param[slot.offset : slot.end].copy_(p.detach().reshape(-1))
@@ -119,7 +113,7 @@ class FlatBucket:
         self.written = bytearray(len(self.params))  # stages 0-1, per slot: written into flat_grad this step
         self.shard_written = False  # stages 2-3: a reduced gradient was written into grad_shard this step
         self._stage1_shard = None
-        self.keep_full = keep_full  # ZeRO-2/3, accumulate="unsharded": the full fp32 gradient until the step
+        self.keep_full = config.keep_full  # ZeRO-2/3, accumulate="unsharded": the full fp32 gradient until the step
         self.acc: torch.Tensor | None = None  # that full gradient, allocated at the first backward
         self._written: list[bool] = []  # per slot: a gradient was copied into acc this step
         self.ready = 0  # parameters whose gradient has been accumulated in this backward

@@ -80,7 +80,6 @@ from torch import nn
 from .. import comm
 from ..params import is_expert, wants_weight_decay
 from .bucket import FlatBucket
-from .compression import TopKCompressor
 from .config import ZeroConfig
 from .grads import GradientSync
 from .layout import ZeroConfigError, plan_buckets
@@ -162,7 +161,7 @@ class ZeroDataParallel(GradientSync, StateDictMixin, nn.Module):
         )
         self.scaler = (loss_scaler or DynamicLossScaler()) if self.param_dtype == torch.float16 else None
         self.units = list(units or [])
-        self._build_buckets(config.bucket_mb, config.compression, config.topk_ratio)
+        self._build_buckets(config.bucket_mb)
         groups = [
             {"params": [b.master for b in self.buckets if b.layout.weight_decay]},
             {"params": [b.master for b in self.buckets if not b.layout.weight_decay], "weight_decay": 0.0},
@@ -177,7 +176,7 @@ class ZeroDataParallel(GradientSync, StateDictMixin, nn.Module):
             self._unit_gatherer = UnitGatherer(self.module, self.units, self._unit_buckets)
 
     # construction ---------------------------------------------------------------
-    def _build_buckets(self, bucket_mb: float, compression, topk_ratio: float) -> None:
+    def _build_buckets(self, bucket_mb: float) -> None:
         named = dict(self.module.named_parameters())
         unit_of: dict[int, int] = {}
         for u, unit in enumerate(self.units):
@@ -216,22 +215,12 @@ class ZeroDataParallel(GradientSync, StateDictMixin, nn.Module):
         first_stage = (torch.distributed.get_rank(emb) if emb else 0) == 0
         for layout in self.layouts:
             params = [named[s.name] for s in layout.slots]
-            compressor = (
-                TopKCompressor(layout.padded_numel, topk_ratio, self.comm_dtype, params[0].device)
-                if compression
-                else None
-            )
             bucket = FlatBucket(
                 layout,
                 params,
-                stage=self.stage,
+                self.config,
                 dp_rank=edp_rank if layout.index in expert_index else self.dp_rank,
                 group=self.expert_group if layout.index in expert_index else self.dp_group,
-                param_dtype=self.param_dtype,
-                comm_dtype=self.comm_dtype,
-                compressor=compressor,
-                offload=self.offload,
-                keep_full=self.keep_full,
             )
             bucket.expert = layout.index in expert_index
             bucket.norm_ranges = counted_ranges(layout, bucket.lo, bucket.hi, params, count_replicated=tp_rank == 0)
