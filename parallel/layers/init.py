@@ -111,14 +111,26 @@ def init_tensor_shard_(
     return shard
 
 
-def _shard(param: torch.Tensor, tp_group) -> tuple[int | None, int, int]:
-    """(split dim, rank, ranks) of ``param``'s global tensor: its TP split, or an MoE expert
-    parameter's split over ep along dim 0 (experts are not split over TP), or (None, 0, 1)."""
+def _fill_(param: torch.Tensor, tp_group, key: str, seed: int, *, std=None, bound=None) -> None:
+    """Fill ``param`` with its shard of global tensor ``key``: along its TP split, or an MoE expert
+    parameter's split over ep along dim 0 (experts are not split over TP); vocabulary padding zero."""
     ep = expert_shard(param)
     if ep is not None:
-        return 0, ep[0], ep[1]
-    dim = tp_shard_dim(param)
-    return (dim, comm.tp_rank(tp_group), comm.tp_world_size(tp_group)) if dim is not None else (None, 0, 1)
+        dim, rank, ranks = 0, ep[0], ep[1]
+    else:
+        dim = tp_shard_dim(param)
+        rank, ranks = (comm.tp_rank(tp_group), comm.tp_world_size(tp_group)) if dim is not None else (0, 1)
+    init_tensor_shard_(
+        param.data,
+        key=key,
+        seed=seed,
+        std=std,
+        bound=bound,
+        shard_dim=dim,
+        tp_rank=rank,
+        tp_size=ranks,
+        vocab_size=vocab_rows(param),
+    )
 
 
 def reset_default_(
@@ -134,18 +146,7 @@ def reset_default_(
     if param.is_meta:
         return param
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-    dim, rank, tp = _shard(param, tp_group)
-    init_tensor_shard_(
-        param.data,
-        key="default",
-        seed=seed,
-        std=std,
-        bound=bound,
-        shard_dim=dim,
-        tp_rank=rank,
-        tp_size=tp,
-        vocab_size=vocab_rows(param),
-    )
+    _fill_(param, tp_group, "default", seed, std=std, bound=bound)
     return param
 
 
@@ -168,17 +169,7 @@ def init_parameters_(
             elif how[0] == "ones":
                 p.fill_(1.0)
             else:
-                dim, rank, tp = _shard(p, tp_group)
-                init_tensor_shard_(
-                    p.data,
-                    key=init_key(p, name),
-                    seed=seed,
-                    std=how[1],
-                    shard_dim=dim,
-                    tp_rank=rank,
-                    tp_size=tp,
-                    vocab_size=vocab_rows(p),
-                )
+                _fill_(p, tp_group, init_key(p, name), seed, std=how[1])
     return module
 
 
