@@ -35,16 +35,18 @@ class GradientSync:
         weakref.finalize(self, _remove_hooks, self._hooks)
 
     @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without communicating (stages 0–1; see the module docstring)."""
-        previous, self._sync = self._sync, False
+    def _syncing(self, sync: bool) -> Iterator[None]:
+        previous, self._sync = self._sync, sync
         try:
             yield
         finally:
             self._sync = previous
 
-    @contextlib.contextmanager
-    def sync_gradients(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulate gradients without communicating (stages 0–1; see the module docstring)."""
+        return self._syncing(False)
+
+    def sync_gradients(self) -> contextlib.AbstractContextManager:
         """Communicate during this backward even inside :meth:`no_sync` (stages 0–1).
 
         For the last backward of a micro-batch loop that runs under ``no_sync()``: each
@@ -52,11 +54,7 @@ class GradientSync:
         accumulated — a pipeline with several model chunks enters it around each chunk's
         last backward (``PipelineExecutor(final_backward=...)``); a bucket that spans chunks
         launches once the gradients of all of them are final."""
-        previous, self._sync = self._sync, True
-        try:
-            yield
-        finally:
-            self._sync = previous
+        return self._syncing(True)
 
     def _communicates_now(self) -> bool:
         return self._sync or (self.policy.reduce_every_microbatch and not self.keep_full)
