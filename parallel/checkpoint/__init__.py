@@ -2,9 +2,8 @@
 through ``torch.distributed.checkpoint``; any layout reads any other's (see ``docs/checkpoint.md``)."""
 
 from .background import BackgroundSaver
-from .chunks import CheckpointError, Placement, flat_range_boxes, to_global, tp_placement
+from .chunks import CheckpointError, Chunked, Placement, flat_range_boxes, to_global, tp_placement
 from .faults import STORAGE_ERRNOS, CheckpointStorageError, storage_errno
-from .planner import Chunked, LoadPlanner, SafeFileSystemReader, SavePlanner, read_dcp_metadata
 from .size import checkpoint_bytes, format_bytes, free_bytes
 from .store import (
     barrier,
@@ -66,3 +65,14 @@ __all__ = [
     "write_shards",
     "zero_state_pieces",
 ]
+
+_PLANNER = ("LoadPlanner", "SafeFileSystemReader", "SavePlanner", "read_dcp_metadata")
+
+
+def __getattr__(name: str):
+    """The DCP planners load with ``torch.distributed.checkpoint`` (~1 s of start-up) only when asked for."""
+    if name in _PLANNER:
+        from . import planner
+
+        return getattr(planner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,9 +40,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .chunks import CheckpointError
+from .chunks import CheckpointError, Chunked
 from .faults import CheckpointStorageError
-from .planner import Chunked
 from .store import begin_save, publish_save, step_dir_name, write_shards
 
 

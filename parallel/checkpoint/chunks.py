@@ -21,7 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint is imported where a checkpoint is written or read
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -118,3 +124,37 @@ def to_global(box: Box, placement: Placement) -> Box | None:
     if any(s == 0 for s in sizes):
         return None
     return offsets, tuple(sizes)
+
+
+class Chunked:
+    """This rank's pieces of one global tensor: ``{global offsets: local view}``."""
+
+    def __init__(self, global_shape: tuple[int, ...], dtype: torch.dtype):
+        self.global_shape = torch.Size(global_shape)
+        self.dtype = dtype
+        self.pieces: dict[torch.Size, torch.Tensor] = {}
+
+    def add(self, offsets, view: torch.Tensor) -> None:
+        self.pieces[torch.Size(offsets)] = view
+
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=o, sizes=v.shape) for o, v in self.pieces.items()]
+
+    def write_items(self, fqn: str) -> list[WriteItem]:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        props = TensorProperties(dtype=self.dtype)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, c.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=c, properties=props, size=self.global_shape),
+            )
+            for c in self.chunks()
+        ]
+
+    def piece(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[torch.Size(index.offset)]

@@ -26,50 +26,18 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem
 from torch.distributed.checkpoint.planner_helpers import (
     _create_read_items,
     _create_write_items,
     create_read_items_for_chunk_list,
 )
 
-from .chunks import CheckpointError
-
-
-class Chunked:
-    """This rank's pieces of one global tensor: ``{global offsets: local view}``."""
-
-    def __init__(self, global_shape: tuple[int, ...], dtype: torch.dtype):
-        self.global_shape = torch.Size(global_shape)
-        self.dtype = dtype
-        self.pieces: dict[torch.Size, torch.Tensor] = {}
-
-    def add(self, offsets, view: torch.Tensor) -> None:
-        self.pieces[torch.Size(offsets)] = view
-
-    def chunks(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=o, sizes=v.shape) for o, v in self.pieces.items()]
-
-    def write_items(self, fqn: str) -> list[WriteItem]:
-        props = TensorProperties(dtype=self.dtype)
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, c.offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=c, properties=props, size=self.global_shape),
-            )
-            for c in self.chunks()
-        ]
-
-    def piece(self, index: MetadataIndex) -> torch.Tensor:
-        return self.pieces[torch.Size(index.offset)]
+from .chunks import CheckpointError, Chunked  # noqa: F401 (Chunked re-exported)
 
 
 class SavePlanner(DefaultSavePlanner):

@@ -49,12 +49,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from .. import comm
 from .chunks import CheckpointError
 from .faults import agree, failure_code, raise_agreed
-from .planner import LoadPlanner, SafeFileSystemReader, SavePlanner, read_dcp_metadata
 from .verify import MANIFEST, _digest, _rank_world, _write_durably, quick_damage, read_manifest, verify_checkpoint
 
 LATEST = "latest"
@@ -134,6 +132,10 @@ def begin_save(root: str | os.PathLike, step: int, group=None, *, needed: int | 
 def write_shards(state: dict, tmp: Path, group=None, on_written=None, *, needed: int | None = None) -> None:
     """Collective: every rank writes its shards (DCP) and their sizes + CRC32s into ``tmp``; returns
     once every rank has (the check that no rank failed is the barrier publication needs)."""
+    import torch.distributed.checkpoint as dcp  # here, not at import: ~1 s of start-up a run without saves skips
+
+    from .planner import SavePlanner
+
     rank, error = _rank_world(group)[0], None
     try:
         dcp.save(
@@ -279,6 +281,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 def saved_tensors(ckpt: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{key: (global shape, dtype)}`` of every tensor in ``ckpt`` (reads only the index)."""
+    from .planner import read_dcp_metadata
+
     md = read_dcp_metadata(ckpt)
     return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
@@ -289,6 +293,10 @@ def load_checkpoint(state: dict, ckpt: str | os.PathLike, *, group=None, verify:
     Collective over ``group``. Any layout reads any other's checkpoint (DCP
     reads each stored chunk's overlap with each requested one).
     """
+    import torch.distributed.checkpoint as dcp
+
+    from .planner import LoadPlanner, SafeFileSystemReader
+
     manifest = verify_checkpoint(ckpt, group) if verify else read_manifest(ckpt)
     dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), planner=LoadPlanner(), process_group=group)
     return manifest

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..params import expert_shard, tp_shard_dim, vocab_rows
-from .chunks import CheckpointError, flat_range_boxes, to_global, tp_placement
-from .planner import Chunked
+from .chunks import CheckpointError, Chunked, flat_range_boxes, to_global, tp_placement
 
 if TYPE_CHECKING:
     from ..zero import ZeroDataParallel
