@@ -3,9 +3,42 @@
 from __future__ import annotations
 
 from ..pipeline.schedules import zero_bubble_problem
+from ..zero.theory import accumulation_grad_bytes, grad_reductions_per_step
 from . import memory as M
 
 GB = 1e9
+
+
+def dp_sent_bytes(plan) -> float:
+    """Bytes one rank sends per step on its data-parallel groups (dense and, with ep, expert DP), the most over the stages."""
+    return max(r.traffic["dp"]["bytes"] + r.traffic.get("edp", {}).get("bytes", 0.0) for r in plan.ranks)
+
+
+def _bytes(b: float) -> str:
+    return f"{b / GB:.2f} GB" if b >= 0.1 * GB else f"{b / 1e6:.2f} MB"
+
+
+def _accumulation_terms(plan, hw) -> str:
+    L, m = plan.layout, plan.grad_accum
+    n = grad_reductions_per_step(L["zero"], m, L["accumulate"])
+    held = max(accumulation_grad_bytes(r.params.numel, L["zero"], L["accumulate"]) for r in plan.ranks)
+    fit = "" if plan.fits else f", does not fit {hw.memory_bytes / GB:.1f} GB"
+    return (
+        f"({n} reduce-scatter{'s' * (n > 1)} per step"
+        + (f", the full fp32 gradient held: {_bytes(held)}" if held else "")
+        + f"): {_bytes(dp_sent_bytes(plan))} sent per rank per step, peak {_bytes(plan.peak_memory)}{fit}, "
+        f"step {plan.step['step_time_s']:.3f} s"
+    )
+
+
+def accumulation_choice(plan, other, hw) -> str:
+    """ZeRO-2/3's gradient accumulation in ``plan`` against ``other`` (the same layout and training with the
+    other ``parallel.zero_accumulate``): each one's reduce-scatters per step, DP bytes sent per rank per step,
+    full gradient held, peak memory and step time, as the planner prices them."""
+    return (
+        f"ZeRO-{plan.layout['zero']} accumulating {plan.layout['accumulate']} {_accumulation_terms(plan, hw)}; "
+        f"with parallel.zero_accumulate={other.layout['accumulate']} {_accumulation_terms(other, hw)}."
+    )
 
 
 def _smallest_zero_that_fits(plan, rank, hw) -> int | None:

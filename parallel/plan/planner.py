@@ -6,6 +6,7 @@ it, as :mod:`parallel.overlap`'s table (the engine's) says. Parameters come from
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from ..overlap import STEP_SCALARS
@@ -22,7 +23,7 @@ from .inputs import Layout, Setup, Training
 from .pipeline import p2p_message_seconds, pipeline_step
 from .result import ParamCounter, Plan, RankClass
 from .shape import layer_partition, model_flops_per_token
-from .stage import Stage, stages
+from .stage import Stage, alike_key, stages
 from .traffic import AxisTraffic, dp_traffic, group_crosses_node
 
 
@@ -59,8 +60,15 @@ def plan_layout(
     p2p = p2p_message_seconds(hw, ctx.act_msg, pp_crosses, dims.pp, slow_f)
     costs = [(st.forward_s, st.backward_s) for st in priced]
     makespan, bubble, peaks = pipeline_step(dims.schedule, dims.pp, ctx.m, dims.vpp, costs, p2p)
-    totals = _Step()
-    ranks = [_rank(ctx, s, st, peaks[s], pp_crosses, totals) for s, st in enumerate(priced)]
+    totals, alike = _Step(), {}
+    ranks = []
+    for s, st in enumerate(priced):  # stages alike (stage.alike_key) differ only in the activations in flight
+        key = alike_key(ctx, st.chunks)
+        if key in alike:
+            ranks.append(_alike_rank(ctx, alike[key], s, st, peaks[s]))
+        else:
+            ranks.append(_rank(ctx, s, st, peaks[s], pp_crosses, totals))
+            alike[key] = ranks[-1]
     plan = Plan(
         model=asdict(ctx.shape),
         layout={**asdict(dims), "pp_layers": pp_layers},
@@ -136,6 +144,20 @@ def _rank(ctx: Setup, s: int, st: Stage, in_flight: int, pp_crosses: bool, total
     )
 
 
+def _alike_rank(ctx: Setup, like: RankClass, s: int, st: Stage, in_flight: int) -> RankClass:
+    """Stage ``s``'s ranks, alike to ``like``'s but for the micro-batches in flight: its activations and
+    total as :func:`_memory` sums them; the step's terms are ``like``'s (already in the totals)."""
+    mem = dict(like.memory)
+    mem["activations"] = in_flight * max(st.activations) + _transient(ctx, st)
+    mem["total"] = mem["model_states"] + mem["activations"] + mem["buffers"]
+    traffic = {k: {**v, "items": list(v["items"]), "by_kind": dict(v["by_kind"])} for k, v in like.traffic.items()}
+    fits = mem["total"] <= ctx.hw.memory_bytes and O.host_fits(mem.get("host", 0.0), ctx.colocated, ctx.hw)
+    layers = [(r.start, r.stop) for _, r in st.chunks]
+    return dataclasses.replace(
+        like, stage=s, layers=layers, memory=mem, in_flight=in_flight, traffic=traffic, fits=fits
+    )
+
+
 def _dp(ctx: Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> tuple[AxisTraffic, AxisTraffic]:
     """The DP (and expert DP) traffic of a stage's ranks, as the engine's buckets issue it, and what
     of it compute cannot hide (into ``totals``); returns the dp and edp axes."""
@@ -191,16 +213,21 @@ def _dp(ctx: Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> tu
     return dp_axis, edp_axis
 
 
-def _memory(ctx: Setup, st: Stage, states: dict, params, experts, in_flight: int) -> dict[str, float]:
-    """Bytes per rank: model states, activations at the peak (the in-flight micro-batches and the larger
-    transient, the loss's or recomputation's), communication buffers, and their total."""
+def _transient(ctx: Setup, st: Stage) -> float:
+    """The larger activation transient of a stage's step: the loss's (the head's stage), recomputation's, fp8's casts."""
     dims, tr = ctx.dims, ctx.tr
     kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision, fp8=tr.fp8)
     recompute = M.recompute_peak_bytes(ctx.local, tr.micro_batch, checkpointing=tr.checkpointing, **kw)
     casts = M.fp8_cast_peak_bytes(ctx.local, tr.micro_batch, tp=dims.tp) if tr.fp8 else 0.0
     has_head = any(v == dims.pp * dims.vpp - 1 for v, _ in st.chunks)
     loss = M.loss_temporary_bytes(ctx.local, tr.micro_batch, tp=dims.tp, precision=tr.precision) if has_head else 0.0
-    activations = in_flight * max(st.activations) + max(recompute, loss, casts)
+    return max(recompute, loss, casts)
+
+
+def _memory(ctx: Setup, st: Stage, states: dict, params, experts, in_flight: int) -> dict[str, float]:
+    """Bytes per rank: model states, activations at the peak (the in-flight micro-batches and the larger
+    transient, the loss's or recomputation's), communication buffers, and their total."""
+    activations = in_flight * max(st.activations) + _transient(ctx, st)
     buffers = buffer_bytes(ctx, params, experts)
     mem = {
         **{k: float(v) for k, v in states.items() if k != "total"},

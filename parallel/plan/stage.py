@@ -36,12 +36,18 @@ def stage_flags(v: int, n_virtual: int) -> tuple[bool, bool]:
     return v == 0, v == n_virtual - 1
 
 
+def alike_key(ctx: Setup, chunks: list[tuple[int, range]]) -> tuple:
+    """What a stage's numbers follow from: per chunk its layer count, MoE layers and embedding/head flags."""
+    n_virtual = ctx.dims.pp * ctx.dims.vpp
+    return tuple((len(r), MoE.moe_layers_in(ctx.moe, r)) + stage_flags(v, n_virtual) for v, r in chunks)
+
+
 def stages(ctx: Setup, ranges: list[range]) -> list[Stage]:
     """Every pipeline stage's :class:`Stage`; stages alike share the numbers, not the traffic ledgers."""
     out, alike, pp, n_virtual = [], {}, ctx.dims.pp, ctx.dims.pp * ctx.dims.vpp
     for s in range(pp):
         chunks = [(v, ranges[v]) for v in range(s, n_virtual, pp)]
-        key = tuple((len(r), MoE.moe_layers_in(ctx.moe, r)) + stage_flags(v, n_virtual) for v, r in chunks)
+        key = alike_key(ctx, chunks)
         if key not in alike:
             alike[key] = stage_numbers(ctx, chunks)
         st = alike[key]

@@ -29,7 +29,10 @@ from parallel.plan import (
     recommend,
     resolve,
 )
+from parallel.plan.advice import accumulation_choice, dp_sent_bytes
+from parallel.plan.search import other_accumulation
 from parallel.precision import FP8, base_precision
+from parallel.zero.theory import accumulate_applies
 
 from ..config import ConfigError, RecipeConfig, model_config
 
@@ -162,19 +165,24 @@ def summary(plan: Plan) -> dict[str, Any]:
 
 
 def plan_from_config(rc: RecipeConfig) -> Plan:
-    """The plan of ``rc``'s layout (raises :class:`ConfigError` for input it cannot plan)."""
+    """The plan of ``rc``'s layout (raises :class:`ConfigError` for input it cannot plan); at ZeRO-2/3 its
+    advice ends with what the other ``parallel.zero_accumulate`` sends, holds and takes."""
     try:
         mc = model_config(rc.model)
-        world = _world(rc)
-        return plan_layout(
+        world, hw, count = _world(rc), _hardware(rc), meta_param_counter(mc, rc.parallel.sequence_parallel)
+        plan = plan_layout(
             mc,
             _layout(rc, mc),
             _training(rc, mc),
-            _hardware(rc),
-            meta_param_counter(mc, rc.parallel.sequence_parallel),
+            hw,
+            count,
             world_size=world if rc.parallel.dp not in (None, "auto") else None,
             pp_layers=tuple(rc.parallel.pp_layers) if rc.parallel.pp_layers else None,
         )
+        other = other_accumulation(mc, plan, hw, count)
+        if other is not None:
+            plan.advice.append(accumulation_choice(plan, other, hw))
+        return plan
     except PlanError as e:
         raise ConfigError(f"plan: {e}") from None
 
@@ -192,7 +200,6 @@ def recommend_from_config(rc: RecipeConfig) -> list[Plan]:
             meta_param_counter(mc, rc.parallel.sequence_parallel),
             top=rc.plan.top,
             compression=rc.comm.compression,
-            accumulate=rc.parallel.zero_accumulate,
         )
     except PlanError as e:
         raise ConfigError(f"recommend: {e}") from None
@@ -256,7 +263,9 @@ def plan_footer(plan: Plan) -> list[str]:
         f"dp={L['dp']} pp={L['pp']} tp={L['tp']}"
         + (f" cp={L['cp']} ({L['cp_impl']})" if L.get("cp", 1) > 1 else "")
         + (f" ep={L['ep']}" if "params_total" in s else "")
-        + f" zero={L['zero']} sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
+        + f" zero={L['zero']}"
+        + (f" accumulating {L['accumulate']}" if accumulate_applies(L["zero"]) else "")
+        + f" sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
         f"{plan.grad_accum} per step, checkpointing {plan.training['checkpointing']}, {plan.training['precision']}"
         + (f" with fp8 {plan.training['fp8']} GEMMs" if plan.training.get("fp8") else ""),
         f"fits: {'yes' if plan.fits else 'NO'} (peak {plan.peak_memory / GB:.2f} GB)  step {s['step_time_s']:.3f} s "
@@ -310,14 +319,17 @@ def run_plan(rc: RecipeConfig, run_dir: str, *, quiet: bool = False) -> dict[str
         return result
     if rc.mode == "recommend":
         plans = recommend_from_config(rc)
-        header = ["rank", "layout", "micro-batch", "checkpointing", "peak GB", "step s", "tokens/s", "MFU", "bubble"]
+        header = ["rank", "layout", "ZeRO-2/3 grads", "micro-batch", "checkpointing", "peak GB", "DP GB/step"]
+        header += ["step s", "tokens/s", "MFU", "bubble"]
         rows = [
             [
                 str(i + 1),
                 summary(p)["layout"],
+                p.layout["accumulate"] if accumulate_applies(p.layout["zero"]) else "—",
                 str(p.training["micro_batch"]),
                 p.training["checkpointing"],
                 f"{p.peak_memory / GB:.1f}",
+                f"{dp_sent_bytes(p) / GB:.2f}",
                 f"{p.step['step_time_s']:.3f}",
                 f"{p.step['tokens_per_s']:,.0f}",
                 f"{p.step['mfu']:.1%}",
@@ -331,6 +343,7 @@ def run_plan(rc: RecipeConfig, run_dir: str, *, quiet: bool = False) -> dict[str
             **summary(plans[0]),
             "micro_batch": plans[0].training["micro_batch"],
             "checkpointing": plans[0].training["checkpointing"],
+            "accumulate": plans[0].layout["accumulate"],
         }
     plan = plan_from_config(rc)
     header, rows = plan_rows(plan)

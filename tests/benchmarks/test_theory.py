@@ -45,3 +45,26 @@ def test_compare_takes_ratios_round_by_round():
     assert quantile([1, 2, 3, 4, 5], 0.5) == 3
     with pytest.raises(ValueError, match="same non-zero number"):
         compare([1.0], [])
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_planned_dp_bytes_are_theory_for_both_accumulations(size):
+    """Each ZeRO-2/3 row of the suite, accumulating sharded and unsharded: the planner's DP bytes per rank
+    per step equal the row's theory (tests/benchmarks/test_run.py pins the counted bytes to the same
+    theory; tests/recipes/test_plan_zero3_accumulate.py the planned to the counted), plus the loss and
+    norm scalars (two 4-byte all-reduces at dp=2)."""
+    from benchmarks.gpt import suite_recipe
+    from models.transformer import build_model
+    from recipes.config import model_config
+    from recipes.tools.plan import plan_from_config
+
+    for zero, accumulate in ((2, "sharded"), (2, "unsharded"), (3, "sharded"), (3, "unsharded")):
+        rc = suite_recipe(dp=2, zero=zero, size=size, zero_accumulate=accumulate)
+        plan = plan_from_config(rc)
+        model = build_model(model_config(rc.model), device="meta")
+        psi, in_units = (sum(q.numel() for q in ps) for ps in (model.parameters(), model.blocks.parameters()))
+        expected = theory.dp_bytes(psi, zero, 2, plan.grad_accum, regathered_psi=in_units, accumulate=accumulate)
+        assert plan.grad_accum > 1 and plan.ranks[0].traffic["dp"]["bytes"] == expected + 2 * 4, (zero, accumulate)
+        assert (
+            f"parallel.zero_accumulate={'sharded' if accumulate == 'unsharded' else 'unsharded'} (" in plan.advice[-1]
+        )
