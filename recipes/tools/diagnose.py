@@ -1,6 +1,6 @@
 """What a stopped or stuck job's ranks were doing, from their flight-recorder dumps, in a few lines.
 
-    python -m recipes.diagnose outputs/<run>            # reads <run>/flight/rank*.json
+    python -m recipes.diagnose outputs/<run>            # reads <run>/flight/rank*.json (and torch's dumps)
 
 Says:
 
@@ -16,6 +16,8 @@ Says:
 The comparison is the dry run's (:func:`parallel.comm.recorder.first_difference`), applied to the
 calls every member still holds in its ring, matched by sequence number. Dumps are read one at a
 time; memory grows with the number of groups and the ring size, not the number of ranks squared.
+torch's own flight-recorder dumps beside ours (NCCL's, on CUDA) get the same report under their own
+header line (:mod:`recipes.tools.diagnose_torch`).
 """
 
 from __future__ import annotations
@@ -233,16 +235,26 @@ def _ranks(ranks) -> str:
 
 
 def diagnose(run_dir: str | Path) -> list[str]:
-    """The report's lines for the dumps under ``<run_dir>/flight`` (or ``run_dir`` itself)."""
+    """The report's lines for the dumps under ``<run_dir>/flight`` (or ``run_dir`` itself): ours,
+    then torch's (:mod:`recipes.tools.diagnose_torch`) when there are any."""
+    from recipes.tools.diagnose_torch import TorchDumps, torch_dumps
+
     folder = Path(run_dir)
     folder = folder / "flight" if (folder / "flight").is_dir() else folder
     files = sorted(folder.glob("rank*.json"))
-    if not files:
-        raise FileNotFoundError(f"no flight-recorder dumps (rank*.json) in {folder}")
+    theirs = torch_dumps(folder) if folder.is_dir() else []
+    if not files and not theirs:
+        raise FileNotFoundError(f"no flight-recorder dumps (rank*.json, nor torch's) in {folder}")
     d = Diagnosis()
     for f in files:
         d.add(json.loads(f.read_text()))
-    return d.report()
+    lines = d.report() if files else []
+    if theirs:
+        t = TorchDumps(world=d.world)
+        for f in theirs:
+            t.add(f)
+        lines += t.report()
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

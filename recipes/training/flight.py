@@ -19,6 +19,8 @@ from parallel.comm import flight
 
 #: what turns on torch's own NCCL flight recorder, and where its dumps go (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``)
 TORCH_NCCL_ENV = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+#: the name of torch's dump of rank r in ``<run>/flight``: this prefix, then r
+TORCH_DUMP_PREFIX = "nccl_trace_rank_"
 
 
 def folder(run_dir: str | os.PathLike) -> Path:
@@ -32,7 +34,7 @@ def torch_recorder_env(run_dir: str | os.PathLike) -> dict[str, str]:
 
     if not torch.cuda.is_available():
         return {}
-    env = dict(TORCH_NCCL_ENV, TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(folder(run_dir) / "nccl_trace_rank_"))
+    env = dict(TORCH_NCCL_ENV, TORCH_NCCL_DEBUG_INFO_TEMP_FILE=str(folder(run_dir) / TORCH_DUMP_PREFIX))
     return {k: v for k, v in env.items() if k not in os.environ}
 
 

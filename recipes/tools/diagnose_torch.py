@@ -1,0 +1,155 @@
+"""torch's own flight-recorder dumps (``<run>/flight/nccl_trace_rank_<r>``) in ``diagnose``'s report.
+
+On CUDA the training loop turns on torch's NCCL flight recorder (``recipes/training/flight.py``); a
+rank's dump is a pickle torch writes on a collective timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``), with
+the device side our recorder cannot see: whether each collective started and completed on the GPU.
+
+Each dump is read with torch's own loader (``torch.distributed.flight_recorder.components.loader
+.read_dump``), its groups with torch's builder (``build_groups_memberships``: the pickle's
+``pg_config``) and its entries with torch's parser (``types.Op``: the op, once per op name; each
+p2p's peer), one dump at a time; what is kept per rank is the compact columns of our own dumps, and the cross-rank
+comparison is the same :class:`~recipes.tools.diagnose.Diagnosis` (the dry run's comparator). torch's
+matcher (``builder.build_db``) is not used: it holds every rank's dump at once and compares each
+collective against every rank.
+
+A group is named ``<desc>#<pg name>`` (``tp#3``; torch's pg names are the same on every member).
+Collective numbers count from 0 (torch's ``collective_seq_id`` less one). A call is pending
+("inside") when torch had neither seen it complete nor retired it (``state``, ``retired``; torch's
+loader does not pass ``pg_status`` on). ProcessGroupGloo's
+dumps (torch 2.13) carry no ``pg_config``: a group's members are then the ranks whose dumps hold it
+(the default group: the whole world).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+from recipes.tools.diagnose import Diagnosis, _ranks
+from recipes.training.flight import TORCH_DUMP_PREFIX
+
+#: the dump versions this reader is written for (torch's analyser reads the same: major 2)
+SUPPORTED_MAJOR = 2
+_NAME = re.compile(re.escape(TORCH_DUMP_PREFIX) + r"(\d+)$")
+
+
+def torch_dumps(folder: Path) -> list[Path]:
+    """torch's dumps in ``folder``, by rank."""
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _torch_fr():
+    """torch's loader, builder and entry parser, imported on first use (and its 'tabulate is not
+    installed' warning kept off the report)."""
+    from torch.distributed.flight_recorder.components import loader
+
+    logging.getLogger("Flight Recorder").setLevel(logging.ERROR)
+    from torch.distributed.flight_recorder.components import builder, types, utils
+
+    return loader, builder, types, utils
+
+
+class TorchDumps:
+    """Reads torch's dumps one by one (:meth:`add`) into a :class:`Diagnosis`; :meth:`report`."""
+
+    def __init__(self, world: int = 0):
+        self.d = Diagnosis()
+        self.d.world = world
+        self.version = ""
+        self.left_out: dict[str, list[int]] = {}  # why -> ranks whose dump could not be used
+        self.holders: dict[str, set[int]] = {}  # group -> ranks whose dumps hold it (no pg_config)
+        self.known: set[str] = set()  # groups whose members a pg_config gave
+        self.skipped = 0  # entries of ops torch's parser does not know
+        self.kinds: dict[str, str] = {}  # profiling name ("nccl:all_reduce") -> op, as torch's parser read it
+
+    def add(self, path: Path) -> None:
+        loader, builder, types, utils = _torch_fr()
+        rank = int(_NAME.match(path.name).group(1))
+        try:
+            dump = loader.read_dump(TORCH_DUMP_PREFIX, str(path))
+            version = str(dump["version"])
+            major, _ = utils.get_version_detail(version)
+        except Exception as e:  # noqa: BLE001 - a damaged file of any kind: said in one line, left out
+            why = f"damaged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})"
+            self.left_out.setdefault(why, []).append(rank)
+            return
+        if major != SUPPORTED_MAJOR:
+            why = f"version {version}, which this reader (torch's analyser, {SUPPORTED_MAJOR}.x) does not read"
+            self.left_out.setdefault(why, []).append(rank)
+            return
+        self.version = self.version or version
+        try:
+            ours = self._ours(rank, dump, builder, types)
+        except Exception as e:  # noqa: BLE001 - a pickle of another shape than torch's writer emits
+            self.left_out.setdefault(f"damaged ({type(e).__name__}: {e})", []).append(rank)
+            return
+        self.d.add(ours)
+
+    def _ours(self, rank: int, dump: dict, builder, types) -> dict:
+        """This dump in the columns of our own dumps (:func:`parallel.comm.flight.dump`)."""
+        config = {k: v for k, v in dump["pg_config"].items() if v.get("ranks", "[]") != "[]"}
+        _, _, _, members, guids = builder.build_groups_memberships({rank: config})
+        self.d.world = max([self.d.world, rank + 1, *(max(m) + 1 for m in members.values() if m)])
+        cols = {k: [] for k in ("seq", "group", "op", "numel", "dtype", "peer", "phase", "t_end")}
+        groups: dict[str, list[int]] = {}
+        issued: dict[str, int] = {}
+        p2p: dict[tuple[str, int], int] = {}
+        for e in dump["entries"]:
+            name, desc = e["process_group"]
+            key = f"{desc or 'pg'}#{name}"
+            if key not in groups:
+                guid = guids.get((name, rank))
+                ranks = members.get(guid) if guid else None
+                if ranks:
+                    self.known.add(key)
+                else:
+                    ranks = set(range(self.d.world)) if desc == "default_pg" and self.d.world else {rank}
+                    self.holders.setdefault(key, set()).add(rank)
+                groups[key] = sorted(ranks)
+            ranks = groups[key]
+            kind = self.kinds.get(e["profiling_name"])
+            if kind in (None, "send", "recv"):  # torch's parser: once per op name, and for each p2p (its peer)
+                try:
+                    op = types.Op(e, {key: ranks}, key)
+                except (AssertionError, ValueError, IndexError):
+                    self.skipped += 1
+                    continue
+                kind = self.kinds[e["profiling_name"]] = op.type
+            pending = e["state"] != "completed" and not e.get("retired")
+            if kind in ("send", "recv"):
+                peer = op._dst_g if kind == "send" else op._src_g
+                seq = p2p[(kind, peer)] = p2p.get((kind, peer), -1) + 1
+            else:
+                peer, seq = None, e["collective_seq_id"] - 1
+                issued[key] = max(issued.get(key, 0), e["collective_seq_id"])
+            numel = sum(_prod(s) for s in e["input_sizes"] or [])
+            dtype = "/".join(dict.fromkeys(e["input_dtypes"])) or "?"
+            for k, v in zip(cols, (seq, key, kind, numel, dtype, peer, "", None if pending else 1)):
+                cols[k].append(v)
+        return {"rank": rank, "world": self.d.world, "reason": f"torch {dump['version']}", "groups": groups,
+                "issued": issued, "entries": cols}  # fmt: skip
+
+    def report(self) -> list[str]:
+        """A header line, then the diagnosis's lines indented under it."""
+        d = self.d
+        for group, ranks in self.holders.items():
+            if group not in self.known and not group.startswith("default_pg#"):
+                d.members[group] = tuple(sorted(ranks))
+        d.world = max([d.world, *(r + 1 for r in d.seen), *(max(m) + 1 for m in d.members.values() if m)])
+        head = f"torch's flight recorder ({TORCH_DUMP_PREFIX}<r>, version {self.version or '?'}): "
+        lines = [f"{why}: ranks {_ranks(rs)}, left out" for why, rs in sorted(self.left_out.items())]
+        if self.skipped:
+            lines.append(f"{self.skipped} entries of ops torch's parser does not know, left out")
+        if not d.seen:
+            return [head + "no dump could be read", *("  " + line for line in lines)]
+        body = d.report()
+        return [head + body[0].split(" (")[0], *("  " + line for line in lines + body[1:])]
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
