@@ -41,7 +41,7 @@ from .pipeline.partition import partition_layers, stage_chunks
 from .pipeline.schedules import Action, build_schedule
 from .stats import READ_KEYS, PendingLoss, read_stats, reduce_stats  # noqa: F401 (the engine's read API)
 from .timing import StepClock
-from .zero import ZeroConfig, ZeroDataParallel
+from .zero import DynamicLossScaler, ZeroConfig, ZeroDataParallel
 
 
 class ModelChunks(nn.Module):
@@ -116,8 +116,8 @@ class StepEngine:
         activation_shape: one micro-batch's activation between stages.
         compute_dtype: the dtype of activations (and of ZeRO's compute parameters).
         sequence_parallel: activations between stages are sequence-sharded over TP.
-        zero: ZeRO's settings (:class:`~parallel.zero.ZeroConfig`); ``clip_groups`` and
-            ``zero_options`` (``optimizer_factory``, ``units``, ``loss_scaler``, ``expert_group``,
+        zero: ZeRO's settings (:class:`~parallel.zero.ZeroConfig`); ``optimizer_factory``,
+            ``units``, ``loss_scaler`` and the further groups (``clip_groups``, ``expert_group``,
             ``ep_group``) go to :class:`~parallel.zero.ZeroDataParallel` as they are, except that the
             gradient norm always sums over ``pp_group`` too (listed or not: counted once), so every
             stage clips by the whole model's norm, as one process does.
@@ -130,14 +130,19 @@ class StepEngine:
         *,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         zero: ZeroConfig,
+        optimizer_factory: Callable[[list[dict]], torch.optim.Optimizer],
         dp_group: dist.ProcessGroup | None,
         pp_group: dist.ProcessGroup,
         tp_group: dist.ProcessGroup | None = None,
+        embedding_group: dist.ProcessGroup | None = None,
         clip_groups: Sequence[dist.ProcessGroup | None] = (),
+        expert_group: dist.ProcessGroup | None = None,
+        ep_group: dist.ProcessGroup | None = None,
+        units: Sequence[nn.Module] | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
         activation_shape: Sequence[int],
         compute_dtype: torch.dtype = torch.float32,
         sequence_parallel: bool = False,
-        **zero_options: Any,
     ):
         self.model = ModelChunks(chunks)
         self.dp_group = dp_group
@@ -145,11 +150,16 @@ class StepEngine:
         self.zero = ZeroDataParallel(
             self.model,
             zero,
+            optimizer_factory=optimizer_factory,
             dp_group=dp_group,
             tp_group=tp_group,
+            embedding_group=embedding_group,
             # the norm spans the whole model: every pipeline stage's gradients, whatever the caller lists
             clip_groups=[pp_group, *(g for g in clip_groups if g is not pp_group)],
-            **zero_options,
+            expert_group=expert_group,
+            ep_group=ep_group,
+            units=units,
+            loss_scaler=loss_scaler,
         )
         self.executor = PipelineExecutor(
             [_ChunkCall(self.zero, c) for c in range(len(chunks))],
