@@ -23,6 +23,7 @@ dumps (torch 2.13) carry no ``pg_config``: a group's members are then the ranks 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from pathlib import Path
 
@@ -124,7 +125,7 @@ class TorchDumps:
             else:
                 peer, seq = None, e["collective_seq_id"] - 1
                 issued[key] = max(issued.get(key, 0), e["collective_seq_id"])
-            numel = sum(_prod(s) for s in e["input_sizes"] or [])
+            numel = sum(math.prod(int(n) for n in s) for s in e["input_sizes"] or [])
             dtype = "/".join(dict.fromkeys(e["input_dtypes"])) or "?"
             for k, v in zip(cols, (seq, key, kind, numel, dtype, peer, "", None if pending else 1)):
                 cols[k].append(v)
@@ -146,10 +147,3 @@ class TorchDumps:
             return [head + "no dump could be read", *("  " + line for line in lines)]
         body = d.report()
         return [head + body[0].split(" (")[0], *("  " + line for line in lines + body[1:])]
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
