@@ -123,3 +123,25 @@ def test_layouts_match_one_process(corpora, reference, tmp_path, layout):
     assert loss == pytest.approx(reference[0], abs=1e-4)
     assert norm == pytest.approx(reference[1], rel=1e-4)
     assert _val_losses(tmp_path) == pytest.approx(_val_losses(reference[2]), abs=1e-4)
+
+
+def _blend_epochs(run_dir):
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [(r["step"], r["blend0_epoch"], r["blend1_epoch"]) for r in rows]
+
+
+def test_a_blended_run_resumed_in_another_layout_reads_what_the_uninterrupted_run_read(corpora, tmp_path):
+    """Saved at dp=2 after step 2, resumed at cp=2 (the ring): steps 3–4 cross the end of the small
+    corpus's epoch (it is read at 0.75, 6 of its 18 windows a step) and give the uninterrupted run's
+    losses and epoch positions: the data position is the step, whatever the layout."""
+    small = _corpus(tmp_path, "c", n_docs=40, seed=2)
+    keys = dict(data__blend=f"0.25 {corpora[0]} 0.75 {small}", train__max_steps=4, train__eval_every=0)
+    full = tmp_path / "full"
+    run_ranks(_train, 2, _recipe(None, dp=2, train__ckpt_every=2, **keys), str(full), timeout=300)
+    assert [e for *_, e in _blend_epochs(full)] == pytest.approx([1 / 3, 2 / 3, 1.0, 4 / 3])
+    resumed = tmp_path / "resumed"
+    ckpt = full / "checkpoints" / "step_00000002"
+    layout = dict(parallel__cp=2, parallel__cp_impl="ring", train__resume=str(ckpt))
+    run_ranks(_train, 2, _recipe(None, **layout, **keys), str(resumed), timeout=300)
+    assert losses(resumed)[0] == pytest.approx(losses(full)[0][2:], abs=1e-4)
+    assert _blend_epochs(resumed) == pytest.approx(_blend_epochs(full)[2:])
