@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..training.data import DTYPES, DataError
+from ..training.corpus_format import DTYPES, DataError
 from .prepare_inputs import check_inputs, documents, sources
 from .prepare_tokenizers import DocTokenizer, load_tokenizer
 from .prepare_writer import SplitWriter

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..training.data import DataError
+from ..training.corpus_format import DataError
 
 DATASET_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..training.data import DataError
+from ..training.corpus_format import DataError
 
 BYTES_EOS = 0
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")

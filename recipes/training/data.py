@@ -32,18 +32,12 @@ import torch
 
 from parallel.layers import cp_slice
 
+from .corpus_format import DTYPES, DataError
 from .packing import window_positions
 from .sampling import SAMPLINGS, epoch_walk
 
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
-
 MIN_SOURCE_BYTES = 10_000  # fewer bytes of stdlib source than this: the Python installation lacks its sources
 MAX_SCANNED_TOKENS = 2**28  # token files up to this size are scanned for ids ≥ vocab up front (≈0.2 s/GB)
-
-
-class DataError(ValueError):
-    """Missing or malformed data; the message says what is wrong, then (after "; ") what to run."""
 
 
 def window_tokens(seq_len: int) -> int:
