@@ -1,6 +1,7 @@
 """``recipes.prepare`` against ``datasets.map`` with the same tokenizer, batched, on the same workers.
 
     python -m benchmarks.prepare [--mb 200] [--workers 2] [--vocab 8192] [--out DIR]
+    python -m benchmarks.prepare --memory --mb 5120     # peak RSS only: the bytes tokenizer, no datasets.map
 
 The corpus is jsonl made here from the Python standard library's sources (one document per file
 chunk of about 4 KB, repeated to ``--mb``); the tokenizer a byte-level BPE trained on its first MB
@@ -9,6 +10,8 @@ document, a document index); theirs is ``load_dataset("json")`` then ``.map(batc
 num_proc=workers)`` returning the ids (what a user writes before Megatron's or torchtitan's
 loaders), its Arrow cache in a fresh folder. Reported: tokens/s per worker each side, the ratio, and
 our peak RSS (this process and its workers' largest, ``getrusage``) beside the corpus size.
+``--memory``: only ``python -m recipes.prepare`` in a child process, with the bytes tokenizer (what
+bounds memory is the chunks in flight, not the tokenizer), and the largest process's peak RSS.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import subprocess
+import sys
 import sysconfig
 import tempfile
 import time
@@ -96,16 +101,29 @@ def ours(corpus: Path, folder: Path, workers: int, out: Path) -> tuple[float, in
     return time.perf_counter() - t0, sum(meta["tokens"].values())
 
 
+def memory(corpus: Path, workers: int, out: Path) -> tuple[float, float]:
+    """``python -m recipes.prepare`` (bytes tokenizer) in a child: its seconds and its largest process's peak RSS (MB)."""
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "recipes.prepare", str(corpus), "--output", str(out), "--tokenizer", "bytes"]
+    subprocess.run([*cmd, "--workers", str(workers)], check=True, capture_output=True)
+    return time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=200)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--out", default=None, help="a folder for the corpus and outputs (default: a temporary one)")
+    ap.add_argument("--memory", action="store_true", help="peak RSS of recipes.prepare only (bytes tokenizer)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=a.out) as tmp:
         tmp = Path(tmp)
         docs = make_corpus(tmp / "corpus.jsonl", a.mb)
+        if a.memory:
+            seconds, rss = memory(tmp / "corpus.jsonl", a.workers, tmp / "ours")
+            print(f"{a.mb:g} MB, {docs:,} documents, {a.workers} workers: {seconds:.1f} s, peak RSS {rss:.0f} MB")
+            return {"corpus_mb": a.mb, "documents": docs, "workers": a.workers, "seconds": seconds, "peak_rss_mb": rss}
         make_tokenizer(tmp / "corpus.jsonl", tmp / "tok", a.vocab)
         t_ours, n_ours = ours(tmp / "corpus.jsonl", tmp / "tok", a.workers, tmp / "ours")
         rss = _peak_rss_mb()
