@@ -11,7 +11,8 @@ creation of its process groups, its model chunks, ZeRO buckets, the pipeline exe
 a warm-up training step (it allocates the optimizer state), one measured training step
 (every micro-batch's forward and backward, the DP reduction, the optimizer step, and the
 loss reduction of a logged step: its collectives, without the host read), the
-validation forward, and the assembly of its checkpoint pieces (``Trainer.state_dict()``).
+validation forward of one batch (each of ``train.eval_batches`` issues the same calls), and
+the assembly of its checkpoint pieces (``Trainer.state_dict()``).
 Tensors live on the ``meta`` device: shapes, dtypes and every collective's size are
 real, no byte is allocated and no value exists (so the step must read none: issue 12 §2).
 
@@ -115,6 +116,7 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
     t0 = time.perf_counter()
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
     rc.train.threads = rc.train.threads or 1  # meta tensors compute nothing: one thread per rank
+    rc.train.eval_batches = 1  # the validation forward's calls and devices, once (the rest repeat them)
     init_fake_world(rank, world)
     device = torch.device("meta")
     real_new_group, new_groups = dist.new_group, []
