@@ -55,12 +55,15 @@ if [[ "${GPU_CHECK_DRY:-0}" == 1 ]]; then
     echo "GPU check: CPU dry run (GPU_CHECK_DRY=1): same steps, tiny models, no figures worth reading"
     # one of the marked tests proves the step runs; the whole suite (these tests included) runs on the CPU anyway
     test_args=(-k "fused_adamw_on_the_device_matches_foreach or cuda_device_equal_full_attention")
-    big=(model.n_layers=2 model.d_model=64 model.n_heads=4 model.seq_len=32 train.micro_batch=2 train.threads=1)
-    quick=(train.max_steps=20 train.threads=1)
+    # one rank, as on the one GPU the real check uses (calibrate spawns no collectives' ranks there either)
+    big=(model.n_layers=2 model.d_model=64 model.n_heads=4 model.seq_len=32 train.micro_batch=2 train.threads=1
+        plan.world_size=1)
+    # the dry run proves the command trains, not how far or how fast (a set peak: the CPU is not measured)
+    quick=(train.max_steps=2 train.threads=1 logger.peak_tflops=1)
     mfu_args=()
     vs_args=()
     compile_args=(--compile eager)
-    ckpt_args=(--d 64 --layers 2 --seq 32 --rounds 2)
+    ckpt_args=(--d 64 --layers 2 --seq 32 --rounds 1)
     fp8=0
 else
     if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then

@@ -3,13 +3,16 @@
 ``python -m recipes.gpt175b mode=dryrun [dryrun.ranks=[0,8704,17919] | dryrun.ranks=classes] [dryrun.peers=true]``
 
 Each chosen rank runs in a fresh process (a clean default process group), ``dryrun.jobs``
-at a time. The process joins torch's ``fake`` process group as that rank of the real
+at a time, forked from this one after it has imported torch and the trainer
+(:func:`.dryrun_classes.run_forked`; fresh interpreters, :func:`run_ranks`, where it cannot
+fork). The process joins torch's ``fake`` process group as that rank of the real
 world size and runs the **real** :class:`~recipes.training.trainer.Trainer`: config validation,
 creation of its process groups, its model chunks, ZeRO buckets, the pipeline executor,
 a warm-up training step (it allocates the optimizer state), one measured training step
 (every micro-batch's forward and backward, the DP reduction, the optimizer step, and the
 loss reduction of a logged step: its collectives, without the host read), the
-validation forward, and the assembly of its checkpoint pieces (``Trainer.state_dict()``).
+validation forward of one batch (each of ``train.eval_batches`` issues the same calls), and
+the assembly of its checkpoint pieces (``Trainer.state_dict()``).
 Tensors live on the ``meta`` device: shapes, dtypes and every collective's size are
 real, no byte is allocated and no value exists (so the step must read none: issue 12 §2).
 
@@ -113,6 +116,7 @@ def run_rank(rc: RecipeConfig, rank: int, world: int, run_dir: str) -> dict[str,
     t0 = time.perf_counter()
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
     rc.train.threads = rc.train.threads or 1  # meta tensors compute nothing: one thread per rank
+    rc.train.eval_batches = 1  # the validation forward's calls and devices, once (the rest repeat them)
     init_fake_world(rank, world)
     device = torch.device("meta")
     real_new_group, new_groups = dist.new_group, []
@@ -360,7 +364,7 @@ def run_dryrun(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
     if rc.dryrun.peers and not by_class:
         ranks = sorted(set(ranks) | {p for r in ranks for p in peer_ranks(topo, r)})
     t0 = time.perf_counter()
-    results = (classes.run_forked if by_class else run_ranks)(rc, ranks, world, run_dir, jobs=rc.dryrun.jobs)
+    results = classes.run_forked(rc, ranks, world, run_dir, jobs=rc.dryrun.jobs)
     try:
         plan = plan_from_config(rc)
     except (ValueError, KeyError) as e:  # the planner refuses some layouts the trainer runs: say so

@@ -55,6 +55,7 @@ def run_forked(
     """Dry-run each of ``ranks`` in a process forked from this warmed one (a new fork per rank, ``jobs`` at
     a time); return their results. Falls back to fresh interpreters (:func:`.dryrun.run_ranks`) where this
     process cannot fork or already joined a process group (the fork would inherit it)."""
+    import torch._dynamo  # noqa: F401 (a dispatch mode's first op imports it: once, here)
     import torch.distributed as dist
 
     from parallel import comm, dryrun, engine  # noqa: F401 (imported once, here: what every fork reuses)

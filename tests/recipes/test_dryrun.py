@@ -1,6 +1,6 @@
 """``mode=dryrun`` (issue 12 §1): the real trainer, one rank at a time, on meta tensors and the fake process group.
 
-Each test runs ranks as the command does (a fresh process per rank) and holds the dry run to the
+Each test runs ranks as the command does (a fresh process per rank, forked from this one) and holds the dry run to the
 planner: bytes per group equal, model-state bytes equal, peak memory close (see the bounds below).
 """
 
@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from recipes.main import register
-from recipes.tools import dryrun
+from recipes.tools import dryrun, dryrun_classes
 from recipes.tools.plan import plan_from_config
 
 
@@ -71,7 +71,7 @@ def test_gpt175b_default_ranks(tmp_path):
     ranks = dryrun.default_ranks(17920, 35, 64, 8)
     assert ranks == [0, 8704, 17919]
     rc.data.source, rc.data.path = "embedded", None
-    results = dryrun.run_ranks(rc, ranks, 17920, str(tmp_path), jobs=2, timeout_s=300)
+    results = dryrun_classes.run_forked(rc, ranks, 17920, str(tmp_path), jobs=2, timeout_s=300)
     ratios = _check(results, plan_from_config(rc), peak_bound=0.10)
     for res in results.values():
         assert res["max_rss_bytes"] < 2 * 2**30

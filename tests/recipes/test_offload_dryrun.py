@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from recipes.tools import dryrun
+from recipes.tools import dryrun, dryrun_classes
 from recipes.tools.plan import plan_from_config
 
 from .test_dryrun import recipe
@@ -36,7 +36,7 @@ LLAMA2_13B = [
 def test_llama2_13b_on_one_a100_fits_only_with_offload(tmp_path, zero, offload, fits):
     rc = recipe("llama_7b", LLAMA2_13B + [f"parallel.zero={zero}", f"parallel.offload={offload}"])
     plan = plan_from_config(rc)
-    results = dryrun.run_ranks(rc, [0], 1, str(tmp_path), jobs=1, timeout_s=300)
+    results = dryrun_classes.run_forked(rc, [0], 1, str(tmp_path), jobs=1, timeout_s=300)
     mem = results[0]["memory"]
     cmp = dryrun.compare_with_plan(results[0], plan)["memory"]["plan"]
     device, held = 80 * GiB, mem["total"] - mem["temporaries"]
