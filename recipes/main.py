@@ -43,6 +43,7 @@ from launch.local import LocalWorldError, check_local_world, spawn_local, under_
 
 from .config import ConfigError, Layout, RecipeConfig
 from .tools.deepspeed import apply_deepspeed
+from .training.exits import freeze_for_exit
 from .training.sweep import JobFailed
 from .validation import check_keys, check_overrides, check_values, resolve_aliases, resolve_dp, validate
 
@@ -124,7 +125,9 @@ def worker(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict
 
     os.environ.update(torch_recorder_env(run_dir))  # torch's NCCL flight recorder, before any group exists
     try:
-        return record(train)(rc, run_dir, layout)
+        summary = record(train)(rc, run_dir, layout)
+        freeze_for_exit()  # the rank's work is done: it returns its summary and its process ends
+        return summary
     except Exception as e:
         dump_on_error(run_dir, e)  # this rank's flight recorder to <run>/flight (python -m recipes.diagnose)
         if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
@@ -289,3 +292,4 @@ def run_recipe(config_name: str) -> None:
     except ConfigError as e:
         refuse(e)
     hydra.main(version_base="1.3", config_path="conf", config_name=config_name)(task)()
+    freeze_for_exit()  # every job has ended: nothing is left but the interpreter's exit

@@ -35,8 +35,11 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, max_steps: 
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * frac))
 
 
-def measured_matmul_tflops(n: int = 2048, repeats: int = 5, dtype=torch.float32, device="cpu") -> float:
+def measured_matmul_tflops(n: int = 1024, repeats: int = 5, dtype=torch.float32, device="cpu") -> float:
     """This machine's achieved dense-matmul TFLOP/s on ``device`` (the CPU MFU peak).
+
+    Every CPU rank measures once, before its first step (a fixed cost of every run): ``n`` is
+    sized in docs/performance.md ("Issue 27: the suite's time, fixed costs of a launched job").
 
     Best of ``repeats`` timings, so a machine busy with other work at that moment reads
     low and the MFU computed against it high: set ``logger.peak_tflops`` to pin it.

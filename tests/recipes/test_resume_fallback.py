@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,18 +65,26 @@ def _cli(args: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def cases(saved, tmp_path_factory):
-    """The user's cases, each on its own copy of the run."""
+    """The user's cases, each on its own copy of the run, in flight together (the inspection of the
+    named run after that run's refusal, as a user would type them)."""
     base = tmp_path_factory.mktemp("damaged")
-    runs = {}
-    run = _copy(saved, base / "newest", 6)
-    runs["auto"] = _cli(["recipes.gpt_tiny", *cli_overrides(run, max_steps=8, ckpt_every=2, resume="auto")])
-    runs["auto"]["dir"] = run
-    run = _copy(saved, base / "named", 6)
-    runs["named"] = _cli(["recipes.gpt_tiny", *cli_overrides(base / "into", max_steps=8, resume=str(run))])
-    run = _copy(saved, base / "all", 2, 4, 6)
-    runs["all"] = _cli(["recipes.gpt_tiny", *cli_overrides(run, max_steps=8, resume="auto")])
-    runs["all"]["dir"] = run
-    runs["inspect"] = _cli(["recipes.inspect_checkpoint", str(base / "named")])
+    newest, named, every = (
+        _copy(saved, base / "newest", 6),
+        _copy(saved, base / "named", 6),
+        _copy(saved, base / "all", 2, 4, 6),
+    )
+    commands = {
+        "auto": [["recipes.gpt_tiny", *cli_overrides(newest, max_steps=8, ckpt_every=2, resume="auto")]],
+        "named": [
+            ["recipes.gpt_tiny", *cli_overrides(base / "into", max_steps=8, resume=str(named))],
+            ["recipes.inspect_checkpoint", str(named)],
+        ],
+        "all": [["recipes.gpt_tiny", *cli_overrides(every, max_steps=8, resume="auto")]],
+    }
+    with ThreadPoolExecutor(len(commands)) as pool:  # each thread runs its commands one after the other
+        done = dict(zip(commands, pool.map(lambda cmds: [_cli(c) for c in cmds], commands.values())))
+    runs = {"auto": {**done["auto"][0], "dir": newest}, "named": done["named"][0], "inspect": done["named"][1]}
+    runs["all"] = {**done["all"][0], "dir": every}
     return {"base": base, "runs": runs}
 
 

@@ -34,9 +34,11 @@ def _run_in(cwd, *args, timeout=180):
 def test_a_plain_run_says_there_is_nothing_to_resume_and_its_data_is_small_then_the_next_resumes_it(tmp_path):
     """Two runs from one folder without hydra.run.dir, as a user types them: each gets a new
     outputs/<timestamp-id>; the second's train.resume=auto takes the first's checkpoint. Both read a
-    train split of 40 tokens, less than one global batch of 4 × 17: said, and trained."""
+    train split of 40 tokens, less than one global batch of 4 × 17: said, and trained. One rank each:
+    the notes are the launcher's and rank 0's."""
     write_token_dir(tmp_path / "tiny", {"train": np.arange(40) % 256}, 256)
-    keys = [*cli_overrides(tmp_path)[:-1], "data.source=memmap", f"data.path={tmp_path / 'tiny'}", "train.resume=auto"]
+    small = [k for k in cli_overrides(tmp_path)[:-1] if not k.startswith("parallel.dp=")]
+    keys = [*small, "parallel.dp=1", "data.source=memmap", f"data.path={tmp_path / 'tiny'}", "train.resume=auto"]
     first = _run_in(tmp_path, *keys, "train.max_steps=2", "train.ckpt_at_end=true")
     assert first.returncode == 0, first.stderr[-3000:]
     (note,) = [x for x in first.stderr.splitlines() if x.startswith("note: train.resume=auto")]

@@ -81,7 +81,7 @@ def _job(run_dir: Path, *extra: str, **train) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    """Every CLI case, run once (the refusals side by side, then the two training jobs)."""
+    """Every CLI case, run once, the four in flight together (each on its own file system or directory)."""
     base = tmp_path_factory.mktemp("storage")
     needed, mounts, runs, skipped = _needed(), [], {}, {}
     roomy = int(1.5 * needed) + (256 << 10)  # one checkpoint and the run's small files fit, two do not
@@ -97,17 +97,15 @@ def cases(tmp_path_factory):
     if ro is None:
         skipped["read_only"] = why
     try:
-        first = {}
+        started = {}
         if "too_small" not in skipped:
-            first["too_small"] = _start(_job(base / "too_small" / "run", max_steps=4, ckpt_every=2))
+            started["too_small"] = _start(_job(base / "too_small" / "run", max_steps=4, ckpt_every=2))
         if ro is not None:
-            first["read_only"] = _start(_job(ro, max_steps=4, ckpt_every=2))
-        runs.update({k: _finish(p) for k, p in first.items()})
-        second = {}
+            started["read_only"] = _start(_job(ro, max_steps=4, ckpt_every=2))
         if "full_stop" not in skipped:  # background saves (the default), dp=2
-            second["full_stop"] = _start(_job(base / "full_stop" / "run", max_steps=6, ckpt_every=2, ckpt_keep=0))
+            started["full_stop"] = _start(_job(base / "full_stop" / "run", max_steps=6, ckpt_every=2, ckpt_keep=0))
         if "full_continue" not in skipped:
-            second["full_continue"] = _start(
+            started["full_continue"] = _start(
                 _job(
                     base / "full_continue" / "run",
                     max_steps=6,
@@ -116,7 +114,7 @@ def cases(tmp_path_factory):
                     ckpt_on_error="continue",
                 )
             )
-        runs.update({k: _finish(p) for k, p in second.items()})
+        runs.update({k: _finish(p) for k, p in started.items()})
         for name in ("full_stop", "full_continue"):
             if name in runs:
                 runs[name]["checkpoints"] = _listing(base / name / "run" / "checkpoints")
