@@ -23,10 +23,13 @@ header line (:mod:`recipes.tools.diagnose_torch`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import statistics
 import sys
 from dataclasses import dataclass
+from itertools import compress
 from pathlib import Path
 
 from parallel.comm.recorder import Call, first_difference
@@ -55,7 +58,8 @@ class Diagnosis:
         self.reasons: dict[str, list[int]] = {}
         self.members: dict[str, tuple[int, ...]] = {}
         self.issued: dict[str, dict[int, int]] = {}  # group -> rank -> collectives issued
-        self.calls: dict[str, dict[int, tuple[int, list[Call]]]] = {}  # group -> rank -> (first seq, calls)
+        self.calls: dict[str, dict[int, tuple[int, list[tuple]]]] = {}  # group -> rank -> (first seq, calls)
+        self.interned: dict[tuple, tuple] = {}  # (group, op, numel, dtype, phase) -> the one tuple every holder keeps
         self.last: dict[int, tuple] = {}
         self.steps: dict[int, dict[int, float]] = {}
         self.p2p: dict[tuple[int, int], dict[str, tuple[int, str]]] = {}  # (src, dst) -> side -> (issued, phase)
@@ -66,24 +70,31 @@ class Diagnosis:
         self.seen.add(r)
         self.reasons.setdefault(dump["reason"].split(":")[0], []).append(r)  # "watchdog", "SIGTERM", …
         e = dump["entries"]
-        mine: dict[str, tuple[int, list[Call]]] = {}
-        cols = (e["seq"], e["group"], e["op"], e["numel"], e["dtype"], e["peer"], e["phase"])
-        for seq, group, op, numel, dtype, peer, phase in zip(*cols):
-            if peer is None:
-                first, calls = mine.setdefault(group, (seq, []))
-                calls.append(Entry(group, (), op, numel, dtype, "", phase=phase))
-            else:  # the p2p pair's last call on this side: how many it issued, and whether it completed
-                pair, side = ((r, peer), "send") if op == "send" else ((peer, r), "recv")
-                self.p2p.setdefault(pair, {})[side] = (seq + 1, phase)
+        seqs, groups, peers = e["seq"], e["group"], e["peer"]
+        keys = list(zip(groups, e["op"], e["numel"], e["dtype"], e["phase"]))
+        keys = list(map(self.interned.setdefault, keys, keys))  # the same call on every member: one object
+        if peers.count(None) != len(peers):  # p2p calls: each pair's last call on this side, then dropped
+            self._p2p(r, e)
+            mask = [p is None for p in peers]
+            seqs, groups, keys = (list(compress(c, mask)) for c in (seqs, groups, keys))
+        held = set(groups)
+        for group in held:  # a group's calls in the ring are its last ones: consecutive sequence numbers
+            calls = keys if len(held) == 1 else list(compress(keys, map(group.__eq__, groups)))
+            self.calls.setdefault(group, {})[r] = (seqs[groups.index(group)], calls)
         for group, ranks in dump["groups"].items():
-            self.members[group] = tuple(ranks)
+            self.members[group] = ranks if type(ranks) is tuple else tuple(ranks)
             self.issued.setdefault(group, {})[r] = dump["issued"].get(group, 0)
-        for group, pair in mine.items():
-            self.calls.setdefault(group, {})[r] = pair
         if e["seq"]:
             i = len(e["seq"]) - 1
             self.last[r] = (e["op"][i], e["group"][i], e["seq"][i], e["peer"][i], e["phase"][i], e["t_end"][i] is None)
         self.steps[r] = dict(dump.get("step_times", []))
+
+    def _p2p(self, r: int, e: dict) -> None:
+        """The p2p pair's last call on this side: how many it issued, and in which phase."""
+        for seq, op, peer, phase in zip(e["seq"], e["op"], e["peer"], e["phase"]):
+            if peer is not None:
+                pair, side = ((r, peer), "send") if op == "send" else ((peer, r), "recv")
+                self.p2p.setdefault(pair, {})[side] = (seq + 1, phase)
 
     def _disagreements(self) -> list[str]:
         """Per group, its first bad collective; the groups ordered by the step of that call (the
@@ -117,40 +128,43 @@ class Diagnosis:
         for m in ranks:
             first, calls = self.calls.get(group, {}).get(m, (0, []))
             if first <= n < first + len(calls):
-                return calls[n - first]
+                return _entry(calls[n - first])
         return None
 
     def _first_mismatch(self, group: str, members: list[int]) -> tuple[int, str, str] | None:
         """The first collective every member holds on which they differ (the dry run's comparator,
-        :func:`first_difference`, against one member): the odd ones out by majority, or, two against
-        two, the side that is not stuck inside it."""
+        :func:`first_difference`, against one member, on the pairs whose held calls are not the same
+        objects): the odd ones out by majority, or, two against two, the side that is not stuck inside it."""
         held = self.calls.get(group, {})
         have = [m for m in members if m in held]
         if len(have) < 2:
             return None
         start = max(held[m][0] for m in have)
-        seqs = {m: held[m][1][start - held[m][0] :] for m in have}
-        n = min(len(c) for c in seqs.values())
-        ref, first = have[0], None
+        n = max(0, min(held[m][0] + len(held[m][1]) for m in have) - start)
+        seqs = {m: held[m][1][start - held[m][0] :][:n] for m in have}
+        ref, first = seqs[have[0]], None
         for m in have[1:]:
-            diff = first_difference(seqs[ref][:n], seqs[m][:n])
-            if diff is not None and (first is None or diff[0] < first):
-                first = diff[0]
+            if seqs[m] == ref:  # interned calls: compared by identity, at C speed
+                continue
+            i = _common_prefix(ref, seqs[m])
+            diff = first_difference([_entry(ref[i])], [_entry(seqs[m][i])])
+            if diff is not None and (first is None or i + diff[0] < first):
+                first = i + diff[0]
         if first is None:
             return None
         sides: dict[tuple, list[int]] = {}
         for m in have:
-            sides.setdefault(seqs[m][first].key(), []).append(m)
+            sides.setdefault(seqs[m][first], []).append(m)
         ordered = sorted(sides.values(), key=len)
         odd, rest = ordered[0], [m for side in ordered[1:] for m in side]
         if len(odd) == len(rest) and all(self._inside(m, group, start + first) for m in odd):
             odd, rest = rest, odd  # a tie: the stuck side waits for the other
         i = start + first
         line = (
-            f"group {group}: ranks {_ranks(odd)} differ at collective #{i}: {seqs[odd[0]][first].describe()}, "
-            f"where ranks {_ranks(rest)} issued {seqs[rest[0]][first].describe()}"
+            f"group {group}: ranks {_ranks(odd)} differ at collective #{i}: {_entry(seqs[odd[0]][first]).describe()}, "
+            f"where ranks {_ranks(rest)} issued {_entry(seqs[rest[0]][first]).describe()}"
         )
-        return i, line, seqs[odd[0]][first].phase
+        return i, line, seqs[odd[0]][first][4]
 
     def _inside(self, rank: int, group: str, seq: int) -> bool:
         last = self.last.get(rank)
@@ -223,6 +237,24 @@ class Diagnosis:
         return lines
 
 
+def _entry(key: tuple) -> Entry:
+    """The call an interned key (group, op, numel, dtype, phase) stands for, to compare or describe."""
+    group, op, numel, dtype, phase = key
+    return Entry(group, (), op, numel, dtype, "", phase=phase)
+
+
+def _common_prefix(a: list, b: list) -> int:
+    """How many leading items ``a`` and ``b`` share (equal slices, bisected: C-speed comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _step_of(phase: str) -> int:
     """The step a phase names (``"step 3 F mb1"`` → 3; none: after every step)."""
     words = phase.split()
@@ -246,15 +278,30 @@ def diagnose(run_dir: str | Path) -> list[str]:
     if not files and not theirs:
         raise FileNotFoundError(f"no flight-recorder dumps (rank*.json, nor torch's) in {folder}")
     d = Diagnosis()
-    for f in files:
-        d.add(json.loads(f.read_text()))
+    with _no_cycle_collection():
+        for f in files:
+            d.add(json.loads(f.read_text()))
     lines = d.report() if files else []
     if theirs:
         t = TorchDumps(world=d.world)
-        for f in theirs:
-            t.add(f)
+        with _no_cycle_collection():
+            for f in theirs:
+                t.add(f)
         lines += t.report()
     return lines
+
+
+@contextlib.contextmanager
+def _no_cycle_collection():
+    """Python's cycle collector off while dumps are read: what a dump allocates holds no cycles (it
+    is freed by reference counting), and each collection would walk every call kept so far."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def main(argv: list[str] | None = None) -> int:
