@@ -64,6 +64,9 @@ class TorchDumps:
         self.known: set[str] = set()  # groups whose members a pg_config gave
         self.skipped = 0  # entries of ops torch's parser does not know
         self.kinds: dict[str, str] = {}  # profiling name ("nccl:all_reduce") -> op, as torch's parser read it
+        self.names: dict[tuple, str] = {}  # process_group (pg name, desc) -> our group's name, "tp#3"
+        self.dtypes: dict[tuple, str] = {}  # input dtypes -> "BFloat16" (several: joined by "/")
+        self.built: dict[tuple, tuple] = {}  # (pg name, desc, ranks) -> (guid, ranks), torch's builder's
 
     def add(self, path: Path) -> None:
         loader, builder, types, utils = _torch_fr()
@@ -90,47 +93,69 @@ class TorchDumps:
 
     def _ours(self, rank: int, dump: dict, builder, types) -> dict:
         """This dump in the columns of our own dumps (:func:`parallel.comm.flight.dump`)."""
-        config = {k: v for k, v in dump["pg_config"].items() if v.get("ranks", "[]") != "[]"}
-        _, _, _, members, guids = builder.build_groups_memberships({rank: config})
-        self.d.world = max([self.d.world, rank + 1, *(max(m) + 1 for m in members.values() if m)])
-        cols = {k: [] for k in ("seq", "group", "op", "numel", "dtype", "peer", "phase", "t_end")}
-        groups: dict[str, list[int]] = {}
+        members, guids = self._memberships(rank, dump["pg_config"], builder)
+        self.d.world = max([self.d.world, rank + 1, *(m[-1] + 1 for m in members.values() if m)])
+        rows = []
+        groups: dict[str, tuple[int, ...]] = {}
         issued: dict[str, int] = {}
         p2p: dict[tuple[str, int], int] = {}
+        names, kinds, dtypes = self.names, self.kinds, self.dtypes
         for e in dump["entries"]:
-            name, desc = e["process_group"]
-            key = f"{desc or 'pg'}#{name}"
+            pg = e["process_group"]
+            key = names.get(pg) or names.setdefault(pg, f"{pg[1] or 'pg'}#{pg[0]}")
             if key not in groups:
-                guid = guids.get((name, rank))
-                ranks = members.get(guid) if guid else None
-                if ranks:
-                    self.known.add(key)
-                else:
-                    ranks = set(range(self.d.world)) if desc == "default_pg" and self.d.world else {rank}
-                    self.holders.setdefault(key, set()).add(rank)
-                groups[key] = sorted(ranks)
-            ranks = groups[key]
-            kind = self.kinds.get(e["profiling_name"])
+                groups[key] = self._ranks(rank, pg, key, members, guids)
+            kind = kinds.get(e["profiling_name"])
             if kind in (None, "send", "recv"):  # torch's parser: once per op name, and for each p2p (its peer)
                 try:
-                    op = types.Op(e, {key: ranks}, key)
+                    op = types.Op(e, {key: groups[key]}, key)
                 except (AssertionError, ValueError, IndexError):
                     self.skipped += 1
                     continue
-                kind = self.kinds[e["profiling_name"]] = op.type
-            pending = e["state"] != "completed" and not e.get("retired")
+                kind = kinds[e["profiling_name"]] = op.type
             if kind in ("send", "recv"):
                 peer = op._dst_g if kind == "send" else op._src_g
                 seq = p2p[(kind, peer)] = p2p.get((kind, peer), -1) + 1
             else:
                 peer, seq = None, e["collective_seq_id"] - 1
-                issued[key] = max(issued.get(key, 0), e["collective_seq_id"])
-            numel = sum(math.prod(int(n) for n in s) for s in e["input_sizes"] or [])
-            dtype = "/".join(dict.fromkeys(e["input_dtypes"])) or "?"
-            for k, v in zip(cols, (seq, key, kind, numel, dtype, peer, "", None if pending else 1)):
-                cols[k].append(v)
+                if seq >= issued.get(key, 0):
+                    issued[key] = seq + 1
+            d = e["input_dtypes"]
+            dtype = dtypes.get(t := tuple(d)) or dtypes.setdefault(t, "/".join(dict.fromkeys(d)) or "?")
+            done = e["state"] == "completed" or e.get("retired")
+            rows.append(
+                (seq, key, kind, sum(map(math.prod, e["input_sizes"] or ())), dtype, peer, "", 1 if done else None)
+            )
+        cols = dict(zip(("seq", "group", "op", "numel", "dtype", "peer", "phase", "t_end"), map(list, zip(*rows))))
         return {"rank": rank, "world": self.d.world, "reason": f"torch {dump['version']}", "groups": groups,
-                "issued": issued, "entries": cols}  # fmt: skip
+                "issued": issued, "entries": cols or {k: [] for k in ("seq", "group", "op", "numel", "dtype", "peer", "phase", "t_end")}}  # fmt: skip
+
+    def _memberships(self, rank: int, pg_config: dict, builder) -> tuple[dict, dict]:
+        """torch's builder on this rank's groups (``members``: guid -> its ranks, sorted; ``guids``: (pg
+        name, rank) -> guid), once per distinct group: every rank's dump repeats the default group's ranks."""
+        members, guids = {}, {}
+        for name, v in pg_config.items():
+            if v.get("ranks", "[]") == "[]":
+                continue
+            key = (name, v.get("desc"), v["ranks"])
+            if key not in self.built:
+                _, _, _, m, g = builder.build_groups_memberships({rank: {name: v}})
+                self.built[key] = (g[(name, rank)], tuple(sorted(m[g[(name, rank)]])))
+            guid, ranks = self.built[key]
+            members[guid], guids[(name, rank)] = ranks, guid
+        return members, guids
+
+    def _ranks(self, rank: int, pg: tuple, key: str, members: dict, guids: dict) -> tuple[int, ...]:
+        """A group's members: its pg_config's, else (gloo: no pg_config) the world for the default
+        group and this rank alone for the others (:meth:`report` widens them to the ranks holding it)."""
+        name, desc = pg
+        guid = guids.get((name, rank))
+        ranks = members.get(guid) if guid else None
+        if ranks:
+            self.known.add(key)
+            return ranks
+        self.holders.setdefault(key, set()).add(rank)
+        return tuple(range(self.d.world)) if desc == "default_pg" and self.d.world else (rank,)
 
     def report(self) -> list[str]:
         """A header line, then the diagnosis's lines indented under it."""
