@@ -26,8 +26,11 @@ import argparse
 import contextlib
 import gc
 import json
+import multiprocessing as mp
+import os
 import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from itertools import compress
 from pathlib import Path
@@ -65,36 +68,26 @@ class Diagnosis:
         self.p2p: dict[tuple[int, int], dict[str, tuple[int, str]]] = {}  # (src, dst) -> side -> (issued, phase)
 
     def add(self, dump: dict) -> None:
-        r = dump["rank"]
-        self.world = max(self.world, dump["world"])
-        self.seen.add(r)
-        self.reasons.setdefault(dump["reason"].split(":")[0], []).append(r)  # "watchdog", "SIGTERM", …
-        e = dump["entries"]
-        seqs, groups, peers = e["seq"], e["group"], e["peer"]
-        keys = list(zip(groups, e["op"], e["numel"], e["dtype"], e["phase"]))
-        keys = list(map(self.interned.setdefault, keys, keys))  # the same call on every member: one object
-        if peers.count(None) != len(peers):  # p2p calls: each pair's last call on this side, then dropped
-            self._p2p(r, e)
-            mask = [p is None for p in peers]
-            seqs, groups, keys = (list(compress(c, mask)) for c in (seqs, groups, keys))
-        held = set(groups)
-        for group in held:  # a group's calls in the ring are its last ones: consecutive sequence numbers
-            calls = keys if len(held) == 1 else list(compress(keys, map(group.__eq__, groups)))
-            self.calls.setdefault(group, {})[r] = (seqs[groups.index(group)], calls)
-        for group, ranks in dump["groups"].items():
-            self.members[group] = ranks if type(ranks) is tuple else tuple(ranks)
-            self.issued.setdefault(group, {})[r] = dump["issued"].get(group, 0)
-        if e["seq"]:
-            i = len(e["seq"]) - 1
-            self.last[r] = (e["op"][i], e["group"][i], e["seq"][i], e["peer"][i], e["phase"][i], e["t_end"][i] is None)
-        self.steps[r] = dict(dump.get("step_times", []))
+        self.merge(compact(dump, self.interned), interned=True)
 
-    def _p2p(self, r: int, e: dict) -> None:
-        """The p2p pair's last call on this side: how many it issued, and in which phase."""
-        for seq, op, peer, phase in zip(e["seq"], e["op"], e["peer"], e["phase"]):
-            if peer is not None:
-                pair, side = ((r, peer), "send") if op == "send" else ((peer, r), "recv")
-                self.p2p.setdefault(pair, {})[side] = (seq + 1, phase)
+    def merge(self, c: dict, interned: bool = False) -> None:
+        """Take in one dump's :func:`compact` form (``interned``: made with :attr:`interned`)."""
+        r = c["rank"]
+        self.world = max(self.world, c["world"])
+        self.seen.add(r)
+        self.reasons.setdefault(c["reason"], []).append(r)
+        for group, (first, calls) in c["calls"].items():
+            if not interned:  # a worker's tuples: the one object every holder keeps
+                calls = list(map(self.interned.setdefault, calls, calls))
+            self.calls.setdefault(group, {})[r] = (first, calls)
+        for (pair, side), last in c["p2p"].items():
+            self.p2p.setdefault(pair, {})[side] = last
+        for group, ranks in c["groups"].items():
+            self.members[group] = ranks if type(ranks) is tuple else tuple(ranks)
+            self.issued.setdefault(group, {})[r] = c["issued"].get(group, 0)
+        if c["last"] is not None:
+            self.last[r] = c["last"]
+        self.steps[r] = c["steps"]
 
     def _disagreements(self) -> list[str]:
         """Per group, its first bad collective; the groups ordered by the step of that call (the
@@ -237,6 +230,38 @@ class Diagnosis:
         return lines
 
 
+def compact(dump: dict, interned: dict | None = None) -> dict:
+    """What :class:`Diagnosis` keeps of one dump (:meth:`Diagnosis.merge`): per group the first
+    sequence number its ring holds and its calls as (group, op, numel, dtype, phase) tuples, each
+    distinct one a single object (``interned``: their table, shared by the dumps that pass it); each
+    p2p pair's last call on this side (how many it issued, its phase); the last call; step times."""
+    interned = {} if interned is None else interned
+    r, e = dump["rank"], dump["entries"]
+    seqs, groups, peers = e["seq"], e["group"], e["peer"]
+    keys = list(zip(groups, e["op"], e["numel"], e["dtype"], e["phase"]))
+    keys = list(map(interned.setdefault, keys, keys))  # the same call on every member: one object
+    p2p = {}
+    if peers.count(None) != len(peers):  # p2p calls: each pair's last call on this side, then dropped
+        for seq, op, peer, phase in zip(seqs, e["op"], peers, e["phase"]):
+            if peer is not None:
+                p2p[((r, peer), "send") if op == "send" else ((peer, r), "recv")] = (seq + 1, phase)
+        mask = [p is None for p in peers]
+        seqs, groups, keys = (list(compress(c, mask)) for c in (seqs, groups, keys))
+    held, calls = set(groups), {}
+    for group in held:  # a group's calls in the ring are its last ones: consecutive sequence numbers
+        calls[group] = (
+            seqs[groups.index(group)],
+            keys if len(held) == 1 else list(compress(keys, map(group.__eq__, groups))),
+        )
+    i = len(e["seq"]) - 1
+    last = (
+        (e["op"][i], e["group"][i], e["seq"][i], e["peer"][i], e["phase"][i], e["t_end"][i] is None) if i >= 0 else None
+    )
+    return {"rank": r, "world": dump["world"], "reason": dump["reason"].split(":")[0],  # "watchdog", "SIGTERM", …
+            "groups": dump["groups"], "issued": dump["issued"], "calls": calls, "p2p": p2p, "last": last,
+            "steps": dict(dump.get("step_times", []))}  # fmt: skip
+
+
 def _entry(key: tuple) -> Entry:
     """The call an interned key (group, op, numel, dtype, phase) stands for, to compare or describe."""
     group, op, numel, dtype, phase = key
@@ -266,9 +291,10 @@ def _ranks(ranks) -> str:
     return "[" + ", ".join(map(str, rs)) + "]" if len(rs) <= 8 else f"[{rs[0]}, {rs[1]}, … {rs[-1]}] ({len(rs)} ranks)"
 
 
-def diagnose(run_dir: str | Path) -> list[str]:
+def diagnose(run_dir: str | Path, workers: int | None = None) -> list[str]:
     """The report's lines for the dumps under ``<run_dir>/flight`` (or ``run_dir`` itself): ours,
-    then torch's (:mod:`recipes.tools.diagnose_torch`) when there are any."""
+    then torch's (:mod:`recipes.tools.diagnose_torch`) when there are any. Ours are read by
+    ``workers`` processes (default: one per CPU) from :data:`POOL_FROM` dumps on; the report is the same."""
     from recipes.tools.diagnose_torch import TorchDumps, torch_dumps
 
     folder = Path(run_dir)
@@ -278,17 +304,41 @@ def diagnose(run_dir: str | Path) -> list[str]:
     if not files and not theirs:
         raise FileNotFoundError(f"no flight-recorder dumps (rank*.json, nor torch's) in {folder}")
     d = Diagnosis()
+    workers = (os.cpu_count() or 1) if workers is None else workers
     with _no_cycle_collection():
-        for f in files:
-            d.add(json.loads(f.read_text()))
+        if workers > 1 and len(files) >= POOL_FROM:
+            for chunk in in_pool(_compact_files, [str(f) for f in files], workers):
+                for c in chunk:
+                    d.merge(c)
+        else:
+            for f in files:
+                d.add(json.loads(f.read_bytes()))
     lines = d.report() if files else []
     if theirs:
         t = TorchDumps(world=d.world)
         with _no_cycle_collection():
-            for f in theirs:
-                t.add(f)
+            t.read_all(theirs, workers)
         lines += t.report()
     return lines
+
+
+#: from how many of our dumps on :func:`diagnose` reads them in a process pool
+POOL_FROM = 512
+_CHUNK = 64  # dumps per task: their tuples pickled once per chunk
+
+
+def in_pool(fn, items: list, workers: int):
+    """``fn`` of each chunk of ``items``, by ``workers`` processes (forked where the platform can:
+    nothing to import again), the results in the order of the chunks."""
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    chunks = [items[i : i + _CHUNK] for i in range(0, len(items), _CHUNK)]
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        yield from pool.map(fn, chunks)
+
+
+def _compact_files(paths: list[str]) -> list[dict]:
+    interned: dict[tuple, tuple] = {}  # shared by the chunk: one pickled object per distinct call
+    return [compact(json.loads(Path(p).read_bytes()), interned) for p in paths]
 
 
 @contextlib.contextmanager

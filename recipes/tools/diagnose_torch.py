@@ -25,8 +25,10 @@ from __future__ import annotations
 import logging
 import math
 import re
+from functools import partial
 from pathlib import Path
 
+from recipes.tools import diagnose
 from recipes.tools.diagnose import Diagnosis, _ranks
 from recipes.training.flight import TORCH_DUMP_PREFIX
 
@@ -69,6 +71,23 @@ class TorchDumps:
         self.built: dict[tuple, tuple] = {}  # (pg name, desc, ranks) -> (guid, ranks), torch's builder's
 
     def add(self, path: Path) -> None:
+        self.take(self.read(path, self.d.interned), interned=True)
+
+    def read_all(self, paths: list[Path], workers: int = 1) -> None:
+        """:meth:`add` each dump, by rank; by ``workers`` processes from :data:`~recipes.tools.diagnose.POOL_FROM`
+        dumps on (the same report: each worker reads a chunk, this process takes them in order)."""
+        if workers < 2 or len(paths) < diagnose.POOL_FROM:
+            for p in paths:
+                self.add(p)
+            return
+        for chunk in diagnose.in_pool(partial(_read_files, self.d.world), [str(p) for p in paths], workers):
+            for got in chunk:
+                self.take(got)
+
+    def read(self, path: Path, interned: dict) -> dict:
+        """One dump as :meth:`take` takes it: its rank and either why it is left out, or its version,
+        its :func:`~recipes.tools.diagnose.compact` form (``interned``: the table its calls go in),
+        the groups a pg_config gave (``known``) or not (``held``) and the entries skipped."""
         loader, builder, types, utils = _torch_fr()
         rank = int(_NAME.match(path.name).group(1))
         try:
@@ -76,23 +95,35 @@ class TorchDumps:
             version = str(dump["version"])
             major, _ = utils.get_version_detail(version)
         except Exception as e:  # noqa: BLE001 - a damaged file of any kind: said in one line, left out
-            why = f"damaged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})"
-            self.left_out.setdefault(why, []).append(rank)
-            return
+            return {
+                "rank": rank,
+                "left_out": f"damaged ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})",
+            }
         if major != SUPPORTED_MAJOR:
             why = f"version {version}, which this reader (torch's analyser, {SUPPORTED_MAJOR}.x) does not read"
-            self.left_out.setdefault(why, []).append(rank)
-            return
-        self.version = self.version or version
+            return {"rank": rank, "left_out": why}
+        got = {"rank": rank, "version": version, "known": set(), "held": set(), "skipped": 0}
         try:
-            ours = self._ours(rank, dump, builder, types)
+            got["dump"] = diagnose.compact(self._ours(rank, dump, builder, types, got), interned)
         except Exception as e:  # noqa: BLE001 - a pickle of another shape than torch's writer emits
-            self.left_out.setdefault(f"damaged ({type(e).__name__}: {e})", []).append(rank)
-            return
-        self.d.add(ours)
+            got["left_out"] = f"damaged ({type(e).__name__}: {e})"
+        return got
 
-    def _ours(self, rank: int, dump: dict, builder, types) -> dict:
-        """This dump in the columns of our own dumps (:func:`parallel.comm.flight.dump`)."""
+    def take(self, got: dict, interned: bool = False) -> None:
+        """One dump :meth:`read` (here, or by a worker: ``interned`` False)."""
+        self.version = self.version or got.get("version", "")
+        if "left_out" in got:
+            self.left_out.setdefault(got["left_out"], []).append(got["rank"])
+            return
+        self.skipped += got["skipped"]
+        self.known |= got["known"]
+        for group in got["held"]:
+            self.holders.setdefault(group, set()).add(got["rank"])
+        self.d.merge(got["dump"], interned=interned)
+
+    def _ours(self, rank: int, dump: dict, builder, types, got: dict) -> dict:
+        """This dump in the columns of our own dumps (:func:`parallel.comm.flight.dump`); ``got``
+        (:meth:`read`'s) counts what is known of its groups and what was skipped."""
         members, guids = self._memberships(rank, dump["pg_config"], builder)
         self.d.world = max([self.d.world, rank + 1, *(m[-1] + 1 for m in members.values() if m)])
         rows = []
@@ -104,13 +135,13 @@ class TorchDumps:
             pg = e["process_group"]
             key = names.get(pg) or names.setdefault(pg, f"{pg[1] or 'pg'}#{pg[0]}")
             if key not in groups:
-                groups[key] = self._ranks(rank, pg, key, members, guids)
+                groups[key] = self._ranks(rank, pg, key, members, guids, got)
             kind = kinds.get(e["profiling_name"])
             if kind in (None, "send", "recv"):  # torch's parser: once per op name, and for each p2p (its peer)
                 try:
                     op = types.Op(e, {key: groups[key]}, key)
                 except (AssertionError, ValueError, IndexError):
-                    self.skipped += 1
+                    got["skipped"] += 1
                     continue
                 kind = kinds[e["profiling_name"]] = op.type
             if kind in ("send", "recv"):
@@ -145,16 +176,16 @@ class TorchDumps:
             members[guid], guids[(name, rank)] = ranks, guid
         return members, guids
 
-    def _ranks(self, rank: int, pg: tuple, key: str, members: dict, guids: dict) -> tuple[int, ...]:
+    def _ranks(self, rank: int, pg: tuple, key: str, members: dict, guids: dict, got: dict) -> tuple[int, ...]:
         """A group's members: its pg_config's, else (gloo: no pg_config) the world for the default
         group and this rank alone for the others (:meth:`report` widens them to the ranks holding it)."""
         name, desc = pg
         guid = guids.get((name, rank))
         ranks = members.get(guid) if guid else None
         if ranks:
-            self.known.add(key)
+            got["known"].add(key)
             return ranks
-        self.holders.setdefault(key, set()).add(rank)
+        got["held"].add(key)
         return tuple(range(self.d.world)) if desc == "default_pg" and self.d.world else (rank,)
 
     def report(self) -> list[str]:
@@ -172,3 +203,9 @@ class TorchDumps:
             return [head + "no dump could be read", *("  " + line for line in lines)]
         body = d.report()
         return [head + body[0].split(" (")[0], *("  " + line for line in lines + body[1:])]
+
+
+def _read_files(world: int, paths: list[str]) -> list[dict]:
+    """A worker's chunk of dumps, each :meth:`TorchDumps.read` (the world: what our own dumps said)."""
+    t, interned = TorchDumps(world=world), {}
+    return [t.read(Path(p), interned) for p in paths]

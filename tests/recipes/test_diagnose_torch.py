@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from parallel.comm import flight
 from parallel.testing import run_ranks
+from recipes.tools import diagnose as diagnose_tool
 from recipes.tools import diagnose_synthetic as synthetic
 from recipes.tools.diagnose import diagnose
 from recipes.training.flight import TORCH_DUMP_PREFIX, TORCH_NCCL_ENV
@@ -105,12 +106,15 @@ def test_damaged_and_unsupported_dumps_are_left_out_in_one_line_each(tmp_path, c
     assert capsys.readouterr().out.splitlines()[0].endswith("no dump could be read")
 
 
-def test_full_torch_rings_name_an_odd_size_deep_in_the_ring(tmp_path):
+def test_full_torch_rings_name_an_odd_size_deep_in_the_ring(tmp_path, monkeypatch):
     ring = int(TORCH_NCCL_ENV["TORCH_FR_BUFFER_SIZE"])
     synthetic.nccl(tmp_path / "flight", world=8, tp=2, steps=700, dead=(7,), skipper=2, odd_size=5, frames=0,
                    ring=ring, odd_step=350)  # fmt: skip
     assert len(pickle.loads((tmp_path / "flight" / f"{TORCH_DUMP_PREFIX}0").read_bytes())["entries"]) == ring
-    assert diagnose(tmp_path)[1:4] == [
+    lines = diagnose(tmp_path, workers=1)
+    monkeypatch.setattr(diagnose_tool, "POOL_FROM", 2)
+    assert diagnose(tmp_path, workers=2) == lines  # a process pool reads them into the same report
+    assert lines[1:4] == [
         "  no dump from ranks [7] (dead, or never reached a dump)",
         "  group dp#6: ranks [5] differ at collective #350: all_reduce(1000 × BFloat16) on dp#6, "
         "where ranks [1, 3] issued all_reduce(1024 × BFloat16) on dp#6",
