@@ -1,6 +1,7 @@
 """What a stopped or stuck job's ranks were doing, from their flight-recorder dumps, in a few lines.
 
     python -m recipes.diagnose outputs/<run>            # reads <run>/flight/rank*.json (and torch's dumps)
+    python -m recipes.diagnose outputs/<run> --workers 1   # in this process alone
 
 Says:
 
@@ -14,8 +15,11 @@ Says:
 * the slowest rank over the steps every dump holds, and its lag behind the median.
 
 The comparison is the dry run's (:func:`parallel.comm.recorder.first_difference`), applied to the
-calls every member still holds in its ring, matched by sequence number. Dumps are read one at a
-time; memory grows with the number of groups and the ring size, not the number of ranks squared.
+calls every member still holds in its ring, matched by sequence number, on the members whose held
+calls are not the same list (each distinct call is one shared tuple, so equal rings compare by
+identity). Dumps are read one at a time (from :data:`POOL_FROM` dumps on, by a process pool that
+returns each dump's :func:`compact` form, in order: the same report); what is kept is one reference
+per call held (8 bytes) and each distinct call once, not the ranks squared.
 torch's own flight-recorder dumps beside ours (NCCL's, on CUDA) get the same report under their own
 header line (:mod:`recipes.tools.diagnose_torch`).
 """
@@ -357,9 +361,10 @@ def _no_cycle_collection():
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m recipes.diagnose", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="the run directory (its flight/ folder holds the dumps)")
+    ap.add_argument("--workers", type=int, default=None, help="processes reading the dumps (default: one per CPU)")
     a = ap.parse_args(argv)
     try:
-        print("\n".join(diagnose(a.run_dir)))
+        print("\n".join(diagnose(a.run_dir, a.workers)))
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

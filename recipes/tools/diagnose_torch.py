@@ -7,8 +7,10 @@ the device side our recorder cannot see: whether each collective started and com
 Each dump is read with torch's own loader (``torch.distributed.flight_recorder.components.loader
 .read_dump``), its groups with torch's builder (``build_groups_memberships``: the pickle's
 ``pg_config``) and its entries with torch's parser (``types.Op``: the op, once per op name; each
-p2p's peer), one dump at a time; what is kept per rank is the compact columns of our own dumps, and the cross-rank
-comparison is the same :class:`~recipes.tools.diagnose.Diagnosis` (the dry run's comparator). torch's
+p2p's peer), one dump at a time (torch's builder once per distinct group; by a process pool from
+:data:`~recipes.tools.diagnose.POOL_FROM` dumps on); what is kept per rank is the compact form of our
+own dumps, and the cross-rank comparison is the same :class:`~recipes.tools.diagnose.Diagnosis`
+(the dry run's comparator). torch's
 matcher (``builder.build_db``) is not used: it holds every rank's dump at once and compares each
 collective against every rank.
 
