@@ -61,13 +61,15 @@ def nccl(
     folder: Path, world=16, tp=4, steps=3, dead=(), odd_size=None, skipper=None, frames=2, ring=None, odd_step=1
 ) -> int:
     """Dumps in the structure ProcessGroupNCCL's writer emits (version 2.10: ``version``,
-    ``pg_config``, ``pg_status``, ``entries`` with torch's fields; ``frames`` stack frames per entry);
+    ``pg_config``, ``pg_status``, ``entries`` with torch's fields; ``frames`` stack frames per entry,
+    the frames' dicts shared by the entries, as torch's writer shares and its pickler memoizes them);
     every call completed but each rank's last. ``skipper`` never issues its group's last tp all-reduce;
     ``odd_size`` sends 1000 elements on dp in step ``odd_step`` (1024 elsewhere). Returns the world size."""
     folder.mkdir(parents=True, exist_ok=True)
     n_tp = world // tp
     default = {"name": "0", "desc": "default_pg", "ranks": str(list(range(world)))}
     dps = [{"name": str(1 + n_tp + g), "desc": "dp", "ranks": str(list(range(g, world, tp)))} for g in range(tp)]
+    stack = [{"name": "all_reduce", "filename": "c10d.py", "line": i} for i in range(frames)]
     for r in range(world):
         if r in dead:
             continue
@@ -84,7 +86,7 @@ def nccl(
                         continue  # it never issued its group's last all-reduce
                     numel = 1000 if (r == odd_size and name == dp_name and step == odd_step) else 1024
                     entries.append({
-                        "frames": [{"name": "all_reduce", "filename": "c10d.py", "line": i} for i in range(frames)], "record_id": len(entries), "pg_id": int(name),
+                        "frames": list(stack), "record_id": len(entries), "pg_id": int(name),
                         "process_group": (name, mine[name]["desc"]), "collective_seq_id": seq[name],
                         "p2p_seq_id": 0, "op_id": seq[name], "profiling_name": "nccl:all_reduce",
                         "time_created_ns": 10**9 * step, "input_sizes": [[numel]], "input_dtypes": ["BFloat16"],
