@@ -30,6 +30,7 @@ import re
 from functools import partial
 from pathlib import Path
 
+from parallel.comm.flight import FIELDS
 from recipes.tools import diagnose
 from recipes.tools.diagnose import Diagnosis, _ranks
 from recipes.training.flight import TORCH_DUMP_PREFIX
@@ -37,6 +38,7 @@ from recipes.training.flight import TORCH_DUMP_PREFIX
 #: the dump versions this reader is written for (torch's analyser reads the same: major 2)
 SUPPORTED_MAJOR = 2
 _NAME = re.compile(re.escape(TORCH_DUMP_PREFIX) + r"(\d+)$")
+_COLUMNS = tuple(f for f in FIELDS if f != "t_start")  # what Diagnosis reads of our dumps' entries
 
 
 def torch_dumps(folder: Path) -> list[Path]:
@@ -159,9 +161,9 @@ class TorchDumps:
             rows.append(
                 (seq, key, kind, sum(map(math.prod, e["input_sizes"] or ())), dtype, peer, "", 1 if done else None)
             )
-        cols = dict(zip(("seq", "group", "op", "numel", "dtype", "peer", "phase", "t_end"), map(list, zip(*rows))))
+        cols = {k: list(c) for k, c in zip(_COLUMNS, zip(*rows) if rows else [()] * len(_COLUMNS))}
         return {"rank": rank, "world": self.d.world, "reason": f"torch {dump['version']}", "groups": groups,
-                "issued": issued, "entries": cols or {k: [] for k in ("seq", "group", "op", "numel", "dtype", "peer", "phase", "t_end")}}  # fmt: skip
+                "issued": issued, "entries": cols}  # fmt: skip
 
     def _memberships(self, rank: int, pg_config: dict, builder) -> tuple[dict, dict]:
         """torch's builder on this rank's groups (``members``: guid -> its ranks, sorted; ``guids``: (pg
