@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         t0 = time.perf_counter()
         if not folder.is_dir():
+            root.mkdir(parents=True, exist_ok=True)
             write(folder, a.format, a.ranks, entries, a.frames)
         made = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in folder.iterdir())
