@@ -66,7 +66,7 @@ class Diagnosis:
         self.members: dict[str, tuple[int, ...]] = {}
         self.issued: dict[str, dict[int, int]] = {}  # group -> rank -> collectives issued
         self.calls: dict[str, dict[int, tuple[int, list[tuple]]]] = {}  # group -> rank -> (first seq, calls)
-        self.interned: dict[tuple, tuple] = {}  # (group, op, numel, dtype, phase) -> the one tuple every holder keeps
+        self.interned: dict[tuple, tuple] = {}  # (op, numel, dtype, phase) -> the one tuple every holder keeps
         self.last: dict[int, tuple] = {}
         self.steps: dict[int, dict[int, float]] = {}
         self.p2p: dict[tuple[int, int], dict[str, tuple[int, str]]] = {}  # (src, dst) -> side -> (issued, phase)
@@ -125,7 +125,7 @@ class Diagnosis:
         for m in ranks:
             first, calls = self.calls.get(group, {}).get(m, (0, []))
             if first <= n < first + len(calls):
-                return _entry(calls[n - first])
+                return _entry(group, calls[n - first])
         return None
 
     def _first_mismatch(self, group: str, members: list[int]) -> tuple[int, str, str] | None:
@@ -144,7 +144,7 @@ class Diagnosis:
             if seqs[m] == ref:  # interned calls: compared by identity, at C speed
                 continue
             i = _common_prefix(ref, seqs[m])
-            diff = first_difference([_entry(ref[i])], [_entry(seqs[m][i])])
+            diff = first_difference([_entry(group, ref[i])], [_entry(group, seqs[m][i])])
             if diff is not None and (first is None or i + diff[0] < first):
                 first = i + diff[0]
         if first is None:
@@ -158,10 +158,10 @@ class Diagnosis:
             odd, rest = rest, odd  # a tie: the stuck side waits for the other
         i = start + first
         line = (
-            f"group {group}: ranks {_ranks(odd)} differ at collective #{i}: {_entry(seqs[odd[0]][first]).describe()}, "
-            f"where ranks {_ranks(rest)} issued {_entry(seqs[rest[0]][first]).describe()}"
+            f"group {group}: ranks {_ranks(odd)} differ at collective #{i}: {_entry(group, seqs[odd[0]][first]).describe()}, "
+            f"where ranks {_ranks(rest)} issued {_entry(group, seqs[rest[0]][first]).describe()}"
         )
-        return i, line, seqs[odd[0]][first][4]
+        return i, line, seqs[odd[0]][first][3]
 
     def _inside(self, rank: int, group: str, seq: int) -> bool:
         last = self.last.get(rank)
@@ -236,14 +236,14 @@ class Diagnosis:
 
 def compact(dump: dict, interned: dict | None = None) -> dict:
     """What :class:`Diagnosis` keeps of one dump (:meth:`Diagnosis.merge`): per group the first
-    sequence number its ring holds and its calls as (group, op, numel, dtype, phase) tuples, each
+    sequence number its ring holds and its calls as (op, numel, dtype, phase) tuples, each
     distinct one a single object (``interned``: their table, shared by the dumps that pass it); each
     p2p pair's last call on this side (how many it issued, its phase); the last call; step times."""
     interned = {} if interned is None else interned
     r, e = dump["rank"], dump["entries"]
     seqs, groups, peers = e["seq"], e["group"], e["peer"]
-    keys = list(zip(groups, e["op"], e["numel"], e["dtype"], e["phase"]))
-    keys = list(map(interned.setdefault, keys, keys))  # the same call on every member: one object
+    keys = list(zip(e["op"], e["numel"], e["dtype"], e["phase"]))
+    keys = list(map(interned.setdefault, keys, keys))  # the same call on every member, every group: one object
     p2p = {}
     if peers.count(None) != len(peers):  # p2p calls: each pair's last call on this side, then dropped
         for seq, op, peer, phase in zip(seqs, e["op"], peers, e["phase"]):
@@ -266,9 +266,9 @@ def compact(dump: dict, interned: dict | None = None) -> dict:
             "steps": dict(dump.get("step_times", []))}  # fmt: skip
 
 
-def _entry(key: tuple) -> Entry:
-    """The call an interned key (group, op, numel, dtype, phase) stands for, to compare or describe."""
-    group, op, numel, dtype, phase = key
+def _entry(group: str, key: tuple) -> Entry:
+    """The call on ``group`` an interned key (op, numel, dtype, phase) stands for, to compare or describe."""
+    op, numel, dtype, phase = key
     return Entry(group, (), op, numel, dtype, "", phase=phase)
 
 
