@@ -1,7 +1,7 @@
 """What a stopped or stuck job's ranks were doing, from their flight-recorder dumps, in a few lines.
 
     python -m recipes.diagnose outputs/<run>            # reads <run>/flight/rank*.json (and torch's dumps)
-    python -m recipes.diagnose outputs/<run> --workers 1   # in this process alone
+    python -m recipes.diagnose outputs/<run> --workers 1   # torch's dumps too in this process alone
 
 Says:
 
@@ -17,7 +17,7 @@ Says:
 The comparison is the dry run's (:func:`parallel.comm.recorder.first_difference`), applied to the
 calls every member still holds in its ring, matched by sequence number, on the members whose held
 calls are not the same list (each distinct call is one shared tuple, so equal rings compare by
-identity). Dumps are read one at a time (from :data:`POOL_FROM` dumps on, by a process pool that
+identity). Dumps are read one at a time (torch's, from :data:`POOL_FROM` on, by a process pool that
 returns each dump's :func:`compact` form, in order: the same report); what is kept is one reference
 per call held (8 bytes) and each distinct call once, not the ranks squared.
 torch's own flight-recorder dumps beside ours (NCCL's, on CUDA) get the same report under their own
@@ -297,7 +297,7 @@ def _ranks(ranks) -> str:
 
 def diagnose(run_dir: str | Path, workers: int | None = None) -> list[str]:
     """The report's lines for the dumps under ``<run_dir>/flight`` (or ``run_dir`` itself): ours,
-    then torch's (:mod:`recipes.tools.diagnose_torch`) when there are any. Ours are read by
+    then torch's (:mod:`recipes.tools.diagnose_torch`) when there are any. torch's are read by
     ``workers`` processes (default: one per CPU) from :data:`POOL_FROM` dumps on; the report is the same."""
     from recipes.tools.diagnose_torch import TorchDumps, torch_dumps
 
@@ -310,13 +310,8 @@ def diagnose(run_dir: str | Path, workers: int | None = None) -> list[str]:
     d = Diagnosis()
     workers = (os.cpu_count() or 1) if workers is None else workers
     with _no_cycle_collection():
-        if workers > 1 and len(files) >= POOL_FROM:
-            for chunk in in_pool(_compact_files, [str(f) for f in files], workers):
-                for c in chunk:
-                    d.merge(c)
-        else:
-            for f in files:
-                d.add(json.loads(f.read_bytes()))
+        for f in files:  # in this process: a pool's transfers cost what it saved on 2 shared cores
+            d.add(json.loads(f.read_bytes()))
     lines = d.report() if files else []
     if theirs:
         t = TorchDumps(world=d.world)
@@ -326,7 +321,7 @@ def diagnose(run_dir: str | Path, workers: int | None = None) -> list[str]:
     return lines
 
 
-#: from how many of our dumps on :func:`diagnose` reads them in a process pool
+#: from how many of torch's dumps on :func:`diagnose` reads them in a process pool
 POOL_FROM = 512
 _CHUNK = 64  # dumps per task: their tuples pickled once per chunk
 
@@ -338,11 +333,6 @@ def in_pool(fn, items: list, workers: int):
     chunks = [items[i : i + _CHUNK] for i in range(0, len(items), _CHUNK)]
     with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         yield from pool.map(fn, chunks)
-
-
-def _compact_files(paths: list[str]) -> list[dict]:
-    interned: dict[tuple, tuple] = {}  # shared by the chunk: one pickled object per distinct call
-    return [compact(json.loads(Path(p).read_bytes()), interned) for p in paths]
 
 
 @contextlib.contextmanager
@@ -361,7 +351,7 @@ def _no_cycle_collection():
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m recipes.diagnose", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="the run directory (its flight/ folder holds the dumps)")
-    ap.add_argument("--workers", type=int, default=None, help="processes reading the dumps (default: one per CPU)")
+    ap.add_argument("--workers", type=int, default=None, help="processes reading torch's dumps (default: one per CPU)")
     a = ap.parse_args(argv)
     try:
         print("\n".join(diagnose(a.run_dir, a.workers)))
