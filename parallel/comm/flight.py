@@ -29,6 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 CAPACITY = 2048
+STEP_TIMES = 32  # the last steps whose times a dump holds (stragglers)
 FIELDS = ("seq", "group", "op", "numel", "dtype", "peer", "phase", "t_start", "t_end")
 
 
@@ -82,7 +83,7 @@ class FlightRecorder:
         out["phase"] = [_phase(r[6], r[9], r[10]) for r in rows]
         return out
 
-    def note_step(self, step: int, seconds: float, keep: int = 32) -> None:
+    def note_step(self, step: int, seconds: float, keep: int = STEP_TIMES) -> None:
         """A finished step's time (the last ``keep`` are dumped)."""
         self.step_times = [*self.step_times[-(keep - 1) :], (step, seconds)]
 

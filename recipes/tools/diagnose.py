@@ -1,6 +1,7 @@
 """What a stopped or stuck job's ranks were doing, from their flight-recorder dumps, in a few lines.
 
     python -m recipes.diagnose outputs/<run>            # reads <run>/flight/rank*.json (and torch's dumps)
+    python -m recipes.diagnose outputs/<run> --workers 1   # torch's dumps too in this process alone
 
 Says:
 
@@ -14,8 +15,11 @@ Says:
 * the slowest rank over the steps every dump holds, and its lag behind the median.
 
 The comparison is the dry run's (:func:`parallel.comm.recorder.first_difference`), applied to the
-calls every member still holds in its ring, matched by sequence number. Dumps are read one at a
-time; memory grows with the number of groups and the ring size, not the number of ranks squared.
+calls every member still holds in its ring, matched by sequence number, on the members whose held
+calls are not the same list (each distinct call is one shared tuple, so equal rings compare by
+identity). Dumps are read one at a time (torch's, from :data:`POOL_FROM` on, by a process pool that
+returns each dump's :func:`compact` form, in order: the same report); what is kept is one reference
+per call held (8 bytes) and each distinct call once, not the ranks squared.
 torch's own flight-recorder dumps beside ours (NCCL's, on CUDA) get the same report under their own
 header line (:mod:`recipes.tools.diagnose_torch`).
 """
@@ -23,10 +27,16 @@ header line (:mod:`recipes.tools.diagnose_torch`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
+import multiprocessing as mp
+import os
 import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from itertools import compress
 from pathlib import Path
 
 from parallel.comm.recorder import Call, first_difference
@@ -55,35 +65,33 @@ class Diagnosis:
         self.reasons: dict[str, list[int]] = {}
         self.members: dict[str, tuple[int, ...]] = {}
         self.issued: dict[str, dict[int, int]] = {}  # group -> rank -> collectives issued
-        self.calls: dict[str, dict[int, tuple[int, list[Call]]]] = {}  # group -> rank -> (first seq, calls)
+        self.calls: dict[str, dict[int, tuple[int, list[tuple]]]] = {}  # group -> rank -> (first seq, calls)
+        self.interned: dict[tuple, tuple] = {}  # (op, numel, dtype, phase) -> the one tuple every holder keeps
         self.last: dict[int, tuple] = {}
         self.steps: dict[int, dict[int, float]] = {}
         self.p2p: dict[tuple[int, int], dict[str, tuple[int, str]]] = {}  # (src, dst) -> side -> (issued, phase)
 
     def add(self, dump: dict) -> None:
-        r = dump["rank"]
-        self.world = max(self.world, dump["world"])
+        self.merge(compact(dump, self.interned), interned=True)
+
+    def merge(self, c: dict, interned: bool = False) -> None:
+        """Take in one dump's :func:`compact` form (``interned``: made with :attr:`interned`)."""
+        r = c["rank"]
+        self.world = max(self.world, c["world"])
         self.seen.add(r)
-        self.reasons.setdefault(dump["reason"].split(":")[0], []).append(r)  # "watchdog", "SIGTERM", …
-        e = dump["entries"]
-        mine: dict[str, tuple[int, list[Call]]] = {}
-        cols = (e["seq"], e["group"], e["op"], e["numel"], e["dtype"], e["peer"], e["phase"])
-        for seq, group, op, numel, dtype, peer, phase in zip(*cols):
-            if peer is None:
-                first, calls = mine.setdefault(group, (seq, []))
-                calls.append(Entry(group, (), op, numel, dtype, "", phase=phase))
-            else:  # the p2p pair's last call on this side: how many it issued, and whether it completed
-                pair, side = ((r, peer), "send") if op == "send" else ((peer, r), "recv")
-                self.p2p.setdefault(pair, {})[side] = (seq + 1, phase)
-        for group, ranks in dump["groups"].items():
-            self.members[group] = tuple(ranks)
-            self.issued.setdefault(group, {})[r] = dump["issued"].get(group, 0)
-        for group, pair in mine.items():
-            self.calls.setdefault(group, {})[r] = pair
-        if e["seq"]:
-            i = len(e["seq"]) - 1
-            self.last[r] = (e["op"][i], e["group"][i], e["seq"][i], e["peer"][i], e["phase"][i], e["t_end"][i] is None)
-        self.steps[r] = dict(dump.get("step_times", []))
+        self.reasons.setdefault(c["reason"], []).append(r)
+        for group, (first, calls) in c["calls"].items():
+            if not interned:  # a worker's tuples: the one object every holder keeps
+                calls = list(map(self.interned.setdefault, calls, calls))
+            self.calls.setdefault(group, {})[r] = (first, calls)
+        for (pair, side), last in c["p2p"].items():
+            self.p2p.setdefault(pair, {})[side] = last
+        for group, ranks in c["groups"].items():
+            self.members[group] = ranks if type(ranks) is tuple else tuple(ranks)
+            self.issued.setdefault(group, {})[r] = c["issued"].get(group, 0)
+        if c["last"] is not None:
+            self.last[r] = c["last"]
+        self.steps[r] = c["steps"]
 
     def _disagreements(self) -> list[str]:
         """Per group, its first bad collective; the groups ordered by the step of that call (the
@@ -117,40 +125,43 @@ class Diagnosis:
         for m in ranks:
             first, calls = self.calls.get(group, {}).get(m, (0, []))
             if first <= n < first + len(calls):
-                return calls[n - first]
+                return _entry(group, calls[n - first])
         return None
 
     def _first_mismatch(self, group: str, members: list[int]) -> tuple[int, str, str] | None:
         """The first collective every member holds on which they differ (the dry run's comparator,
-        :func:`first_difference`, against one member): the odd ones out by majority, or, two against
-        two, the side that is not stuck inside it."""
+        :func:`first_difference`, against one member, on the pairs whose held calls are not the same
+        objects): the odd ones out by majority, or, two against two, the side that is not stuck inside it."""
         held = self.calls.get(group, {})
         have = [m for m in members if m in held]
         if len(have) < 2:
             return None
         start = max(held[m][0] for m in have)
-        seqs = {m: held[m][1][start - held[m][0] :] for m in have}
-        n = min(len(c) for c in seqs.values())
-        ref, first = have[0], None
+        n = max(0, min(held[m][0] + len(held[m][1]) for m in have) - start)
+        seqs = {m: held[m][1][start - held[m][0] :][:n] for m in have}
+        ref, first = seqs[have[0]], None
         for m in have[1:]:
-            diff = first_difference(seqs[ref][:n], seqs[m][:n])
-            if diff is not None and (first is None or diff[0] < first):
-                first = diff[0]
+            if seqs[m] == ref:  # interned calls: compared by identity, at C speed
+                continue
+            i = _common_prefix(ref, seqs[m])
+            diff = first_difference([_entry(group, ref[i])], [_entry(group, seqs[m][i])])
+            if diff is not None and (first is None or i + diff[0] < first):
+                first = i + diff[0]
         if first is None:
             return None
         sides: dict[tuple, list[int]] = {}
         for m in have:
-            sides.setdefault(seqs[m][first].key(), []).append(m)
+            sides.setdefault(seqs[m][first], []).append(m)
         ordered = sorted(sides.values(), key=len)
         odd, rest = ordered[0], [m for side in ordered[1:] for m in side]
         if len(odd) == len(rest) and all(self._inside(m, group, start + first) for m in odd):
             odd, rest = rest, odd  # a tie: the stuck side waits for the other
         i = start + first
         line = (
-            f"group {group}: ranks {_ranks(odd)} differ at collective #{i}: {seqs[odd[0]][first].describe()}, "
-            f"where ranks {_ranks(rest)} issued {seqs[rest[0]][first].describe()}"
+            f"group {group}: ranks {_ranks(odd)} differ at collective #{i}: {_entry(group, seqs[odd[0]][first]).describe()}, "
+            f"where ranks {_ranks(rest)} issued {_entry(group, seqs[rest[0]][first]).describe()}"
         )
-        return i, line, seqs[odd[0]][first].phase
+        return i, line, seqs[odd[0]][first][3]
 
     def _inside(self, rank: int, group: str, seq: int) -> bool:
         last = self.last.get(rank)
@@ -223,6 +234,56 @@ class Diagnosis:
         return lines
 
 
+def compact(dump: dict, interned: dict | None = None) -> dict:
+    """What :class:`Diagnosis` keeps of one dump (:meth:`Diagnosis.merge`): per group the first
+    sequence number its ring holds and its calls as (op, numel, dtype, phase) tuples, each
+    distinct one a single object (``interned``: their table, shared by the dumps that pass it); each
+    p2p pair's last call on this side (how many it issued, its phase); the last call; step times."""
+    interned = {} if interned is None else interned
+    r, e = dump["rank"], dump["entries"]
+    seqs, groups, peers = e["seq"], e["group"], e["peer"]
+    keys = list(zip(e["op"], e["numel"], e["dtype"], e["phase"]))
+    keys = list(map(interned.setdefault, keys, keys))  # the same call on every member, every group: one object
+    p2p = {}
+    if peers.count(None) != len(peers):  # p2p calls: each pair's last call on this side, then dropped
+        for seq, op, peer, phase in zip(seqs, e["op"], peers, e["phase"]):
+            if peer is not None:
+                p2p[((r, peer), "send") if op == "send" else ((peer, r), "recv")] = (seq + 1, phase)
+        mask = [p is None for p in peers]
+        seqs, groups, keys = (list(compress(c, mask)) for c in (seqs, groups, keys))
+    held, calls = set(groups), {}
+    for group in held:  # a group's calls in the ring are its last ones: consecutive sequence numbers
+        calls[group] = (
+            seqs[groups.index(group)],
+            keys if len(held) == 1 else list(compress(keys, map(group.__eq__, groups))),
+        )
+    i = len(e["seq"]) - 1
+    last = (
+        (e["op"][i], e["group"][i], e["seq"][i], e["peer"][i], e["phase"][i], e["t_end"][i] is None) if i >= 0 else None
+    )
+    return {"rank": r, "world": dump["world"], "reason": dump["reason"].split(":")[0],  # "watchdog", "SIGTERM", …
+            "groups": dump["groups"], "issued": dump["issued"], "calls": calls, "p2p": p2p, "last": last,
+            "steps": dict(dump.get("step_times", []))}  # fmt: skip
+
+
+def _entry(group: str, key: tuple) -> Entry:
+    """The call on ``group`` an interned key (op, numel, dtype, phase) stands for, to compare or describe."""
+    op, numel, dtype, phase = key
+    return Entry(group, (), op, numel, dtype, "", phase=phase)
+
+
+def _common_prefix(a: list, b: list) -> int:
+    """How many leading items ``a`` and ``b`` share (equal slices, bisected: C-speed comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _step_of(phase: str) -> int:
     """The step a phase names (``"step 3 F mb1"`` → 3; none: after every step)."""
     words = phase.split()
@@ -234,9 +295,10 @@ def _ranks(ranks) -> str:
     return "[" + ", ".join(map(str, rs)) + "]" if len(rs) <= 8 else f"[{rs[0]}, {rs[1]}, … {rs[-1]}] ({len(rs)} ranks)"
 
 
-def diagnose(run_dir: str | Path) -> list[str]:
+def diagnose(run_dir: str | Path, workers: int | None = None) -> list[str]:
     """The report's lines for the dumps under ``<run_dir>/flight`` (or ``run_dir`` itself): ours,
-    then torch's (:mod:`recipes.tools.diagnose_torch`) when there are any."""
+    then torch's (:mod:`recipes.tools.diagnose_torch`) when there are any. torch's are read by
+    ``workers`` processes (default: one per CPU) from :data:`POOL_FROM` dumps on; the report is the same."""
     from recipes.tools.diagnose_torch import TorchDumps, torch_dumps
 
     folder = Path(run_dir)
@@ -246,23 +308,53 @@ def diagnose(run_dir: str | Path) -> list[str]:
     if not files and not theirs:
         raise FileNotFoundError(f"no flight-recorder dumps (rank*.json, nor torch's) in {folder}")
     d = Diagnosis()
-    for f in files:
-        d.add(json.loads(f.read_text()))
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    with _no_cycle_collection():
+        for f in files:  # in this process: a pool's transfers cost what it saved on 2 shared cores
+            d.add(json.loads(f.read_bytes()))
     lines = d.report() if files else []
     if theirs:
         t = TorchDumps(world=d.world)
-        for f in theirs:
-            t.add(f)
+        with _no_cycle_collection():
+            t.read_all(theirs, workers)
         lines += t.report()
     return lines
+
+
+#: from how many of torch's dumps on :func:`diagnose` reads them in a process pool
+POOL_FROM = 512
+_CHUNK = 64  # dumps per task: their tuples pickled once per chunk
+
+
+def in_pool(fn, items: list, workers: int):
+    """``fn`` of each chunk of ``items``, by ``workers`` processes (forked where the platform can:
+    nothing to import again), the results in the order of the chunks."""
+    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
+    chunks = [items[i : i + _CHUNK] for i in range(0, len(items), _CHUNK)]
+    with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        yield from pool.map(fn, chunks)
+
+
+@contextlib.contextmanager
+def _no_cycle_collection():
+    """Python's cycle collector off while dumps are read: what a dump allocates holds no cycles (it
+    is freed by reference counting), and each collection would walk every call kept so far."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m recipes.diagnose", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="the run directory (its flight/ folder holds the dumps)")
+    ap.add_argument("--workers", type=int, default=None, help="processes reading torch's dumps (default: one per CPU)")
     a = ap.parse_args(argv)
     try:
-        print("\n".join(diagnose(a.run_dir)))
+        print("\n".join(diagnose(a.run_dir, a.workers)))
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

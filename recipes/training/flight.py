@@ -17,8 +17,10 @@ from pathlib import Path
 
 from parallel.comm import flight
 
-#: what turns on torch's own NCCL flight recorder, and where its dumps go (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``)
-TORCH_NCCL_ENV = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+#: what turns on torch's own NCCL flight recorder, and where its dumps go (``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``);
+#: its dump on timeout without stack traces (``TORCH_INCLUDE_STACK_TRACE``: diagnose reads none of them, and
+#: they make a dump larger and slower to read, docs/debugging.md)
+TORCH_NCCL_ENV = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_INCLUDE_STACK_TRACE": "0"}
 #: the name of torch's dump of rank r in ``<run>/flight``: this prefix, then r
 TORCH_DUMP_PREFIX = "nccl_trace_rank_"
 

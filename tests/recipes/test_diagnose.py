@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from parallel.comm import flight
 from parallel.testing import run_ranks
+from recipes.tools import diagnose_synthetic as synthetic
 from recipes.tools.diagnose import diagnose
 
 
@@ -48,43 +49,8 @@ def test_real_ranks_dump_what_they_issued_and_agree(tmp_path):
     assert any(line.startswith("ranks [0, 1]: after broadcast #0 on world") for line in lines)
 
 
-def _synthetic(folder, dp=64, pp=35, tp=8, dead=17_000, skipper=8_704, other_size=12_345, steps=4):
-    """A GPT-3-shaped job's dumps: per step 6 all-reduces on the rank's tp group and 1 on its dp group."""
-    folder.mkdir()
-    world = dp * pp * tp
-    for r in range(world):
-        if r == dead:
-            continue
-        t, d = r % tp, (r // tp) % dp
-        p = r // (tp * dp)
-        tp_g, dp_g = f"tp{p}.{d}", f"dp{p}.{t}"
-        cols = {k: [] for k in flight.FIELDS}
-        issued = {tp_g: 0, dp_g: 0}
-        for step in range(steps):
-            for group, n in ((tp_g, 6), (dp_g, 1)):
-                for _ in range(n):
-                    if r == skipper and step == steps - 1 and group == tp_g and issued[group] == 6 * steps - 2:
-                        continue  # it skipped its second-to-last tp all-reduce
-                    numel = 999 if (r == other_size and group == dp_g and step == 1) else 1024
-                    for k, v in zip(
-                        flight.FIELDS,
-                        (issued[group], group, "all_reduce", numel, "bfloat16", None, f"step {step}", 1.0, 1.1),
-                    ):
-                        cols[k].append(v)
-                    issued[group] += 1
-        cols["t_end"][-1] = None
-        groups = {
-            tp_g: [p * tp * dp + d * tp + i for i in range(tp)],
-            dp_g: [p * tp * dp + j * tp + t for j in range(dp)],
-        }
-        dump = {"rank": r, "world": world, "reason": "timeout", "groups": groups, "issued": issued,
-                "entries": cols, "step_times": [[s, 2.0 if r == 77 else 1.0] for s in range(steps)]}  # fmt: skip
-        (folder / f"rank{r}.json").write_text(json.dumps(dump))
-    return world
-
-
 def test_17920_synthetic_dumps_name_the_dead_the_skipper_the_odd_size_and_the_straggler(tmp_path):
-    world = _synthetic(tmp_path / "flight")
+    world = synthetic.ours(tmp_path / "flight")
     lines = diagnose(tmp_path)
     assert lines[0] == f"{world - 1} of {world} ranks dumped (timeout: {world - 1})"
     assert "no dump from ranks [17000] (dead, or never reached a dump)" in lines
@@ -97,3 +63,18 @@ def test_17920_synthetic_dumps_name_the_dead_the_skipper_the_odd_size_and_the_st
         f"ranks [0, 1, … 17919] ({world - 1} ranks): inside all_reduce #3 on 280 groups (dp0.0, …) (step 3)"
     ]
     assert lines[-1].startswith("slowest rank 77: 2.000 s per step") and "+100%" in lines[-1]
+
+
+def test_full_rings_name_an_odd_size_deep_in_the_ring_and_the_skipper_past_the_oldest_calls(tmp_path):
+    synthetic.ours(tmp_path / "flight", dp=4, pp=1, tp=2, dead=7, skipper=2, other_size=5, steps=300,
+                   ring=flight.CAPACITY, odd_step=150)  # fmt: skip
+    dump = json.loads((tmp_path / "flight" / "rank0.json").read_text())
+    assert len(dump["entries"]["seq"]) == flight.CAPACITY and dump["entries"]["seq"][0] > 0  # the oldest overwritten
+    assert diagnose(tmp_path)[1:5] == [
+        "no dump from ranks [7] (dead, or never reached a dump)",
+        "group dp0.1: ranks [5] differ at collective #150: all_reduce(999 × bfloat16) on dp0.1 in step 150, "
+        "where ranks [1, 3] issued all_reduce(1024 × bfloat16) on dp0.1 in step 150",
+        "group tp0.1: ranks [2] never issued collective #1798 (all_reduce(1024 × bfloat16) on tp0.1 in step 299) "
+        "that [3] did",
+        "ranks [0, 1, 2, 3, 4, 5, 6]: inside all_reduce #299 on 2 groups (dp0.0, …) (step 299)",
+    ]

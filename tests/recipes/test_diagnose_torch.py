@@ -9,8 +9,10 @@ import torch.distributed as dist
 
 from parallel.comm import flight
 from parallel.testing import run_ranks
+from recipes.tools import diagnose as diagnose_tool
+from recipes.tools import diagnose_synthetic as synthetic
 from recipes.tools.diagnose import diagnose
-from recipes.training.flight import TORCH_DUMP_PREFIX
+from recipes.training.flight import TORCH_DUMP_PREFIX, TORCH_NCCL_ENV
 
 
 def _gloo_ranks_dump(folder):
@@ -56,54 +58,13 @@ def test_real_gloo_dumps_name_the_mismatch_and_the_dead_rank(tmp_path, monkeypat
     )
 
 
-def nccl_dumps(folder, world=16, tp=4, steps=3, dead=(), odd_size=None, skipper=None, frames=2):
-    """Dumps in the structure ProcessGroupNCCL's writer emits (version 2.10: ``version``,
-    ``pg_config``, ``pg_status``, ``entries`` with torch's fields), per step 2 all-reduces on the
-    rank's tp group and 1 on its dp group; every call completed but each rank's last."""
-    folder.mkdir(parents=True, exist_ok=True)
-    n_tp = world // tp
-    config = {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(world)))}}
-    for g in range(n_tp):
-        config[str(1 + g)] = {"name": str(1 + g), "desc": "tp", "ranks": str(list(range(g * tp, (g + 1) * tp)))}
-    for g in range(tp):
-        config[str(1 + n_tp + g)] = {"name": str(1 + n_tp + g), "desc": "dp", "ranks": str(list(range(g, world, tp)))}
-    for r in range(world):
-        if r in dead:
-            continue
-        mine = {k: v for k, v in config.items() if r in eval(v["ranks"])}
-        tp_name, dp_name = str(1 + r // tp), str(1 + n_tp + r % tp)
-        seq, entries = {}, []
-        for step in range(steps):
-            for name, n in ((tp_name, 2), (dp_name, 1)):
-                for _ in range(n):
-                    seq[name] = seq.get(name, 0) + 1
-                    if r == skipper and name == tp_name and seq[name] == 2 * steps:
-                        continue  # it never issued its group's last all-reduce
-                    numel = 1000 if (r == odd_size and name == dp_name and step == 1) else 1024
-                    entries.append({
-                        "frames": [{"name": "all_reduce", "filename": "c10d.py", "line": i} for i in range(frames)], "record_id": len(entries), "pg_id": int(name),
-                        "process_group": (name, mine[name]["desc"]), "collective_seq_id": seq[name],
-                        "p2p_seq_id": 0, "op_id": seq[name], "profiling_name": "nccl:all_reduce",
-                        "time_created_ns": 10**9 * step, "input_sizes": [[numel]], "input_dtypes": ["BFloat16"],
-                        "output_sizes": [[numel]], "output_dtypes": ["BFloat16"], "state": "completed",
-                        "time_discovered_started_ns": None, "time_discovered_completed_ns": None,
-                        "retired": True, "timeout_ms": 600_000, "is_p2p": False,
-                    })  # fmt: skip
-        entries[-1].update(state="started", retired=False)
-        status = {v: {"last_enqueued_collective": seq[v], "last_started_collective": seq[v],
-                      "last_completed_collective": seq[v] - 1} for v in (tp_name, dp_name)}  # fmt: skip
-        dump = {"version": "2.10", "pg_config": mine, "pg_status": status, "entries": entries}
-        (folder / f"{TORCH_DUMP_PREFIX}{r}").write_bytes(pickle.dumps(dump))
-    return world
-
-
 def test_nccl_format_dumps_are_torch_s_and_name_the_dead_the_skipper_and_the_odd_size(tmp_path):
     import argparse
 
     from torch.distributed.flight_recorder.components.builder import build_db
     from torch.distributed.flight_recorder.components.loader import read_dir
 
-    nccl_dumps(tmp_path / "flight", dead=(13,), odd_size=6, skipper=9)
+    synthetic.nccl(tmp_path / "flight", dead=(13,), odd_size=6, skipper=9)
     args = argparse.Namespace(trace_dir=str(tmp_path / "flight"), prefix=TORCH_DUMP_PREFIX, verbose=False,
                               just_print_entries=False, allow_incomplete_ranks=True, mismatch_cap=10)  # fmt: skip
     details, version = read_dir(args)  # torch's own loader and analyser take them
@@ -126,7 +87,7 @@ def test_damaged_and_unsupported_dumps_are_left_out_in_one_line_each(tmp_path, c
     from recipes.tools.diagnose import main
 
     folder = tmp_path / "flight"
-    nccl_dumps(folder, world=4, tp=2)
+    synthetic.nccl(folder, world=4, tp=2)
     (folder / f"{TORCH_DUMP_PREFIX}1").write_bytes(b"\x80\x04 not a pickle")
     (folder / f"{TORCH_DUMP_PREFIX}2").write_bytes(pickle.dumps({"version": "3.0", "pg_config": {}, "entries": []}))
     (folder / f"{TORCH_DUMP_PREFIX}3").write_bytes(b"")
@@ -143,3 +104,19 @@ def test_damaged_and_unsupported_dumps_are_left_out_in_one_line_each(tmp_path, c
     (folder / f"{TORCH_DUMP_PREFIX}0").write_bytes(b"")
     assert main([str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines()[0].endswith("no dump could be read")
+
+
+def test_full_torch_rings_name_an_odd_size_deep_in_the_ring(tmp_path, monkeypatch):
+    ring = int(TORCH_NCCL_ENV["TORCH_FR_BUFFER_SIZE"])
+    synthetic.nccl(tmp_path / "flight", world=8, tp=2, steps=700, dead=(7,), skipper=2, odd_size=5, frames=0,
+                   ring=ring, odd_step=350)  # fmt: skip
+    assert len(pickle.loads((tmp_path / "flight" / f"{TORCH_DUMP_PREFIX}0").read_bytes())["entries"]) == ring
+    lines = diagnose(tmp_path, workers=1)
+    monkeypatch.setattr(diagnose_tool, "POOL_FROM", 2)
+    assert diagnose(tmp_path, workers=2) == lines  # a process pool reads them into the same report
+    assert lines[1:4] == [
+        "  no dump from ranks [7] (dead, or never reached a dump)",
+        "  group dp#6: ranks [5] differ at collective #350: all_reduce(1000 × BFloat16) on dp#6, "
+        "where ranks [1, 3] issued all_reduce(1024 × BFloat16) on dp#6",
+        "  group tp#2: ranks [2] never issued collective #1399 (all_reduce(1024 × BFloat16) on tp#2) that [3] did",
+    ]
