@@ -2,7 +2,7 @@
 
 ``python -m recipes.gpt175b mode=dryrun [dryrun.ranks=[0,8704,17919] | dryrun.ranks=classes] [dryrun.peers=true]``
 
-Each chosen rank runs in a fresh process (a clean default process group), ``dryrun.jobs``
+Each chosen rank runs in a process of its own (a clean default process group), ``dryrun.jobs``
 at a time, forked from this one after it has imported torch and the trainer
 (:func:`.dryrun_classes.run_forked`; fresh interpreters, :func:`run_ranks`, where it cannot
 fork). The process joins torch's ``fake`` process group as that rank of the real
