@@ -140,6 +140,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.attn_head_dim or self.d_model // self.n_heads
 
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of one head's ``q·kᵀ`` (MLA: its non-rotary plus rotary parts)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
     def bias(self, which: str) -> bool:
         """Whether the ``qkv`` / ``o`` / ``mlp`` projections carry biases."""
         return bool(getattr(self, f"{which}_bias"))

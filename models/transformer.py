@@ -30,6 +30,7 @@ from parallel.layers import (
     check_cp_seq_len,
     cp_positions,
     cp_slice,
+    document_kernel,
     gather_full_tensor,
     init_parameters_,
     mark_vocab_rows,
@@ -167,6 +168,7 @@ class TransformerStage(nn.Module):
         super().__init__()
         tp = comm.tp_world_size(tp_group)
         self.cp_group, self.cp_size = cp_group, comm.tp_world_size(cp_group)  # context parallel: s/cp tokens
+        self.cp_impl = cp_impl
         check_cp_seq_len(cfg.seq_len, self.cp_size)
         cfg.validate(tp=tp)
         layers = range(cfg.n_layers) if layers is None else layers
@@ -285,6 +287,8 @@ class TransformerStage(nn.Module):
         documents = None
         if positions is not None:  # one mask for every block of this stage; this cp rank's positions
             documents = DocumentMask(positions, cp_slice(positions, self.cp_size, comm.tp_rank(self.cp_group)))
+            if self.cp_size == 1 or self.cp_impl != "ring":  # the ring masks by ids, block by block
+                documents.prepare(document_kernel(positions.device.type, self.cfg.qk_head_dim))
         if self.has_embedding:
             h = self._embed(x, None if documents is None else documents.local)
         else:

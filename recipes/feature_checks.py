@@ -1,4 +1,4 @@
-"""Config checks of single features (MLA, document packing, fp8, compile): each refuses, in one line with the
+"""Config checks of single features (MLA, document packing, fp8): each refuses, in one line with the
 fix, a combination the feature does not support; :func:`recipes.validation.validate` calls them."""
 
 from __future__ import annotations
@@ -61,20 +61,3 @@ def check_fp8(cfg: Any, dims: ParallelDims) -> None:
             "set train.fp8_emulate=true (fp8 casts, fp32 matmuls: the same numerics, slower than bf16) "
             "or train.precision=bf16",
         )
-
-
-def check_compile(cfg: Any) -> None:
-    """``train.compile=true`` traces the blocks with plain tensors in and out: packed documents' masks
-    (a Python object cached per micro-batch) and the fp8 linears' scaling are not traced yet."""
-    t = cfg.train
-    if not t.compile:
-        return
-    for key, on in (
-        (f"data.packing={cfg.data.packing}", cfg.data.packing == "documents"),
-        (f"train.precision={t.precision}", t.precision == FP8),
-    ):
-        if on:
-            raise ConfigError(
-                f"train.compile=true with {key}: the compiled blocks do not trace it yet (docs/compile.md); "
-                f"set train.compile=false, or {'data.packing=concat' if 'packing' in key else 'train.precision=bf16'}"
-            )

@@ -34,7 +34,7 @@ from parallel.zero.policy import ZERO_STAGES
 from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies  # noqa: F401 (re-exported)
 
 from .config import ConfigError, Layout, ParallelConfig, _show, bad, model_config
-from .feature_checks import check_compile, check_fp8, check_mla, check_packing
+from .feature_checks import check_fp8, check_mla, check_packing
 from .keys import check_keys, check_overrides, check_values, key_error, schema_keys, unknown_keys
 from .training.checkpointing import CKPT_ON_ERROR
 from .training.packing import PACKINGS
@@ -345,7 +345,6 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     _check_pipeline(p, mc)
     _check_zero(p, cfg.comm)
     check_fp8(cfg, dims)
-    check_compile(cfg)
     _check_run(cfg)
     return Layout(
         dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc, cp=p.cp, dims=dims

@@ -71,6 +71,17 @@ class DocumentMask:
         self.local = positions if local is None else local
         self.ids = document_ids(positions)
         self._masks: dict[str, object] = {}
+        self.kernel: str | None = None  # set by prepare(): the kernel attention uses
+
+    def prepare(self, kernel: str) -> DocumentMask:
+        """Build ``kernel``'s mask now (``flex`` / ``sdpa``), before the blocks run: a mask first made
+        inside a compiled or checkpointed region would be a side effect of its trace (an error under
+        ``torch.compile``'s selective recomputation). Returns ``self``."""
+        if kernel not in DOCUMENT_KERNELS:
+            raise ValueError(f"document attention kernel {kernel!r} not in {DOCUMENT_KERNELS}")
+        self.block_mask() if kernel == "flex" else self.dense()
+        self.kernel = kernel
+        return self
 
     def dense(self) -> torch.Tensor:
         """``True`` where query ``i`` may attend to key ``j``: same document and ``j ≤ i``; ``[b, 1, s, s]``."""
@@ -105,8 +116,8 @@ def document_attention(
 ) -> torch.Tensor:
     """Document-causal attention of ``q`` ``[b, h, s, hd]`` over ``k``, ``v`` ``[b, h_kv, s, hd]``
     (grouped-query when ``h_kv < h``; ``scale`` default ``1/√hd``); ``kernel`` (``flex``/``sdpa``)
-    overrides the device's pick."""
-    kernel = kernel or document_kernel(q.device.type, q.shape[-1])
+    overrides the mask's prepared kernel, which overrides the device's pick."""
+    kernel = kernel or mask.kernel or document_kernel(q.device.type, q.shape[-1])
     gqa = q.shape[1] != k.shape[1]
     if kernel == "flex":
         flex, _ = _flex()

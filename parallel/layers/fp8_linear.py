@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..comm import traceable
 from ..comm.autograd import SEQ_DIM
 from .fp8 import E4M3, Fp8Recipe, amax, cast, quantize, scale_of, scaled_mm
 
@@ -123,8 +124,14 @@ class Fp8Linear(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _gather_seq(chunk: torch.Tensor, group, async_op: bool = False):
-    """All-gather ``chunk`` (``[b, s/N, ...]``) along the sequence; fp8 travels as its bytes."""
+def _gather_seq(chunk: torch.Tensor, group, async_op: bool = False, regather: bool = False):
+    """All-gather ``chunk`` (``[b, s/N, ...]``) along the sequence; fp8 travels as its bytes. Under
+    ``torch.compile`` a blocking traceable gather (``regather``: backward's second one), ordered by
+    the compiler."""
+    if traceable.tracing():
+        wire = chunk.view(torch.uint8) if chunk.element_size() == 1 else chunk
+        full = comm.all_gather_along(wire, SEQ_DIM, group, regather=regather)
+        return lambda: full.view(chunk.dtype) if wire is not chunk else full
     n = comm.tp_world_size(group)
     src = chunk.contiguous().view(-1)
     wire = src.view(torch.uint8) if src.element_size() == 1 else src
@@ -177,7 +184,7 @@ class Fp8Columns(torch.autograd.Function):
     def backward(ctx, *grads):
         keep, *weights = ctx.saved_tensors
         recipe, group, sp = ctx.recipe, ctx.group, ctx.sp
-        gathered = _gather_seq(keep, group, async_op=True) if sp else (lambda: keep)
+        gathered = _gather_seq(keep, group, async_op=True, regather=True) if sp else (lambda: keep)
         used = [(i, g) for i, g in enumerate(grads) if g is not None]
         flat = {i: _flat(g) for i, g in used}
         qdys = {i: None if recipe.rowwise else grad_output_tensorwise(flat[i], recipe, "N", group) for i, _ in used}
@@ -190,7 +197,9 @@ class Fp8Columns(torch.autograd.Function):
         total = _flat(gathered())
         x_saved = total if recipe.rowwise else (total, ctx.sx)
         grad_x, scatter = grad_total, None
-        if grad_total is not None and sp:
+        if grad_total is not None and sp and traceable.tracing():
+            grad_x = comm.reduce_scatter_along(grad_total, SEQ_DIM, group)
+        elif grad_total is not None and sp:
             n = comm.tp_world_size(group)
             stacked = torch.stack(grad_total.chunk(n, SEQ_DIM), 0).contiguous()
             grad_x = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)

@@ -353,10 +353,10 @@ def ring_attention(
     if documents is not None and not causal:
         raise LayerConfigError("ring_attention: document masks are causal; call it with causal=True")
     ids = None if documents is None else documents.ids
-    if traceable.tracing() and ids is None:  # under torch.compile: the ring as registered ops (.ring_traced)
+    if traceable.tracing():  # under torch.compile: the ring as registered ops (.ring_traced)
         from .ring_traced import traced_ring_attention
 
-        return traced_ring_attention(q, k, v, group, causal, scale)
+        return traced_ring_attention(q, k, v, group, causal, scale, ids)
     return _RingAttention.apply(q, k, v, group, causal, scale, ids)
 
 

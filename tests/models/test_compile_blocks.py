@@ -3,10 +3,14 @@ layouts, the same numbers as eager, the same bytes counted, and recompiles bound
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 
 from parallel import comm
 from parallel.compile import compile_stats
+from parallel.layers import DocumentMask, cp_slice
+from parallel.layers.fp8 import Fp8Recipe
+from parallel.layers.linear import enable_fp8
 from parallel.testing import run_ranks
 
 # name: (preset, build_model keywords made from the 2-rank group, local sequence, backend). aot_eager
@@ -19,6 +23,13 @@ LAYOUTS = {
     "cp_alltoall": ("llama_tiny", lambda g: dict(cp_group=g, cp_impl="alltoall"), 8, "eager"),
     "ep_moe": ("mixtral_tiny", lambda g: dict(ep_group=g), 16, "eager"),  # the attention half compiled
     "tp_selective": ("gpt_tiny", lambda g: dict(tp_group=g), 16, "eager"),  # attention cores recomputed
+    # fp8 (emulated): the amax all-reduces, the fp8 all-gathers and the reduce-scatter as traceable ops
+    "tp_sp_fp8_tensorwise": ("llama_tiny", lambda g: dict(tp_group=g, sequence_parallel=True), 8, "aot_eager"),
+    "tp_fp8_rowwise": ("gpt_tiny", lambda g: dict(tp_group=g), 16, "aot_eager"),
+    # packed documents: the mask built before the block, read inside it (selective: a checkpointed core)
+    "tp_documents": ("llama_tiny", lambda g: dict(tp_group=g), 16, "aot_eager"),
+    "cp_ring_documents": ("llama_tiny", lambda g: dict(cp_group=g, cp_impl="ring"), 8, "aot_eager"),
+    "cp_alltoall_documents": ("llama_tiny", lambda g: dict(cp_group=g, cp_impl="alltoall"), 8, "aot_eager"),
 }
 
 
@@ -31,10 +42,19 @@ def _block_step(layout: str, compiled: bool):
     name, kwargs, seq, backend = LAYOUTS[layout]
     group = dist.new_group([0, 1], group_desc="tp")
     cfg = preset(name, n_layers=1, seq_len=16, d_model=64)
-    if layout == "tp_selective":
+    if layout in ("tp_selective", "tp_documents"):
         cfg = cfg.replace(activation_checkpointing="selective")
     stage = build_model(cfg, seed=3, **kwargs(group))
     block = stage.blocks["0"]
+    if "fp8" in layout:
+        enable_fp8(block.modules(), Fp8Recipe(layout.rsplit("_", 1)[1], emulate=True))
+    documents = None
+    if "documents" in layout:  # three documents in each window of 16, the mask prepared as the stage does
+        window = torch.cat([torch.arange(5), torch.arange(4), torch.arange(7)]).repeat(2, 1)
+        cp = 2 if layout.startswith("cp") else 1
+        documents = DocumentMask(window, cp_slice(window, cp, dist.get_rank() if cp > 1 else 0))
+        if "ring" not in layout:
+            documents.prepare("sdpa")
     if compiled and layout == "tp":  # the block and the vocabulary-parallel loss (its two all-reduces)
         compile_stage(stage, backend)
     elif compiled:
@@ -42,7 +62,7 @@ def _block_step(layout: str, compiled: bool):
     x = torch.randn(2, seq, cfg.d_model, generator=torch.Generator().manual_seed(dist.get_rank()))
     x.requires_grad_(True)
     with comm.CommCounter() as counter:
-        out = block(x)
+        out = block(x, documents)
         loss = (out * out).sum()
         if layout == "tp":
             loss = loss + stage.loss(stage._head(out), torch.arange(2 * seq).view(2, seq) % cfg.vocab_size)
@@ -60,6 +80,7 @@ def _compare_all():
     torch.manual_seed(0)
     out = {}
     for layout in LAYOUTS:
+        torch._dynamo.reset()  # each layout compiles the one TransformerBlock.forward afresh (recompile limit 8)
         before = compile_stats()["graph_breaks"]
         eager = _block_step(layout, compiled=False)
         comp = _block_step(layout, compiled=True)

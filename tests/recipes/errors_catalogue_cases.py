@@ -52,7 +52,6 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["train.ckpt_every=-1"], "train.ckpt_every", {}),
     (["train.ckpt_on_error=retry"], "train.ckpt_on_error", {}),
     (["train.compile_backend=tvm"], "train.compile_backend", {}),
-    (["train.compile=true", "train.precision=fp8", "train.fp8_emulate=true"], "train.compile", {}),
     (["train.fault=boom"], "train.fault", {}),
     (["train.sigterm_grace_s=0"], "train.sigterm_grace_s", {}),
     (["train.log_every=0"], "train.log_every", {}),

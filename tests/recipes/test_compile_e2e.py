@@ -23,3 +23,20 @@ def test_compiled_zero3_full_recompute_matches_eager_step_by_step(tmp_path, capf
         assert abs(a - b) <= 1e-5 * max(1.0, abs(a))
     said = [line for line in capfd.readouterr().out.splitlines() if line.startswith("torch.compile:")]
     assert len(said) == 1 and "0 graph break(s)" in said[0], said
+
+
+def test_compiled_fp8_and_packed_documents_at_tp2_sp_match_eager(tmp_path):
+    """fp8 (emulated, tensorwise: its amax all-reduces and fp8 all-gathers traced) and document masks
+    (built before the compiled blocks) at tp=2 with sequence parallelism: compiled equals eager."""
+    from .test_packing import _corpus, _recipe
+
+    corpus = _corpus(tmp_path, "docs", n_docs=60)
+    keys = dict(tp=2, parallel__sequence_parallel=True, train__precision="fp8", train__fp8_emulate=True)
+    keys |= dict(train__max_steps=STEPS, train__eval_every=0)
+    got = {}
+    for name, extra in (("eager", {}), ("compiled", dict(train__compile=True, train__compile_backend="aot_eager"))):
+        run_ranks(_train, 2, _recipe(corpus, **keys, **extra), str(tmp_path / name), timeout=300)
+        got[name] = losses(tmp_path / name)
+    assert len(got["eager"][0]) == STEPS
+    for a, b in zip(sum(got["eager"], []), sum(got["compiled"], [])):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (got["eager"], got["compiled"])
