@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -38,6 +37,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from itertools import compress
 from pathlib import Path
+
+import orjson
 
 from parallel.comm.recorder import Call, first_difference
 
@@ -311,7 +312,7 @@ def diagnose(run_dir: str | Path, workers: int | None = None) -> list[str]:
     workers = (os.cpu_count() or 1) if workers is None else workers
     with _no_cycle_collection():
         for f in files:  # in this process: a pool's transfers cost what it saved on 2 shared cores
-            d.add(json.loads(f.read_bytes()))
+            d.add(orjson.loads(f.read_bytes()))  # twice json's speed: half of reading ours
     lines = d.report() if files else []
     if theirs:
         t = TorchDumps(world=d.world)
