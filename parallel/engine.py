@@ -173,6 +173,8 @@ class StepEngine:
             # ZeRO 0-1 run the step under no_sync(); each chunk's last backward launches its DP reduction
             final_backward=lambda chunk: self.zero.sync_gradients(),
         )
+        # the groups whose ranks route different tokens: dp (spans ep, and cp), tp under sequence parallelism
+        self.routing_groups = (dp_group, tp_group) if sequence_parallel else (dp_group,)
         self.device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self.activation_bytes = 0.0  # saved activations at the schedule's peak (a measured step)
         self.model_state_bytes: dict = {}
@@ -255,8 +257,8 @@ class StepEngine:
         with counter:
             stats = self.zero.step(norm=read if norm is None else norm)  # unread: no norm unless it clips or scales
             # aux-loss-free balancing (DeepSeek-V3): the routers' selection biases follow this step's load,
-            # summed over the ranks that routed other tokens (dp, which spans ep, × cp)
-            update_router_bias_(self.model, (self.dp_group,))
+            # summed over the ranks that routed other tokens (dp, which spans ep, × cp; × tp under SP)
+            update_router_bias_(self.model, self.routing_groups)
         if measure_memory:  # after the step: the optimizer state exists from its first step
             self.model_state_bytes = self.zero.held_bytes()
         # the mean over the DP replicas (the global batch), reduced only when read: an unread step

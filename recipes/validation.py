@@ -26,7 +26,7 @@ from parallel.dims import (
     offload_problem,
     topk_ratio_problem,
 )
-from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED, MoEConfigError
+from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED, SEQUENCE_PARALLEL_CAPACITY_REFUSED, MoEConfigError
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem, zero_bubble_problem
 from parallel.precision import FP8_RECIPES, PRECISIONS, TRAIN_PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
@@ -175,7 +175,6 @@ def _check_moe(p: Any, dims: ParallelDims, mc: Any, cfg: Any) -> None:
             "train.precision=fp16 with an MoE model: the router losses are not loss-scaled; use bf16 or fp32"
         )
     unverified = {
-        "parallel.sequence_parallel=true": p.sequence_parallel,  # the layer routes whole sequences' tokens
         f"parallel.offload={p.offload}": p.offload != "none",
         "parallel.pp_schedule=zb-h1": p.pp_schedule == "zb-h1",
     }
@@ -183,11 +182,16 @@ def _check_moe(p: Any, dims: ParallelDims, mc: Any, cfg: Any) -> None:
         raise ConfigError(
             f"parallel.cp={p.cp}, model.moe_capacity_factor={mc.moe_capacity_factor}: {CONTEXT_PARALLEL_CAPACITY_REFUSED}"
         )
+    if dims.sp_enabled and mc.moe_capacity_factor is not None:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true, model.moe_capacity_factor={mc.moe_capacity_factor}: "
+            f"{SEQUENCE_PARALLEL_CAPACITY_REFUSED}"
+        )
     for what, on in unverified.items():
         if on:
             raise ConfigError(
                 f"an MoE model (model.moe_experts={mc.moe_experts}) with {what}: this combination is not "
-                "implemented/verified against one process; turn it off (MoE trains with dp, ep, tp without "
+                "implemented/verified against one process; turn it off (MoE trains with dp, ep, tp with or without "
                 "sequence parallelism, cp (dropless), pp with 1f1b/gpipe/interleaved, ZeRO 0-3)"
             )
 

@@ -22,10 +22,9 @@ tokens, then per layer call:
    balanced routing — the counter records the payload (``input`` rows) and that fraction.
 
 **Grouped computation.** Tokens are sorted by expert (a stable argsort, so the token order within
-an expert is deterministic) and each local expert runs one matmul per weight over its contiguous
-segment: a loop over the ``L`` local experts, never over tokens. ``torch._grouped_mm`` exists only
-for recent CUDA GPUs, not on the CPU path this project tests, so the segment loop is used
-everywhere.
+an expert is deterministic) and each expert weight is applied to all the ``L`` local experts'
+contiguous segments at once (:mod:`.grouped_mm`: one ``grouped_mm`` kernel, one padded ``bmm``, or
+a loop over the ``L`` experts, never over tokens, chosen once per device type).
 
 **Routing and capacity**: :mod:`.moe_routing` (softmax, or DeepSeek-V3's sigmoid scores with
 group-limited choice). With sigmoid scores the layer holds ``e_score_correction_bias`` (fp32 ``[E]``,
@@ -38,9 +37,19 @@ of this rank's. Averaging expert grads over ``edp`` and dense ones over ``dp`` t
 the mean over the dp ranks provided expert grads are divided by ``dp`` (= ``edp · ep``), not
 ``edp``.
 
-**Tensor parallelism.** Experts are not split over TP: with tp > 1 each TP rank computes the
-same experts on the same (replicated, non-sequence-parallel) tokens. Sequence parallelism is
-refused (the router's gradient would need a TP reduction that is not wired).
+**Tensor parallelism.** Experts are not split over TP: with tp > 1 and no sequence parallelism
+each TP rank computes the same experts on the same (replicated) tokens.
+
+**Sequence parallelism** (Megatron-Core's way): each TP rank routes, dispatches and combines only
+its own ``s/tp`` tokens of every sequence, so the experts' work is no longer repeated over TP. The
+router and the experts are then replicated parameters that saw a slice of the sequence: they are
+marked :func:`~parallel.params.mark_sequence_parallel`, and their gradients summed over TP with the
+norms'. The router statistics (balance loss, z-loss, sequence-wise loss) are summed over TP before
+the losses are formed (:func:`aux_losses`, one all-reduce of ``2E + 1`` floats per layer call,
+backward identity), so every layout computes one process's losses; the aux-loss-free load is summed
+over TP too (the engine passes the TP group to :func:`update_router_bias_`). Shared experts are a
+:class:`ParallelMLP` with sequence parallelism (all-gather in, reduce-scatter out). Routing is
+dropless only (:data:`SEQUENCE_PARALLEL_CAPACITY_REFUSED`).
 """
 
 from __future__ import annotations
@@ -52,12 +61,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-from ..params import mark_expert, mark_no_weight_decay
+from ..params import mark_expert, mark_no_weight_decay, mark_sequence_parallel
+from .grouped_mm import Segments
 from .init import reset_default_
 from .mlp import ParallelMLP
 from .moe_routing import (  # noqa: F401 - the router's public names, re-exported
     CONTEXT_PARALLEL_CAPACITY_REFUSED,
-    SEQUENCE_PARALLEL_REFUSED,
+    SEQUENCE_PARALLEL_CAPACITY_REFUSED,
     MoEConfig,
     MoEConfigError,
     Routing,
@@ -65,6 +75,7 @@ from .moe_routing import (  # noqa: F401 - the router's public names, re-exporte
     aux_losses,
     kept_assignments,
     route,
+    router_stats_numel,
     sequence_aux_loss,
 )
 
@@ -148,18 +159,15 @@ class GroupedExperts(nn.Module):
         for name, p in self.named_parameters(recurse=False):
             reset_default_(p, bound=1 / math.sqrt(self.fan_in[name]))
 
-    def expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert ``i`` on rows ``x`` ``[n, d]``."""
+    def forward(self, x: torch.Tensor, segments: list[int], kind: str | None = None) -> torch.Tensor:
+        """Rows ``x`` sorted by local expert, ``segments[i]`` rows each (host ints); each weight is one
+        grouped matmul over the segments (:mod:`.grouped_mm`; ``kind`` defaults to the device's way)."""
+        seg = Segments.of(segments, x, kind)
         if self.activation == "gelu":
-            h = x @ self.fc_in[i]
-            y = F.gelu(h + self.fc_in_bias[i] if self.bias else h, approximate="tanh") @ self.fc_out[i]
-            return y + self.fc_out_bias[i] if self.bias else y
-        return (F.silu(x @ self.gate_proj[i]) * (x @ self.up_proj[i])) @ self.down_proj[i]
-
-    def forward(self, x: torch.Tensor, segments: list[int]) -> torch.Tensor:
-        """Rows ``x`` sorted by local expert, ``segments[i]`` rows each (host ints)."""
-        parts = torch.split(x, segments)
-        return torch.cat([self.expert(i, part) for i, part in enumerate(parts)], dim=0)
+            h = seg.mm(x, self.fc_in)
+            y = seg.mm(F.gelu(h + seg.per_row(self.fc_in_bias) if self.bias else h, approximate="tanh"), self.fc_out)
+            return y + seg.per_row(self.fc_out_bias) if self.bias else y
+        return seg.mm(F.silu(seg.mm(x, self.gate_proj)) * seg.mm(x, self.up_proj), self.down_proj)
 
 
 class MoELayer(nn.Module):
@@ -179,13 +187,14 @@ class MoELayer(nn.Module):
         super().__init__()
         ep = comm.tp_world_size(ep_group)  # None: no expert parallelism (1), not the world
         cfg.check(ep)
-        if sequence_parallel:
-            raise MoEConfigError(SEQUENCE_PARALLEL_REFUSED)
+        sp_group = tp_group if sequence_parallel and comm.tp_world_size(tp_group) > 1 else None
+        if sp_group is not None and cfg.capacity_factor is not None:
+            raise MoEConfigError(SEQUENCE_PARALLEL_CAPACITY_REFUSED)
         if comm.tp_world_size(cp_group) > 1 and cfg.capacity_factor is not None:
             raise MoEConfigError(CONTEXT_PARALLEL_CAPACITY_REFUSED)
         if comm.tp_world_size(cp_group) > 1 and cfg.seq_aux_loss_weight:
             raise MoEConfigError("MoE: the sequence-wise aux loss needs whole sequences; set its weight to 0 or cp=1")
-        self.cfg, self.ep_group, self.ep, self.cp_group = cfg, ep_group, ep, cp_group
+        self.cfg, self.ep_group, self.ep, self.cp_group, self.sp_group = cfg, ep_group, ep, cp_group, sp_group
         self.num_local = cfg.num_experts // ep
         ep_rank = comm.tp_rank(ep_group)
         self.router = nn.Linear(d_model, cfg.num_experts, bias=False, device=device, dtype=dtype)
@@ -193,12 +202,16 @@ class MoELayer(nn.Module):
             self.num_local, d_model, cfg.d_ff, activation=cfg.activation, bias=cfg.bias,
             ep_rank=ep_rank, ep_size=ep, device=device, dtype=dtype,
         )  # fmt: skip
+        if sp_group is not None:  # replicated over TP, each rank's gradient from its slice of the sequence
+            for p in (self.router.weight, *self.experts.parameters()):
+                mark_sequence_parallel(p)
         self.shared = None
         if cfg.num_shared_experts:
             width = cfg.num_shared_experts * (cfg.shared_d_ff or cfg.d_ff)
             self.shared = ParallelMLP(
-                d_model, width, activation=cfg.activation, bias=cfg.bias, tp_group=tp_group, device=device, dtype=dtype
-            )
+                d_model, width, activation=cfg.activation, bias=cfg.bias, tp_group=tp_group,
+                sequence_parallel=sp_group is not None, device=device, dtype=dtype,
+            )  # fmt: skip
         # DeepSeek-V3's selection bias (fp32), every global expert's on every rank; None with softmax scores
         bias = torch.zeros(cfg.num_experts, device=device) if cfg.score_func == "sigmoid" else None
         self.register_buffer("e_score_correction_bias", bias)
@@ -213,10 +226,11 @@ class MoELayer(nn.Module):
         shape = x.shape
         h = x.reshape(-1, shape[-1])
         r = route(self.router(h), cfg, self.e_score_correction_bias)
-        balance, z = aux_losses(r, cfg, self.cp_group)
+        balance, z = aux_losses(r, cfg, self.cp_group, self.sp_group)
         aux = cfg.aux_loss_weight * balance + cfg.z_loss_weight * z
         if cfg.seq_aux_loss_weight:
-            aux = aux + cfg.seq_aux_loss_weight * sequence_aux_loss(r, cfg, batch=h.shape[0] // shape[-2])
+            batch = h.shape[0] // shape[-2]
+            aux = aux + cfg.seq_aux_loss_weight * sequence_aux_loss(r, cfg, batch, self.sp_group)
 
         flat_e = r.experts.reshape(-1)  # token-major: assignment a = t·k + j
         keep = kept_assignments(r.experts, cfg)
@@ -257,7 +271,7 @@ class MoELayer(nn.Module):
         w = r.weights.reshape(-1).index_select(0, order).to(y.dtype)
         out = torch.zeros_like(h).index_add_(0, tokens, y * w.unsqueeze(-1))
         if self.shared is not None:
-            out = out + self.shared(h)
+            out = out + self.shared(x).reshape(h.shape)  # [b, s/tp, d] under SP: gathers the sequence itself
         self.last_stats = {
             "aux_loss": aux.detach(),
             "balance_loss": balance.detach(),
@@ -290,7 +304,8 @@ def update_router_bias_(model: nn.Module, groups=()) -> None:
     ``bias_update_rate`` γ moves its selection bias by ``γ·sign(mean load − load_e)`` (up for
     under-loaded experts), the load being its assignments per global expert since the last update
     summed over ``groups`` — every group whose ranks route different tokens (the data-parallel
-    group, which spans ep, and cp; never tp, whose ranks route the same tokens). One all-reduce of
+    group, which spans ep, and cp; tp only under sequence parallelism, else its ranks route the same
+    tokens). One all-reduce of
     ``[layers, E]`` int64 per group; integer sums, so every rank computes the same bias bit for bit.
     Recomputed forwards (full checkpointing) count every token twice: the sign is unchanged."""
     layers = [m for m in model.modules() if isinstance(m, MoELayer) and m.cfg.bias_update_rate]

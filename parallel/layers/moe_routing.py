@@ -28,8 +28,13 @@ class MoEConfigError(LayerConfigError):
     """An MoE configuration that cannot run (sizes, top-k, expert split)."""
 
 
-#: the refusal of sequence parallelism in MoE layers (the layer's and the planner's)
-SEQUENCE_PARALLEL_REFUSED = "MoE: sequence parallelism is not supported in MoE layers; set sequence_parallel=False"
+#: the refusal of capacity-limited routing under sequence parallelism (the layer's, the planner's and the
+#: recipe's): a tp rank routes a slice of each sequence, so its drops would differ from the whole micro-batch's
+SEQUENCE_PARALLEL_CAPACITY_REFUSED = (
+    "MoE with sequence parallelism routes dropless only: with a capacity factor an expert's drops depend on "
+    "every token of the micro-batch, and a tp rank routes a slice of each sequence; set "
+    "model.moe_capacity_factor=null (dropless) or parallel.sequence_parallel=false"
+)
 #: the refusal of capacity-limited routing under context parallelism (the layer's and the recipe's): which
 #: assignments an expert drops depends on the arrival order of every token of the micro-batch, and a cp rank
 #: holds a slice of each sequence
@@ -152,41 +157,57 @@ def route(logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None = None
     return Routing(experts, weights, probs, logits)
 
 
-def sequence_aux_loss(r: Routing, cfg: MoEConfig, batch: int) -> torch.Tensor:
+def sequence_aux_loss(r: Routing, cfg: MoEConfig, batch: int, sp_group=None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, unweighted: per sequence ``Σ_e f_e·P_e`` with
     ``f_e = E/(k·S)·(assignments to e)`` and ``P_e`` the mean normalised score over its ``S`` tokens,
-    averaged over the ``batch`` sequences (rows of ``r`` are ``batch × S`` tokens, sequence-major)."""
+    averaged over the ``batch`` sequences (rows of ``r`` are ``batch × S`` tokens, sequence-major).
+
+    ``sp_group``: the sequence-parallel ranks holding the other slices of these sequences; the
+    per-sequence counts and score sums (``[batch, 2E]`` fp32) are summed over it first, backward
+    identity (:func:`parallel.comm.reduce_from_tp_region`)."""
     E, k = cfg.num_experts, cfg.top_k
     probs = r.probs.view(batch, -1, E)
     S = probs.shape[1]
     onehot = torch.zeros(batch, S * k, E, device=probs.device).scatter_(2, r.experts.view(batch, S * k, 1), 1.0)
-    f = onehot.sum(dim=1) * (E / (k * S))
-    return (f * probs.mean(dim=1)).sum(dim=-1).mean()
+    sums = comm.reduce_from_tp_region(torch.cat([onehot.sum(dim=1), probs.sum(dim=1)], dim=-1), sp_group)
+    S *= comm.tp_world_size(sp_group)
+    return (sums[:, :E] * (E / (k * S)) * (sums[:, E:] / S)).sum(dim=-1).mean()
 
 
-def aux_losses(r: Routing, cfg: MoEConfig, cp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+def router_stats_numel(num_experts: int) -> int:
+    """Elements of the router statistics :func:`aux_losses` sums over cp (and tp under sequence
+    parallelism): the probability sums and assignment counts per expert, and the z-loss sum (fp32)."""
+    return 2 * num_experts + 1
+
+
+def aux_losses(r: Routing, cfg: MoEConfig, cp_group=None, sp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(load-balancing loss, z-loss) of one routing, unweighted.
 
-    ``cp_group``: the context-parallel ranks holding the other slices of these sequences. The
-    balance loss ``E·Σ_e f_e·P_e`` is a product of two means over *all* of a micro-batch's tokens
-    (``f``: the fraction of assignments to expert e, ``P``: its mean router probability), so the
-    assignment counts and probability sums are summed over the cp group first (one all-reduce of
-    ``2E`` floats, whose backward all-reduces the gradient: every cp rank adds the same loss, and
-    the gradient average over dp·cp then gives one process's gradient). The z-loss is a mean over
-    tokens, like the cross-entropy: each cp rank's mean of its equal share averages to the whole."""
+    The balance loss ``E·Σ_e f_e·P_e`` is a product of two means over *all* of a micro-batch's
+    tokens (``f``: the fraction of assignments to expert e, ``P``: its mean router probability),
+    the z-loss ``mean(logsumexp(logits)²)`` a mean over them: so the probability sums, assignment
+    counts and the z-loss sum (:func:`router_stats_numel` fp32) are summed over the ranks holding
+    the other slices of these sequences first, and every one of them computes the same two losses.
+
+    ``cp_group`` (context parallelism): one all-reduce whose backward all-reduces the gradient
+    (every cp rank adds the same loss, and the gradient average over dp·cp gives one process's).
+    ``sp_group`` (the tp group under sequence parallelism): one all-reduce, backward identity
+    (every tp rank adds the same loss and its tokens' share of the gradient; the router's and the
+    experts' gradients are then *summed* over tp, as a sequence-parallel parameter's are)."""
     E = cfg.num_experts
     counts = torch.zeros(E, device=r.probs.device).index_add_(
         0, r.experts.reshape(-1), torch.ones(r.experts.numel(), device=r.probs.device)
     )
+    z_sum = torch.logsumexp(r.logits, dim=-1).square().sum()
+    sums = torch.cat([r.probs.sum(dim=0), counts, z_sum.reshape(1)])
     cp = comm.tp_world_size(cp_group)
-    sums = torch.cat([r.probs.sum(dim=0), counts])
     if cp > 1:
         sums = all_reduce_sum_both_ways(sums, cp_group)
-    tokens = r.probs.shape[0] * cp
-    frac = sums[E:] / max(tokens * r.experts.shape[-1], 1)
-    balance = E * (frac * sums[:E] / max(tokens, 1)).sum()
-    z = torch.logsumexp(r.logits, dim=-1).square().mean()
-    return balance, z
+    sums = comm.reduce_from_tp_region(sums, sp_group)  # Megatron's "g"
+    tokens = max(r.probs.shape[0] * cp * comm.tp_world_size(sp_group), 1)
+    frac = sums[E : 2 * E] / (tokens * r.experts.shape[-1])
+    balance = E * (frac * sums[:E] / tokens).sum()
+    return balance, sums[2 * E] / tokens
 
 
 # sum over the group; backward sums the gradient over the group too (each rank's loss uses the sum)

@@ -72,7 +72,7 @@ def check(shape, layout: ParallelDims, training: Training, world_size: int | Non
     if world_size is not None and world_size != layout.world_size:
         raise PlanError(world_size_mismatch(world_size, layout.dp, layout.pp, layout.tp, layout.cp))
     dims = resolve(shape, layout)
-    MoE.check_ep(MoE.moe_shape(shape), dims.dp, dims.ep, dims.sequence_parallel, dims.cp)
+    MoE.check_ep(MoE.moe_shape(shape), dims.dp, dims.ep, dims.sp_enabled, dims.cp)
     if dims.zero not in ZERO_STAGES:
         raise PlanError(f"zero={dims.zero!r} not in {ZERO_STAGES}")
     if shape.arch not in ("gpt", "llama"):

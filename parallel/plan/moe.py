@@ -97,11 +97,11 @@ def moe_shape(cfg) -> MoEShape | None:
 
 def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = False, cp: int = 1) -> None:
     """Refuse what an MoE model's layers refuse, in their words: an ``ep`` dividing neither ``dp`` nor the
-    experts, sequence parallelism, context parallelism with capacity-limited routing."""
+    experts, sequence or context parallelism with capacity-limited routing."""
     from ..dims import ep_mismatch
     from ..layers.moe import (
         CONTEXT_PARALLEL_CAPACITY_REFUSED,
-        SEQUENCE_PARALLEL_REFUSED,
+        SEQUENCE_PARALLEL_CAPACITY_REFUSED,
         MoEConfig,
         MoEConfigError,
     )
@@ -114,8 +114,8 @@ def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = F
         MoEConfig(num_experts=moe.moe_experts, d_ff=moe.expert_d_ff, top_k=moe.moe_top_k).check(ep)
     except MoEConfigError as e:
         raise PlanError(str(e)) from None
-    if sequence_parallel and moe.moe_layers:
-        raise PlanError(SEQUENCE_PARALLEL_REFUSED)
+    if sequence_parallel and moe.moe_layers and not sp_routes(moe):
+        raise PlanError(SEQUENCE_PARALLEL_CAPACITY_REFUSED)
     if cp > 1 and moe.moe_layers and not cp_routes(moe):
         raise PlanError(CONTEXT_PARALLEL_CAPACITY_REFUSED)
 
@@ -123,6 +123,12 @@ def check_ep(moe: MoEShape | None, dp: int, ep: int, sequence_parallel: bool = F
 def cp_routes(moe: MoEShape | None) -> bool:
     """Whether context parallelism can split this model's sequences (dense, or dropless MoE)."""
     return moe is None or not moe.moe_layers or moe.moe_capacity_factor is None
+
+
+def sp_routes(moe: MoEShape | None) -> bool:
+    """Whether sequence parallelism can split this model's sequences between its blocks: the same rule as
+    context parallelism's (dense, or dropless MoE: :func:`check_ep`)."""
+    return cp_routes(moe)
 
 
 def ep_choices(moe: MoEShape | None, dp: int) -> list[int]:
@@ -165,15 +171,18 @@ def at_ep(params, ep: int):
     return dense + experts
 
 
-def layer_time(moe: MoEShape, dense, local, micro_batch: int, tp: int, hw, precision: str):
+def layer_time(moe: MoEShape, dense, local, micro_batch: int, tp: int, hw, precision: str, routed: int | None = None):
     """One MoE block's :class:`~parallel.plan.compute.LayerTime`: the dense block's with its MLP replaced by the
-    router, the shared experts (TP-split) and ``k·T`` rows through one expert (not TP-split, balanced)."""
+    router, the shared experts (TP-split) and ``k·R`` rows through one expert (not TP-split, balanced); ``R``
+    (``routed``) the tokens a rank routes: ``T = micro_batch·local.seq_len``, or ``T/tp`` under sequence
+    parallelism (``ParallelDims.tp_seq_len``)."""
     from dataclasses import replace
 
     from .compute import gemm_seconds
 
     e = 4 if precision == "fp32" else 2
     T, d, t = micro_batch * local.seq_len, local.d_model, tp
+    R = T if routed is None else routed
     mats = 2 if moe.arch == "llama" else 1  # SwiGLU: gate and up
 
     def mlp(rows, width, split):
@@ -184,25 +193,29 @@ def layer_time(moe: MoEShape, dense, local, micro_batch: int, tp: int, hw, preci
     def act(rows, width, split):
         return e * rows * width * (mats + 1) / split / hw.hbm_bytes_per_s
 
-    f, shared, rows = moe.expert_d_ff, moe.moe_shared_experts * moe.expert_d_ff, moe.moe_top_k * T
-    gemm = dense.gemm - mlp(T, local.d_ff, t) + gemm_seconds(T, d, moe.moe_experts, hw, precision) + mlp(rows, f, 1)
+    f, shared, rows = moe.expert_d_ff, moe.moe_shared_experts * moe.expert_d_ff, moe.moe_top_k * R
+    gemm = dense.gemm - mlp(T, local.d_ff, t) + gemm_seconds(R, d, moe.moe_experts, hw, precision) + mlp(rows, f, 1)
     gemm += mlp(T, shared, t) if shared else 0.0
     ew = dense.elementwise - act(T, local.d_ff, t) + act(rows, f, 1) + (act(T, shared, t) if shared else 0.0)
     return replace(dense, gemm=gemm, elementwise=ew)
 
 
-def activation_bytes(moe: MoEShape, local, micro_batch: int, *, tp: int, checkpointing: str, e: int, ep: int):
+def activation_bytes(
+    moe: MoEShape, local, micro_batch: int, *, tp: int, checkpointing: str, e: int, ep: int, routed: int | None = None
+):
     """What an MoE block saves beyond the dense block: the router's fp32 logits and probabilities,
     the routed rows (twice more at ep > 1), the experts' intermediates and outputs, the shared
-    experts' MLP, less the dense MLP's (an estimate, balanced routing); nothing under full recomputation."""
+    experts' MLP, less the dense MLP's (an estimate, balanced routing); nothing under full recomputation.
+    ``routed``: the tokens a rank routes (:func:`layer_time`; default all ``micro_batch·local.seq_len``)."""
     if checkpointing == "full":
         return 0.0
     T, d, mult = micro_batch * local.seq_len, local.d_model, 4 if moe.arch == "llama" else 2
-    rows = moe.moe_top_k * T
+    R = T if routed is None else routed
+    rows = moe.moe_top_k * R
     dense_mlp = mult * e * T * local.d_ff / tp
     shared = mult * e * T * moe.moe_shared_experts * moe.expert_d_ff / tp
-    routed = mult * e * rows * moe.expert_d_ff + e * rows * d * (2 + 2 * (ep > 1))
-    return 8 * T * moe.moe_experts + routed + shared - dense_mlp
+    experts = mult * e * rows * moe.expert_d_ff + e * rows * d * (2 + 2 * (ep > 1))
+    return 8 * R * moe.moe_experts + experts + shared - dense_mlp
 
 
 def ep_traffic(moe: MoEShape, axis, hw, *, n_moe: int, tokens: int, m: int, e: int, checkpointing: str):
@@ -219,16 +232,22 @@ def ep_traffic(moe: MoEShape, axis, hw, *, n_moe: int, tokens: int, m: int, e: i
     return fwd, 2 * n_moe * b + (fwd if again == 2 else 0.0)
 
 
-#: bytes of one router-statistics element the MoE layer sums over cp (fp32 probabilities and counts)
+#: bytes of one router-statistics element the MoE layer sums over cp and SP's tp (fp32 sums and counts)
 STATS_BYTES = 4
 
 
-def cp_stats_traffic(moe: MoEShape, axis, hw, *, n_moe: int, m: int, checkpointing: str) -> tuple[float, float]:
-    """The cp group's all-reduces of ``n_moe`` MoE blocks' router statistics (``2E`` fp32 sums, their
-    gradient, again under full recomputation); returns the exposed seconds per micro-batch (forward, backward)."""
+def stats_traffic(
+    moe: MoEShape, axis, hw, *, n_moe: int, m: int, checkpointing: str, backward: bool = True
+) -> tuple[float, float]:
+    """The all-reduces of ``n_moe`` MoE blocks' router statistics over ``axis`` (``router_stats_numel``
+    fp32 sums, again under full recomputation; ``backward``: their gradient too, as over cp; over tp under
+    sequence parallelism the backward is identity); returns the exposed seconds per micro-batch
+    (forward, backward)."""
+    from ..layers.moe import router_stats_numel
+
     if axis.group_size == 1 or n_moe == 0:
         return 0.0, 0.0
-    payload, again = 2 * moe.moe_experts * STATS_BYTES, 2 if checkpointing == "full" else 1
+    payload, again = router_stats_numel(moe.moe_experts) * STATS_BYTES, 2 if checkpointing == "full" else 1
     f = axis.add("all_reduce", payload, again * n_moe * m, hw, "MoE router statistics (forward)")
-    b = axis.add("all_reduce", payload, n_moe * m, hw, "MoE router statistics' gradient (backward)")
+    b = axis.add("all_reduce", payload, n_moe * m, hw, "MoE router statistics' gradient (backward)") if backward else 0
     return n_moe * f, n_moe * (b + (f if again == 2 else 0.0))

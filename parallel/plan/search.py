@@ -26,7 +26,7 @@ from .advice import accumulation_choice
 from .cp import cp_choices
 from .hardware import Hardware, PlanError
 from .inputs import Layout, Training, resolve
-from .moe import cp_routes, ep_choices, moe_shape
+from .moe import cp_routes, ep_choices, moe_shape, sp_routes
 from .planner import plan_layout
 from .result import ParamCounter, Plan
 from .shape import ModelShape
@@ -78,7 +78,7 @@ def candidate_layouts(
             continue
         cps = cp_choices(model, world_size, tp, hw.gpus_per_node) if cp_routes(moe) else [1]
         for cp in cps:  # long sequences: context parallel too (MoE: dropless only, moe.cp_routes)
-            sp = tp > 1 and not sequence_split_problem(model.seq_len, tp, cp) and moe is None
+            sp = tp > 1 and not sequence_split_problem(model.seq_len, tp, cp) and sp_routes(moe)
             for pp in _divisors(world_size // (tp * cp)):
                 if pp > model.n_layers:
                     break

@@ -71,7 +71,8 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
         layer = dataclasses.replace(
             layer, attention=layer.attention * dims.cp, attention_backward=layer.attention_backward * dims.cp
         )
-    moe_layer = MoE.layer_time(moe, layer, local, mb, t, hw, tr.precision) if moe else layer
+    routed = mb * dims.tp_seq_len  # the tokens a rank routes: its s/tp of each sequence under SP
+    moe_layer = MoE.layer_time(moe, layer, local, mb, t, hw, tr.precision, routed) if moe else layer
     for v, r in chunks:
         first, last = stage_flags(v, dims.pp * dims.vpp)
         params = params + ctx.count(r, first, last, t)
@@ -98,12 +99,13 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
             ctx.shape, cp_axis, hw, dims, n_layers=n, mb=mb, m=m, e=e, ckpt=ckpt, peak_flops=ctx.peak_flops
         )
         ef = eb = 0.0
-        if n_moe:  # exposed: the layer waits for its exchanges; cp > 1: router statistics summed over cp
-            ef, eb = MoE.ep_traffic(
-                moe, ep_axis, hw, n_moe=n_moe, tokens=mb * local.seq_len, m=m, e=e, checkpointing=ckpt
-            )
-            sf, sb = MoE.cp_stats_traffic(moe, cp_axis, hw, n_moe=n_moe, m=m, checkpointing=ckpt)
+        if n_moe:  # exposed: the layer waits for its exchanges; router statistics summed over cp (and tp under SP)
+            ef, eb = MoE.ep_traffic(moe, ep_axis, hw, n_moe=n_moe, tokens=routed, m=m, e=e, checkpointing=ckpt)
+            sf, sb = MoE.stats_traffic(moe, cp_axis, hw, n_moe=n_moe, m=m, checkpointing=ckpt)
             cf, cb = cf + sf, cb + sb
+            if sp:
+                sf, _ = MoE.stats_traffic(moe, tp_axis, hw, n_moe=n_moe, m=m, checkpointing=ckpt, backward=False)
+                ef += sf  # exposed: the layer waits for it
         f_s = blocks_f + head.forward
         b_s = blocks_b + head.backward + recompute
         fwd += f_s + TP_COLLECTIVES.exposed(tf, n * layer.gemm) + cf + ef  # exposed: TP collectives block
@@ -116,6 +118,10 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
         acts.append(
             M.stage_activation_bytes(local, mb, len(r), has_embedding=first, has_head=last, **kw)
             + len(r) * extra_activation_bytes(ctx.shape, mb, dims, checkpointing=ckpt, e=e)
-            + (n_moe and n_moe * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=dims.ep))
+            + (
+                n_moe
+                and n_moe
+                * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=dims.ep, routed=routed)
+            )
         )
     return Stage(chunks, params, tp_axis, cp_axis, ep_axis, fwd, bwd, acts, flops_s)

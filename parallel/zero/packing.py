@@ -40,8 +40,8 @@ def extra_reduce(p: nn.Parameter, sequence_parallel: bool | None = None) -> str:
     ``sequence_parallel``: whether ``p`` is sequence-parallel; None reads its mark
     (:func:`parallel.params.is_sequence_parallel`, the engine). The planner counts a model built
     at tp = 1, where the layers mark nothing, and passes what tp > 1 with sequence parallelism marks:
-    every parameter replicated over TP (the layers mark exactly those; MoE, whose router is
-    replicated and unmarked, refuses sequence parallelism)."""
+    every parameter replicated over TP (the layers mark exactly those, an MoE layer's router and
+    experts included)."""
     sp = is_sequence_parallel(p) if sequence_parallel is None else sequence_parallel
     return "embedding" if is_shared_embedding(p) else "tp" if sp else ""
 

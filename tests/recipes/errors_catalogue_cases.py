@@ -90,6 +90,16 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["model.preset=mixtral_tiny", "parallel.dp=4", "parallel.ep=4", "model.moe_experts=6"], "parallel.ep", {}),
     (["parallel.dp=2", "parallel.ep=2"], "parallel.ep", {}),
     (["model.preset=mixtral_tiny", "parallel.cp=2", "model.moe_capacity_factor=1.25"], "parallel.cp", {}),
+    (
+        [
+            "model.preset=mixtral_tiny",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "model.moe_capacity_factor=1.25",
+        ],
+        "parallel.sequence_parallel",
+        {},
+    ),
     # model
     (["model.preset=gpt5"], "model.preset", {}),
     (["model.seq_len=300000"], "model.seq_len", {}),

@@ -45,7 +45,6 @@ def test_fp16_with_moe_is_refused():
 @pytest.mark.parametrize(
     "key,value,what",
     [
-        ("sequence_parallel", True, "sequence_parallel=true"),
         ("offload", "optimizer", "offload=optimizer"),
         ("pp_schedule", "zb-h1", "pp_schedule=zb-h1"),
     ],
@@ -82,3 +81,25 @@ def test_moe_with_context_parallelism_and_a_capacity_factor_is_refused():
         check_ep(shape, 2, 2, cp=2)
     assert str(e.value) == CONTEXT_PARALLEL_CAPACITY_REFUSED
     check_ep(shape, 2, 2, cp=1)
+
+
+def test_moe_with_sequence_parallelism_routes_dropless_only():
+    """SP: a tp rank routes s/tp tokens of each sequence (test_moe_sp, test_moe_e2e): dropless is accepted
+    and planned; a capacity factor is refused by the recipe and the planner in the layer's words."""
+    from parallel.layers.moe import SEQUENCE_PARALLEL_CAPACITY_REFUSED
+    from parallel.plan import PlanError
+    from parallel.plan.moe import check_ep, moe_shape
+    from recipes.config import model_config
+
+    rc = _rc(dp=2, ep=2)
+    rc.parallel.tp, rc.parallel.sequence_parallel = 2, True
+    validate(rc, world_size=4)  # dropless: accepted
+    check_ep(moe_shape(model_config(rc.model)), 2, 2, sequence_parallel=True)
+    rc.model.moe_capacity_factor = 1.25
+    with pytest.raises(ConfigError) as e:
+        validate(rc, world_size=4)
+    assert str(e.value).endswith(SEQUENCE_PARALLEL_CAPACITY_REFUSED)
+    assert "parallel.sequence_parallel=true, model.moe_capacity_factor=1.25" in str(e.value)
+    with pytest.raises(PlanError) as e:
+        check_ep(moe_shape(model_config(rc.model)), 2, 2, sequence_parallel=True)
+    assert str(e.value) == SEQUENCE_PARALLEL_CAPACITY_REFUSED

@@ -134,7 +134,6 @@ def test_mixtral_8x7b_on_16_a100():
     [
         (dict(dp=4, ep=3), r"ep 3 does not divide dp 4"),
         (dict(dp=6, ep=6), r"num_experts=4 is not divisible by ep=6"),
-        (dict(dp=2, tp=2, ep=2, sequence_parallel=True), r"sequence parallelism is not supported in MoE"),
     ],
 )
 def test_planner_refuses_bad_ep(layout, match):
@@ -155,3 +154,20 @@ def test_recommend_picks_expert_parallelism_for_mixtral():
         top=3, micro_batches=(1,), checkpointing=("full",), zeros=(1,),
     )  # fmt: skip
     assert plans and plans[0].layout["ep"] > 1, [p.layout for p in plans]
+
+
+def test_moe_with_sequence_parallelism_is_planned_with_the_local_tokens():
+    """tp=2 with SP: each tp rank routes s/2 tokens, so the ep all-to-alls carry half the rows of tp=2
+    without SP; the router statistics (2E + 1 fp32) are all-reduced over tp once per MoE layer call."""
+    from parallel.layers.moe import router_stats_numel
+
+    cfg = preset("mixtral_8x7b")
+    plain, sp = (_plan(cfg, dp=8, tp=2, ep=8, zero=1, sequence_parallel=on) for on in (False, True))
+    counts = 32 * (64 // 8) * 2 * 8 * 8 * 7 / 8  # the count exchanges (twice: full recomputation) are the same
+    sp_rows, plain_rows = (p.ranks[0].traffic["ep"]["bytes"] - counts for p in (sp, plain))
+    assert sp_rows == pytest.approx(plain_rows / 2)
+    stats = [i for i in sp.ranks[0].traffic["tp"]["items"] if i.startswith("MoE router statistics")]
+    layers, m = 32, 64 // 8  # pp=1: all 32 MoE blocks, 8 micro-batches; full recomputation repeats the forward's
+    assert stats == [f"MoE router statistics (forward): {2 * layers * m:g} × all_reduce of 0.0 MB"]
+    assert router_stats_numel(8) == 2 * 8 + 1
+    assert not [i for i in plain.ranks[0].traffic["tp"]["items"] if i.startswith("MoE router statistics")]
