@@ -116,9 +116,18 @@ def test_a_bad_target_is_refused_naming_the_path(target, message):
     assert message in str(e.value)
 
 
+def three_blocks(request):
+    """A builder that ignores model.n_layers."""
+    from examples.mixer_lm import build
+
+    pieces = build(request)
+    pieces.blocks = pieces.blocks[:3]
+    return pieces
+
+
 def test_the_block_count_and_unavailable_features_are_refused():
-    with pytest.raises(ConfigError, match=r"returned 4 blocks but model.n_layers=2"):
-        validate(recipe(1, model__n_layers=2), world_size=1)
+    with pytest.raises(ConfigError, match=r"returned 3 blocks but model.n_layers=4"):
+        validate(recipe(1, model__target="tests.examples.test_mixer_lm:three_blocks"), world_size=1)
     with pytest.raises(ConfigError, match=r"with train.compile=true: not available"):
         validate(recipe(1, train__compile=True), world_size=1)
     assert callable(load_target("examples.mixer_lm.build"))  # the dotted form
