@@ -36,8 +36,8 @@ from .checkpoint.zero_state import whole_tensor_pieces
 from .layers.moe import router_biases, update_router_bias_
 from .memory import SavedActivationMeter, peak_memory_bytes
 from .params import init_key
+from .pieces import chunks_from_pieces  # noqa: F401 (re-exported: from_pieces' split)
 from .pipeline.executor import PipelineExecutor
-from .pipeline.partition import partition_layers, stage_chunks
 from .pipeline.schedules import Action, build_schedule
 from .stats import READ_KEYS, PendingLoss, read_stats, reduce_stats  # noqa: F401 (the engine's read API)
 from .timing import StepClock
@@ -59,33 +59,6 @@ class ModelChunks(nn.Module):
         """Local parameter name → layout-independent name: the ``chunks.<c>.`` prefix dropped;
         a parameter marked ``init_key`` (a tied head is the embedding) takes that name."""
         return {local: init_key(p, re.sub(r"^chunks\.\d+\.", "", local)) for local, p in self.named_parameters()}
-
-
-def chunks_from_pieces(
-    first: nn.Module,
-    blocks: Sequence[nn.Module],
-    last: nn.Module,
-    *,
-    pp: int,
-    pp_rank: int,
-    vpp: int = 1,
-    embedding_cost: float = 0.0,
-    head_cost: float = 0.0,
-) -> list[nn.Module]:
-    """Rank ``pp_rank``'s chunks of a model given as pieces: ``first`` (e.g. the embedding),
-    identical ``blocks``, ``last`` (e.g. the head). The blocks are split by
-    :func:`~parallel.pipeline.partition.partition_layers` (cost-balanced: a block costs 1,
-    the first and last pieces what the caller says); virtual stage 0 starts with ``first``
-    and the last one ends with ``last``. Chunk ``c`` is virtual stage ``c·pp + pp_rank``."""
-    ranges = partition_layers(len(blocks), pp, vpp=vpp, embedding_cost=embedding_cost, head_cost=head_cost)
-    chunks = []
-    for c, layers in enumerate(stage_chunks(ranges, pp, pp_rank)):
-        virtual = c * pp + pp_rank
-        pieces = [first] if virtual == 0 else []
-        pieces += [blocks[i] for i in layers]
-        pieces += [last] if virtual == len(ranges) - 1 else []
-        chunks.append(nn.Sequential(*pieces))
-    return chunks
 
 
 class _ChunkCall:
@@ -194,15 +167,16 @@ class StepEngine:
         vpp: int = 1,
         embedding_cost: float = 0.0,
         head_cost: float = 0.0,
+        pp_layers: Sequence[int] | None = None,
         **kwargs: Any,
     ) -> StepEngine:
-        """An engine for a model given as pieces (:func:`chunks_from_pieces`): this rank's
-        chunks of the cost-balanced split, scheduled by ``schedule`` over ``microbatches``
-        micro-batches per step; ``kwargs`` as for the constructor."""
+        """An engine for a model given as pieces (:func:`parallel.pieces.chunks_from_pieces`: checkpoint
+        keys ``first.…``, ``blocks.<i>.…``, ``last.…`` for every split): this rank's chunks of the
+        cost-balanced split (``pp_layers``: the blocks of each rank), scheduled by ``schedule`` over
+        ``microbatches`` micro-batches per step; ``kwargs`` as for the constructor."""
         pp, pp_rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        chunks = chunks_from_pieces(
-            first, blocks, last, pp=pp, pp_rank=pp_rank, vpp=vpp, embedding_cost=embedding_cost, head_cost=head_cost
-        )
+        costs = dict(embedding_cost=embedding_cost, head_cost=head_cost, pp_layers=pp_layers)
+        chunks = chunks_from_pieces(first, blocks, last, pp=pp, pp_rank=pp_rank, vpp=vpp, **costs)
         actions = build_schedule(schedule, pp, microbatches, vpp)[pp_rank]
         return cls(chunks, actions, loss_fn=loss_fn, pp_group=pp_group, **kwargs)
 

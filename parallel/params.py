@@ -22,6 +22,9 @@ they survive ``.to()`` and ``named_parameters()``.
 * ``init_key``: the name whose initial values this parameter takes, when it is a second copy of
   another one (the head of a tied embedding on a stage without the embedding); initialisation and
   checkpoints key it by that name (:func:`init_key`).
+* ``drawn_as``: ``(seed, key)`` a parameter's values were drawn from by
+  :func:`parallel.layers.init_parameters_`; two pieces of one model drawn alike are refused
+  (:func:`parallel.layers.init.check_distinct_init`).
 * ``expert_shard``: a mixture-of-experts expert's parameter (:mod:`parallel.layers.moe`), stacked
   over experts along dim 0, each ep rank holding its slice of the global experts, so it is data-parallel over the ``edp`` group, not ``dp``, and a global
   gradient norm sums it over ``ep`` too.
@@ -113,3 +116,14 @@ def expert_shard(param: torch.Tensor) -> tuple[int, int] | None:
 def is_expert(param: torch.Tensor) -> bool:
     """True for an MoE expert's parameter (sharded over ep, data-parallel over edp)."""
     return expert_shard(param) is not None
+
+
+def mark_drawn_as(param: torch.nn.Parameter, seed: int, key: str) -> torch.nn.Parameter:
+    """Record that ``param``'s values were drawn from ``(seed, key)`` (layout-independent initialisation)."""
+    param.drawn_as = (seed, key)
+    return param
+
+
+def drawn_as(param: torch.Tensor) -> tuple[int, str] | None:
+    """The ``(seed, key)`` ``param`` was drawn from by ``init_parameters_``, or None."""
+    return getattr(param, "drawn_as", None)

@@ -145,6 +145,8 @@ class ModelSection:
 
     preset: str = "gpt_tiny"
     arch: Optional[str] = None
+    # your own model: <module>:<function> returning parallel.pieces.ModelPieces (recipes/training/target_model.py)
+    target: Optional[str] = None
     n_layers: Optional[int] = None
     d_model: Optional[int] = None
     n_heads: Optional[int] = None
@@ -192,11 +194,15 @@ class ModelSection:
     moe_seq_aux_loss_weight: Optional[float] = None
 
 
+#: ``model.*`` keys that are not fields of :class:`ModelConfig`
+NOT_MODEL_FIELDS = ("preset", "target")
+
+
 def model_config(section: Any) -> ModelConfig:
     """The :class:`ModelConfig` a ``model`` section describes (preset + changed fields)."""
     if section.preset not in PRESETS:
         raise ConfigError(f"model.preset={section.preset!r} is not one of {sorted(PRESETS)}")
-    changes = {k: getattr(section, k) for k in vars(ModelSection()) if k != "preset"}
+    changes = {k: getattr(section, k) for k in vars(ModelSection()) if k not in NOT_MODEL_FIELDS}
     return PRESETS[section.preset].replace(**{k: v for k, v in changes.items() if v is not None})
 
 

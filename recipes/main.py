@@ -41,7 +41,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from launch.failures import failure_report
 from launch.local import LocalWorldError, check_local_world, spawn_local, under_torchrun
 
-from .config import ConfigError, Layout, RecipeConfig
+from .config import ConfigError, Layout, RecipeConfig, model_config
 from .tools.deepspeed import apply_deepspeed
 from .training.exits import freeze_for_exit
 from .training.sweep import JobFailed
@@ -211,6 +211,10 @@ def task(cfg: DictConfig) -> dict[str, Any] | None:
         if rc.deepspeed:
             world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else None
             apply_deepspeed(rc, rc.deepspeed, resolve_dp(rc.parallel, world))
+        if rc.model.target and rc.mode != "train":  # train: validate() checks it
+            from .training.target_model import check_target
+
+            check_target(rc, model_config(rc.model))
         if rc.mode in ("plan", "recommend"):
             from .tools.plan import run_plan
 

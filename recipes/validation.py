@@ -350,6 +350,10 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     _check_zero(p, cfg.comm)
     check_fp8(cfg, dims)
     _check_run(cfg)
+    if cfg.model.target:  # your own model: the features it does not get, its builder run on meta
+        from .training.target_model import check_target
+
+        check_target(cfg, mc)
     return Layout(
         dp=dp, pp=p.pp, tp=p.tp, micro_batch=t.micro_batch, grad_accum=grad_accum, model=mc, cp=p.cp, dims=dims
     )

@@ -1,4 +1,5 @@
-"""Causal self-attention with heads split over the TP group (GQA and RoPE optional)."""
+"""Self-attention with heads split over the TP group: causal (decoders) or not (encoders, ViT), with an
+optional attention mask; GQA and RoPE optional."""
 
 from __future__ import annotations
 
@@ -71,15 +72,18 @@ def check_heads(n_heads: int, n_kv_heads: int, tp: int) -> None:
 
 
 class ParallelSelfAttention(nn.Module):
-    """Causal multi-head / grouped-query attention, ``n_heads/N`` query heads per rank.
+    """Multi-head / grouped-query attention, ``n_heads/N`` query heads per rank; causal unless
+    ``causal=False`` (an encoder's or a ViT's: every token sees every token).
 
     ``q_proj``, ``k_proj``, ``v_proj`` are column-parallel (rank ``r`` owns query heads
     ``[r·H/N, (r+1)·H/N)`` and kv heads ``[r·K/N, (r+1)·K/N)``, so every query head
     finds its kv head locally); ``o_proj`` is row-parallel. The core is
-    ``F.scaled_dot_product_attention(is_causal=True)``; ``rope`` applies rotary
+    ``F.scaled_dot_product_attention`` (``is_causal=causal``; with ``attn_mask`` the mask, and the
+    causal one too when ``causal``); ``rope`` applies rotary
     embeddings to q and k (theta ``rope_theta``). ``recompute_core`` (selective
     activation checkpointing) keeps only q, k, v and recomputes the attention
-    core in backward. ``n_kv_heads < N`` is refused (kv heads are not replicated).
+    core in backward. ``n_kv_heads < N`` is refused (kv heads are not replicated), and so are
+    ``causal=False`` with context parallelism or packed documents (both are causal only).
 
     Communication on ``tp_group`` (``A`` = bytes of the full activation ``[b, s, d]``),
     per forward + backward: plain: one all-reduce of A forward (``o_proj``) and one
@@ -106,6 +110,7 @@ class ParallelSelfAttention(nn.Module):
         recompute_core: bool = False,
         cp_group=None,
         cp_impl: str = "ring",
+        causal: bool = True,
         device=None,
         dtype=None,
     ):
@@ -113,6 +118,11 @@ class ParallelSelfAttention(nn.Module):
         tp = comm.tp_world_size(tp_group)
         cp = comm.tp_world_size(cp_group)  # None or one rank: no context parallelism
         check_cp_impl(cp_impl)
+        if not causal and cp > 1:
+            raise LayerConfigError(
+                f"ParallelSelfAttention(causal=False) with context parallelism (cp {cp}): ring and Ulysses "
+                "attention are causal only; use cp=1"
+            )
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if head_dim is None and d_model % n_heads:
             raise LayerConfigError(f"d_model {d_model} is not divisible by n_heads {n_heads} (or give head_dim)")
@@ -124,7 +134,7 @@ class ParallelSelfAttention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.local_heads, self.local_kv_heads = n_heads // tp, n_kv_heads // tp
         self.rope, self.rope_theta, self.rope_scaling = rope, rope_theta, rope_scaling
-        self.recompute_core = recompute_core
+        self.recompute_core, self.causal = recompute_core, causal
         col = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         qkv = dict(col, bias=bias if qkv_bias is None else qkv_bias)
         self.q_proj = ColumnParallelLinear(d_model, n_heads * head_dim, **qkv)
@@ -141,11 +151,16 @@ class ParallelSelfAttention(nn.Module):
         return t.view(b, s, n, self.head_dim).transpose(1, 2)
 
     def core(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: DocumentMask | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: DocumentMask | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rotary (if any) + causal SDPA on local heads; ``[b, s, local_heads·hd]``. ``documents``
+        """Rotary (if any) + SDPA on local heads; ``[b, s, local_heads·hd]``. ``documents``
         (packed windows, :mod:`.documents`): rotary positions restart at each document and attention
-        is document-causal (under context parallelism too: ring or Ulysses)."""
+        is document-causal (under context parallelism too: ring or Ulysses). ``attn_mask``: see :meth:`forward`."""
         b, _, s, _ = q.shape
         if self.rope:
             cos, sin = rotary_cos_sin(s * self.cp, self.head_dim, self.rope_theta, q.device, self.rope_scaling)
@@ -160,22 +175,53 @@ class ParallelSelfAttention(nn.Module):
         elif documents is not None:
             out = document_attention(q, k, v, documents)
         else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=self.local_heads != self.local_kv_heads
-            )
+            gqa = self.local_heads != self.local_kv_heads
+            if attn_mask is not None and self.causal:  # SDPA takes one of the two: the causal part joins the mask
+                attn_mask = with_causal(attn_mask, s)
+            causal = self.causal and attn_mask is None
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
 
-    def forward(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
-        """``x`` ``[b, s, d]`` (``[b, s/tp, d]`` sequence-parallel); ``documents``: see :meth:`core`."""
+    def forward(
+        self, x: torch.Tensor, documents: DocumentMask | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x`` ``[b, s, d]`` (``[b, s/tp, d]`` sequence-parallel); ``documents``: see :meth:`core`.
+
+        ``attn_mask``: SDPA's, over the *full* sequence and broadcast over the heads: boolean (True: the
+        query attends to the key) or additive float, of shape ``[s, s]``, ``[b, 1, s, s]`` or ``[b, 1, 1, s]``
+        (a padding mask: ``keep[:, None, None, :]`` for ``keep`` ``[b, s]``, True at real tokens). Refused
+        with ``documents`` or context parallelism. Communicates nothing beyond the class's collectives."""
         if x.dim() != 3:
             raise LayerConfigError(f"ParallelSelfAttention: expected [batch, seq, d_model], got {tuple(x.shape)}")
+        if attn_mask is not None and (documents is not None or self.cp > 1):
+            raise LayerConfigError(
+                "ParallelSelfAttention: attn_mask with packed documents or context parallelism (cp "
+                f"{self.cp}) is not supported; documents carry their own mask, and cp attention is causal only"
+            )
+        if documents is not None and not self.causal:
+            raise LayerConfigError(
+                "ParallelSelfAttention(causal=False) with packed documents: their attention is causal"
+            )
+        if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] != 1:
+            raise LayerConfigError(
+                f"ParallelSelfAttention: attn_mask {tuple(attn_mask.shape)} must broadcast over the heads "
+                "(dim 1 of size 1): each tensor-parallel rank holds only some of them"
+            )
         q, k, v = ColumnParallelLinear.shared_forward(x, self.q_proj, self.k_proj, self.v_proj)
         q = self._heads(q, self.local_heads)
         k, v = self._heads(k, self.local_kv_heads), self._heads(v, self.local_kv_heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core, q, k, v, documents, use_reentrant=False)
+            out = checkpoint(self.core, q, k, v, documents, attn_mask, use_reentrant=False)
         else:
-            out = self.core(q, k, v, documents)
+            out = self.core(q, k, v, documents, attn_mask)
         return self.o_proj(out)
+
+
+def with_causal(attn_mask: torch.Tensor, s: int) -> torch.Tensor:
+    """``attn_mask`` (SDPA's: boolean keep, or additive float) with the causal mask of ``s`` tokens joined."""
+    lower = torch.ones(s, s, dtype=torch.bool, device=attn_mask.device).tril()
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & lower
+    return attn_mask.masked_fill(~lower, float("-inf"))

@@ -23,7 +23,10 @@ embeddings ``N(0, 1)``, norms one/zero — but draws each parameter's global ten
 with the tiles above, from a seed taken from torch's default generator. So
 ``torch.manual_seed(s)`` before construction gives the same full weights for every
 tp (no two TP ranks hold copies of the same rows), and two layers built one after
-the other differ. Models re-initialise by name with :func:`init_parameters_`.
+the other differ. Models re-initialise by name with :func:`init_parameters_`: the key of a
+parameter is its name in the *whole model* (``prefix`` + its name in the module given), so a block
+initialised alone passes its own prefix (``prefix="blocks.3."``); pieces of one model drawn from the
+same keys are refused where they are put together (:func:`check_distinct_init`), never silently alike.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..params import expert_shard, init_key, tp_shard_dim, vocab_rows
+from ..params import drawn_as, expert_shard, init_key, mark_drawn_as, tp_shard_dim, vocab_rows
 
 TILE_ROWS = 256
 TILE_COLS = 4096
@@ -151,17 +154,21 @@ def reset_default_(
 
 
 def init_parameters_(
-    module: nn.Module, *, seed: int = 0, tp_group=None, rule: InitRule = default_init_rule
+    module: nn.Module, *, seed: int = 0, tp_group=None, rule: InitRule = default_init_rule, prefix: str = ""
 ) -> nn.Module:
     """Initialise every parameter of ``module`` in place, independently of the TP layout.
 
-    The seeding key of a parameter is its name in ``module`` (or its ``init_key``
-    attribute, which a tied copy sets to the original's name). Meta tensors are
-    skipped. Communicates nothing.
+    The seeding key of a parameter is ``prefix`` + its name in ``module`` (or its ``init_key``
+    attribute, which a tied copy sets to the original's name): its full name in the model. Give a
+    part of a model its prefix (``init_parameters_(blocks[i], prefix=f"blocks.{i}.")``): without it,
+    two blocks initialised with one seed draw the same values, which :func:`check_distinct_init`
+    (called by :func:`parallel.pieces.chunks_from_pieces`) refuses. ``rule`` sees the full name.
+    Each drawn parameter is marked with its ``(seed, key)``. Meta tensors are skipped. Communicates nothing.
     """
-    for name, p in module.named_parameters():
+    for local, p in module.named_parameters():
         if p.is_meta:
             continue
+        name = prefix + local
         how = rule(name, p)
         with torch.no_grad():
             if how[0] == "zeros":
@@ -169,8 +176,33 @@ def init_parameters_(
             elif how[0] == "ones":
                 p.fill_(1.0)
             else:
-                _fill_(p, tp_group, init_key(p, name), seed, std=how[1])
+                key = init_key(p, name)
+                _fill_(p, tp_group, key, seed, std=how[1])
+                mark_drawn_as(p, seed, key)
     return module
+
+
+def check_distinct_init(pieces: dict[str, nn.Module]) -> None:
+    """Refuse ``pieces`` (name prefix → module) of one model where two different parameters were drawn by
+    :func:`init_parameters_` from the same ``(seed, key)``: they hold the same values (blocks initialised one
+    by one without ``prefix``). A tied copy (``init_key`` marked) and a parameter shared by two pieces are
+    meant to be alike and pass. Reads marks only: no communication, no device read."""
+    from .linear import LayerConfigError  # linear imports this module
+
+    seen: dict[tuple[int, str], tuple[int, str]] = {}
+    for where, module in pieces.items():
+        for local, p in module.named_parameters():
+            drawn = drawn_as(p)
+            if drawn is None or init_key(p) is not None:
+                continue
+            first = seen.setdefault(drawn, (id(p), where + local))
+            if first[0] != id(p):
+                raise LayerConfigError(
+                    f"{first[1]} and {where + local} were both initialised from key {drawn[1]!r} with seed "
+                    f"{drawn[0]}, so they hold the same values: init_parameters_ keys a parameter on its name "
+                    f"inside the module it is given; initialise each piece with its full name, "
+                    f"init_parameters_(piece, seed=..., prefix={where!r}) (or the whole model at once)"
+                )
 
 
 def gather_full_tensor(param: torch.Tensor, tp_group, *, data: torch.Tensor | None = None) -> torch.Tensor:

@@ -106,4 +106,9 @@ def model_flops_per_token(shape: ModelShape) -> float:
 
 def model_tflops_per_device(tokens_per_s: float, shape: ModelShape, devices: int) -> float:
     """Model TFLOP/s each of ``devices`` achieves at ``tokens_per_s`` for the whole job (MFU = this / peak)."""
-    return tokens_per_s * model_flops_per_token(shape) / devices / 1e12
+    return tflops_per_device(tokens_per_s, model_flops_per_token(shape), devices)
+
+
+def tflops_per_device(tokens_per_s: float, flops_per_token: float, devices: int) -> float:
+    """TFLOP/s each of ``devices`` achieves at ``tokens_per_s`` for a model of ``flops_per_token`` (training)."""
+    return tokens_per_s * flops_per_token / devices / 1e12

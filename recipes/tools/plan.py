@@ -167,6 +167,8 @@ def summary(plan: Plan) -> dict[str, Any]:
 def plan_from_config(rc: RecipeConfig) -> Plan:
     """The plan of ``rc``'s layout (raises :class:`ConfigError` for input it cannot plan); at ZeRO-2/3 its
     advice ends with what the other ``parallel.zero_accumulate`` sends, holds and takes."""
+    if rc.model.target:  # the trainer's reports and forensics: no prediction for a model given as pieces
+        raise ConfigError("plan: a model.target model has no predicted step (mode=plan counts its parameters only)")
     try:
         mc = model_config(rc.model)
         world, hw, count = _world(rc), _hardware(rc), meta_param_counter(mc, rc.parallel.sequence_parallel)
@@ -311,6 +313,10 @@ def run_plan(rc: RecipeConfig, run_dir: str, *, quiet: bool = False) -> dict[str
     """
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if rc.model.target and not quiet:  # your own model: what counting its pieces can tell
+        from .plan_target import run_target_plan
+
+        return run_target_plan(rc, run_dir)
     if quiet:
         text = io.StringIO()
         with contextlib.redirect_stdout(text):

@@ -40,12 +40,29 @@ def optimizer_factory(rc: RecipeConfig, device: torch.device):
     return factory
 
 
+def zero_config(rc: RecipeConfig) -> ZeroConfig:
+    """ZeRO's settings from ``rc`` (the GPT's engine and a ``model.target`` model's alike)."""
+    p, t, cm = rc.parallel, rc.train, rc.comm
+    return ZeroConfig(
+        stage=p.zero,
+        precision=base_precision(t.precision),  # fp8 keeps bf16 parameters (parallel.precision)
+        comm_dtype=cm.dtype,
+        bucket_mb=cm.bucket_mb,
+        overlap=cm.overlap,
+        grad_clip=t.grad_clip or None,
+        compression=cm.compression,
+        topk_ratio=cm.topk_ratio,
+        offload=p.offload,
+        accumulate=p.zero_accumulate,
+    )
+
+
 def build_gpt_engine(
     rc: RecipeConfig, layout: Layout, g: ParallelGroups, device: torch.device, dtype: torch.dtype
 ) -> tuple[list[range], StepEngine]:
     """The layer split (the planner's, so its per-stage predictions describe this very run)
     and this rank's GPT chunks in a step engine."""
-    p, mc, t, cm, dims = rc.parallel, layout.model, rc.train, rc.comm, layout.dims
+    p, mc, t, dims = rc.parallel, layout.model, rc.train, layout.dims
     ranges = layer_partition(ModelShape.of(mc), p.pp, p.vpp, p.pp_layers)
     chunks = [
         build_model(
@@ -67,18 +84,7 @@ def build_gpt_engine(
     if t.compile:  # before the engine takes the loss and ZeRO its hooks: they stay outside the graphs
         for chunk in chunks:
             compile_stage(chunk, t.compile_backend)
-    zero = ZeroConfig(
-        stage=p.zero,
-        precision=base_precision(t.precision),  # fp8 keeps bf16 parameters (parallel.precision)
-        comm_dtype=cm.dtype,
-        bucket_mb=cm.bucket_mb,
-        overlap=cm.overlap,
-        grad_clip=t.grad_clip or None,
-        compression=cm.compression,
-        topk_ratio=cm.topk_ratio,
-        offload=p.offload,
-        accumulate=p.zero_accumulate,
-    )
+    zero = zero_config(rc)
     engine = StepEngine(
         chunks,
         build_schedule(p.pp_schedule, p.pp, layout.grad_accum, p.vpp)[g.pp_rank],

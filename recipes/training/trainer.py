@@ -29,7 +29,7 @@ from parallel.engine import read_stats
 from parallel.groups import ParallelGroups, build_groups, default_device, init_distributed
 from parallel.layers import Fp8Recipe, check_token_ids_together, enable_fp8
 from parallel.layers.moe import moe_metrics
-from parallel.plan.shape import model_tflops_per_device
+from parallel.plan.shape import model_flops_per_token, tflops_per_device
 from parallel.precision import FP8, TORCH_DTYPES, base_precision
 from parallel.topology import Topology
 
@@ -47,6 +47,7 @@ from .prefetch import Prefetcher
 from .profiling import StepProfiler, profile_steps
 from .reports import cpu_wait_clock, memory_report, time_report, timeline_step
 from .runlog import RunLogger, lr_at, measured_matmul_tflops
+from .target_model import build_target_engine
 
 COMPUTE_DTYPES = TORCH_DTYPES  # one home: parallel.precision
 
@@ -73,7 +74,12 @@ class Trainer:
         self.model_cfg = self.layout.model
         # train.compile: inductor's kernels under the run (parallel/compile.py), set before anything compiles
         self.compile_cache = use_inductor_cache(run_dir) if t.compile and t.compile_backend == "inductor" else None
-        self.ranges, self.engine = build_gpt_engine(rc, self.layout, self.groups, self.device, self.dtype)
+        if rc.model.target:  # your own model, given as pieces (recipes/training/target_model.py)
+            built = build_target_engine(rc, self.layout, self.groups, self.device, self.dtype)
+            self.ranges, self.engine, self.flops_per_token = built
+        else:
+            self.ranges, self.engine = build_gpt_engine(rc, self.layout, self.groups, self.device, self.dtype)
+            self.flops_per_token = model_flops_per_token(self.model_cfg)  # the MFU numerator
         if t.precision == FP8:  # the blocks' linears only: the head and the embedding stay bf16
             blocks = [b for ch in self.engine.model.chunks for b in ch.blocks.values()]
             enable_fp8(blocks, Fp8Recipe(t.fp8_recipe, emulate=t.fp8_emulate))
@@ -282,7 +288,7 @@ def train(rc: RecipeConfig, run_dir: str, layout: Layout | None = None) -> dict[
                 if cpu_wait:  # per step
                     rec["runqueue_s"] = (cpu_wait() - window_rq) / window_steps
                 if peak:
-                    rec["mfu"] = model_tflops_per_device(rec["tokens_per_s"], trainer.model_cfg, world) / peak
+                    rec["mfu"] = tflops_per_device(rec["tokens_per_s"], trainer.flops_per_token, world) / peak
                 rec.update(trainer.train_data.metrics(step + 1, t.global_batch))
                 rec.update(moe_metrics(trainer.engine.model))  # MoE: router loss, tokens per expert, dropped
             if eval_due:

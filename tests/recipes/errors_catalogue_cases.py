@@ -116,6 +116,12 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
         {},
     ),
     (["model.preset=deepseek_tiny", "parallel.cp=2"], "parallel.cp", {}),
+    # your own model (recipes/training/target_model.py)
+    (["model.target=examples.no_such_module:build"], "model.target", {}),
+    (["model.target=examples.mixer_lm"], "model.target", {}),
+    (["model.target=builtins:repr"], "model.target", {}),
+    (["model.target=examples.mixer_lm:build", "train.compile=true"], "model.target", {}),
+    (["model.target=examples.mixer_lm:build", "mode=recommend"], "model.target", {}),
     # data
     (["data.source=s3"], "data.source", {}),
     (["data.source=memmap"], "data.path", {}),

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from models.config import ModelConfig
-from recipes.config import ConfigError, ModelSection, RecipeConfig, model_config, validate
+from recipes.config import NOT_MODEL_FIELDS, ConfigError, ModelSection, RecipeConfig, model_config, validate
 
 
 def make(**sections):
@@ -24,7 +24,7 @@ def test_default_is_valid_and_resolves_batch_arithmetic():
 
 
 def test_model_section_mirrors_every_model_config_field():
-    section = {f.name for f in dataclasses.fields(ModelSection)} - {"preset"}
+    section = {f.name for f in dataclasses.fields(ModelSection)} - set(NOT_MODEL_FIELDS)
     assert section == {f.name for f in dataclasses.fields(ModelConfig)}
     mc = model_config(ModelSection(preset="gpt_tiny", n_layers=6))
     assert mc.n_layers == 6 and mc.d_model == 128
