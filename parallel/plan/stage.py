@@ -117,5 +117,6 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
             M.stage_activation_bytes(local, mb, len(r), has_embedding=first, has_head=last, **kw)
             + len(r) * extra_activation_bytes(ctx.shape, mb, dims, checkpointing=ckpt, e=e)
             + (n_moe and n_moe * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=dims.ep))
+            + (0.0 if last else ctx.act_msg)  # the chunk's output, which the executor holds for its backward
         )
     return Stage(chunks, params, tp_axis, cp_axis, ep_axis, fwd, bwd, acts, flops_s)
