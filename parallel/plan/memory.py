@@ -17,6 +17,10 @@ MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·s
 
 ``selective`` recomputes the attention core (its log-sum-exp is not stored); ``full`` stores only
 each block's input (e·sbh/t') and, while one layer's backward runs, that layer's full activations.
+On top, while one block's backward runs, its workspace (:func:`backward_workspace_bytes`: weight and
+input gradients, sequence parallelism's re-gathered input), less what that backward has freed. A
+pipeline chunk's output (e·sbh/t', the message it sends) is held per micro-batch until its backward
+(:class:`parallel.pipeline.executor.PipelineExecutor` keeps it, :mod:`.stage` counts it).
 
 ``fp8`` (``train.precision=fp8``, :mod:`parallel.layers.fp8_linear`): tensorwise keeps each linear's
 input as the fp8 tensor its GEMM read (1 byte: q/k/v's and fc_in's inputs, the attention output's
@@ -212,10 +216,54 @@ def layer_activation_bytes(
     if x8:  # o's input in fp8
         attention -= (e - x8) * sb * shape.n_heads * ModelShape.of(shape).qk_v_head_dims[1] / tp
     lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0
-    mlp = (4 if shape.arch == "llama" else 2) * e * s * b * shape.d_ff / tp
-    if x8:  # the MLP out's input: its fp8 copy instead of the bf16 one
-        mlp -= (e - x8) * s * b * shape.d_ff / tp
-    return norms + linear_inputs + attention + lse + mlp
+    return norms + linear_inputs + attention + lse + _mlp_bytes(shape, sb, tp, e, x8)
+
+
+def _mlp_bytes(shape, sb: float, tp: int, e: int, x8: int | None = None) -> float:
+    """The MLP's saved activations (GELU: its input and output; SwiGLU: gate, up, their product and
+    the activation), the MLP out's input in fp8 when ``x8``."""
+    mlp = (4 if shape.arch == "llama" else 2) * e * sb * shape.d_ff / tp
+    return mlp - (e - x8) * sb * shape.d_ff / tp if x8 else mlp
+
+
+def backward_workspace_bytes(
+    shape,
+    micro_batch: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    precision: str = "bf16",
+    fp8: str | None = None,
+) -> float:
+    """The transient peak of one block's backward above what the block stores, on one TP rank.
+
+    A column-parallel layer's backward (:mod:`parallel.layers.linear`) of output width ``W`` per rank
+    holds at its weight-gradient GEMM: the incoming gradients ``e·sbW``, the weight gradients
+    ``e·hW`` (until the ZeRO hook adds them into the fp32 buffer), the full-sequence input gradient
+    ``e·sbh``; with sequence parallelism also the re-gathered input twice (the gather's buffer and its
+    concatenation), the stacked input gradient the reduce-scatter reads (``3·e·sbh``) and its chunk
+    ``e·sbh/t``. The layers after it have run their backward, so their saved tensors are freed: for the
+    MLP's input layer (``W`` = d_ff/t, SwiGLU 2·d_ff/t) the MLP's activations, for q/k/v
+    (``W = (H·qk + K·(qk + v))/t``) the MLP's and the attention core's (flash: ``dq, dk, dv`` are the
+    incoming gradients; an unfused kernel's scores are not priced). The peak is the larger of the two.
+    The same for every recomputation mode: under ``full`` it comes on top of the recomputed layer's
+    activations (:func:`recompute_peak_bytes`), whose MLP and attention pieces are the ones freed.
+    MoE layers are priced as dense ones here."""
+    shape = ModelShape.of(shape)
+    e = PRECISION_BYTES[precision]
+    x8 = FP8_BYTES if fp8 == "tensorwise" else None
+    sb, h = shape.seq_len * micro_batch, shape.d_model
+    gathers = 3 * e * sb * h + e * sb * h / tp if sequence_parallel and tp > 1 else 0.0
+
+    def column(width: float) -> float:
+        return e * sb * width + e * h * width + e * sb * h + gathers
+
+    qk, v = shape.qk_v_head_dims
+    mlp_saved = _mlp_bytes(shape, sb, tp, e, x8)
+    mlp = column((2 if shape.arch == "llama" else 1) * shape.d_ff / tp) - mlp_saved
+    qkv = column((shape.n_heads * qk + shape.n_kv_heads * (qk + v)) / tp)
+    attention = qkv - mlp_saved - attention_activation_bytes(shape, sb, tp, e)
+    return max(mlp, attention, 0.0)
 
 
 def fp8_cast_peak_bytes(shape, micro_batch: int, *, tp: int = 1) -> float:

@@ -214,10 +214,12 @@ def _dp(ctx: Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> tu
 
 
 def _transient(ctx: Setup, st: Stage) -> float:
-    """The larger activation transient of a stage's step: the loss's (the head's stage), recomputation's, fp8's casts."""
+    """The largest activation transient of a stage's step: a block's backward (its workspace, and under
+    ``full`` its recomputed activations), the loss's (the head's stage), fp8's casts."""
     dims, tr = ctx.dims, ctx.tr
     kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision, fp8=tr.fp8)
     recompute = M.recompute_peak_bytes(ctx.local, tr.micro_batch, checkpointing=tr.checkpointing, **kw)
+    recompute += M.backward_workspace_bytes(ctx.local, tr.micro_batch, **kw)
     casts = M.fp8_cast_peak_bytes(ctx.local, tr.micro_batch, tp=dims.tp) if tr.fp8 else 0.0
     has_head = any(v == dims.pp * dims.vpp - 1 for v, _ in st.chunks)
     loss = M.loss_temporary_bytes(ctx.local, tr.micro_batch, tp=dims.tp, precision=tr.precision) if has_head else 0.0
@@ -225,8 +227,8 @@ def _transient(ctx: Setup, st: Stage) -> float:
 
 
 def _memory(ctx: Setup, st: Stage, states: dict, params, experts, in_flight: int) -> dict[str, float]:
-    """Bytes per rank: model states, activations at the peak (the in-flight micro-batches and the larger
-    transient, the loss's or recomputation's), communication buffers, and their total."""
+    """Bytes per rank: model states, activations at the peak (the in-flight micro-batches and the largest
+    transient, :func:`_transient`), communication buffers, and their total."""
     activations = in_flight * max(st.activations) + _transient(ctx, st)
     buffers = buffer_bytes(ctx, params, experts)
     mem = {

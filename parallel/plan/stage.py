@@ -123,5 +123,6 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
                 and n_moe
                 * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=dims.ep, routed=routed)
             )
+            + (0.0 if last else ctx.act_msg)  # the chunk's output, which the executor holds for its backward
         )
     return Stage(chunks, params, tp_axis, cp_axis, ep_axis, fwd, bwd, acts, flops_s)

@@ -226,16 +226,8 @@ def run_ranks(
             while pending and len(running) < max(1, jobs):
                 r = pending.pop(0)
                 out = Path(tmp) / f"rank{r}.json"
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "recipes.tools.dryrun",
-                    str(cfg_path),
-                    str(r),
-                    str(world),
-                    run_dir,
-                    str(out),
-                ]
+                cmd = [sys.executable, "-m", "recipes.tools.dryrun", str(cfg_path), str(r), str(world), run_dir]
+                cmd.append(str(out))
                 running.append(
                     (
                         r,
@@ -285,18 +277,20 @@ def compare_with_plan(result: dict, plan) -> dict[str, Any]:
     }
 
 
-def format_rank(result: dict, comparison: dict | None) -> str:
-    """The printed report of one rank."""
+def format_rank(result: dict, comparison: dict | None, *, timings: bool = True) -> str:
+    """The printed report of one rank (``timings=False``: without its seconds and RSS, which vary
+    from run to run: what ``python -m benchmarks.docs`` writes)."""
     mib = 2**20
     c = result["coords"]
     sec = result["seconds"]
+    measured = (
+        f"{sec['total']:.1f} s (build {sec['build']:.1f}, steps {sec['warmup_step']:.1f} + {sec['step']:.1f}; "
+        f"CPU {result['cpu_seconds']:.1f} s with imports), max RSS {result['max_rss_bytes'] / 2**30:.2f} GiB, "
+    )
     lines = [
         (
-            f"rank {result['rank']} (dp {c['dp']}, pp {c['pp']}, tp {c['tp']}): "
-            f"{sec['total']:.1f} s (build {sec['build']:.1f}, steps {sec['warmup_step']:.1f} + {sec['step']:.1f}; "
-            f"CPU {result['cpu_seconds']:.1f} s with imports), "
-            f"max RSS {result['max_rss_bytes'] / 2**30:.2f} GiB, {len(result['new_group_calls'])} new_group calls "
-            f"({', '.join(result['new_group_calls'])})"
+            f"rank {result['rank']} (dp {c['dp']}, pp {c['pp']}, tp {c['tp']}): {measured if timings else ''}"
+            f"{len(result['new_group_calls'])} new_group calls ({', '.join(result['new_group_calls'])})"
         )
     ]
     plan_mem = comparison["memory"]["plan"] if comparison else {}

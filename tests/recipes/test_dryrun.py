@@ -61,22 +61,29 @@ def test_dry_run_of_a_small_layout_and_its_peers_matches_the_planner(tmp_path, c
     assert summary["ranks"] == [0, 1, 2, 4] and summary["misplaced"] == 0 and summary["sequence_problems"] == 0
     report = json.loads((tmp_path / "dryrun.json").read_text())
     results = {int(r): res for r, res in report["ranks"].items()}
-    # the peak also holds one layer's backward workspace, which the planner leaves out (a few %)
-    _check(results, plan_from_config(rc), peak_bound=0.10)
+    # 0.987-0.992 (1.023-1.058 before the planner priced a block's backward workspace and the held outputs)
+    _check(results, plan_from_config(rc), peak_bound=0.05)
 
 
 def test_gpt175b_default_ranks(tmp_path):
-    """GPT-3 175B at DP64×PP35×TP8 (17,920 ranks), ZeRO-1, SP, bf16: the first, a middle and the last rank."""
+    """GPT-3 175B at DP64×PP35×TP8 (17,920 ranks), ZeRO-1, SP, bf16: the first, a middle and the last rank,
+    and stage 33 (two micro-batches in flight: the block's backward workspace weighs most there)."""
+    from benchmarks import docs
+
     rc = recipe("gpt175b", [])
     ranks = dryrun.default_ranks(17920, 35, 64, 8)
-    assert ranks == [0, 8704, 17919]
+    assert ranks == [0, 8704, 17919] and set(ranks) | {16896} == set(docs.DRYRUN_RANKS)
     rc.data.source, rc.data.path = "embedded", None
-    results = dryrun_classes.run_forked(rc, ranks, 17920, str(tmp_path), jobs=2, timeout_s=300)
-    ratios = _check(results, plan_from_config(rc), peak_bound=0.10)
+    results = dryrun_classes.run_forked(rc, list(docs.DRYRUN_RANKS), 17920, str(tmp_path), jobs=2, timeout_s=300)
+    # 0.995-0.998 (stage 33 was 1.101 before the workspace and the held stage outputs were priced)
+    ratios = _check(results, plan_from_config(rc), peak_bound=0.03)
     for res in results.values():
         assert res["max_rss_bytes"] < 2 * 2**30
         assert res["cpu_seconds"] < 30
     print(ratios)
+    # the README's and docs' blocks written from these ranks (the same run benchmarks.docs makes)
+    needs_run = [n for n, (_, _, run) in docs.BLOCKS.items() if run]
+    assert docs.stale(docs.render(needs_run, results)) == [], "stale: run python -m benchmarks.docs and commit"
 
 
 def test_the_planner_counts_the_collective_calls_the_engine_issues(tmp_path):

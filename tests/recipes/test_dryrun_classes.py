@@ -66,7 +66,7 @@ def test_a_planted_extra_all_reduce_on_a_middle_stage_is_named(tmp_path, planted
     assert "6 ranks, one per class and DP replica" in out and "2 mismatches" in out
     for r, res in report["ranks"].items():  # the per-class table's figures: the planner's bytes and peak
         cmp = res["plan"]
-        assert 0.9 <= res["memory"]["total"] / cmp["memory"]["plan"]["total"] <= 1.1, r
+        assert 0.92 <= res["memory"]["total"] / cmp["memory"]["plan"]["total"] <= 1.05, r  # 0.930-1.045
         if int(r) not in (2, 3):
             assert {g: round(b) for g, b in cmp["bytes"]["dryrun"].items()} == {
                 g: round(cmp["bytes"]["plan"][g]) for g in cmp["bytes"]["dryrun"]
