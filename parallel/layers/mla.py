@@ -7,7 +7,9 @@ and value (``v_head_dim``). Queries come from ``q_proj`` or, with ``q_lora_rank`
 own latent ``q_b_proj(norm(q_a_proj(x)))``; each head's query is ``[q_nope, rope(q_pe)]`` and its
 key ``[k_nope, rope(k_pe)]``. ``rope_interleave`` (DeepSeek's checkpoints) reads the rotary
 dimensions as interleaved pairs ``(x0, x1), (x2, x3) …``; they are de-interleaved before the
-rotate-half rotation, which is the same rotation. Softmax scale ``mscale²/√(nope + rope)``.
+rotate-half rotation, which is the same rotation. Softmax scale ``mscale²/√(nope + rope)``, where
+``mscale`` is 1 unless YaRN rope scaling gives ``mscale_all_dim`` (DeepSeek's rule:
+:func:`~.attention.rope_softmax_mscale`).
 
 **Tensor parallelism.** The down-projections (``q_a_proj``, ``kv_a_proj``) and their norms are
 replicated on every TP rank (their outputs are small); the up-projections (``q_proj`` /
@@ -27,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import comm
-from .attention import apply_rotary, rotary_cos_sin
+from .attention import apply_rotary, rope_softmax_mscale, rotary_cos_sin
 from .documents import DocumentMask, document_attention
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
 from .norm import RMSNorm
@@ -55,7 +57,6 @@ class MultiHeadLatentAttention(nn.Module):
         rope_theta: float = 10000.0,
         rope_scaling: dict | None = None,
         rope_interleave: bool = True,
-        mscale: float = 1.0,
         bias: bool = False,
         tp_group=None,
         sequence_parallel: bool = False,
@@ -76,6 +77,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.tp_group, self.n_heads, self.q_lora_rank, self.kv_lora_rank = tp_group, n_heads, q_lora_rank, kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.rope_theta, self.rope_scaling, self.rope_interleave = rope_theta, rope_scaling, rope_interleave
+        mscale = rope_softmax_mscale(rope_scaling)
         self.scale = mscale * mscale / (qk_nope_head_dim + qk_rope_head_dim) ** 0.5
         self.recompute_core = recompute_core
         kw = dict(device=device, dtype=dtype)
