@@ -95,8 +95,9 @@ def _ours(folder, tp, ep=1):
     cfg = config_from_hf(json.loads(open(f"{folder}/config.json").read()))
     stage = build_model(cfg, tp_group=groups.tp, ep_group=groups.ep, device="meta").to_empty(device="cpu")
     load_hf_weights(stage, folder, groups.tp)
-    if ep > 1:
-        return comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., :VOCAB], None, None
+    if ep > 1:  # the export gathers every expert over ep
+        logits = comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., :VOCAB]
+        return logits, export_hf_state_dict(stage, groups.tp, groups.ep), None
     logits = comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., :VOCAB]
     last = load_hf_weights(
         build_model(cfg, tp_group=groups.tp, layers=range(1, 2), has_embedding=False), folder, groups.tp
@@ -118,9 +119,12 @@ def test_a_saved_folder_gives_transformers_logits_at_tp1_and_tp2(family, tmp_pat
         for k, v in exported.items():
             assert torch.equal(v, state[k]), (family, tp, k)
         assert last_keys and all(".0." not in k for k in last_keys)
-    if family == "qwen3_moe":  # each ep rank loads its experts only
-        for logits, _, _ in run_ranks(_ours, 2, str(tmp_path / "hf"), 1, 2, timeout=120):
-            torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+    if family == "qwen3_moe":  # each ep rank loads its experts only; export at ep 2 (× tp 2) is ep 1's
+        for tp in (1, 2):
+            for logits, exported, _ in run_ranks(_ours, 2 * tp, str(tmp_path / "hf"), tp, 2, timeout=120):
+                torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+                assert exported.keys() == state.keys()
+                assert all(torch.equal(v, state[k]) for k, v in exported.items())
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
