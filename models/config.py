@@ -70,11 +70,17 @@ class ModelConfig:
     o_bias: bool | None = None
     mlp_bias: bool | None = None
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
-    rope_type: str = "default"  # default | linear | llama3 (parallel.layers.attention.ROPE_TYPES)
+    rope_type: str = "default"  # default | linear | llama3 | yarn (parallel.layers.attention.ROPE_TYPES)
     rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position: int = 8192
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_position: int = 8192  # llama3, yarn
+    rope_beta_fast: float = 32.0  # yarn (transformers' names without the rope_ prefix)
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0  # 0: unset (DeepSeek-V3 sets mscale and mscale_all_dim)
+    rope_mscale_all_dim: float = 0.0  # MLA's softmax scale takes its yarn_mscale twice
+    rope_attention_factor: float = 0.0  # 0: derived from factor (and the mscales)
+    rope_truncate: bool = True
     # DeepSeek-V3 (models/deepseek.py): multi-head latent attention when kv_lora_rank > 0
     kv_lora_rank: int = 0
     q_lora_rank: int = 0  # 0: a plain q projection (HF's q_lora_rank=None)
@@ -159,6 +165,17 @@ class ModelConfig:
             "low_freq_factor": self.rope_low_freq_factor,
             "high_freq_factor": self.rope_high_freq_factor,
             "original_max_position": self.rope_original_max_position,
+            **(self._yarn_scaling() if self.rope_type == "yarn" else {}),
+        }
+
+    def _yarn_scaling(self) -> dict:
+        return {
+            "beta_fast": self.rope_beta_fast,
+            "beta_slow": self.rope_beta_slow,
+            "mscale": self.rope_mscale,
+            "mscale_all_dim": self.rope_mscale_all_dim,
+            "attention_factor": self.rope_attention_factor,
+            "truncate": self.rope_truncate,
         }
 
     def padded_vocab(self, tp: int = 1) -> int:
@@ -202,6 +219,10 @@ class ModelConfig:
         )
         need(self.rope_type in ROPE_TYPES, f"rope_type {self.rope_type!r} not in {ROPE_TYPES}")
         need(self.rope_factor > 0, f"rope_factor must be > 0, got {self.rope_factor}")
+        need(
+            self.rope_original_max_position >= 1,
+            f"rope_original_max_position must be ≥ 1, got {self.rope_original_max_position}",
+        )
         need(not self.qk_norm or self.arch == "llama", "qk_norm needs arch llama (RMSNorm)")
         need(
             self.n_heads % self.n_kv_heads == 0,

@@ -13,7 +13,7 @@ GPT-2's ``Conv1D`` stores ``[in, out]`` and fuses q, k, v in ``c_attn``; Llama's
 weights are already ``nn.Linear``-shaped and use the rotate-half rotary layout. Mixtral's
 experts are ``transformers`` ≥ 5's stacked tensors (``experts.gate_up_proj`` ``[E, 2f, d]``,
 ``experts.down_proj`` ``[E, d, f]``, router ``mlp.gate.weight``); ours are ``[E, d, f]`` /
-``[E, f, d]``, each ep rank loading its slice of the experts (export needs ep = 1).
+``[E, f, d]``, each ep rank loading its slice of the experts; export gathers them over the ep group.
 """
 
 from __future__ import annotations
@@ -261,14 +261,12 @@ def load_hf_weights(stage: nn.Module, source, tp_group=None) -> nn.Module:
     return stage
 
 
-def export_hf_state_dict(stage: nn.Module, tp_group=None) -> dict[str, torch.Tensor]:
-    """This stage's weights under ``transformers`` names and layouts (gathered over TP on
-    every rank: one all-gather per sharded parameter). A tied head is omitted, as HF does."""
-    if any((expert_shard(p) or (0, 1))[1] > 1 for p in stage.parameters()):
-        raise ModelConfigError("HF export of MoE experts split over ep > 1 is not supported; export at ep = 1")
-    ours = gather_full_state_dict(stage, tp_group) | router_biases(
-        stage
-    )  # DeepSeek's selection biases: buffers HF holds
+def export_hf_state_dict(stage: nn.Module, tp_group=None, ep_group=None) -> dict[str, torch.Tensor]:
+    """This stage's weights under ``transformers`` names and layouts, gathered on every rank: one
+    all-gather per TP-sharded parameter on ``tp_group``, and per expert tensor split over ep one on
+    ``ep_group`` (every global expert, as at ep = 1). A tied head is omitted, as HF does."""
+    ours = gather_full_state_dict(stage, tp_group, ep_group=ep_group)
+    ours |= router_biases(stage)  # DeepSeek's selection biases: buffers HF holds
     out = {}
     for rule in hf_rules(stage.cfg):
         if all(n in ours for n in rule.ours) and not (rule.ours == ("lm_head.weight",) and stage.cfg.tie_embeddings):

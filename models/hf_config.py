@@ -5,20 +5,24 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from parallel.layers.attention import ROPE_TYPES
+
 from .config import ModelConfig, ModelConfigError
 
 LLAMA_LIKE = ("llama", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 
 
-def _rope_fields(c: Mapping) -> dict:
+def rope_fields(c: Mapping) -> dict:
     """Our rotary fields from a ``transformers`` config's ``rope_parameters`` (≥ 5) or ``rope_scaling``."""
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     kind = rope.get("rope_type", rope.get("type", "default"))
     out = {"rope_theta": rope.get("rope_theta", c.get("rope_theta", 10000.0)), "rope_type": kind}
     if kind == "default":
         return out
-    if kind not in ("linear", "llama3"):
-        raise ModelConfigError(f"rope_type {kind!r} is not supported (default, linear, llama3)")
+    if kind not in ROPE_TYPES:
+        raise ModelConfigError(f"rope_type {kind!r} is not supported ({', '.join(ROPE_TYPES)})")
+    if kind == "yarn":
+        return out | _yarn_fields(rope, c)
     out["rope_factor"] = float(rope["factor"])
     if kind == "llama3":
         out.update(
@@ -27,6 +31,50 @@ def _rope_fields(c: Mapping) -> dict:
             rope_original_max_position=int(rope["original_max_position_embeddings"]),
         )
     return out
+
+
+def _yarn_fields(rope: Mapping, c: Mapping) -> dict:
+    """YaRN's fields, with transformers' defaults: the original length is ``max_position_embeddings``, the
+    factor their ratio, ``beta_fast`` 32, ``beta_slow`` 1, the range truncated."""
+    original = int(rope.get("original_max_position_embeddings") or c["max_position_embeddings"])
+    factor = rope.get("factor") or c["max_position_embeddings"] / original
+    return dict(
+        rope_factor=float(factor),
+        rope_original_max_position=original,
+        rope_beta_fast=float(rope.get("beta_fast") or 32),
+        rope_beta_slow=float(rope.get("beta_slow") or 1),
+        rope_mscale=float(rope.get("mscale") or 0),
+        rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+        rope_attention_factor=float(rope.get("attention_factor") or 0),
+        rope_truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def hf_rope_parameters(cfg: ModelConfig) -> dict:
+    """The ``rope_parameters`` of ``cfg`` (inverse of :func:`rope_fields`)."""
+    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type != "default":
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        rope.update(
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position,
+        )
+    if cfg.rope_type == "yarn":
+        rope.update(
+            original_max_position_embeddings=cfg.rope_original_max_position,
+            beta_fast=cfg.rope_beta_fast,
+            beta_slow=cfg.rope_beta_slow,
+            truncate=cfg.rope_truncate,
+        )
+        optional = {
+            "mscale": cfg.rope_mscale,
+            "mscale_all_dim": cfg.rope_mscale_all_dim,
+            "attention_factor": cfg.rope_attention_factor,
+        }
+        rope.update({k: v for k, v in optional.items() if v})  # 0: unset
+    return rope
 
 
 def llama_shape_fields(c: Mapping) -> dict:
@@ -59,7 +107,7 @@ def _llama_like_config(c: Mapping, kind: str) -> ModelConfig:
         o_bias=attention_bias and kind != "qwen2",
         mlp_bias=bool(c.get("mlp_bias", False)),
         qk_norm=kind in ("qwen3", "qwen3_moe"),
-        **_rope_fields(c),
+        **rope_fields(c),
     )
 
 
@@ -181,18 +229,9 @@ def _llama_config(cfg: ModelConfig) -> dict:
         extra.update(use_sliding_window=False)
     if kind != "llama" and cfg.bias("mlp"):
         raise ModelConfigError(f"{kind} has no MLP biases; mlp_bias does not export")
-    rope = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    if cfg.rope_type != "default":
-        rope["factor"] = cfg.rope_factor
-    if cfg.rope_type == "llama3":
-        rope.update(
-            low_freq_factor=cfg.rope_low_freq_factor,
-            high_freq_factor=cfg.rope_high_freq_factor,
-            original_max_position_embeddings=cfg.rope_original_max_position,
-        )
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
     return extra | {
-        "rope_parameters": rope,
+        "rope_parameters": hf_rope_parameters(cfg),
         "model_type": kind,
         "architectures": [arch],
         "num_hidden_layers": cfg.n_layers,

@@ -1,5 +1,6 @@
 """DeepSeek-V3's ``transformers`` config (``model_type`` ``deepseek_v3``) to and from :class:`ModelConfig`
-(the weights' names: :mod:`models.hf`). YaRN rope scaling is not built and is refused; multi-token
+(the weights' names: :mod:`models.hf`). YaRN rope scaling (the published 128k config) scales the rotary
+frequencies and, through ``mscale_all_dim``, the softmax (:mod:`parallel.layers.mla`); multi-token
 prediction layers are not built either: a config that has them imports with a warning (HF's
 ``DeepseekV3ForCausalLM`` does not run them either, and the ``model.layers.<n_layers>.*`` weights
 are not read)."""
@@ -10,7 +11,7 @@ import warnings
 from typing import Mapping
 
 from .config import ModelConfig, ModelConfigError
-from .hf_config import llama_shape_fields
+from .hf_config import hf_rope_parameters, llama_shape_fields, rope_fields
 
 #: aux-loss-free balancing's bias step on import (DeepSeek-V3's γ for most of its pre-training)
 DEEPSEEK_BIAS_UPDATE_RATE = 1e-3
@@ -18,14 +19,6 @@ DEEPSEEK_BIAS_UPDATE_RATE = 1e-3
 
 def deepseek_config(c: Mapping) -> ModelConfig:
     """A DeepSeek-V3 ``config.json`` dict as a :class:`ModelConfig`."""
-    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ModelConfigError(
-            f"DeepSeek-V3 rope_type {kind!r} (factor {rope.get('factor')}) is not built: gridtrain runs DeepSeek "
-            f"at its pre-training context; set rope_parameters={{'rope_type': 'default', 'rope_theta': …}} and "
-            f"max_position_embeddings to the original length"
-        )
     mtp = c.get("num_nextn_predict_layers", c.get("num_mtp_layers", 0)) or 0
     if mtp:
         warnings.warn(
@@ -38,7 +31,7 @@ def deepseek_config(c: Mapping) -> ModelConfig:
         **llama_shape_fields(c),
         qkv_bias=bias,
         o_bias=bias,
-        rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+        **rope_fields(c),
         kv_lora_rank=c["kv_lora_rank"],
         q_lora_rank=c.get("q_lora_rank") or 0,
         qk_nope_head_dim=c["qk_nope_head_dim"],
@@ -68,8 +61,8 @@ def deepseek_config_dict(cfg: ModelConfig) -> dict:
             f"experts (moe_experts={cfg.moe_experts}, moe_score={cfg.moe_score!r}, moe_every={cfg.moe_every}, "
             f"moe_shared_experts={cfg.moe_shared_experts})"
         )
-    if cfg.bias("qkv") != cfg.bias("o") or cfg.bias("mlp") or cfg.rope_type != "default":
-        raise ModelConfigError("DeepSeek-V3 export: attention_bias covers q, kv and o alike; no MLP bias, default rope")
+    if cfg.bias("qkv") != cfg.bias("o") or cfg.bias("mlp"):
+        raise ModelConfigError("DeepSeek-V3 export: attention_bias covers q, kv and o alike; no MLP bias")
     return {
         "model_type": "deepseek_v3",
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -84,7 +77,7 @@ def deepseek_config_dict(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": cfg.bias("qkv"),
         "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": hf_rope_parameters(cfg),
         "rope_interleave": cfg.rope_interleave,
         "kv_lora_rank": cfg.kv_lora_rank,
         "q_lora_rank": cfg.q_lora_rank or None,

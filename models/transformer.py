@@ -373,15 +373,18 @@ def build_model(
     return stage
 
 
-def gather_full_state_dict(stage: nn.Module, tp_group=None, *, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Full (unsharded, vocabulary padding removed) parameters by name, on every TP rank.
+def gather_full_state_dict(
+    stage: nn.Module, tp_group=None, *, grads: bool = False, ep_group=None
+) -> dict[str, torch.Tensor]:
+    """Full (unsharded, vocabulary padding removed) parameters by name, on every TP (and EP) rank.
 
     ``grads=True`` gathers the gradients instead (absent ones are skipped). One
-    all-gather per sharded tensor on ``tp_group`` (output = its full bytes).
+    all-gather per sharded tensor on ``tp_group`` (output = its full bytes), and one more on
+    ``ep_group`` per expert tensor split over ep (every global expert).
     """
     out = {}
     for name, p in stage.named_parameters():
         if grads and p.grad is None:
             continue
-        out[name] = gather_full_tensor(p, tp_group, data=p.grad if grads else None)
+        out[name] = gather_full_tensor(p, tp_group, data=p.grad if grads else None, ep_group=ep_group)
     return out

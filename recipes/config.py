@@ -180,6 +180,12 @@ class ModelSection:
     rope_low_freq_factor: Optional[float] = None
     rope_high_freq_factor: Optional[float] = None
     rope_original_max_position: Optional[int] = None
+    rope_beta_fast: Optional[float] = None  # YaRN (models/config.py)
+    rope_beta_slow: Optional[float] = None
+    rope_mscale: Optional[float] = None
+    rope_mscale_all_dim: Optional[float] = None
+    rope_attention_factor: Optional[float] = None
+    rope_truncate: Optional[bool] = None
     kv_lora_rank: Optional[int] = None  # DeepSeek-V3's multi-head latent attention when > 0 (models/config.py)
     q_lora_rank: Optional[int] = None
     qk_nope_head_dim: Optional[int] = None

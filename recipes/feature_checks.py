@@ -13,15 +13,13 @@ from .config import ConfigError, bad
 
 
 def check_mla(p: Any, mc: Any) -> None:
-    """Multi-head latent attention (DeepSeek-V3) runs without sequence or context parallelism."""
-    if not mc.mla:
-        return
-    for key, on in (("parallel.sequence_parallel=true", p.sequence_parallel), (f"parallel.cp={p.cp}", p.cp > 1)):
-        if on:
-            raise ConfigError(
-                f"{key} with multi-head latent attention (model.kv_lora_rank={mc.kv_lora_rank}): MLA splits "
-                f"its heads over tp only; set {key.split('=')[0]}={'false' if 'sequence' in key else 1}"
-            )
+    """Multi-head latent attention (DeepSeek-V3) runs without context parallelism (sequence parallelism
+    is built: :mod:`parallel.layers.mla`)."""
+    if mc.mla and p.cp > 1:
+        raise ConfigError(
+            f"parallel.cp={p.cp} with multi-head latent attention (model.kv_lora_rank={mc.kv_lora_rank}): MLA "
+            "splits its heads over tp only; set parallel.cp=1"
+        )
 
 
 def check_packing(cfg: Any) -> None:

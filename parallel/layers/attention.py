@@ -3,6 +3,8 @@ optional attention mask; GQA and RoPE optional."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,14 +16,60 @@ from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, d
 from .norm import RMSNorm
 from .ring_attention import check_cp_impl, check_ulysses_heads, context_parallel_attention, cp_positions
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1·mscale·ln(factor) + 1`` (1 for ``factor ≤ 1``; the paper's Eq. 21)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What YaRN multiplies ``cos`` and ``sin`` by (1 for every other kind): ``attention_factor`` if given,
+    else ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)`` when both are set (DeepSeek),
+    else ``yarn_mscale(factor)``."""
+    if (scaling or {}).get("type") != "yarn":
+        return 1.0
+    factor, mscale, mscale_all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if scaling.get("attention_factor"):
+        return scaling["attention_factor"]
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def rope_softmax_mscale(scaling: dict | None) -> float:
+    """The factor multi-head latent attention's softmax scale takes twice under rope scaling (DeepSeek's
+    rule, transformers' ``yarn_apply_mscale``): ``yarn_mscale(factor, mscale_all_dim)`` when
+    ``mscale_all_dim`` is set, else 1."""
+    if not (scaling or {}).get("mscale_all_dim"):
+        return 1.0
+    return yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+
+
+def _yarn_extrapolated(head_dim: int, theta: float, scaling: dict, device) -> torch.Tensor:
+    """Per frequency, 1 where YaRN keeps it (more than ``beta_fast`` turns over ``original_max_position``),
+    0 where it interpolates (fewer than ``beta_slow``), a linear ramp over the dimensions in between."""
+
+    def dim_of(turns: float) -> float:  # the dimension whose wavelength fits `turns` times in the original window
+        return head_dim * math.log(scaling["original_max_position"] / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    return 1 - ramp
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> torch.Tensor:
     """The rotary inverse frequencies ``θ^(-2i/hd)`` (fp32, ``[hd/2]``), scaled for long context:
     ``linear`` divides them all by ``factor``; ``llama3`` (Llama 3.1+) divides those whose wavelength
     exceeds ``original_max_position / low_freq_factor`` by ``factor``, keeps those shorter than
-    ``original_max_position / high_freq_factor``, and blends linearly in between."""
+    ``original_max_position / high_freq_factor``, and blends linearly in between; ``yarn`` (Qwen3,
+    DeepSeek-V3) blends the same two by dimension (:func:`_yarn_extrapolated`, ``beta_fast`` / ``beta_slow``
+    turns) and scales ``cos``/``sin`` by :func:`rope_attention_factor` (in :func:`rotary_cos_sin`)."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     kind = (scaling or {}).get("type", "default")
     if kind == "default":
@@ -31,6 +79,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, devi
     factor = scaling["factor"]
     if kind == "linear":
         return inv / factor
+    if kind == "yarn":
+        keep = _yarn_extrapolated(head_dim, theta, scaling, device)
+        return inv / factor * (1 - keep) + inv * keep
     low, high, original = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_position"]
     wavelength = 2 * torch.pi / inv
     blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
@@ -41,10 +92,13 @@ def rotary_cos_sin(
     seq_len: int, head_dim: int, theta: float, device=None, scaling: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` of shape ``[seq_len, head_dim]`` in fp32 (Llama / HF "rotate-half" layout);
-    ``scaling``: :func:`rope_inv_freq`'s."""
+    ``scaling``: :func:`rope_inv_freq`'s (YaRN's :func:`rope_attention_factor` multiplies both)."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
     freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
+    factor = rope_attention_factor(scaling)
+    if factor != 1.0:
+        return emb.cos() * factor, emb.sin() * factor
     return emb.cos(), emb.sin()
 
 

@@ -205,16 +205,30 @@ def check_distinct_init(pieces: dict[str, nn.Module]) -> None:
                 )
 
 
-def gather_full_tensor(param: torch.Tensor, tp_group, *, data: torch.Tensor | None = None) -> torch.Tensor:
+def gather_full_tensor(
+    param: torch.Tensor, tp_group, *, data: torch.Tensor | None = None, ep_group=None
+) -> torch.Tensor:
     """The full tensor of ``param`` (or of ``data`` laid out like it, e.g. its grad).
 
     Sharded parameters are all-gathered along their ``tp_shard_dim`` on ``tp_group``
-    (output = full bytes); vocabulary padding rows are cut off. Replicated ones are
-    copied. Every rank of ``tp_group`` must call it (it is a collective).
+    (output = full bytes); an MoE expert's split over ep (:func:`~parallel.params.expert_shard`)
+    is then all-gathered along dim 0 on ``ep_group`` (every global expert, in order); vocabulary
+    padding rows are cut off. Replicated ones are copied. Every rank of ``tp_group`` (and, for an
+    expert, of ``ep_group``) must call it (it is a collective).
     """
     t = (param if data is None else data).detach()
     dim = tp_shard_dim(param)
     full = t.clone() if dim is None else comm.all_gather_along(t, dim, tp_group)
+    ep = (expert_shard(param) or (0, 1))[1]
+    if ep > 1:
+        if comm.tp_world_size(ep_group) != ep:
+            from .linear import LayerConfigError  # linear imports this module
+
+            raise LayerConfigError(
+                f"{tuple(t.shape)} expert parameter is split over ep={ep}: pass that ep group to gather it "
+                f"(got a group of {comm.tp_world_size(ep_group)})"
+            )
+        full = comm.all_gather_along(full, 0, ep_group)
     if full is t:
         full = t.clone()
     vocab = vocab_rows(param)

@@ -7,7 +7,9 @@ and value (``v_head_dim``). Queries come from ``q_proj`` or, with ``q_lora_rank`
 own latent ``q_b_proj(norm(q_a_proj(x)))``; each head's query is ``[q_nope, rope(q_pe)]`` and its
 key ``[k_nope, rope(k_pe)]``. ``rope_interleave`` (DeepSeek's checkpoints) reads the rotary
 dimensions as interleaved pairs ``(x0, x1), (x2, x3) …``; they are de-interleaved before the
-rotate-half rotation, which is the same rotation. Softmax scale ``mscale²/√(nope + rope)``.
+rotate-half rotation, which is the same rotation. Softmax scale ``mscale²/√(nope + rope)``, where
+``mscale`` is 1 unless YaRN rope scaling gives ``mscale_all_dim`` (DeepSeek's rule:
+:func:`~.attention.rope_softmax_mscale`).
 
 **Tensor parallelism.** The down-projections (``q_a_proj``, ``kv_a_proj``) and their norms are
 replicated on every TP rank (their outputs are small); the up-projections (``q_proj`` /
@@ -15,8 +17,14 @@ replicated on every TP rank (their outputs are small); the up-projections (``q_p
 computes the latents of the same tokens; the up-projections' "f" all-reduces the latents'
 gradients in backward (``q_lora_rank + kv_lora_rank`` wide, less than ``d_model``) and one more
 all-reduces ``k_pe``'s, so the replicated weights and ``x`` get the full gradient on every rank.
-Forward: one all-reduce of the output ``[b, s, d]`` (``o_proj``). Sequence parallelism and
-context parallelism are refused.
+Forward: one all-reduce of the output ``[b, s, d]`` (``o_proj``).
+
+**Sequence parallelism.** The input is this rank's ``s/N`` tokens; the down-projections and their
+norms run on them (their weights, replicated, are marked ``sequence_parallel``: each rank's gradient
+covers its tokens only, and :func:`~.norm.reduce_sequence_parallel_grads` sums them over TP, as for
+the block's norms). The up-projections all-gather the narrow latents along the sequence (not
+``x``: ``q_lora_rank + kv_lora_rank + qk_rope_head_dim`` wide instead of ``d_model``) and
+reduce-scatter their gradients; ``o_proj`` reduce-scatters its output. Context parallelism is refused.
 """
 
 from __future__ import annotations
@@ -27,10 +35,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import comm
-from .attention import apply_rotary, rotary_cos_sin
+from ..params import mark_sequence_parallel
+from .attention import apply_rotary, rope_softmax_mscale, rotary_cos_sin
 from .documents import DocumentMask, document_attention
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
 from .norm import RMSNorm
+
+
+def _replicated_linear(d_in: int, d_out: int, bias: bool, sequence_parallel: bool, **kw) -> nn.Linear:
+    """A down-projection, whole on every TP rank; under sequence parallelism its gradient is partial."""
+    linear = nn.Linear(d_in, d_out, bias=bias, **kw)
+    if sequence_parallel:
+        for p in linear.parameters():
+            mark_sequence_parallel(p)
+    return linear
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -39,7 +57,9 @@ class MultiHeadLatentAttention(nn.Module):
     Communication on ``tp_group`` per forward + backward: forward one all-reduce of the output
     activation ``A``; backward all-reduces of the latents' and ``k_pe``'s gradients
     (``(q_lora_rank + kv_lora_rank + qk_rope_head_dim)/d_model · A``; with ``q_lora_rank=None``
-    the query's input gradient ``A`` instead of its latent's)."""
+    the query's input gradient ``A`` instead of its latent's). Sequence-parallel: the same widths
+    all-gathered forward and reduce-scattered backward (the latents with ``k_pe``, or ``x`` for a plain
+    q projection, each collective its own), and the output reduce-scattered forward, all-gathered backward."""
 
     def __init__(
         self,
@@ -55,7 +75,6 @@ class MultiHeadLatentAttention(nn.Module):
         rope_theta: float = 10000.0,
         rope_scaling: dict | None = None,
         rope_interleave: bool = True,
-        mscale: float = 1.0,
         bias: bool = False,
         tp_group=None,
         sequence_parallel: bool = False,
@@ -65,8 +84,6 @@ class MultiHeadLatentAttention(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if sequence_parallel and comm.tp_world_size(tp_group) > 1:
-            raise LayerConfigError("multi-head latent attention does not take sequence parallelism yet")
         if comm.tp_world_size(cp_group) > 1:
             raise LayerConfigError("multi-head latent attention does not take context parallelism (cp > 1) yet")
         if qk_rope_head_dim % 2:
@@ -76,21 +93,23 @@ class MultiHeadLatentAttention(nn.Module):
         self.tp_group, self.n_heads, self.q_lora_rank, self.kv_lora_rank = tp_group, n_heads, q_lora_rank, kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.rope_theta, self.rope_scaling, self.rope_interleave = rope_theta, rope_scaling, rope_interleave
+        mscale = rope_softmax_mscale(rope_scaling)
         self.scale = mscale * mscale / (qk_nope_head_dim + qk_rope_head_dim) ** 0.5
         self.recompute_core = recompute_core
+        self.sequence_parallel = sp = sequence_parallel and tp > 1
         kw = dict(device=device, dtype=dtype)
-        col = dict(tp_group=tp_group, bias=False, **kw)
+        col = dict(tp_group=tp_group, bias=False, sequence_parallel=sp, **kw)
         qk = n_heads * (qk_nope_head_dim + qk_rope_head_dim)
         if q_lora_rank:
-            self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=bias, **kw)
-            self.q_a_norm = RMSNorm(q_lora_rank, norm_eps, **kw)
+            self.q_a_proj = _replicated_linear(d_model, q_lora_rank, bias, sp, **kw)
+            self.q_a_norm = RMSNorm(q_lora_rank, norm_eps, sequence_parallel=sp, **kw)
             self.q_b_proj = ColumnParallelLinear(q_lora_rank, qk, **col)
         else:
             self.q_proj = ColumnParallelLinear(d_model, qk, **col)
-        self.kv_a_proj = nn.Linear(d_model, kv_lora_rank + qk_rope_head_dim, bias=bias, **kw)
-        self.kv_a_norm = RMSNorm(kv_lora_rank, norm_eps, **kw)
+        self.kv_a_proj = _replicated_linear(d_model, kv_lora_rank + qk_rope_head_dim, bias, sp, **kw)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, norm_eps, sequence_parallel=sp, **kw)
         self.kv_b_proj = ColumnParallelLinear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), **col)
-        self.o_proj = RowParallelLinear(n_heads * v_head_dim, d_model, tp_group=tp_group, bias=bias, **kw)
+        self.o_proj = RowParallelLinear(n_heads * v_head_dim, d_model, **col | {"bias": bias})
 
     def _rotate(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rope_interleave:  # pairs (x0, x1), (x2, x3) …: evens then odds is rotate-half's layout
@@ -124,11 +143,14 @@ class MultiHeadLatentAttention(nn.Module):
         """``x`` ``[b, s, d]``; ``documents``: see :meth:`core`."""
         if x.dim() != 3:
             raise LayerConfigError(f"MultiHeadLatentAttention: expected [batch, seq, d_model], got {tuple(x.shape)}")
-        b, s, _ = x.shape
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         c_kv, k_pe = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_norm(c_kv))
-        k_pe = comm.copy_to_tp_region(k_pe, self.tp_group)  # each rank's heads add to its gradient
+        b, s, _ = q.shape  # the whole sequence (sequence-parallel: the up-projections gathered it)
+        if self.sequence_parallel:  # gathered; backward reduce-scatters: each rank's heads add to its gradient
+            k_pe = comm.gather_from_sequence_parallel_region(k_pe, self.tp_group)
+        else:
+            k_pe = comm.copy_to_tp_region(k_pe, self.tp_group)  # each rank's heads add to its gradient
         q = q.view(b, s, self.local_heads, -1).transpose(1, 2)
         kv = kv.view(b, s, self.local_heads, -1).transpose(1, 2)
         k_pe = k_pe.unsqueeze(1)

@@ -171,14 +171,15 @@ def _norm_bytes(arch: str, sbh: float, sb: float, e: int) -> float:
     return e * sbh + 8 * sb  # input, fp32 mean and rstd
 
 
-def attention_activation_bytes(shape, sb: float, tp: int, e: int, checkpointing: str = "none") -> float:
+def attention_activation_bytes(shape, sb: float, tp: int, e: int, checkpointing: str = "none", sp: int = 1) -> float:
     """What one layer's attention saves for ``sb`` tokens on one TP rank (a fused attention kernel,
     whose output is ``o_proj``'s input): q, k, v and the output (``H·qk, K·qk, K·v, H·v`` wide, split
     over tp). MLA (``kv_lora_rank > 0``) saves per head its query, its key, the expanded ``[k_nope, v]``
     (v is a view of it), the core's output and ``o_proj``'s input (a copy: the heads are contiguous
     per head, not per token) — under ``selective`` the core's inputs and output only: the query,
     ``[k_nope, v]``, the output — and, replicated on every TP rank, each latent's fp32 norm
-    input, normalised and weighted outputs and fp32 rstd, and the rotary key (fp32)."""
+    input, normalised and weighted outputs and fp32 rstd, and the rotary key (fp32); under sequence
+    parallelism (``sp`` = tp) those of the rank's ``sb/sp`` tokens only."""
     shape = ModelShape.of(shape)
     qk, v = shape.qk_v_head_dims
     if not shape.kv_lora_rank:
@@ -188,7 +189,7 @@ def attention_activation_bytes(shape, sb: float, tp: int, e: int, checkpointing:
     )
     latents = shape.q_lora_rank + shape.kv_lora_rank
     replicated = (4 + 2 * e) * latents + 4 * (1 + bool(shape.q_lora_rank)) + 4 * shape.qk_rope_head_dim
-    return e * sb * shape.n_heads * per_head / tp + sb * replicated
+    return e * sb * shape.n_heads * per_head / tp + sb * replicated / sp
 
 
 def layer_activation_bytes(
@@ -212,7 +213,7 @@ def layer_activation_bytes(
         return e * sbh / sp
     norms = 2 * _norm_bytes(shape.arch, sbh, sb, e) / sp
     linear_inputs = 2 * (x8 or e) * sbh / sp
-    attention = attention_activation_bytes(shape, sb, tp, e, checkpointing)
+    attention = attention_activation_bytes(shape, sb, tp, e, checkpointing, sp)
     if x8:  # o's input in fp8
         attention -= (e - x8) * sb * shape.n_heads * ModelShape.of(shape).qk_v_head_dims[1] / tp
     lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0

@@ -1,7 +1,7 @@
 """DeepSeek-V3 (MLA, sigmoid group-limited routing with a selection bias, shared experts, a dense first
-layer) loaded from a folder ``save_pretrained`` wrote: transformers' logits at (tp, pp, ep) = (1,1,1),
-(1,2,1) and (2,2,2); lossless export; ``from_pretrained`` of our export; the refusals (odd sizes:
-vocab 250, 6 experts in 3 groups, v_head_dim ≠ qk head dim)."""
+layer; YaRN, which scales the softmax too) loaded from a folder ``save_pretrained`` wrote: transformers'
+logits at (tp, pp, ep) = (1,1,1), (1,2,1) and (2,2,2); lossless export; ``from_pretrained`` of our export;
+the refusals (odd sizes: vocab 250, 6 experts in 3 groups, v_head_dim ≠ qk head dim)."""
 
 import json
 
@@ -43,8 +43,13 @@ SHAPE = dict(
     eos_token_id=0,
     pad_token_id=0,
 )
+# DeepSeek-V3's published YaRN keys (factor 40 from a 4k window), mscale ≠ mscale_all_dim so that both the
+# rotary attention factor and the softmax's mscale² differ from 1; the short window puts the ramp on these positions
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 32,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}  # fmt: skip
 VARIANTS = {
     "v3": dict(q_lora_rank=20, n_group=3, topk_group=2),  # q latent, interleaved rope, group-limited
+    "yarn": dict(q_lora_rank=20, n_group=3, topk_group=2, rope_parameters=YARN, max_position_embeddings=1280),
     # a plain q projection, rotate-half rope, one group, weights not renormalised, attention biases
     "plain_q": dict(
         q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1, norm_topk_prob=False, attention_bias=True
@@ -54,7 +59,8 @@ VARIANTS = {
 
 def _hf(variant, folder):
     torch.manual_seed(5)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**SHAPE, **VARIANTS[variant])).eval()
+    config = transformers.DeepseekV3Config(**SHAPE | VARIANTS[variant])
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
@@ -86,6 +92,14 @@ def _ours(folder, tp=1, ep=1, pp=1):
     return comm.all_gather_along(h.detach(), -1, tp_group)[..., :VOCAB]
 
 
+def _export(folder, tp, ep):
+    """Our export of the folder's model loaded at tp × ep ranks (each rank holds its experts only)."""
+    groups = build_groups(Topology(ep, 1, tp, ep=ep))
+    cfg = config_from_hf(json.loads(open(f"{folder}/config.json").read()))
+    stage = build_model(cfg, tp_group=groups.tp, ep_group=groups.ep, device="meta").to_empty(device="cpu")
+    return export_hf_state_dict(load_hf_weights(stage, folder, groups.tp), groups.tp, groups.ep)
+
+
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def saved(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param) / "hf"
@@ -98,7 +112,7 @@ def test_a_saved_folder_gives_transformers_logits_on_the_grid(saved):
     variant, folder, _, ref = saved
     torch.testing.assert_close(_ours(folder), ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(_ours(folder, pp=2), ref, atol=1e-5, rtol=0)
-    if variant == "v3":  # tp 2 splits the heads, ep 2 the experts (each rank loads its own), 2 stages
+    if variant != "plain_q":  # tp 2 splits the heads, ep 2 the experts (each rank loads its own), 2 stages
         for logits in run_ranks(_ours, 4, folder, 2, 2, 2, timeout=120):
             torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
 
@@ -107,12 +121,15 @@ def test_export_is_lossless_and_loads_with_from_pretrained(saved, tmp_path):
     variant, folder, hf, _ = saved
     cfg = config_from_hf(hf.config.to_dict())
     assert config_from_hf(hf_config_dict(cfg)) == cfg
-    exported = export_hf_state_dict(load_hf_weights(build_model(cfg), folder))
     state = hf.state_dict()
-    assert exported.keys() == state.keys()
-    assert all(torch.equal(v, state[k]) for k, v in exported.items())
-    if variant != "v3":
-        return  # one from_pretrained round trip is enough
+    exports = [export_hf_state_dict(load_hf_weights(build_model(cfg), folder))]
+    if variant == "v3":  # every global expert gathered over ep, the heads over tp: (1,1,1)'s export
+        exports += run_ranks(_export, 4, folder, 2, 2, timeout=120)
+    for exported in exports:
+        assert exported.keys() == state.keys()
+        assert all(torch.equal(v, state[k]) for k, v in exported.items())
+    if variant == "plain_q":
+        return  # one from_pretrained round trip without YaRN is enough
     ours = build_model(cfg, seed=4)
     ours.blocks["2"].mlp.e_score_correction_bias.normal_(0, 0.1)  # the bias travels too
     save_hf_safetensors(export_hf_state_dict(ours), str(tmp_path / "ours"), hf_config_dict(cfg))
@@ -122,9 +139,24 @@ def test_export_is_lossless_and_loads_with_from_pretrained(saved, tmp_path):
         torch.testing.assert_close(back(_ids()).logits, ours(_ids())[..., :VOCAB], atol=1e-5, rtol=0)
 
 
-def test_yarn_is_refused_and_mtp_layers_are_ignored_with_a_warning(saved):
+def test_unknown_rope_is_refused_and_mtp_layers_are_ignored_with_a_warning(saved):
     c = saved[2].config.to_dict()
     with pytest.warns(UserWarning, match="num_nextn_predict_layers=1: the multi-token prediction layers are ignored"):
         config_from_hf(c | {"num_nextn_predict_layers": 1})
-    with pytest.raises(ModelConfigError, match="rope_type 'yarn' .* is not built"):
-        config_from_hf(c | {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4}})
+    with pytest.raises(ModelConfigError, match="rope_type 'dynamic' is not supported"):
+        config_from_hf(c | {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}})
+
+
+def test_yarn_scales_the_softmax_by_mscale_all_dim_squared(saved):
+    """Without the softmax's mscale² (transformers' ``yarn_apply_mscale``) the logits move (the parity
+    test above holds it; this shows the variant exercises it)."""
+    variant, folder, _, ref = saved
+    if variant != "yarn":
+        pytest.skip("the YaRN variant only")
+    cfg = config_from_hf(json.loads(open(f"{folder}/config.json").read()))
+    assert cfg.rope_type == "yarn" and cfg.rope_factor == 40.0 and cfg.rope_mscale_all_dim == 0.707
+    plain = load_hf_weights(build_model(cfg), folder)
+    for block in plain.blocks.values():
+        block.attn.scale = cfg.qk_head_dim**-0.5  # the softmax scale without mscale²
+    with torch.no_grad():
+        assert (plain(_ids())[..., :VOCAB] - ref).abs().max() > 1e-3

@@ -1,4 +1,4 @@
-"""Llama 3.1 (rope scaling, biases, head_dim ≠ d/h), Qwen2 (q/k/v biases) and Qwen3 (QK-norm), each
+"""Llama 3.1 (rope scaling, biases, head_dim ≠ d/h), Qwen2 (q/k/v biases), Qwen3 (QK-norm) and YaRN, each
 loaded from a folder ``save_pretrained`` wrote: transformers' logits at tp 1 and 2 and a pipeline's
 last stage, lossless export, and ``from_pretrained`` of our export (odd sizes: vocab 300, kv < heads)."""
 
@@ -36,6 +36,17 @@ LLAMA31_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,  # short: the scaling bites at these positions
 }
+# YaRN (Qwen3's long-context configs): frequencies 2..6 of 8 sit on the ramp between kept and interpolated
+QWEN3_YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 4096}
+# every optional key: the betas, no truncation, an explicit attention factor; a short original window puts
+# the ramp (dims 0.6..2.0 of 6) where these positions turn
+LLAMA_YARN = QWEN3_YARN | {
+    "original_max_position_embeddings": 256,
+    "beta_fast": 16.0,
+    "beta_slow": 2.0,
+    "truncate": False,
+    "attention_factor": 0.9,
+}
 FAMILIES = {
     "llama3.1": lambda: transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
@@ -47,6 +58,12 @@ FAMILIES = {
     ),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, tie_word_embeddings=True)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, head_dim=16)),
+    "qwen3-yarn": lambda: transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**COMMON | {"max_position_embeddings": 16384}, head_dim=16, rope_parameters=QWEN3_YARN)
+    ),
+    "llama-yarn": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**COMMON | {"max_position_embeddings": 1024}, rope_parameters=LLAMA_YARN)
+    ),
     # six experts (not a power of two), the first layer dense, top-k weights not renormalised
     "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
         transformers.Qwen3MoeConfig(
@@ -78,8 +95,9 @@ def _ours(folder, tp, ep=1):
     cfg = config_from_hf(json.loads(open(f"{folder}/config.json").read()))
     stage = build_model(cfg, tp_group=groups.tp, ep_group=groups.ep, device="meta").to_empty(device="cpu")
     load_hf_weights(stage, folder, groups.tp)
-    if ep > 1:
-        return comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., :VOCAB], None, None
+    if ep > 1:  # the export gathers every expert over ep
+        logits = comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., :VOCAB]
+        return logits, export_hf_state_dict(stage, groups.tp, groups.ep), None
     logits = comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., :VOCAB]
     last = load_hf_weights(
         build_model(cfg, tp_group=groups.tp, layers=range(1, 2), has_embedding=False), folder, groups.tp
@@ -101,9 +119,12 @@ def test_a_saved_folder_gives_transformers_logits_at_tp1_and_tp2(family, tmp_pat
         for k, v in exported.items():
             assert torch.equal(v, state[k]), (family, tp, k)
         assert last_keys and all(".0." not in k for k in last_keys)
-    if family == "qwen3_moe":  # each ep rank loads its experts only
-        for logits, _, _ in run_ranks(_ours, 2, str(tmp_path / "hf"), 1, 2, timeout=120):
-            torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+    if family == "qwen3_moe":  # each ep rank loads its experts only; export at ep 2 (× tp 2) is ep 1's
+        for tp in (1, 2):
+            for logits, exported, _ in run_ranks(_ours, 2 * tp, str(tmp_path / "hf"), tp, 2, timeout=120):
+                torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+                assert exported.keys() == state.keys()
+                assert all(torch.equal(v, state[k]) for k, v in exported.items())
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -79,12 +79,25 @@ def _ep_rank(want, folder):
     groups = build_groups(Topology(dp=2, ep=2))
     ours = _ours(_hf(), groups.ep, folder)
     assert ours.blocks["0"].mlp.experts.gate_proj.shape[0] == 2  # this rank's half of the experts
-    return float((ours(_ids()).detach()[..., :101] - want).abs().max())
+    with pytest.raises(ValueError, match="split over ep=2: pass that ep group"):
+        export_hf_state_dict(ours)
+    return float((ours(_ids()).detach()[..., :101] - want).abs().max()), export_hf_state_dict(ours, None, groups.ep)
 
 
-def test_mixtral_logits_at_ep2_from_a_saved_folder(tmp_path):
+def test_mixtral_logits_and_export_at_ep2_from_a_saved_folder(tmp_path):
+    """Each ep rank loads its experts; the export gathers them all: ep 1's state dict, which
+    from_pretrained loads."""
+    from models.hf import save_hf_safetensors
+
     hf = _hf()
-    hf.save_pretrained(tmp_path)
+    hf.save_pretrained(tmp_path / "hf")
     with torch.no_grad():
         want = hf(_ids()).logits
-    assert max(run_ranks(_ep_rank, 2, want, str(tmp_path), timeout=120)) < 1e-5
+    ref = hf.state_dict()
+    for diff, exported in run_ranks(_ep_rank, 2, want, str(tmp_path / "hf"), timeout=120):
+        assert diff < 1e-5
+        assert set(exported) == set(ref) and all(torch.equal(exported[k], ref[k]) for k in ref)
+    save_hf_safetensors(exported, str(tmp_path / "ours"), hf_config_dict(config_from_hf(hf.config)))
+    back = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        assert (back(_ids()).logits - want).abs().max() < 1e-5

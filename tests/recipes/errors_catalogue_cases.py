@@ -110,11 +110,6 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["model.preset=deepseek_tiny", "model.moe_groups=4"], "model.moe_groups", {}),
     (["model.preset=deepseek_tiny", "model.moe_topk_groups=1"], "model.moe_topk_groups", {}),
     (["model.preset=mixtral_tiny", "model.moe_bias_update_rate=0.001"], "model.moe_bias_update_rate", {}),
-    (
-        ["model.preset=deepseek_tiny", "parallel.tp=2", "parallel.sequence_parallel=true"],
-        "parallel.sequence_parallel",
-        {},
-    ),
     (["model.preset=deepseek_tiny", "parallel.cp=2"], "parallel.cp", {}),
     # your own model (recipes/training/target_model.py)
     (["model.target=examples.no_such_module:build"], "model.target", {}),
