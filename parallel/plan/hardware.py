@@ -140,14 +140,19 @@ class Hardware:
             return 1e12 * (self.peak_tflops_8 or self.peak_tflops_32)
         return 1e12 * (self.peak_tflops_32 if precision == "fp32" else self.peak_tflops_16)
 
-    def bandwidth(self, crosses_node: bool) -> float:
-        """Bytes per second one rank sends at in a ring inside a node or across nodes."""
-        return 1e9 * (self.inter_node_gbps if crosses_node else self.intra_node_gbps)
+    def bandwidth(self, crosses_node: bool, per_node: int = 1) -> float:
+        """Bytes per second one rank sends at in a ring inside a node or across nodes. Across nodes, a
+        ring group with ``per_node`` members on each node runs ``per_node`` rings (NCCL: a channel per
+        NIC), each through its own member's NIC and crossing each node boundary once: a rank's bytes
+        leave the node through ``per_node`` NICs at once, at most at the node's own link rate."""
+        if not crosses_node:
+            return 1e9 * self.intra_node_gbps
+        return 1e9 * min(self.intra_node_gbps, max(1, per_node) * self.inter_node_gbps)
 
-    def kind_bandwidth(self, kind: str, crosses_node: bool) -> float:
-        """Bytes per second one rank sends at in a collective of ``kind``: the ring's, times the
-        host's measured scale for its kind."""
-        return self.bandwidth(crosses_node) * host_costs(self).kind_scale(kind)
+    def kind_bandwidth(self, kind: str, crosses_node: bool, per_node: int = 1) -> float:
+        """Bytes per second one rank sends at in a collective of ``kind`` (``per_node``: a ring's
+        members on one node, :meth:`bandwidth`): the ring's, times the host's measured scale for its kind."""
+        return self.bandwidth(crosses_node, per_node) * host_costs(self).kind_scale(kind)
 
     @property
     def hbm_bytes_per_s(self) -> float:

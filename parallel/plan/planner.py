@@ -24,7 +24,7 @@ from .pipeline import p2p_message_seconds, pipeline_step
 from .result import ParamCounter, Plan, RankClass
 from .shape import layer_partition, model_flops_per_token
 from .stage import Stage, alike_key, stages
-from .traffic import AxisTraffic, dp_traffic, group_crosses_node
+from .traffic import AxisTraffic, axis_traffic, dp_traffic, group_crosses_node
 
 
 @dataclass
@@ -164,7 +164,7 @@ def _dp(ctx: Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> tu
     dims, tr, hw, zdp, edp, e, m = ctx.dims, ctx.tr, ctx.hw, ctx.zdp, ctx.edp, ctx.e, ctx.m
     pol, t, gpn = policy(dims.zero), dims.tp, hw.gpus_per_node
     per_unit = pol.gathers_per_unit
-    dp_axis = AxisTraffic(zdp, group_crosses_node(t, zdp, gpn))
+    dp_axis = axis_traffic(t, zdp, gpn)
     counts = M.zero_bucket_counts(params, ctx.bucket, e, per_unit)  # one collective each
     if counts is not None:  # the engine's buckets: per block (ZeRO-3), then the rest
         buckets, units, root_calls = sum(counts), max(1, sum(counts[:-1])), counts[-1]  # a middle stage: no rest
@@ -190,7 +190,7 @@ def _dp(ctx: Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> tu
         overlap=tr.overlap,
         **common,
     )
-    edp_axis = dp_axis if not dims.ep_enabled else AxisTraffic(edp, group_crosses_node(t * dims.ep, edp, gpn))
+    edp_axis = dp_axis if not dims.ep_enabled else axis_traffic(t * dims.ep, edp, gpn)
     scalars_ep = 0.0
     if epsi:  # expert gradients (and stage-3 gathers) on edp, hidden behind the same backward
         e_times = dp_traffic(hw, edp_axis, psi=epsi, regathered_psi=epsi, **common)

@@ -14,7 +14,7 @@ from .cp import cp_traffic, extra_activation_bytes
 from .exposure import partly_hidden
 from .hardware import host_costs
 from .inputs import Setup
-from .traffic import AxisTraffic, group_crosses_node, tp_traffic
+from .traffic import AxisTraffic, axis_traffic, tp_traffic
 
 
 class Stage(NamedTuple):
@@ -61,9 +61,9 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
     dims, tr, hw, local, moe, m, e = ctx.dims, ctx.tr, ctx.work_hw, ctx.local, ctx.moe, ctx.m, ctx.e
     t, sp, ckpt, mb = dims.tp, dims.sp_enabled, tr.checkpointing, tr.micro_batch
     params = M.StageParams(0)  # activations and TP messages: s/cp tokens; FLOPs: those tokens over all s
-    tp_axis = AxisTraffic(t, group_crosses_node(1, t, hw.gpus_per_node))
-    cp_axis = AxisTraffic(dims.cp, group_crosses_node(t, dims.cp, hw.gpus_per_node))
-    ep_axis = AxisTraffic(dims.ep, group_crosses_node(t * dims.cp, dims.ep, hw.gpus_per_node))
+    tp_axis = axis_traffic(1, t, hw.gpus_per_node)
+    cp_axis = axis_traffic(t, dims.cp, hw.gpus_per_node)
+    ep_axis = axis_traffic(t * dims.cp, dims.ep, hw.gpus_per_node)
     fwd = bwd = flops_s = 0.0
     acts = []
     layer = C.layer_time(local, mb, t, sp, hw, tr.precision, tr.attention, tr.fp8)

@@ -21,9 +21,24 @@ from .hardware import Hardware, host_costs
 RING_STEPS = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "broadcast": 1, "all_to_all": 1}  # × (N-1)
 
 
+#: the collectives NCCL runs as rings (or pipelined chains): every rank's bytes travel the ring's links in turn
+RING_KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
 def group_crosses_node(stride: int, size: int, gpus_per_node: int) -> bool:
     """Whether ranks ``0, stride, …, (size−1)·stride`` (the first group of an axis) span >1 node."""
     return size > 1 and (size - 1) * stride // gpus_per_node > 0
+
+
+def members_per_node(stride: int, size: int, gpus_per_node: int) -> int:
+    """How many of ranks ``0, stride, …, (size−1)·stride`` share one node (1 when ``stride`` spans a node)."""
+    return max(1, min(size, gpus_per_node // max(1, stride)))
+
+
+def axis_traffic(stride: int, size: int, gpus_per_node: int) -> AxisTraffic:
+    """The empty ledger of an axis whose first group is ranks ``0, stride, …, (size−1)·stride``."""
+    crosses = group_crosses_node(stride, size, gpus_per_node)
+    return AxisTraffic(size, crosses, per_node=members_per_node(stride, size, gpus_per_node))
 
 
 @dataclass
@@ -37,9 +52,10 @@ class AxisTraffic:
     items: list[str] = field(default_factory=list)
     by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # kind → calls, seconds (all of them)
     measured_s: float = 0.0  # of the last add()'s time, the part priced with a measured ahead_call_us
+    per_node: int = 1  # the group's members on one node: ring kinds leave it through as many NICs
 
     def as_dict(self) -> dict:
-        out = {k: v for k, v in vars(self).items() if k != "measured_s"}
+        out = {k: v for k, v in vars(self).items() if k not in ("measured_s", "per_node")}
         return {**out, "items": list(self.items), "by_kind": {k: dict(v) for k, v in self.by_kind.items()}}
 
     def copy(self) -> AxisTraffic:
@@ -78,7 +94,7 @@ class AxisTraffic:
         else:
             ahead = n_ahead * ring
         fixed = blocking * (ring + host.collective_overhead_us * 1e-6) + ahead
-        wire = sent / hw.kind_bandwidth(kind, self.crosses_node)
+        wire = sent / hw.kind_bandwidth(kind, self.crosses_node, self.per_node if kind in RING_KINDS else 1)
         one = wire + fixed
         # ahead_call_us is measured net of overlap, bytes included (recipes.tools.calibrate_fit.fit_launched_ahead)
         self.measured_s = (wire * n_ahead / calls + ahead) if host.ahead_call_us > 0 and n_ahead else 0.0

@@ -29,8 +29,8 @@ LLAMA_13B = [
     "model.seq_len=512",
     "train.precision=fp16",
     "comm.dtype=fp16",
-    "plan.inter_node_gbps=12.5",
-]  # the brief's 26 GB all-reduce: fp16 on the wire
+    "plan.inter_node_gbps=1.5625",
+]  # the brief's 26 GB all-reduce: fp16 on the wire; its 100 Gb/s Ethernet is one link per node: 12.5 GB/s over 8 GPUs
 GPT3 = [
     "model.preset=gpt3_175b",
     "train.precision=bf16",

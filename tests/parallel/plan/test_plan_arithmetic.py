@@ -4,7 +4,7 @@ import pytest
 
 from parallel.plan import ModelShape, PlanError, hardware_profile, model_state_bytes
 from parallel.plan.memory import layer_activation_bytes
-from parallel.plan.traffic import AxisTraffic, dp_traffic, group_crosses_node
+from parallel.plan.traffic import AxisTraffic, axis_traffic, dp_traffic, group_crosses_node, members_per_node
 
 GB = 1e9
 
@@ -81,6 +81,28 @@ def test_node_crossing():
     assert group_crosses_node(1, 16, 8)
     assert group_crosses_node(8, 2, 8)
     assert not group_crosses_node(2, 4, 8) and group_crosses_node(4, 4, 8)
+
+
+def test_a_ring_across_nodes_leaves_each_node_through_its_members_nics():
+    """k members of a ring group per node: k rings, each through one member's NIC, so a rank sends at
+    k NICs' rate, at most NVLink's; all-to-all and p2p stay at one NIC (every rank's bytes cross)."""
+    assert [members_per_node(s, n, 8) for s, n in ((1, 64), (2, 32), (8, 64), (1, 4), (16, 4))] == [
+        8,
+        4,
+        1,
+        4,
+        1,
+    ]
+    hw = hardware_profile("h100")  # NIC 50 GB/s, NVLink 450 GB/s per GPU
+    assert hw.bandwidth(True, per_node=1) == 50e9 and hw.bandwidth(True, per_node=4) == 200e9
+    assert hw.bandwidth(True, per_node=8) == 400e9 and hw.bandwidth(False, per_node=8) == 450e9
+    assert hardware_profile("h100", inter_node_gbps=100.0).bandwidth(True, per_node=8) == 450e9  # NVLink bounds it
+    ring, single = axis_traffic(1, 64, 8), axis_traffic(8, 64, 8)
+    assert ring.add("all_gather", 64e9, 1, hw, "x") * 8 == pytest.approx(
+        single.add("all_gather", 64e9, 1, hw, "x"), 1e-2
+    )
+    a2a = axis_traffic(1, 64, 8)
+    assert a2a.add("all_to_all", 64e9, 1, hw, "x") == pytest.approx(single.add("all_to_all", 64e9, 1, hw, "x"))
 
 
 def test_profiles_custom_and_errors():
