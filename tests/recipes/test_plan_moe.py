@@ -66,3 +66,13 @@ def test_deepseek_dry_run_on_the_papers_layout_in_miniature_equals_the_plan(tmp_
         # states at these sizes (1.30 and 1.12 here; 1.03 and 0.92 without recomputation); at full size the
         # first and last ranks come to 1.053 and 0.988 of the plan (docs/performance.md)
         assert 0.85 <= mem["total"] / pm["total"] <= 1.4, (r, mem, pm)
+
+
+def test_the_deepseek_v3_recipe_is_the_papers_layout_and_fits():
+    """recipes/conf/deepseek_v3.yaml: 2,048 ranks as PP16 × EP64 with ZeRO-1 DP (no TP), planned to fit an
+    80 GB GPU (21.5 GB at stage 0; its first and last ranks' dry runs: docs/performance.md)."""
+    rc = recipe("deepseek_v3", [])
+    plan = plan_from_config(rc)
+    layout = plan.layout
+    assert (layout["dp"], layout["pp"], layout["ep"], layout["tp"], layout["zero"]) == (128, 16, 64, 1, 1)
+    assert all(r.fits for r in plan.ranks) and max(r.memory["total"] for r in plan.ranks) < 25e9
