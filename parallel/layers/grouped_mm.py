@@ -11,9 +11,10 @@ same products and sums per row, so forward and gradients equal the loop's to rou
 
 :func:`expert_matmul_kind` picks the way once per device type (cached): on CUDA ``"grouped"`` where the GPU
 has the kernel (compute capability ≥ 8.0), on CPU the fastest measured by ``python -m benchmarks.moe
---grouped`` (docs/performance.md). A call whose operands the grouped kernel does not take (CUDA: other than
-bf16; any device: a row stride not a multiple of 16 bytes) falls back to the loop, decided on the host from
-shapes and dtype alone. The CUDA path is not run by this project's CPU tests.
+--grouped`` (docs/performance.md), on meta (the dry run) the GPU's. A call whose operands the grouped kernel
+does not take (CUDA and meta: other than bf16; any device: a row stride not a multiple of 16 bytes) falls
+back to the loop, decided on the host from shapes and dtype alone. Importing this module gives torch's
+``FlopCounterMode`` a formula for the grouped kernel. The CUDA path is not run by this project's CPU tests.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 KINDS = ("grouped", "padded", "loop")
 #: the CPU's choice, measured by ``python -m benchmarks.moe --grouped`` (docs/performance.md, issue 33)
@@ -31,11 +33,28 @@ CPU_KIND = "grouped"
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of one grouped matmul (torch's ``FlopCounterMode`` has no formula for it: expert matmuls
+    counted 0): ``[n, k] @ [L, k, m]`` 2·n·k·m; the weights' gradient ``[k, n] @ [n, m]``, its
+    contraction split into the groups, 2·k·n·m; batched ``[L, n, k] @ [L, k, m]`` 2·L·n·k·m."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * a_shape[-1] * functools.reduce(lambda x, y: x * y, out_shape, 1)
+
+
+if torch.ops.aten._grouped_mm not in flop_registry:  # registered once per process (torch's registry is global)
+    register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
+
+
 @functools.cache
 def expert_matmul_kind(device_type: str) -> str:
-    """How experts multiply on ``device_type`` (``"cuda"``, ``"cpu"``, ...): one of :data:`KINDS`, decided once."""
+    """How experts multiply on ``device_type`` (``"cuda"``, ``"cpu"``, ...): one of :data:`KINDS`, decided once.
+    ``"meta"`` is the dry run's stand-in for a GPU (:mod:`parallel.dryrun`): the GPU's kernel, under its
+    rule (bf16), with torch's meta shapes; not a Python loop over the rank's experts."""
     if _grouped_mm is None:
         return "loop"
+    if device_type == "meta":
+        return "grouped"
     if device_type == "cuda":
         return "grouped" if torch.cuda.get_device_capability() >= (8, 0) else "loop"
     return CPU_KIND if device_type == "cpu" else "loop"
@@ -43,7 +62,7 @@ def expert_matmul_kind(device_type: str) -> str:
 
 def grouped_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the grouped kernel takes ``x`` ``[n, in]`` @ ``w`` ``[L, in, out]`` (host facts only)."""
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+    if x.device.type in ("cuda", "meta") and x.dtype != torch.bfloat16:
         return False
     size = x.element_size()
     return x.dtype == w.dtype and (w.shape[1] * size) % 16 == 0 and (w.shape[2] * size) % 16 == 0

@@ -26,6 +26,7 @@ class MoEShape(ModelShape):
     moe_capacity_factor: float | None = None  # None: dropless (the only routing cp can take)
     moe_first_dense: int = 0  # the first blocks keep their MLP (DeepSeek's first_k_dense_replace)
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+    moe_bias_update_rate: float = 0.0  # aux-loss-free balancing: the load all-reduce after each step
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether block ``i`` has experts (``models.config.ModelConfig.is_moe_layer``)."""
@@ -141,6 +142,15 @@ def ep_choices(moe: MoEShape | None, dp: int) -> list[int]:
 def moe_layers_in(moe: MoEShape | None, layers: range) -> int:
     """How many of ``layers`` (global indices) are MoE blocks (``models.config.ModelConfig.is_moe_layer``)."""
     return 0 if moe is None else sum(1 for i in layers if moe.is_moe_layer(i))
+
+
+def bias_load_traffic(moe: MoEShape | None, axis, hw, *, n_moe: int) -> float:
+    """Aux-loss-free balancing's one all-reduce per step of the stage's ``[n_moe, E]`` int64 expert loads
+    (:func:`parallel.layers.moe.update_router_bias_`, after the optimizer step: nothing hides it) over
+    ``axis``; returns its seconds. Nothing without a bias update rate or MoE blocks."""
+    if moe is None or not moe.moe_bias_update_rate or n_moe == 0:
+        return 0.0
+    return axis.add("all_reduce", COUNT_BYTES * moe.moe_experts * n_moe, 1, hw, "expert loads for the bias (int64)")
 
 
 def ep_split(params, ep: int):

@@ -104,7 +104,10 @@ def _rank(ctx: Setup, s: int, st: Stage, in_flight: int, pp_crosses: bool, total
         what = "sequence-parallel parameter gradients (fp32 shard)"
         tp_axis.add("all_reduce", sp_shard * 4, 1, hw, what, calls=extras["tp"])
     scalars = tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
-    dp_axis, edp_axis = _dp(ctx, st, params, psi, epsi, totals)
+    n_moe = sum(MoE.moe_layers_in(ctx.moe, r) for _, r in st.chunks)
+    if dims.sp_enabled:  # SP's tp ranks route different tokens: their loads are summed too, every step
+        scalars += MoE.bias_load_traffic(ctx.moe, tp_axis, hw, n_moe=n_moe)
+    dp_axis, edp_axis = _dp(ctx, st, params, psi, epsi, totals, n_moe)
     if dims.offload == "none":  # offloaded, the step runs on the host: offload_seconds prices it
         totals.optimizer_s = max(totals.optimizer_s, C.optimizer_seconds(shard, ctx.work_hw))
     pp_axis = AxisTraffic(pp, pp_crosses)
@@ -158,9 +161,11 @@ def _alike_rank(ctx: Setup, like: RankClass, s: int, st: Stage, in_flight: int) 
     )
 
 
-def _dp(ctx: Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> tuple[AxisTraffic, AxisTraffic]:
+def _dp(
+    ctx: Setup, st: Stage, params, psi: int, epsi: int, totals: _Step, n_moe: int
+) -> tuple[AxisTraffic, AxisTraffic]:
     """The DP (and expert DP) traffic of a stage's ranks, as the engine's buckets issue it, and what
-    of it compute cannot hide (into ``totals``); returns the dp and edp axes."""
+    of it compute cannot hide (into ``totals``); returns the dp and edp axes. ``n_moe``: its MoE blocks."""
     dims, tr, hw, zdp, edp, e, m = ctx.dims, ctx.tr, ctx.hw, ctx.zdp, ctx.edp, ctx.e, ctx.m
     pol, t, gpn = policy(dims.zero), dims.tp, hw.gpus_per_node
     per_unit = pol.gathers_per_unit
@@ -203,7 +208,8 @@ def _dp(ctx: Setup, st: Stage, params, psi: int, epsi: int, totals: _Step) -> tu
     n_scalars = 1 + pol.shards_optimizer
     dp_one = dp_axis.add("all_reduce", 4, n_scalars, hw, "loss and gradient norm (fp32 scalars)")
     norm_dp = (n_scalars - 1) * dp_one + (scalars_ep if epsi and not pol.shards_optimizer else 0.0)
-    scalars_s = STEP_SCALARS.exposed(dp_one + norm_dp, 0.0)
+    loads = MoE.bias_load_traffic(ctx.moe, dp_axis, hw, n_moe=n_moe)  # every step, read or not
+    scalars_s = STEP_SCALARS.exposed(dp_one + norm_dp + loads, 0.0)
     norm_always = norm_every_step(tr.grad_clip, tr.precision, dims.offload)
     read_only_dp = STEP_SCALARS.exposed(dp_one + (0.0 if norm_always else norm_dp), 0.0)
     fraction = host_costs(hw).overlap_fraction

@@ -1,6 +1,6 @@
 """DeepSeek-V3 (MLA, sigmoid group-limited routing with a selection bias, shared experts, a dense first
 layer; YaRN, which scales the softmax too) loaded from a folder ``save_pretrained`` wrote: transformers'
-logits at (tp, pp, ep) = (1,1,1), (1,2,1) and (2,2,2); lossless export; ``from_pretrained`` of our export;
+logits at (tp, pp, ep) = (1,1,1), (2,1,1), (1,2,1) and (2,2,2); lossless export; ``from_pretrained`` of our export;
 the refusals (odd sizes: vocab 250, 6 experts in 3 groups, v_head_dim ≠ qk head dim)."""
 
 import json
@@ -112,6 +112,8 @@ def test_a_saved_folder_gives_transformers_logits_on_the_grid(saved):
     variant, folder, _, ref = saved
     torch.testing.assert_close(_ours(folder), ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(_ours(folder, pp=2), ref, atol=1e-5, rtol=0)
+    for logits in run_ranks(_ours, 2, folder, 2, timeout=120):  # tp 2 alone: MLA's heads (either q) split
+        torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
     if variant != "plain_q":  # tp 2 splits the heads, ep 2 the experts (each rank loads its own), 2 stages
         for logits in run_ranks(_ours, 4, folder, 2, 2, 2, timeout=120):
             torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)

@@ -1,6 +1,7 @@
 """Llama 3.1 (rope scaling, biases, head_dim ≠ d/h), Qwen2 (q/k/v biases), Qwen3 (QK-norm) and YaRN, each
-loaded from a folder ``save_pretrained`` wrote: transformers' logits at tp 1 and 2 and a pipeline's
-last stage, lossless export, and ``from_pretrained`` of our export (odd sizes: vocab 300, kv < heads)."""
+loaded from a folder ``save_pretrained`` wrote: transformers' logits at tp 1 and 2, as one stage and as two
+pipeline stages (Qwen3 MoE also at ep 2), lossless export, and ``from_pretrained`` of our export (odd sizes:
+vocab 300, kv < heads)."""
 
 import json
 
@@ -91,29 +92,39 @@ def _ids():
 
 
 def _ours(folder, tp, ep=1):
+    """Logits at tp × ep ranks as one stage and as two (layer 0 | layer 1, each stage built and loaded
+    alone, run in turn); the whole model's export (gathering every expert over ep); at ep 1 the keys of
+    the last stage's export."""
     groups = build_groups(Topology(ep, 1, tp, ep=ep))
     cfg = config_from_hf(json.loads(open(f"{folder}/config.json").read()))
-    stage = build_model(cfg, tp_group=groups.tp, ep_group=groups.ep, device="meta").to_empty(device="cpu")
-    load_hf_weights(stage, folder, groups.tp)
-    if ep > 1:  # the export gathers every expert over ep
-        logits = comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., :VOCAB]
-        return logits, export_hf_state_dict(stage, groups.tp, groups.ep), None
-    logits = comm.all_gather_along(stage(_ids()).detach(), -1, groups.tp)[..., :VOCAB]
-    last = load_hf_weights(
-        build_model(cfg, tp_group=groups.tp, layers=range(1, 2), has_embedding=False), folder, groups.tp
-    )
-    return logits, export_hf_state_dict(stage, groups.tp), sorted(export_hf_state_dict(last, groups.tp))
+
+    def stage(layers, **kw):
+        built = build_model(cfg, tp_group=groups.tp, ep_group=groups.ep, layers=layers, device="meta", **kw)
+        return load_hf_weights(built.to_empty(device="cpu"), folder, groups.tp)
+
+    def gathered(h):
+        return comm.all_gather_along(h.detach(), -1, groups.tp)[..., :VOCAB]
+
+    whole = stage(range(2))
+    logits = gathered(whole(_ids()))
+    last = stage(range(1, 2), has_embedding=False)
+    two_stages = gathered(last(stage(range(1), has_head=False)(_ids())))
+    if ep > 1:
+        return logits, two_stages, export_hf_state_dict(whole, groups.tp, groups.ep), None
+    return logits, two_stages, export_hf_state_dict(whole, groups.tp), sorted(export_hf_state_dict(last, groups.tp))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_saved_folder_gives_transformers_logits_at_tp1_and_tp2(family, tmp_path):
+def test_a_saved_folder_gives_transformers_logits_at_tp1_and_tp2_on_one_and_two_stages(family, tmp_path):
+    """(tp, pp) in {1, 2}²; Qwen3 MoE also at ep 2 with each (tp, pp), each ep rank loading its own experts."""
     hf = _hf(family, tmp_path / "hf")
     with torch.no_grad():
         ref = hf(_ids()).logits
     state = hf.state_dict()
     for tp in (1, 2):
-        logits, exported, last_keys = run_ranks(_ours, tp, str(tmp_path / "hf"), tp, timeout=120)[0]
+        logits, two_stages, exported, last_keys = run_ranks(_ours, tp, str(tmp_path / "hf"), tp, timeout=120)[0]
         torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(two_stages, ref, atol=1e-5, rtol=0)
         tied = hf.config.tie_word_embeddings
         assert exported.keys() == {k for k in state if not (tied and k == "lm_head.weight")}
         for k, v in exported.items():
@@ -121,8 +132,9 @@ def test_a_saved_folder_gives_transformers_logits_at_tp1_and_tp2(family, tmp_pat
         assert last_keys and all(".0." not in k for k in last_keys)
     if family == "qwen3_moe":  # each ep rank loads its experts only; export at ep 2 (× tp 2) is ep 1's
         for tp in (1, 2):
-            for logits, exported, _ in run_ranks(_ours, 2 * tp, str(tmp_path / "hf"), tp, 2, timeout=120):
+            for logits, two_stages, exported, _ in run_ranks(_ours, 2 * tp, str(tmp_path / "hf"), tp, 2, timeout=120):
                 torch.testing.assert_close(logits, ref, atol=1e-5, rtol=0)
+                torch.testing.assert_close(two_stages, ref, atol=1e-5, rtol=0)
                 assert exported.keys() == state.keys()
                 assert all(torch.equal(v, state[k]) for k, v in exported.items())
 

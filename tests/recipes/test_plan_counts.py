@@ -30,6 +30,12 @@ def test_published_totals():
     assert _total(meta_param_counter(preset("gpt2")), preset("gpt2"))[0] == 124_439_808 + 47 * 768
     llama = preset("llama_7b")  # 32000 is already a multiple of 128
     assert _total(meta_param_counter(llama), llama)[0] == 6_738_415_616
+    # Llama 3.1 8B and 70B: 8.03B and 70.6B published (the meta-llama/Llama-3.1-8B and -70B model pages on the
+    # Hugging Face Hub); exactly 8,030,261,248 and 70,553,706,496 from their published configs (vocabulary
+    # 128,256, untied), summed over the stages and TP ranks of a split layout (tp = 2 pads nothing: 501 · 256)
+    for name, published, pp, tp in (("llama3_8b", 8_030_261_248, 4, 2), ("llama3_70b", 70_553_706_496, 8, 2)):
+        cfg = preset(name)
+        assert _total(meta_param_counter(cfg), cfg, pp=pp, tp=tp)[0] == published, name
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gpt_tiny", "llama_tiny"])

@@ -1,6 +1,6 @@
 """The experts' grouped matmuls (parallel/layers/grouped_mm.py): every way equals the loop, forward and
 backward (fp32, uneven segments with empty ones), with and without biases; unaligned operands fall back;
-the way is chosen once per device type."""
+the way is chosen once per device type (on meta, the GPU's); torch's FLOP counter counts the grouped kernel."""
 
 import pytest
 import torch
@@ -54,4 +54,45 @@ def test_the_way_is_chosen_once_per_device_type():
     before = expert_matmul_kind.cache_info().misses
     expert_matmul_kind("cpu")
     assert expert_matmul_kind.cache_info().misses == before  # cached: decided once
-    assert expert_matmul_kind("meta") == "loop"
+    assert expert_matmul_kind("meta") == "grouped"  # the dry run's GPU
+
+
+def _ops(experts: int, dtype: torch.dtype) -> list[str]:
+    """The aten ops one forward + backward of ``experts`` meta experts dispatches (uneven segments)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    seen: list[str] = []
+    with torch.device("meta"):
+        layer = GroupedExperts(experts, 16, 24, activation="swiglu", bias=False).to(dtype)
+    sizes = [3 * (i % 3) for i in range(experts)]
+    x = torch.empty(sum(sizes), 16, device="meta", dtype=dtype, requires_grad=True)
+    with Ops():
+        layer(x, sizes).sum().backward()
+    return seen
+
+
+def test_on_meta_the_experts_run_the_gpus_kernel_in_as_many_ops_whatever_their_number():
+    """The dry run (meta tensors) of a rank holding many experts (DeepSeek-V3: 256 / ep) costs what one
+    holding few does: bf16 runs the grouped kernel, as a GPU does; fp32 the GPU's fallback, the loop."""
+    few, many = _ops(4, torch.bfloat16), _ops(32, torch.bfloat16)
+    assert few == many and "aten._grouped_mm" in few
+    assert "aten._grouped_mm" not in _ops(4, torch.float32) and len(_ops(32, torch.float32)) > len(few)
+
+
+def test_the_flop_counter_counts_grouped_matmuls_as_the_loop():
+    """torch's FlopCounterMode has no formula for the grouped kernel (the planner's FLOPs against it,
+    benchmarks/deepseek_flops.py, read 1.25-2.0 instead of 1.01-1.07): forward and backward as the loop."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    experts = GroupedExperts(len(SIZES), 16, 24, activation="swiglu", bias=False)
+    counted = {}
+    for kind in ("grouped", "loop"):
+        with FlopCounterMode(display=False) as counter:
+            _grads(experts, SIZES, kind, 16)
+        counted[kind] = counter.get_total_flops()
+    assert counted["grouped"] == counted["loop"] == 3 * 2 * 3 * sum(SIZES) * 16 * 24  # 3 matmuls, fwd + 2 bwd
