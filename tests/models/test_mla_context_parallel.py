@@ -33,7 +33,9 @@ VARIANTS = {
     "documents_ring": (DENSE, "ring", True),
 }
 # each window's positions: documents restarting mid-window (a chunk boundary falls inside one)
-POSITIONS = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6], [3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 0, 1, 2]])
+POSITIONS = torch.tensor(
+    [[0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6], [3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 0, 1, 2]]
+)
 
 
 def _batch(step, cfg):
@@ -47,7 +49,8 @@ def _train(cfg, impl, documents):
     cp = dist.get_world_size() if dist.is_initialized() else 1
     r, group = (dist.get_rank(), dist.new_group(list(range(cp)))) if cp > 1 else (0, None)
     model = build_model(cfg, cp_group=group, cp_impl=impl, seed=3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # Adam magnifies ~1e-8 gradient noise to ~lr on near-zero gradients
+    # lr 1e-3: Adam turns ~1e-8 of gradient noise on near-zero gradients (unseen embedding rows) into ~lr
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, grads = [], None
     for step in range(STEPS):
         ids, targets = _batch(step, cfg)
