@@ -56,7 +56,7 @@ def multi_head_latent_attention(d_model: int, n_heads: int, n_kv_heads: int, *, 
         rope_interleave=cfg.rope_interleave,
         norm_eps=cfg.norm_eps,
         bias=cfg.bias("qkv"),
-        **{k: v for k, v in kw.items() if k != "cp_impl"},
+        **kw,
     )
 
 

@@ -1,4 +1,4 @@
-"""Config checks of single features (MLA, document packing, fp8): each refuses, in one line with the
+"""Config checks of single features (document packing, fp8): each refuses, in one line with the
 fix, a combination the feature does not support; :func:`recipes.validation.validate` calls them."""
 
 from __future__ import annotations
@@ -10,16 +10,6 @@ from parallel.layers.fp8 import fp8_device_problem
 from parallel.precision import FP8
 
 from .config import ConfigError, bad
-
-
-def check_mla(p: Any, mc: Any) -> None:
-    """Multi-head latent attention (DeepSeek-V3) runs without context parallelism (sequence parallelism
-    is built: :mod:`parallel.layers.mla`)."""
-    if mc.mla and p.cp > 1:
-        raise ConfigError(
-            f"parallel.cp={p.cp} with multi-head latent attention (model.kv_lora_rank={mc.kv_lora_rank}): MLA "
-            "splits its heads over tp only; set parallel.cp=1"
-        )
 
 
 def check_packing(cfg: Any) -> None:

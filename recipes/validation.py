@@ -26,7 +26,12 @@ from parallel.dims import (
     offload_problem,
     topk_ratio_problem,
 )
-from parallel.layers.moe import CONTEXT_PARALLEL_CAPACITY_REFUSED, SEQUENCE_PARALLEL_CAPACITY_REFUSED, MoEConfigError
+from parallel.layers.moe import (
+    CONTEXT_PARALLEL_CAPACITY_REFUSED,
+    CONTEXT_PARALLEL_SEQ_AUX_REFUSED,
+    SEQUENCE_PARALLEL_CAPACITY_REFUSED,
+    MoEConfigError,
+)
 from parallel.pipeline.schedules import SCHEDULES, schedule_problem, zero_bubble_problem
 from parallel.precision import FP8_RECIPES, PRECISIONS, TRAIN_PRECISIONS
 from parallel.zero.compression import COMPRESSIONS
@@ -34,7 +39,7 @@ from parallel.zero.policy import ZERO_STAGES
 from parallel.zero.theory import ZERO_ACCUMULATE, accumulate_applies  # noqa: F401 (re-exported)
 
 from .config import ConfigError, Layout, ParallelConfig, _show, bad, model_config
-from .feature_checks import check_fp8, check_mla, check_packing
+from .feature_checks import check_fp8, check_packing
 from .keys import check_keys, check_overrides, check_values, key_error, schema_keys, unknown_keys
 from .training.checkpointing import CKPT_ON_ERROR
 from .training.packing import PACKINGS
@@ -147,7 +152,7 @@ def parallel_dims(p: ParallelConfig, dp: int, mc: Any, compression: str = "none"
             compression=compression,
             seq_len=mc.seq_len,
             n_heads=mc.n_heads,
-            n_kv_heads=mc.n_kv_heads,
+            n_kv_heads=mc.n_heads if mc.mla else mc.n_kv_heads,  # MLA's k carries every head
             n_layers=mc.n_layers,
             d_ff=mc.d_ff,
             moe_experts=mc.moe_experts,
@@ -181,6 +186,11 @@ def _check_moe(p: Any, dims: ParallelDims, mc: Any, cfg: Any) -> None:
     if dims.cp_enabled and mc.moe_capacity_factor is not None:
         raise ConfigError(
             f"parallel.cp={p.cp}, model.moe_capacity_factor={mc.moe_capacity_factor}: {CONTEXT_PARALLEL_CAPACITY_REFUSED}"
+        )
+    if dims.cp_enabled and mc.moe_seq_aux_loss_weight:
+        raise ConfigError(
+            f"parallel.cp={p.cp}, model.moe_seq_aux_loss_weight={mc.moe_seq_aux_loss_weight}: "
+            f"{CONTEXT_PARALLEL_SEQ_AUX_REFUSED}"
         )
     if dims.sp_enabled and mc.moe_capacity_factor is not None:
         raise ConfigError(
@@ -343,7 +353,6 @@ def validate(cfg: Any, world_size: int | None = None) -> Layout:
     if problem:
         raise ConfigError(problem)
     dims = parallel_dims(p, dp, mc, cfg.comm.compression)
-    check_mla(p, mc)
     _check_moe(p, dims, mc, cfg)
     grad_accum = _grad_accum(t, dims)
     _check_pipeline(p, mc)

@@ -24,7 +24,17 @@ norms run on them (their weights, replicated, are marked ``sequence_parallel``: 
 covers its tokens only, and :func:`~.norm.reduce_sequence_parallel_grads` sums them over TP, as for
 the block's norms). The up-projections all-gather the narrow latents along the sequence (not
 ``x``: ``q_lora_rank + kv_lora_rank + qk_rope_head_dim`` wide instead of ``d_model``) and
-reduce-scatter their gradients; ``o_proj`` reduce-scatters its output. Context parallelism is refused.
+reduce-scatter their gradients; ``o_proj`` reduce-scatters its output.
+
+**Context parallelism** (``cp_group``, ``cp_impl``: :mod:`.ring_attention`'s layout and kernels). The
+input is this rank's ``s/cp`` tokens (chunks ``r`` and ``2·cp−1−r``); everything up to the attention
+core is per token, so it runs on them unchanged. The decoupled rotary parts turn at the tokens' global
+positions (:func:`~.ring_attention.cp_positions`; packed documents: their in-document positions,
+``DocumentMask.local``), ``k_pe`` is expanded to this rank's heads, and q ``[b, h, s/cp, nope+rope]``,
+k (the same width) and v (``v_head_dim`` wide) go to :func:`~.ring_attention.context_parallel_attention`
+at this layer's scale: Ulysses all-to-alls them to whole sequences of ``h/(tp·cp)`` heads (the heads per
+TP rank must divide by cp), the ring circulates K|V (``nope + rope + v`` wide per head). Both take
+packed documents' masks.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from .attention import apply_rotary, rope_softmax_mscale, rotary_cos_sin
 from .documents import DocumentMask, document_attention
 from .linear import ColumnParallelLinear, LayerConfigError, RowParallelLinear, divide
 from .norm import RMSNorm
+from .ring_attention import check_cp_impl, check_ulysses_heads, context_parallel_attention, cp_positions
 
 
 def _replicated_linear(d_in: int, d_out: int, bias: bool, sequence_parallel: bool, **kw) -> nn.Linear:
@@ -59,7 +70,9 @@ class MultiHeadLatentAttention(nn.Module):
     (``(q_lora_rank + kv_lora_rank + qk_rope_head_dim)/d_model · A``; with ``q_lora_rank=None``
     the query's input gradient ``A`` instead of its latent's). Sequence-parallel: the same widths
     all-gathered forward and reduce-scattered backward (the latents with ``k_pe``, or ``x`` for a plain
-    q projection, each collective its own), and the output reduce-scattered forward, all-gathered backward."""
+    q projection, each collective its own), and the output reduce-scattered forward, all-gathered backward.
+    Context-parallel: on ``cp_group``, the attention core's (:func:`~.ring_attention.ring_bytes`,
+    :func:`~.ring_attention.ulysses_bytes` with ``v_head_dim``; kv heads = this rank's heads)."""
 
     def __init__(
         self,
@@ -79,17 +92,20 @@ class MultiHeadLatentAttention(nn.Module):
         tp_group=None,
         sequence_parallel: bool = False,
         cp_group=None,
+        cp_impl: str = "ring",
         recompute_core: bool = False,
         device=None,
         dtype=None,
     ):
         super().__init__()
-        if comm.tp_world_size(cp_group) > 1:
-            raise LayerConfigError("multi-head latent attention does not take context parallelism (cp > 1) yet")
         if qk_rope_head_dim % 2:
             raise LayerConfigError(f"qk_rope_head_dim must be even for rotary embeddings, got {qk_rope_head_dim}")
-        tp = comm.tp_world_size(tp_group)
+        tp, cp = comm.tp_world_size(tp_group), comm.tp_world_size(cp_group)
         self.local_heads = divide(n_heads, tp, "n_heads")
+        check_cp_impl(cp_impl)
+        if cp > 1 and cp_impl == "alltoall":  # k carries every head (k_pe expanded): kv heads = heads
+            check_ulysses_heads(n_heads, n_heads, cp, tp)
+        self.cp_group, self.cp, self.cp_impl = cp_group, cp, cp_impl
         self.tp_group, self.n_heads, self.q_lora_rank, self.kv_lora_rank = tp_group, n_heads, q_lora_rank, kv_lora_rank
         self.nope, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.rope_theta, self.rope_scaling, self.rope_interleave = rope_theta, rope_scaling, rope_interleave
@@ -120,33 +136,42 @@ class MultiHeadLatentAttention(nn.Module):
         self, q: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, documents: DocumentMask | None = None
     ) -> torch.Tensor:
         """``q`` ``[b, h, s, nope+rope]``, ``kv`` ``[b, h, s, nope+v]``, ``k_pe`` ``[b, 1, s, rope]`` →
-        ``[b, s, h·v]`` (rotary on the rope parts, then causal SDPA at this layer's scale). ``documents``
+        ``[b, s, h·v]`` (rotary on the rope parts, then causal SDPA at this layer's scale; context-parallel:
+        this rank's ``s`` tokens at their global positions, attending over the whole sequence). ``documents``
         (packed windows, :mod:`.documents`): rotary positions restart at each document and attention is
         document-causal."""
         b, h, s, _ = q.shape
-        cos, sin = rotary_cos_sin(s, self.rope_dim, self.rope_theta, q.device, self.rope_scaling)
+        cos, sin = rotary_cos_sin(s * self.cp, self.rope_dim, self.rope_theta, q.device, self.rope_scaling)
         if documents is not None:  # [b, 1, s, rope]: each token's position in its document
             cos, sin = cos[documents.local][:, None], sin[documents.local][:, None]
+        elif self.cp > 1:  # this rank's tokens sit at their global positions
+            pos = cp_positions(s * self.cp, self.cp, comm.tp_rank(self.cp_group), q.device)
+            cos, sin = cos[pos], sin[pos]
         q_pe, k_pe = self._rotate(q[..., self.nope :], cos, sin), self._rotate(k_pe, cos, sin)
         q = torch.cat([q[..., : self.nope], q_pe], dim=-1)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(b, h, s, self.rope_dim)], dim=-1)
         if q.device.type == "meta" and self.v_dim != q.shape[-1]:  # torch's meta SDPA gives q's width: pad v
             v = F.pad(v, (0, q.shape[-1] - self.v_dim)) if self.v_dim < q.shape[-1] else v
-        if documents is not None:
+        if self.cp > 1:
+            out = context_parallel_attention(
+                q, k, v, self.cp_group, impl=self.cp_impl, scale=self.scale, documents=documents
+            )[..., : self.v_dim]
+        elif documents is not None:
             out = document_attention(q, k, v, documents, scale=self.scale)[..., : self.v_dim]
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)[..., : self.v_dim]
         return out.transpose(1, 2).reshape(b, s, h * self.v_dim)
 
     def forward(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
-        """``x`` ``[b, s, d]``; ``documents``: see :meth:`core`."""
+        """``x`` ``[b, s, d]`` (this cp rank's ``s/cp`` tokens; sequence-parallel: ``s/(cp·tp)``);
+        ``documents``: see :meth:`core`."""
         if x.dim() != 3:
             raise LayerConfigError(f"MultiHeadLatentAttention: expected [batch, seq, d_model], got {tuple(x.shape)}")
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         c_kv, k_pe = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(self.kv_a_norm(c_kv))
-        b, s, _ = q.shape  # the whole sequence (sequence-parallel: the up-projections gathered it)
+        b, s, _ = q.shape  # this cp rank's whole part (sequence-parallel: the up-projections gathered it)
         if self.sequence_parallel:  # gathered; backward reduce-scatters: each rank's heads add to its gradient
             k_pe = comm.gather_from_sequence_parallel_region(k_pe, self.tp_group)
         else:

@@ -67,6 +67,7 @@ from .init import reset_default_
 from .mlp import ParallelMLP
 from .moe_routing import (  # noqa: F401 - the router's public names, re-exported
     CONTEXT_PARALLEL_CAPACITY_REFUSED,
+    CONTEXT_PARALLEL_SEQ_AUX_REFUSED,
     SEQUENCE_PARALLEL_CAPACITY_REFUSED,
     MoEConfig,
     MoEConfigError,
@@ -193,7 +194,7 @@ class MoELayer(nn.Module):
         if comm.tp_world_size(cp_group) > 1 and cfg.capacity_factor is not None:
             raise MoEConfigError(CONTEXT_PARALLEL_CAPACITY_REFUSED)
         if comm.tp_world_size(cp_group) > 1 and cfg.seq_aux_loss_weight:
-            raise MoEConfigError("MoE: the sequence-wise aux loss needs whole sequences; set its weight to 0 or cp=1")
+            raise MoEConfigError(CONTEXT_PARALLEL_SEQ_AUX_REFUSED)
         self.cfg, self.ep_group, self.ep, self.cp_group, self.sp_group = cfg, ep_group, ep, cp_group, sp_group
         self.num_local = cfg.num_experts // ep
         ep_rank = comm.tp_rank(ep_group)

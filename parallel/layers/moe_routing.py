@@ -44,6 +44,13 @@ CONTEXT_PARALLEL_CAPACITY_REFUSED = (
     "model.moe_capacity_factor=null (dropless) or cp=1"
 )
 
+#: the refusal of DeepSeek-V3's sequence-wise balance loss under context parallelism (the layer's and the
+#: recipe's): it is a function of each whole sequence's routing, and a cp rank holds a slice of each
+CONTEXT_PARALLEL_SEQ_AUX_REFUSED = (
+    "MoE with context parallelism (cp > 1): the sequence-wise aux loss needs whole sequences, and a cp rank "
+    "routes a slice of each; set model.moe_seq_aux_loss_weight=0 or cp=1"
+)
+
 
 @dataclass(frozen=True)
 class MoEConfig:

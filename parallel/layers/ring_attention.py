@@ -9,8 +9,8 @@ rotary / learned positions use :func:`cp_positions`.
 
 Two ways to attend over the whole sequence:
 
-* :func:`ring_attention` — K and V (one packed ``[2, b, h_kv, s/cp, d]`` block)
-  travel around the cp ring, ``cp−1`` hops forward; each rank merges the
+* :func:`ring_attention` — K and V (one packed ``[b, h_kv, s/cp, d + d_v]`` block; V
+  may be narrower than Q and K, as multi-head latent attention's) travel around the cp ring, ``cp−1`` hops forward; each rank merges the
   partial results of its queries against every block with the log-sum-exp rule.
   The next block's transfer (``isend``/``irecv`` through :func:`parallel.comm.exchange`)
   is posted before the current block's compute and awaited after it
@@ -29,7 +29,7 @@ Two ways to attend over the whole sequence:
   the (TP-local) query and kv heads divisible by cp (:func:`check_ulysses_heads`).
 
 Bytes sent per rank per layer (``KV`` = bytes of this rank's packed K and V,
-``2·b·h_kv·(s/cp)·d·elt``; :func:`ring_bytes`, :func:`ulysses_bytes`):
+``b·h_kv·(s/cp)·(d + d_v)·elt``; :func:`ring_bytes`, :func:`ulysses_bytes`):
 ring forward ``(cp−1)·KV``, backward ``(cp−1)·(KV + KV_fp32)``; Ulysses
 forward ``(cp−1)/cp·(Q+KV+O)``, backward the same.
 """
@@ -127,20 +127,27 @@ def _rows(t: torch.Tensor, which: str, dim: int = 2) -> torch.Tensor:
     return t.narrow(dim, 0 if which == "first" else half, half)
 
 
-def ring_bytes(batch: int, kv_heads: int, local_seq: int, head_dim: int, cp: int, elt: int) -> dict[str, float]:
+def ring_bytes(
+    batch: int, kv_heads: int, local_seq: int, head_dim: int, cp: int, elt: int, v_head_dim: int | None = None
+) -> dict[str, float]:
     """Bytes one rank sends per ring-attention call (one layer): ``forward``, ``backward`` and ``kv`` (one block).
 
     Forward ``cp−1`` K/V hops; backward ``cp−1`` K/V hops and ``cp−1`` hops of the fp32 dK/dV
-    accumulators (4 bytes an element; K/V travel in the input's ``elt``)."""
-    kv = 2 * batch * kv_heads * local_seq * head_dim
+    accumulators (4 bytes an element; K/V travel in the input's ``elt``). ``v_head_dim``: V's width
+    when it is not K's (multi-head latent attention)."""
+    kv = batch * kv_heads * local_seq * (head_dim + (head_dim if v_head_dim is None else v_head_dim))
     if cp == 1:
         return {"kv": kv * elt, "forward": 0.0, "backward": 0.0}
     return {"kv": kv * elt, "forward": (cp - 1) * kv * elt, "backward": (cp - 1) * kv * (elt + 4)}
 
 
-def ulysses_bytes(batch: int, heads: int, kv_heads: int, local_seq: int, head_dim: int, cp: int, elt: int) -> dict:
-    """Bytes one rank sends per Ulysses attention call: all-to-alls of q, k, v and the output, each way."""
-    per = batch * local_seq * head_dim * elt * (2 * heads + 2 * kv_heads)  # q + o + k + v
+def ulysses_bytes(
+    batch: int, heads: int, kv_heads: int, local_seq: int, head_dim: int, cp: int, elt: int, v_head_dim=None
+) -> dict:
+    """Bytes one rank sends per Ulysses attention call: all-to-alls of q, k, v and the output, each way
+    (``v_head_dim``: the width of v and the output when it is not q's and k's, as in MLA)."""
+    dv = head_dim if v_head_dim is None else v_head_dim
+    per = batch * local_seq * elt * (heads * (head_dim + dv) + kv_heads * (head_dim + dv))  # q + o + k + v
     sent = (cp - 1) / cp * per if cp > 1 else 0.0
     return {"forward": sent, "backward": sent}
 
@@ -226,8 +233,8 @@ def ring_forward(q, k, v, group, causal: bool, scale: float, ids=None) -> tuple[
     """The ring's forward: ``(out [b, h, s, d] stored as [b, s, h, d], fp32 lse [b, h, s])``; ``ids``:
     packed documents' ids of the whole window (document-causal blocks), or None."""
     cp, r, nxt, prv = _ring_peers(group)
-    h = q.shape[1]
-    kv = torch.stack([k, v])
+    h, dk = q.shape[1], k.shape[-1]
+    kv = torch.cat([k, v], dim=-1)  # one block per hop; v may be narrower than k (MLA)
     halves: list = [None, None]  # per query half: the fp32 running (output, log-sum-exp)
     for step in range(cp):
         src = (r - step) % cp
@@ -236,7 +243,7 @@ def ring_forward(q, k, v, group, causal: bool, scale: float, ids=None) -> tuple[
             nxt_kv = torch.empty_like(kv)
             works = comm.exchange(sends=[(kv, nxt)], recvs=[(nxt_kv, prv)], group=group)
         rows, cols, masked = ring_block(cp, r, src, causal)
-        ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
+        ks, vs = (_expand_kv(_rows(t, cols), h) for t in kv.split([dk, kv.shape[-1] - dk], dim=-1))
         mask = _block_mask(ids, cp, r, src, rows, cols)
         block_out, block_lse = _attend(_rows(q, rows), ks, vs, masked, scale, mask)
         if rows == "all":
@@ -254,12 +261,13 @@ def ring_forward(q, k, v, group, causal: bool, scale: float, ids=None) -> tuple[
 
 def ring_backward(grad_out, q, k, v, out, lse, group, causal: bool, scale: float, ids=None) -> tuple[torch.Tensor, ...]:
     """The ring's backward: ``dq, dk, dv`` in the inputs' dtypes, from what :func:`ring_forward` saved."""
-    hk = k.shape[1]
+    hk, dk = k.shape[1], k.shape[-1]
     cp, r, nxt, prv = _ring_peers(group)
     h = q.shape[1]
     do = grad_out.contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack([k, v])
+    kv = torch.cat([k, v], dim=-1)
+    widths = [dk, kv.shape[-1] - dk]
     own = acc = None  # dK/dV of this rank's own block; the accumulator of the block held now
     for step in range(cp):
         # step 0: the own block (its gradient stays here); step t ≥ 1: rank r−t's block, whose
@@ -276,15 +284,16 @@ def ring_backward(grad_out, q, k, v, out, lse, group, causal: bool, scale: float
             recvs.append((got, prv))
         works = comm.exchange(sends=sends, recvs=recvs, group=group)
         rows, cols, masked = ring_block(cp, r, src, causal)
-        ks, vs = (_expand_kv(_rows(t, cols), h) for t in (kv[0], kv[1]))
+        ks, vs = (_expand_kv(_rows(t, cols), h) for t in kv.split(widths, dim=-1))
         mask = _block_mask(ids, cp, r, src, rows, cols)
         gq, gk, gv = _attend_backward(
             _rows(do, rows), _rows(q, rows), ks, vs, _rows(out, rows), _rows(lse, rows), masked, scale, mask
         )
         _rows(dq, rows).add_(gq)
         part = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        _rows(part[0], cols).add_(_fold_kv(gk, hk))
-        _rows(part[1], cols).add_(_fold_kv(gv, hk))
+        part_k, part_v = part.split(widths, dim=-1)
+        _rows(part_k, cols).add_(_fold_kv(gk, hk))
+        _rows(part_v, cols).add_(_fold_kv(gv, hk))
         _wait(works)
         if step == 0:
             own = part
@@ -295,7 +304,8 @@ def ring_backward(grad_out, q, k, v, out, lse, group, causal: bool, scale: float
         home = torch.empty_like(own)
         _wait(comm.exchange(sends=[(acc, nxt)], recvs=[(home, prv)], group=group))
         own = own.add_(home)
-    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+    own_k, own_v = own.split(widths, dim=-1)
+    return dq.to(q.dtype), own_k.to(k.dtype), own_v.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -313,9 +323,10 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _check_qkv(q, k, v, what: str) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+    four = q.dim() == k.dim() == v.dim() == 4
+    if not four or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise LayerConfigError(
-            f"{what}: expected q [b, h, s, d] and k, v [b, h_kv, s, d], got {tuple(q.shape)}, "
+            f"{what}: expected q, k [b, h|h_kv, s, d] and v [b, h_kv, s, d_v], got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
     if q.shape[1] % k.shape[1]:
@@ -328,9 +339,9 @@ def ring_attention(
 ) -> torch.Tensor:  # fmt: skip
     """Attention of this rank's queries over the whole sequence, K/V circulating the cp ring.
 
-    ``q`` ``[b, h, s/cp, d]``, ``k``/``v`` ``[b, h_kv, s/cp, d]`` (``h`` a multiple of
-    ``h_kv``: grouped-query attention), laid out as :func:`cp_slice` gives them.
-    Returns ``[b, h, s/cp, d]`` in ``q``'s dtype, equal to this rank's slice of
+    ``q`` ``[b, h, s/cp, d]``, ``k`` ``[b, h_kv, s/cp, d]``, ``v`` ``[b, h_kv, s/cp, d_v]`` (``h`` a
+    multiple of ``h_kv``: grouped-query attention; ``d_v`` may differ from ``d``, as in multi-head latent
+    attention), laid out as :func:`cp_slice` gives them. Returns ``[b, h, s/cp, d_v]`` in ``q``'s dtype, equal to this rank's slice of
     full-sequence SDPA. Sends per rank: see :func:`ring_bytes`; the transfers go
     through :func:`parallel.comm.exchange` on ``group`` (counted under its label).
     ``documents`` (:class:`~parallel.layers.documents.DocumentMask` of the whole window): document-causal;

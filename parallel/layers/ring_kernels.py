@@ -7,16 +7,18 @@ block's share of the whole row's softmax and ``rowsum(dO·O)`` the whole row's).
 kernels have that contract; each kind here is one of them or the fallback:
 
 * ``cpu_flash`` — torch's CPU flash kernel (``_scaled_dot_product_flash_attention_for_cpu`` and its
-  backward): every floating dtype, any head dim;
+  backward): every floating dtype, any head dim; it takes one head dim for q, k and v, so a v of another
+  width (multi-head latent attention) runs zero-padded to the wider (:func:`_one_width`; exact: the
+  scale is explicit, zero columns add nothing to ``q·kᵀ`` and give zero output columns, which are cut);
 * ``flash`` — torch's CUDA flash kernel (``_scaled_dot_product_flash_attention``): fp16/bf16, head
-  dim a multiple of 8 up to :data:`FLASH_MAX_HEAD_DIM`;
+  dim a multiple of 8 up to :data:`FLASH_MAX_HEAD_DIM`, v as wide as q and k;
 * ``efficient`` — torch's CUDA memory-efficient kernel (``_scaled_dot_product_efficient_attention``):
-  fp32 too, head dim a multiple of 4 (fp32) or 8; its log-sum-exp comes padded to a multiple of
+  fp32 too, head dims (q/k's and v's, which may differ) a multiple of 4 (fp32) or 8; its log-sum-exp comes padded to a multiple of
   :data:`EFFICIENT_LSE_ALIGN` rows (cut here, padded back for its backward);
 * ``math`` — exact fp32 math in query-row tiles (``O(rows·sk)`` memory, :data:`MATH_SCORE_ELEMENTS`):
   what the others refuse (other devices, the dry run's ``meta`` tensors, odd head dims on a GPU).
 
-:func:`block_kernel` is the rule, pure (device type, dtype, head dim, mask), tested on the CPU;
+:func:`block_kernel` is the rule, pure (device type, dtype, head dims, mask), tested on the CPU;
 :func:`choose` applies it to a block's tensors and, on a GPU, asks torch whether this device and its
 SDPA backend switches take the fused kernel (``torch.backends.cuda.can_use_flash_attention`` /
 ``can_use_efficient_attention``: architecture, head-dim limits per architecture), stepping down
@@ -39,24 +41,31 @@ EFFICIENT_LSE_ALIGN = 32  # the memory-efficient kernel's log-sum-exp rows (CUDA
 MATH_SCORE_ELEMENTS = 1 << 24  # the math kernel's fp32 score tiles hold at most this many elements (64 MiB)
 
 
-def block_kernel(device_type: str, dtype: torch.dtype, head_dim: int, causal: bool, square: bool = True) -> str:
+def block_kernel(
+    device_type: str, dtype: torch.dtype, head_dim: int, causal: bool, square: bool = True, v_head_dim=None
+) -> str:
     """The kernel (one of :data:`KERNELS`) a block of ``dtype`` with ``head_dim`` runs on ``device_type``.
 
-    ``causal``: the block is masked (the ring's own block); ``square``: as many keys as queries. A
+    ``causal``: the block is masked (the ring's own block); ``square``: as many keys as queries;
+    ``v_head_dim``: v's width when it is not q's and k's (CUDA's flash kernel then steps aside). A
     causal mask over a non-square block goes to ``math``: the fused kernels disagree on where such a
     mask sits (top-left or bottom-right), and the ring never asks for one.
 
     >>> block_kernel("cuda", torch.bfloat16, 128, True), block_kernel("cuda", torch.float32, 64, False)
     ('flash', 'efficient')
+    >>> block_kernel("cuda", torch.bfloat16, 192, True, v_head_dim=128)  # DeepSeek-V3's MLA
+    'efficient'
     """
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     if causal and not square:
         return "math"
     if device_type == "cpu":
         return "cpu_flash" if dtype in CPU_FLASH_DTYPES else "math"
     if device_type == "cuda":
-        if dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM:
+        if dtype in FLASH_DTYPES and head_dim == v_head_dim and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM:
             return "flash"
-        if dtype in EFFICIENT_DTYPES and head_dim % (4 if dtype == torch.float32 else 8) == 0:
+        align = 4 if dtype == torch.float32 else 8
+        if dtype in EFFICIENT_DTYPES and head_dim % align == 0 and v_head_dim % align == 0:
             return "efficient"
     return "math"
 
@@ -78,7 +87,7 @@ def _device_takes(kind: str, q, k, v, causal: bool) -> bool:
 
 def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
     """The kernel this block runs: :func:`block_kernel`'s, stepped down to what this device takes."""
-    kind = block_kernel(q.device.type, q.dtype, q.shape[-1], causal, q.shape[2] == k.shape[2])
+    kind = block_kernel(q.device.type, q.dtype, q.shape[-1], causal, q.shape[2] == k.shape[2], v.shape[-1])
     if kind == "flash" and not _device_takes("flash", q, k, v, causal):
         kind = "efficient"  # flash's dtypes and head dims are a subset of the memory-efficient kernel's
     if kind == "efficient" and not _device_takes("efficient", q, k, v, causal):
@@ -98,12 +107,19 @@ def _no_dropout_rng(device, dtype, seed_shape) -> tuple[torch.Tensor, torch.Tens
     return torch.empty(seed_shape, dtype=dtype, device=device), torch.empty((), dtype=dtype, device=device)
 
 
+def _one_width(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` zero-padded on the last dim to the widest of them (for kernels that take one head dim)."""
+    width = max(t.shape[-1] for t in tensors)
+    return [t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in tensors]
+
+
 def attend(kind: str, q, k, v, causal: bool, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One block with kernel ``kind``: ``(out in q's dtype or fp32, fp32 log-sum-exp [b, h, sq])``.
     ``mask`` (boolean ``[b, 1, sq, sk]``, True: may attend; packed documents) takes ``math`` only; a
     row it masks whole gets output 0 and log-sum-exp ``-inf`` (it adds nothing to the merge)."""
     if kind == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(*_one_width(q, k, v), 0.0, causal, scale=scale)
+        return out[..., : v.shape[-1]], lse
     if kind == "flash":
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse
@@ -123,9 +139,10 @@ def attend_backward(kind: str, do, q, k, v, out, lse, causal: bool, scale: float
     """A block's ``dq, dk, dv`` with kernel ``kind``, given the *merged* ``out`` and ``lse`` of all blocks
     (``mask``: :func:`attend`'s, ``math`` only)."""
     if kind == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, causal, scale=scale
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *_one_width(do, q, k, v, out), lse, 0.0, causal, scale=scale
         )
+        return dq[..., : q.shape[-1]], dk[..., : k.shape[-1]], dv[..., : v.shape[-1]]
     if kind == "flash":
         seed, offset = _no_dropout_rng(q.device, torch.uint64, (2,))
         return aten._scaled_dot_product_flash_attention_backward(

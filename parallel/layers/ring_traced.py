@@ -36,8 +36,8 @@ def ring_attention_op(
 
 @ring_attention_op.register_fake
 def _(q, k, v, group_name, causal, scale, ids=None):
-    b, h, s, d = q.shape
-    return q.new_empty(b, s, h, d).transpose(1, 2), q.new_empty(b, h, s, dtype=torch.float32)
+    b, h, s, _ = q.shape
+    return q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2), q.new_empty(b, h, s, dtype=torch.float32)
 
 
 @torch.library.custom_op("gridtrain::ring_attention_backward", mutates_args=())

@@ -52,6 +52,11 @@ class ModelShape:
             return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
         return self.head_dim, self.head_dim
 
+    @property
+    def attention_kv_heads(self) -> int:
+        """The heads of the k and v attention reads (MLA: every head, its shared rotary key expanded)."""
+        return self.n_heads if self.kv_lora_rank else self.n_kv_heads
+
     def attention_matmul_params(self) -> int:
         """Weights of one block's attention matmuls (biases and norms excluded): q, k, v, o; or MLA's
         q (down + up, or one projection), kv down (with the shared rotary key), kv up and o."""

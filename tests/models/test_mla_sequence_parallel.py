@@ -43,14 +43,20 @@ def _train(cfg, tp):
     return torch.stack(losses), grads, gather_full_state_dict(model, tp_group)
 
 
+def assert_trains_alike(got, ref) -> None:
+    """``(losses, first gradients, last weights)`` of a parallel run against one process's."""
+    (losses, grads, weights), (ref_losses, ref_grads, ref_weights) = got, ref
+    torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=0, msg=name)
+    for name in ref_weights:
+        torch.testing.assert_close(weights[name], ref_weights[name], atol=1e-4, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_mla_at_tp2_with_sequence_parallelism_trains_as_one_process(variant):
     cfg = VARIANTS[variant]
-    ref_losses, ref_grads, ref_weights = _train(cfg, 1)
-    for losses, grads, weights in run_ranks(_train, 2, cfg, 2, timeout=120):
-        torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
-        assert grads.keys() == ref_grads.keys()
-        for name in ref_grads:
-            torch.testing.assert_close(grads[name], ref_grads[name], atol=1e-5, rtol=0, msg=name)
-        for name in ref_weights:
-            torch.testing.assert_close(weights[name], ref_weights[name], atol=1e-4, rtol=0, msg=name)
+    ref = _train(cfg, 1)
+    for got in run_ranks(_train, 2, cfg, 2, timeout=120):
+        assert_trains_alike(got, ref)

@@ -110,7 +110,7 @@ CATALOGUE: list[tuple[list[str], str, dict]] = [
     (["model.preset=deepseek_tiny", "model.moe_groups=4"], "model.moe_groups", {}),
     (["model.preset=deepseek_tiny", "model.moe_topk_groups=1"], "model.moe_topk_groups", {}),
     (["model.preset=mixtral_tiny", "model.moe_bias_update_rate=0.001"], "model.moe_bias_update_rate", {}),
-    (["model.preset=deepseek_tiny", "parallel.cp=2"], "parallel.cp", {}),
+    (["model.preset=deepseek_tiny", "parallel.cp=2", "model.moe_seq_aux_loss_weight=0.01"], "parallel.cp", {}),
     # your own model (recipes/training/target_model.py)
     (["model.target=examples.no_such_module:build"], "model.target", {}),
     (["model.target=examples.mixer_lm"], "model.target", {}),

@@ -23,21 +23,26 @@ from parallel.layers.ring_attention import (
 )
 from parallel.testing import run_ranks
 
-# (impl, causal, heads, kv_heads, head_dim): GQA, odd head dims, both masks, both implementations
+# (impl, causal, heads, kv_heads, head_dim, v_head_dim): GQA, odd head dims, both masks, both implementations,
+# v narrower or wider than q and k (multi-head latent attention's v_head_dim ≠ nope + rope)
 CASES = [
-    ("ring", True, 4, 4, 8),
-    ("ring", False, 4, 4, 8),
-    ("ring", True, 4, 2, 5),
-    ("ring", False, 6, 2, 3),
-    ("alltoall", True, 4, 4, 8),
-    ("alltoall", True, 8, 4, 5),
-    ("alltoall", False, 4, 4, 3),
+    ("ring", True, 4, 4, 8, 8),
+    ("ring", False, 4, 4, 8, 8),
+    ("ring", True, 4, 2, 5, 5),
+    ("ring", False, 6, 2, 3, 3),
+    ("ring", True, 4, 4, 12, 6),
+    ("ring", True, 4, 2, 5, 7),
+    ("alltoall", True, 4, 4, 8, 8),
+    ("alltoall", True, 8, 4, 5, 5),
+    ("alltoall", False, 4, 4, 3, 3),
+    ("alltoall", True, 4, 4, 12, 6),
 ]
 
 
-def _tensors(seed, b, h, hk, s, d):
+def _tensors(seed, b, h, hk, s, d, dv):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(*shape, generator=g) for shape in ((b, h, s, d), (b, hk, s, d), (b, hk, s, d), (b, h, s, d))]
+    shapes = ((b, h, s, d), (b, hk, s, d), (b, hk, s, dv), (b, h, s, dv))
+    return [torch.randn(*shape, generator=g) for shape in shapes]
 
 
 def _reference(q, k, v, do, causal):
@@ -51,10 +56,10 @@ def _cp_rank(cases, s):
     cp, r = dist.get_world_size(), dist.get_rank()
     group = dist.new_group(list(range(cp)), group_desc="cp")
     results = []
-    for i, (impl, causal, h, hk, d) in enumerate(cases):
+    for i, (impl, causal, h, hk, d, dv) in enumerate(cases):
         if impl == "alltoall" and (h % cp or hk % cp):
             continue
-        q, k, v, do = _tensors(i, 2, h, hk, s, d)
+        q, k, v, do = _tensors(i, 2, h, hk, s, d, dv)
         local = [cp_slice(t, cp, r, dim=2).clone().requires_grad_() for t in (q, k, v)]
         counter = comm.CommCounter()
         with counter:
@@ -63,7 +68,7 @@ def _cp_rank(cases, s):
         ref = _reference(q, k, v, do, causal)
         got = [out.detach()] + [t.grad for t in local]
         err = max((a - cp_slice(b, cp, r, dim=2)).abs().max().item() for a, b in zip(got, ref))
-        results.append((impl, causal, h, hk, d, err, counter.sent_bytes("cp")))
+        results.append((impl, causal, h, hk, d, dv, err, counter.sent_bytes("cp")))
     return results
 
 
@@ -75,15 +80,15 @@ def test_cp_attention_equals_full_sdpa(cp, kernel, monkeypatch):
         monkeypatch.setattr(kernels, "MATH_SCORE_ELEMENTS", 100)  # several query-row tiles per block
     s = 8 * cp
     for rank_results in run_ranks(_cp_rank, cp, CASES, s, timeout=120):
-        assert len(rank_results) >= 5
-        for impl, causal, h, hk, d, err, sent in rank_results:
-            assert err < 1e-5, (impl, causal, h, hk, d, err)
+        assert len(rank_results) >= 7
+        for impl, causal, h, hk, d, dv, err, sent in rank_results:
+            assert err < 1e-5, (impl, causal, h, hk, d, dv, err)
             elt = 4
             if impl == "ring":
-                theory = ring_bytes(2, hk, s // cp, d, cp, elt)
+                theory = ring_bytes(2, hk, s // cp, d, cp, elt, v_head_dim=dv)
                 assert sent == theory["forward"] + theory["backward"]
             else:
-                theory = ulysses_bytes(2, h, hk, s // cp, d, cp, elt)
+                theory = ulysses_bytes(2, h, hk, s // cp, d, cp, elt, v_head_dim=dv)
                 assert sent == pytest.approx(theory["forward"] + theory["backward"])
 
 

@@ -49,6 +49,39 @@ def test_block_kernel_rule(device, dtype, head_dim, causal, square, kernel):
     assert rk.block_kernel(device, dtype, head_dim, causal, square) == kernel
 
 
+@pytest.mark.parametrize(
+    "device, dtype, head_dim, v_head_dim, kernel",
+    [
+        ("cpu", FP32, 12, 6, "cpu_flash"),  # zero-padded to one width
+        ("cuda", BF16, 192, 128, "efficient"),  # DeepSeek-V3's MLA: flash takes one head dim only
+        ("cuda", BF16, 128, 128, "flash"),
+        ("cuda", FP32, 12, 6, "math"),  # fp32 efficient needs both widths ÷ 4
+        ("cuda", BF16, 24, 12, "math"),  # 16-bit: ÷ 8
+    ],
+)
+def test_block_kernel_rule_with_another_v_width(device, dtype, head_dim, v_head_dim, kernel):
+    assert rk.block_kernel(device, dtype, head_dim, False, True, v_head_dim) == kernel
+
+
+@pytest.mark.parametrize("dv", [6, 20])
+def test_cpu_flash_block_with_another_v_width_equals_math(dv):
+    """The CPU kernel takes one head dim: a narrower (or wider) v runs zero-padded, and its output,
+    log-sum-exp and gradients (from the merged output, as the ring calls it) equal the exact math kernel's."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 8, 12, generator=g), torch.randn(2, 3, 8, 12, generator=g)
+    v, do = torch.randn(2, 3, 8, dv, generator=g), torch.randn(2, 3, 8, dv, generator=g)
+    for causal in (True, False):
+        (out, lse), (ref_out, ref_lse) = (rk.attend(kind, q, k, v, causal, 0.3) for kind in ("cpu_flash", "math"))
+        assert out.shape == ref_out.shape == (2, 3, 8, dv)
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=0)
+        got = rk.attend_backward("cpu_flash", do, q, k, v, ref_out, ref_lse, causal, 0.3)
+        ref = rk.attend_backward("math", do, q, k, v, ref_out, ref_lse, causal, 0.3)
+        for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a, b.to(a.dtype), atol=1e-5, rtol=0, msg=name)
+
+
 def test_choose_steps_down_where_the_device_refuses(monkeypatch):
     q = torch.zeros(1, 2, 8, 16)
     assert rk.choose(q, q, q, True) == "cpu_flash"
