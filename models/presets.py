@@ -40,11 +40,11 @@ DEEPSEEK_V3 = ModelConfig(
     qk_nope_head_dim=128,
     qk_rope_head_dim=64,
     v_head_dim=128,
-    rope_type="yarn",  # the published config: 4k pre-training window stretched 40× (128k/160k context)
-    rope_factor=40.0,
-    rope_original_max_position=4096,
-    rope_mscale=1.0,
-    rope_mscale_all_dim=1.0,  # MLA's softmax scale × yarn_mscale(40)² ≈ 1.87
+    # pre-training as the paper does, at 4k with plain RoPE: the released config's YaRN (factor 40, mscale 1,
+    # for 128k) extends the context after it and comes with that checkpoint's config.json on import; to
+    # continue at long context set model.rope_type=yarn model.rope_factor=40 model.rope_original_max_position=4096
+    # model.rope_mscale=1 model.rope_mscale_all_dim=1 (MLA's softmax scale × yarn_mscale(40)² ≈ 1.87)
+    rope_type="default",
     moe_experts=256,
     moe_top_k=8,
     moe_d_ff=2048,
@@ -162,13 +162,12 @@ PRESETS: dict[str, ModelConfig] = {
         moe_top_k=2,
         moe_aux_loss_weight=0.02,
     ),
-    # DeepSeek-V3 (671B parameters, 37B active per token) with its published YaRN rope scaling, trained here
-    # at a 4k window (model.seq_len for longer; the plan counts no positional state)
+    # DeepSeek-V3 (671B parameters, 37B active per token), pre-trained at its 4k window with plain RoPE as
+    # the paper does (YaRN extends the context afterwards; the plan counts no positional state)
     "deepseek_v3": DEEPSEEK_V3,
     # DeepSeek-V3 in miniature (odd sizes; 6 experts in 3 groups, a dense first layer, q and kv latents), plain
     # rope (YaRN is held against transformers in tests/models/test_hf_deepseek.py)
     "deepseek_tiny": DEEPSEEK_V3.replace(
-        rope_type="default",
         n_layers=3,
         d_model=48,
         n_heads=4,
