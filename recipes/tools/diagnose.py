@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -312,7 +313,7 @@ def diagnose(run_dir: str | Path, workers: int | None = None) -> list[str]:
     workers = (os.cpu_count() or 1) if workers is None else workers
     with _no_cycle_collection():
         for f in files:  # in this process: a pool's transfers cost what it saved on 2 shared cores
-            d.add(orjson.loads(f.read_bytes()))  # twice json's speed: half of reading ours
+            d.add(_parse(f.read_bytes()))
     lines = d.report() if files else []
     if theirs:
         t = TorchDumps(world=d.world)
@@ -320,6 +321,15 @@ def diagnose(run_dir: str | Path, workers: int | None = None) -> list[str]:
             t.read_all(theirs, workers)
         lines += t.report()
     return lines
+
+
+def _parse(raw: bytes) -> dict:
+    """One of our dumps: ``orjson`` (twice ``json``'s speed, half of reading ours), or ``json`` for what
+    ``orjson`` refuses and the recorder's ``json.dumps`` may write (``NaN``, ``Infinity``: a step time)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
 
 
 #: from how many of torch's dumps on :func:`diagnose` reads them in a process pool

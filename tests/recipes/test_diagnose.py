@@ -47,6 +47,10 @@ def test_real_ranks_dump_what_they_issued_and_agree(tmp_path):
     assert lines[0] == "2 of 2 ranks dumped (on demand: 2)"
     assert "every group's members issued the same collectives" in lines
     assert any(line.startswith("ranks [0, 1]: after broadcast #0 on world") for line in lines)
+    # a step time the recorder wrote as NaN (json.dumps' default; orjson refuses it) is still read
+    dumps[1]["step_times"] = [[2, float("nan")]]
+    open(paths[1], "w").write(json.dumps(dumps[1]))
+    assert diagnose(tmp_path)[0] == "2 of 2 ranks dumped (on demand: 2)"
 
 
 def test_17920_synthetic_dumps_name_the_dead_the_skipper_the_odd_size_and_the_straggler(tmp_path):
