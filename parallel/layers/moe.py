@@ -40,11 +40,12 @@ the mean over the dp ranks provided expert grads are divided by ``dp`` (= ``edp 
 **Tensor parallelism.** Experts are not split over TP: with tp > 1 and no sequence parallelism
 each TP rank computes the same experts on the same (replicated) tokens.
 
-**Sequence parallelism** (Megatron-Core's way): each TP rank routes, dispatches and combines only
-its own ``s/tp`` tokens of every sequence, so the experts' work is no longer repeated over TP. The
-router and the experts are then replicated parameters that saw a slice of the sequence: they are
-marked :func:`~parallel.params.mark_sequence_parallel`, and their gradients summed over TP with the
-norms'. The router statistics (balance loss, z-loss, sequence-wise loss) are summed over TP before
+**Sequence parallelism**: each TP rank routes, dispatches and combines only its own ``s/tp`` tokens
+of every sequence, so the experts' work is no longer repeated over TP. The router and the experts
+are then replicated parameters that saw a slice of the sequence: they are marked
+:func:`~parallel.params.mark_sequence_parallel`, and their gradients summed over TP with the norms'
+— an all-reduce of the expert gradients over TP once per step, which Megatron-Core avoids by folding
+TP into the expert-parallel group (experts sharded over tp × ep); gridtrain does not fold them. The router statistics (balance loss, z-loss, sequence-wise loss) are summed over TP before
 the losses are formed (:func:`aux_losses`, one all-reduce of ``2E + 1`` floats per layer call,
 backward identity), so every layout computes one process's losses; the aux-loss-free load is summed
 over TP too (the engine passes the TP group to :func:`update_router_bias_`). Shared experts are a
