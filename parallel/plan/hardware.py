@@ -144,7 +144,8 @@ class Hardware:
         """Bytes per second one rank sends at in a ring inside a node or across nodes. Across nodes, a
         ring group with ``per_node`` members on each node runs ``per_node`` rings (NCCL: a channel per
         NIC), each through its own member's NIC and crossing each node boundary once: a rank's bytes
-        leave the node through ``per_node`` NICs at once, at most at the node's own link rate."""
+        leave the node through ``per_node`` NICs at once, and no faster than its links inside the node
+        (``intra_node_gbps``), which every ring's other hops cross."""
         if not crosses_node:
             return 1e9 * self.intra_node_gbps
         return 1e9 * min(self.intra_node_gbps, max(1, per_node) * self.inter_node_gbps)
