@@ -79,6 +79,7 @@ from .moe_routing import (  # noqa: F401 - the router's public names, re-exporte
     route,
     router_stats_numel,
     sequence_aux_loss,
+    sequence_stats_numel,
 )
 
 

@@ -176,9 +176,16 @@ def sequence_aux_loss(r: Routing, cfg: MoEConfig, batch: int, sp_group=None) -> 
     probs = r.probs.view(batch, -1, E)
     S = probs.shape[1]
     onehot = torch.zeros(batch, S * k, E, device=probs.device).scatter_(2, r.experts.view(batch, S * k, 1), 1.0)
-    sums = comm.reduce_from_tp_region(torch.cat([onehot.sum(dim=1), probs.sum(dim=1)], dim=-1), sp_group)
+    sums = torch.cat([onehot.sum(dim=1), probs.sum(dim=1)], dim=-1)  # sequence_stats_numel(E, batch)
+    sums = comm.reduce_from_tp_region(sums, sp_group)
     S *= comm.tp_world_size(sp_group)
     return (sums[:, :E] * (E / (k * S)) * (sums[:, E:] / S)).sum(dim=-1).mean()
+
+
+def sequence_stats_numel(num_experts: int, batch: int) -> int:
+    """Elements of the per-sequence statistics :func:`sequence_aux_loss` sums over tp under sequence
+    parallelism: each of the ``batch`` sequences' assignment counts and score sums per expert (fp32)."""
+    return batch * 2 * num_experts
 
 
 def router_stats_numel(num_experts: int) -> int:

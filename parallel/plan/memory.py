@@ -143,6 +143,27 @@ def zero_extra_reduce_counts(
     return out
 
 
+def zero_extra_reduce_numel(
+    params: StageParams, dp: int, bucket_bytes: float, element_size: int, per_unit: bool = True, extra: str = "tp"
+) -> int:
+    """Elements of the buckets :func:`zero_extra_reduce_counts` counts for group ``extra``, each padded to a
+    multiple of ``dp`` as ZeRO pads it (:func:`zero_bucket_numels`); the engine all-reduces their fp32 gradient
+    (the ``1/dp`` shard once the optimizer is sharded). Classes unknown: the TP-replicated (``"tp"``) or tied
+    embedding parameters, padded as one."""
+    units = [u for u in params.blocks + (params.root,) if len(u) == len(CLASSES)]
+    if not units:
+        return padded(params.replicated if extra == "tp" else params.shared_embedding, dp)
+    if not per_unit:
+        units = [tuple(tuple(n for u in units for n in u[c]) for c in range(len(CLASSES)))]
+    return sum(
+        padded(n, dp)
+        for unit in units
+        for (_, cls), group in zip(CLASSES, unit)
+        if cls == extra
+        for n in _bucket_sizes(group, bucket_bytes, element_size)
+    )
+
+
 def comm_bytes(precision: str, comm_dtype: str | None) -> int:
     """Bytes per element of the gradient collectives (``comm.dtype``, default fp32)."""
     return PRECISION_BYTES[zero_theory.grad_comm_dtype(comm_dtype)]

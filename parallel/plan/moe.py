@@ -27,6 +27,7 @@ class MoEShape(ModelShape):
     moe_first_dense: int = 0  # the first blocks keep their MLP (DeepSeek's first_k_dense_replace)
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
     moe_bias_update_rate: float = 0.0  # aux-loss-free balancing: the load all-reduce after each step
+    moe_seq_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise loss: per-sequence sums over SP's tp
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether block ``i`` has experts (``models.config.ModelConfig.is_moe_layer``)."""
@@ -247,17 +248,21 @@ STATS_BYTES = 4
 
 
 def stats_traffic(
-    moe: MoEShape, axis, hw, *, n_moe: int, m: int, checkpointing: str, backward: bool = True
+    moe: MoEShape, axis, hw, *, n_moe: int, m: int, checkpointing: str, backward: bool = True, sequences: int = 0
 ) -> tuple[float, float]:
     """The all-reduces of ``n_moe`` MoE blocks' router statistics over ``axis`` (``router_stats_numel``
     fp32 sums, again under full recomputation; ``backward``: their gradient too, as over cp; over tp under
-    sequence parallelism the backward is identity); returns the exposed seconds per micro-batch
-    (forward, backward)."""
-    from ..layers.moe import router_stats_numel
+    sequence parallelism the backward is identity); ``sequences``: with the sequence-wise aux loss on, the
+    micro-batch's sequences, whose ``sequence_stats_numel`` sums each block also all-reduces (over tp under
+    SP, backward identity; refused under cp); returns the exposed seconds per micro-batch (forward, backward)."""
+    from ..layers.moe import router_stats_numel, sequence_stats_numel
 
     if axis.group_size == 1 or n_moe == 0:
         return 0.0, 0.0
     payload, again = router_stats_numel(moe.moe_experts) * STATS_BYTES, 2 if checkpointing == "full" else 1
     f = axis.add("all_reduce", payload, again * n_moe * m, hw, "MoE router statistics (forward)")
     b = axis.add("all_reduce", payload, n_moe * m, hw, "MoE router statistics' gradient (backward)") if backward else 0
+    if sequences and moe.moe_seq_aux_loss_weight:
+        seq = sequence_stats_numel(moe.moe_experts, sequences) * STATS_BYTES
+        f += axis.add("all_reduce", seq, again * n_moe * m, hw, "MoE per-sequence statistics (forward)")
     return n_moe * f, n_moe * (b + (f if again == 2 else 0.0))

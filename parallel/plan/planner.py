@@ -99,10 +99,15 @@ def _rank(ctx: Setup, s: int, st: Stage, in_flight: int, pp_crosses: bool, total
     offload_s = O.offload_seconds(shard, e, dims.offload, hw, ctx.m, st.forward_s, st.backward_s)
     extras = M.zero_extra_reduce_counts(params, ctx.bucket, e, pol.gathers_per_unit)  # one call per bucket
     tp_axis = st.tp
-    if dims.sp_enabled and params.replicated:  # ZeRO sums them after the DP reduction: its fp32 shard
-        sp_shard = M.padded(params.replicated, zdp) // (zdp if pol.shards_optimizer else 1)
-        what = "sequence-parallel parameter gradients (fp32 shard)"
-        tp_axis.add("all_reduce", sp_shard * 4, 1, hw, what, calls=extras["tp"])
+    # ZeRO sums them over TP after the DP reduction, bucket by bucket: their fp32 shard. Under SP an MoE
+    # block's router and experts are replicated over TP too: the experts' buckets, sharded over edp, as well
+    for part, group, what in ((params, zdp, ""), (experts, edp, "MoE experts' ")):
+        if dims.sp_enabled and part.replicated:
+            numel = M.zero_extra_reduce_numel(part, group, ctx.bucket, e, pol.gathers_per_unit)
+            calls = M.zero_extra_reduce_counts(part, ctx.bucket, e, pol.gathers_per_unit)["tp"]
+            shard = numel // (group if pol.shards_optimizer else 1)
+            what += "sequence-parallel parameter gradients (fp32 shard)"
+            tp_axis.add("all_reduce", shard * 4, 1, hw, what, calls=calls)
     scalars = tp_axis.add("all_reduce", 4, 1, hw, "gradient norm (fp32 scalar)")
     n_moe = sum(MoE.moe_layers_in(ctx.moe, r) for _, r in st.chunks)
     if dims.sp_enabled:  # SP's tp ranks route different tokens: their loads are summed too, every step

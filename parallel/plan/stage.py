@@ -94,6 +94,7 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
             sp=sp,
             ckpt=ckpt,
             fp8=tr.fp8,
+            mlp_layers=n - n_moe + (n_moe if moe and moe.moe_shared_experts else 0),  # an MoE block's: shared only
         )
         cf, cb = cp_traffic(
             ctx.shape, cp_axis, hw, dims, n_layers=n, mb=mb, m=m, e=e, ckpt=ckpt, peak_flops=ctx.peak_flops
@@ -104,7 +105,8 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
             sf, sb = MoE.stats_traffic(moe, cp_axis, hw, n_moe=n_moe, m=m, checkpointing=ckpt)
             cf, cb = cf + sf, cb + sb
             if sp:
-                sf, _ = MoE.stats_traffic(moe, tp_axis, hw, n_moe=n_moe, m=m, checkpointing=ckpt, backward=False)
+                stats_kw = dict(m=m, checkpointing=ckpt, backward=False, sequences=mb)  # s/tp of mb sequences
+                sf, _ = MoE.stats_traffic(moe, tp_axis, hw, n_moe=n_moe, **stats_kw)
                 ef += sf  # exposed: the layer waits for it
         f_s = blocks_f + head.forward
         b_s = blocks_b + head.backward + recompute

@@ -201,15 +201,38 @@ def fp8_amax_calls(shape, fp8: str, sp: bool, tokens: int) -> tuple[tuple[int, i
     )
 
 
-def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt, fp8=None):
+def attention_tp_widths(shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A block attention's TP collectives by width: ``(column inputs, plain gathers)``. A column input is
+    all-gathered forward, reduce-scattered and gathered again backward under SP (else its gradient is
+    all-reduced); a plain gather (MLA's ``k_pe``) is all-gathered forward, reduce-scattered backward (else
+    all-reduced backward). Plain attention: ``x`` (q, k, v share it). MLA (:mod:`parallel.layers.mla`): the
+    up-projections' latents (the q latent, or ``x`` without one; the kv latent) and the rotary key."""
+    if not shape.kv_lora_rank:
+        return (shape.d_model,), ()
+    return (shape.q_lora_rank or shape.d_model, shape.kv_lora_rank), (shape.qk_rope_head_dim,)
+
+
+def tp_traffic(
+    shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_head, mb, m, e, sp, ckpt, fp8=None, mlp_layers=None
+):
     """TP collectives of a chunk, as the layers issue them (``axis`` accumulates all ``m`` micro-batches'
     bytes): seconds per micro-batch (forward, backward, (re-gathers, reduce-scatters)), the last pair
     sequence parallel's asynchronous column-layer backward (:data:`parallel.overlap.TP_SP_BACKWARD`). Each
     call also costs ``tp_call_us`` (0 on GPU profiles), in the seconds but not in ``axis``. ``fp8`` (a
     recipe): its amax all-reduces (:func:`fp8_amax_calls`); tensorwise with SP the column layers' input
-    all-gathers carry fp8 (1 byte an element)."""
-    act = e * mb * shape.seq_len * shape.d_model
-    gathered = act * FP8_BYTES / e if fp8 == "tensorwise" else act  # the column layers' input all-gathers
+    all-gathers carry fp8 (1 byte an element). The attention's collectives: :func:`attention_tp_widths`;
+    ``mlp_layers`` (default all ``n_layers``): the blocks whose MLP is TP-parallel (an MoE block's only
+    with shared experts: its routed experts are replicated over TP)."""
+    tokens = mb * shape.seq_len
+    act = e * tokens * shape.d_model
+    n_mlp = n_layers if mlp_layers is None else mlp_layers
+    attn_cols, attn_plain = attention_tp_widths(shape)
+    # (count, payload) of the column inputs and of the plain gathers, the attention's then the MLP's
+    cols = [(n_layers, e * tokens * w) for w in attn_cols] + [(n_mlp, act)]
+    plain = [(n_layers, e * tokens * w) for w in attn_plain]
+    scale = FP8_BYTES / e if fp8 == "tensorwise" else 1  # the column layers' input all-gathers
+    gathers = [(n, p * scale) for n, p in cols]
+    rows = n_layers + n_mlp  # row layers: the attention's output, the MLP's
 
     calls_apart = [0.0]  # the calls of the collectives backward can hide: their cost cannot hide
 
@@ -222,32 +245,29 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
             return wire
         return wire + calls
 
-    def pair(count, what, gather=act):
-        if sp:
-            return op("all_gather", count, what + " (all-gather)", gather) + op(
-                "reduce_scatter", count, what + " (reduce-scatter)"
-            )
-        return op("all_reduce", count, what)
+    def each(kind, pieces, what, hidable=False):
+        return sum(op(kind, n, what, payload, hidable) for n, payload in pieces)
 
-    fwd = pair(2 * n_layers, "block forward", gathered)
     regather = scatter = 0.0
     if sp:  # the row layers' all-gathers block; the column layers' input-gradient reduce-scatters do not
-        bwd = op("all_gather", 2 * n_layers, "block backward (all-gather)")
-        scatter = op("reduce_scatter", 2 * n_layers, "block backward (reduce-scatter)", hidable=True)
+        fwd = each("all_gather", gathers + plain, "block forward (all-gather)")
+        fwd += op("reduce_scatter", rows, "block forward (reduce-scatter)")
+        bwd = op("all_gather", rows, "block backward (all-gather)")
+        bwd += each("reduce_scatter", plain, "block backward (reduce-scatter, plain gathers)")
+        scatter = each("reduce_scatter", cols, "block backward (reduce-scatter)", hidable=True)
         # the column layers saved their input's sequence chunk: gathered again in backward
-        regather = op(
-            "all_gather", 2 * n_layers, "block backward (column inputs, gathered again)", gathered, hidable=True
-        )
+        regather = each("all_gather", gathers, "block backward (column inputs, gathered again)", hidable=True)
         bwd += calls_apart[0]  # compute-side cost: what TP_SP_BACKWARD hides is the collectives' wait only
     else:
-        bwd = pair(2 * n_layers, "block backward")
+        fwd = op("all_reduce", rows, "block forward")
+        bwd = each("all_reduce", cols + plain, "block backward")
     for f_calls, b_calls, payload, what in fp8_amax_calls(shape, fp8, sp, mb * shape.seq_len) if fp8 else ():
         fwd += op("all_reduce", f_calls * n_layers, what + ", forward", payload)
         bwd += op("all_reduce", b_calls * n_layers, what + ", backward", payload)
     if ckpt == "full":  # recomputation stops early (torch's non-reentrant checkpoint): the block's last
         # collective, the MLP's output reduction, is not redone
-        if sp:
-            bwd += op("all_gather", 2 * n_layers, "recomputation (all-gather)")
+        if sp:  # an MoE block without shared experts redoes its attention's reduce-scatter all the same
+            bwd += each("all_gather", gathers + plain, "recomputation (all-gather)")
             bwd += op("reduce_scatter", n_layers, "recomputation (reduce-scatter)")
         else:
             bwd += op("all_reduce", n_layers, "recomputation (attention output)")
@@ -258,7 +278,7 @@ def tp_traffic(shape, axis: AxisTraffic, hw, *, n_layers, has_embedding, has_hea
         fwd += op("all_gather", 1, "head forward") if sp else 0.0
         bwd += op("reduce_scatter" if sp else "all_reduce", 1, "head input gradient")
         bwd += op("all_gather", 1, "head backward (input, gathered again)") if sp else 0.0
-        tokens = mb * shape.seq_len  # two calls: the max, then the sums (parallel.layers.cross_entropy)
+        # two calls: the max, then the sums (parallel.layers.cross_entropy)
         fwd += op("all_reduce", 1, "cross-entropy max", CE_MAX_BYTES_PER_TOKEN * tokens)
         fwd += op("all_reduce", 1, "cross-entropy sums", CE_SUMS_BYTES_PER_TOKEN * tokens)
     return fwd, bwd, (regather, scatter)
