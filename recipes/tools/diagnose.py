@@ -1,7 +1,7 @@
 """What a stopped or stuck job's ranks were doing, from their flight-recorder dumps, in a few lines.
 
     python -m recipes.diagnose outputs/<run>            # reads <run>/flight/rank*.json (and torch's dumps)
-    python -m recipes.diagnose outputs/<run> --workers 1   # torch's dumps too in this process alone
+    python -m recipes.diagnose outputs/<run> --workers 1   # every dump read in this process alone
 
 Says:
 
@@ -17,8 +17,8 @@ Says:
 The comparison is the dry run's (:func:`parallel.comm.recorder.first_difference`), applied to the
 calls every member still holds in its ring, matched by sequence number, on the members whose held
 calls are not the same list (each distinct call is one shared tuple, so equal rings compare by
-identity). Dumps are read one at a time (torch's, from :data:`POOL_FROM` on, by a process pool that
-returns each dump's :func:`compact` form, in order: the same report); what is kept is one reference
+identity). Dumps are read one at a time (from :data:`POOL_FROM` on, by a process pool that returns
+each dump's :func:`compact` form, in order: the same report); what is kept is one reference
 per call held (8 bytes) and each distinct call once, not the ranks squared.
 torch's own flight-recorder dumps beside ours (NCCL's, on CUDA) get the same report under their own
 header line (:mod:`recipes.tools.diagnose_torch`).
@@ -299,7 +299,7 @@ def _ranks(ranks) -> str:
 
 def diagnose(run_dir: str | Path, workers: int | None = None) -> list[str]:
     """The report's lines for the dumps under ``<run_dir>/flight`` (or ``run_dir`` itself): ours,
-    then torch's (:mod:`recipes.tools.diagnose_torch`) when there are any. torch's are read by
+    then torch's (:mod:`recipes.tools.diagnose_torch`) when there are any. Each kind is read by
     ``workers`` processes (default: one per CPU) from :data:`POOL_FROM` dumps on; the report is the same."""
     from recipes.tools.diagnose_torch import TorchDumps, torch_dumps
 
@@ -312,8 +312,13 @@ def diagnose(run_dir: str | Path, workers: int | None = None) -> list[str]:
     d = Diagnosis()
     workers = (os.cpu_count() or 1) if workers is None else workers
     with _no_cycle_collection():
-        for f in files:  # in this process: a pool's transfers cost what it saved on 2 shared cores
-            d.add(_parse(f.read_bytes()))
+        if workers > 1 and len(files) >= POOL_FROM:  # parsed and compacted on every core, merged here
+            for chunk in in_pool(_read_ours, [str(f) for f in files], workers):
+                for c in chunk:
+                    d.merge(c)
+        else:
+            for f in files:
+                d.add(_parse(f.read_bytes()))
     lines = d.report() if files else []
     if theirs:
         t = TorchDumps(world=d.world)
@@ -332,7 +337,14 @@ def _parse(raw: bytes) -> dict:
         return json.loads(raw)
 
 
-#: from how many of torch's dumps on :func:`diagnose` reads them in a process pool
+def _read_ours(paths: list[str]) -> list[dict]:
+    """A worker's chunk of our dumps, each :func:`compact` (one table of calls per chunk: each distinct
+    call pickled once back to the merging process)."""
+    interned: dict[tuple, tuple] = {}
+    return [compact(_parse(Path(p).read_bytes()), interned) for p in paths]
+
+
+#: from how many dumps on :func:`diagnose` reads them in a process pool
 POOL_FROM = 512
 _CHUNK = 64  # dumps per task: their tuples pickled once per chunk
 
@@ -362,7 +374,7 @@ def _no_cycle_collection():
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m recipes.diagnose", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="the run directory (its flight/ folder holds the dumps)")
-    ap.add_argument("--workers", type=int, default=None, help="processes reading torch's dumps (default: one per CPU)")
+    ap.add_argument("--workers", type=int, default=None, help="processes reading the dumps (default: one per CPU)")
     a = ap.parse_args(argv)
     try:
         print("\n".join(diagnose(a.run_dir, a.workers)))

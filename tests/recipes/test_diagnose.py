@@ -55,7 +55,8 @@ def test_real_ranks_dump_what_they_issued_and_agree(tmp_path):
 
 def test_17920_synthetic_dumps_name_the_dead_the_skipper_the_odd_size_and_the_straggler(tmp_path):
     world = synthetic.ours(tmp_path / "flight")
-    lines = diagnose(tmp_path)
+    lines = diagnose(tmp_path, workers=1)
+    assert diagnose(tmp_path, workers=2) == lines  # a process pool reads them into the same report
     assert lines[0] == f"{world - 1} of {world} ranks dumped (timeout: {world - 1})"
     assert "no dump from ranks [17000] (dead, or never reached a dump)" in lines
     skipper_tp = "tp" + str(8_704 // (8 * 64)) + "." + str((8_704 // 8) % 64)
