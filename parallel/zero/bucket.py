@@ -104,6 +104,8 @@ class FlatBucket:
         self.flat_grad = None
         self.grad_shard = None
         self.grad_views = not pol.shards_grads and param_dtype == torch.float32  # .grad are views of flat_grad
+        # per slot: the view of flat_grad that take_grad made the parameter's .grad this step (fp32 stages 0-1)
+        self.grad_objs: list[torch.Tensor | None] = [None] * len(self.params)
         if not pol.shards_grads:
             self.flat_grad = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         else:
@@ -238,18 +240,12 @@ class FlatBucket:
             self.written[slot_index] = 1
             param.grad = None
             return
-        # runs per parameter per micro-batch: compare storage and offset before building any view
-        # (not data_ptr: it is 0 for every meta tensor, the dry run's)
-        if (
-            not first
-            and grad.untyped_storage() is self.flat_grad.untyped_storage()
-            and grad.storage_offset() == self.flat_grad.storage_offset() + slot.offset
-        ):
+        if not first and grad is self.grad_objs[slot_index]:  # autograd added into the view itself
             return
         view = self.flat_grad[slot.offset : slot.end]
         view.copy_(grad.reshape(-1))
         self.written[slot_index] = 1
-        param.grad = view.view(slot.shape)
+        param.grad = self.grad_objs[slot_index] = view.view(slot.shape)
 
     def has_unreduced_grads(self) -> bool:
         if not self.policy.shards_grads:  # one reduction per step, of the accumulated flat_grad
@@ -285,6 +281,7 @@ class FlatBucket:
         self.shard_written = False
         for p in self.params:
             p.grad = None
+        self.grad_objs = [None] * len(self.params)
         self._stage1_shard = None
         self.acc = None  # unsharded accumulation: a step abandoned mid-accumulation leaves nothing behind
         self.ready, self.reduced = 0, False

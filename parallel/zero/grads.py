@@ -29,8 +29,12 @@ class GradientSync:
     """Mixin of :class:`~parallel.zero.ZeroDataParallel`: accumulation, hooks, reductions."""
 
     def _register_hooks(self) -> None:
-        hook = _weak_hook(self, "_on_grad_ready")
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._param_bucket]
+        # each parameter's hook knows its bucket and slot: no lookups per gradient (it runs per
+        # parameter per micro-batch, on the host, in the backward's critical path)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(_weak_hook(self, "_on_grad_ready", bucket, self._slot_index[p]))
+            for p, bucket in self._param_bucket.items()
+        ]
         # the parameters outlive an engine that is dropped (a model wrapped again): its hooks go with it
         weakref.finalize(self, _remove_hooks, self._hooks)
 
@@ -59,20 +63,23 @@ class GradientSync:
     def _communicates_now(self) -> bool:
         return self._sync or (self.policy.reduce_every_microbatch and not self.keep_full)
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        bucket = self._param_bucket[param]
+    def _on_grad_ready(self, param: torch.Tensor, bucket: FlatBucket, slot: int) -> None:
+        # nothing to do (fp32, stages 0-1): autograd added into the slot's view of flat_grad itself, and this
+        # backward launches no reduction (it does not communicate, or one rank reduces at the step)
+        if bucket.grad_views and (not self._sync or self.dp_size == 1) and param.grad is bucket.grad_objs[slot]:
+            return
         once = not self.policy.reduce_every_microbatch and self._communicates_now()  # stages 0-1, this backward
         # before the gradient is taken in (a 16-bit gradient is then not added; an fp32 view of flat_grad
         # already was, by autograd: the step must not be taken after the refusal either way)
         if once and self.dp_size > 1:
-            self._check_first_reduction(bucket, param)
+            self._check_first_reduction(bucket, param, slot)
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if bucket.flat_grad is not None:
-            bucket.take_grad(param, self._slot_index[param])
+            bucket.take_grad(param, slot)
         elif self.keep_full:
-            bucket.accumulate_full(param, self._slot_index[param])
+            bucket.accumulate_full(param, slot)
         if not self._communicates_now():
             if self.keep_full:  # all of a unit's gradients are in: its backward is over, free its parameters
                 bucket.ready += 1
@@ -87,11 +94,10 @@ class GradientSync:
             if self._frees_after_backward(bucket):
                 bucket.free_params()  # this micro-batch's backward of its unit is over
 
-    def _check_first_reduction(self, bucket: FlatBucket, param: torch.Tensor) -> None:
+    def _check_first_reduction(self, bucket: FlatBucket, param: torch.Tensor, slot: int) -> None:
         """Stages 0-1 reduce the accumulated gradient once per step: refuse (on every rank, as
         every rank runs the same backwards) a gradient that arrives in a communicating backward
         after its bucket's reduction started, or a second time in this step."""
-        slot = self._slot_index[param]
         if bucket.reduced or bucket.arrived[slot]:
             name = next(n for n, q in self.module.named_parameters() if q is param)
             self._callback_queued = False  # an aborted backward runs no callback: the next one queues its own
@@ -170,8 +176,9 @@ def _remove_hooks(handles: list) -> None:
     handles.clear()
 
 
-def _weak_hook(owner: Any, name: str) -> Callable[[torch.Tensor], None]:
-    """A hook that calls ``owner.<name>(tensor)`` while ``owner`` lives, holding it only weakly.
+def _weak_hook(owner: Any, name: str, *args: Any) -> Callable[[torch.Tensor], None]:
+    """A hook that calls ``owner.<name>(tensor, *args)`` while ``owner`` lives, holding it only weakly
+    (``args`` strongly: they must not hold ``owner``).
 
     A tensor hook is kept by the tensor's C++ side, which Python's garbage collector cannot see
     through: a hook holding the engine (a bound method) would keep the engine, its model and its
@@ -181,6 +188,6 @@ def _weak_hook(owner: Any, name: str) -> Callable[[torch.Tensor], None]:
     def hook(tensor: torch.Tensor) -> None:
         obj = ref()
         if obj is not None:
-            getattr(obj, name)(tensor)
+            getattr(obj, name)(tensor, *args)
 
     return hook
