@@ -82,7 +82,7 @@ else
     fp8=1
 fi
 
-step "1/8 CUDA-capable tests" 300 python -m pytest -q -p no:cacheprovider -m cuda \
+step "1/8 CUDA-capable tests" 300 python -m pytest -q -n 0 -p no:cacheprovider -m cuda \
     tests/test_cuda_ready.py tests/parallel/layers/test_ring_kernels.py "${test_args[@]}"
 [[ -f "$out/ring_kernels.json" ]] && python -c "import json, sys; r = json.load(open(sys.argv[1])); \
 print('ring attention blocks:', {c['dtype'] + ' d=' + str(c['head_dim']): c['kinds'] for c in r['cases']}, \
