@@ -9,8 +9,10 @@ graph is retained. :func:`backward_weight` later restarts autograd at those node
 with the recorded gradients and asks for the parameters only, so each node runs
 once for its input-side outputs and once for its parameter-side ones — a linear
 layer's ``dX = dY·W`` in B, its ``dW = dYᵀ·X`` in W, nothing computed twice
-(autograd computes only the outputs a call needs; an ``autograd.Function`` whose
-backward ignores that, e.g. a fused sequence-parallel matmul, repeats its work).
+(autograd computes only the outputs a call needs). A node that computes every output
+whatever autograd needs (an ``autograd.Function``: a ``torch.compile``'d block, a fused
+sequence-parallel matmul) hands its weight-side gradients over in B; they are kept, and W starts
+below that node from them instead of running it again.
 
 Between B and W a micro-batch keeps only what W reads (Qi et al., Table 1): the
 forward runs under a :class:`SavedTensorStash`, and after B every saved tensor no
@@ -94,6 +96,8 @@ class WeightGradWork:
 
     groups: list[tuple[list[torch.Tensor], list[Node]]] = field(default_factory=list)
     recorded: dict[Node, tuple] = field(default_factory=dict)
+    # frontier nodes that computed their weight-side gradients in B anyway: [(edge below, gradient)]
+    computed: dict[Node, list[tuple[GradientEdge, torch.Tensor]]] = field(default_factory=dict)
     outputs: list[torch.Tensor] = field(default_factory=list)  # keep the graph alive until W
 
 
@@ -182,14 +186,36 @@ def backward_input(
     handles = []
     for node in {n for _, nodes in groups for n in nodes}:
         handles.append(node.register_prehook(lambda grads, node=node: work.recorded.__setitem__(node, grads)))
+    # a node alone at its group's frontier: W restarting below it cannot reach another frontier node
+    # (with several, W runs input-path nodes between them and each frontier node must run there)
+    for node in (next(iter(nodes)) for _, nodes in groups if len(nodes) == 1):
+        keep = lambda grads_in, _, node=node: _keep_computed(work, node, grads_in, on_input_path, w_nodes)  # noqa: E731
+        handles.append(node.register_hook(keep))
     try:
         (dx,) = torch.autograd.grad(output, inputs, grad, retain_graph=True)
     finally:
         for h in handles:
             h.remove()
+    for node in work.computed:
+        work.recorded.pop(node, None)
     if releasable:
-        stash.release_except(w_nodes)
+        stash.release_except(w_nodes - work.computed.keys())
     return dx, work
+
+
+def _keep_computed(
+    work: WeightGradWork, node: Node, grads_in: tuple, on_input_path: set[Node], w_nodes: set[Node]
+) -> None:
+    """B's post-hook on a frontier node: keep the weight-side gradients it computed although only its
+    input side was asked for (all of them, or none: then the node runs again in W). Nothing else it
+    gave is held (its input-side gradient flows on and is freed as usual)."""
+    below = [
+        (GradientEdge(child, nr), g)
+        for (child, nr), g in zip(node.next_functions, grads_in)
+        if child is not None and child not in on_input_path and child in w_nodes
+    ]
+    if below and all(g is not None for _, g in below):
+        work.computed[node] = below
 
 
 def backward_weight(work: WeightGradWork) -> None:
@@ -206,9 +232,12 @@ def backward_weight(work: WeightGradWork) -> None:
     for params, nodes in work.groups:
         edges, grads, pin = [], [], []
         for node in nodes:
+            for edge, g in work.computed.get(node, ()):  # computed in B: start below the node
+                edges.append(edge)
+                grads.append(g)
             recorded = work.recorded.get(node)
             if recorded is None:
-                continue  # no gradient reached it (e.g. a branch the output does not use)
+                continue  # computed in B, or no gradient reached it (a branch the output does not use)
             for i, g in enumerate(recorded):
                 if g is not None:
                     edges.append(GradientEdge(node, i))
@@ -225,6 +254,6 @@ def backward_weight(work: WeightGradWork) -> None:
         finally:
             for h in pin:
                 h.remove()
-    work.groups, work.recorded, work.outputs = [], {}, []
+    work.groups, work.recorded, work.computed, work.outputs = [], {}, {}, []
     if params_out:
         torch.autograd.backward([p.view_as(p) for p in params_out], grads_out, inputs=params_out)
