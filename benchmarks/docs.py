@@ -10,16 +10,19 @@ bytes and calls per group: meta tensors and the fake process group make them exa
 seconds differ from run to run and machine to machine: they stay outside the blocks, written as
 measured figures with their date and command, and no test checks them.
 ``tests/recipes/test_dryrun.py`` (the dry-run blocks, from the ranks it runs anyway) and
-``tests/benchmarks/test_docs.py`` (the rest) fail when a block is stale.
+``tests/benchmarks/test_docs.py`` (the rest) fail when a block is stale. Finding, replacing and
+checking a block is :mod:`recipes.tools.docblocks`'s, as for the other generators of a page.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from functools import cache
 from pathlib import Path
+
+from recipes.tools import docblocks
+from recipes.tools.docblocks import Marks
 
 ROOT = Path(__file__).resolve().parents[1]
 DRYRUN_RANKS = (0, 8704, 16896, 17919)  # GPT-3 175B: stages 0, 17 (README's excerpt), 33, 34
@@ -100,24 +103,14 @@ BLOCKS = {
 }
 
 
-def _marks(name: str) -> tuple[str, str]:
-    return f"<!-- run:{name} (python -m benchmarks.docs) -->", f"<!-- /run:{name} -->"
+def marks(name: str) -> Marks:
+    """Block ``name``'s marker lines (the syntax of every block this module writes)."""
+    return Marks(f"<!-- run:{name} (python -m benchmarks.docs) -->", f"<!-- /run:{name} -->")
 
 
 def block(page: str, name: str) -> str:
     """The body of block ``name`` on ``page`` (ValueError when it is not marked there)."""
-    begin, end = _marks(name)
-    found = re.search(re.escape(begin) + "\n(.*?)\n?" + re.escape(end), page, flags=re.S)
-    if not found:
-        raise ValueError(f"block {name!r} is not marked on its page: add {begin} … {end}")
-    return found.group(1)
-
-
-def replace_block(page: str, name: str, body: str) -> str:
-    """``page`` with block ``name``'s body replaced by ``body``."""
-    block(page, name)  # marked
-    begin, end = _marks(name)
-    return re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: f"{begin}\n{body}\n{end}", page, flags=re.S)
+    return docblocks.read(page, marks(name))
 
 
 def render(names, results: dict[int, dict] | None = None) -> dict[str, str]:
@@ -134,14 +127,16 @@ def render(names, results: dict[int, dict] | None = None) -> dict[str, str]:
 def stale(bodies: dict[str, str], root: Path | None = None) -> list[str]:
     """The blocks whose page (under ``root``, default the repository) differs from ``bodies``."""
     root = root or ROOT
-    return [n for n, body in bodies.items() if block((root / BLOCKS[n][0]).read_text(), n) != body]
+    return [
+        n for n, body in bodies.items() if not docblocks.is_current((root / BLOCKS[n][0]).read_text(), marks(n), body)
+    ]
 
 
 def write(bodies: dict[str, str], root: Path | None = None) -> None:
+    """Rewrite each block of ``bodies`` on its page (under ``root``, default the repository) with its body."""
     root = root or ROOT
     for name, body in bodies.items():
-        path = root / BLOCKS[name][0]
-        path.write_text(replace_block(path.read_text(), name, body))
+        docblocks.write(root / BLOCKS[name][0], marks(name), body)
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from recipes.tools import docblocks
+from recipes.tools.docblocks import Marks
+
 ROOT = Path(__file__).resolve().parents[1]
+#: the drills a run makes unless ``--only`` names others (``oom`` runs alone: ``--only oom``)
+KINDS = ("skip_allreduce", "allreduce_size", "straggle", "hang_send", "die_in_comm")
 
 
 def _overrides(run_dir: str, layout: dict, fault: str, hang_s: float, steps: int) -> list[str]:
@@ -139,8 +144,14 @@ def run_drill(kind: str, rank: int, layout: dict, hang_s: float, folder: Path) -
     }
 
 
+def marks(kind: str) -> Marks:
+    """The marker lines of drill ``kind``'s block on a page."""
+    return Marks(f"<!-- drill:{kind} -->", "<!-- /drill -->")
+
+
 def write_doc(page: Path, results: list[dict], command: str) -> None:
-    """Replace each ``<!-- drill:<kind> -->`` block of ``page`` with that drill's output."""
+    """Replace each ``<!-- drill:<kind> -->`` block of ``page`` with that drill's output (ValueError, the page
+    untouched, when one of ``results``' kinds is not marked on it)."""
     text = page.read_text()
     for r in results:
         body = [f"$ {command}  # train.fault={r['kind']}@{r['rank']}:…", *r["watchdog"], *r["progress"]]
@@ -150,8 +161,7 @@ def write_doc(page: Path, results: list[dict], command: str) -> None:
             body += [r["launcher"], "", "$ python -m recipes.diagnose <run dir>", *r["diagnose"]]
         else:
             body += r["diagnose"]
-        block = f"<!-- drill:{r['kind']} -->\n```text\n" + "\n".join(body) + "\n```\n<!-- /drill -->"
-        text = re.sub(rf"<!-- drill:{r['kind']} -->.*?<!-- /drill -->", lambda _, b=block: b, text, flags=re.S)
+        text = docblocks.replace(text, marks(r["kind"]), "```text\n" + "\n".join(body) + "\n```")
     page.write_text(text)
 
 
@@ -168,7 +178,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     layout = {"dp": a.dp, "pp": a.pp, "tp": a.tp}
     first_stage_last = a.dp * a.tp - 1  # a stage-0 rank: it sends activations (hang_send)
     rank = a.rank if a.rank is not None else first_stage_last
-    kinds = a.only or ["skip_allreduce", "allreduce_size", "straggle", "hang_send", "die_in_comm"]
+    kinds = a.only or list(KINDS)
+    if a.doc:  # an unmarked block fails now, not after minutes of drills
+        page = a.doc.read_text()
+        for kind in kinds:
+            docblocks.find(page, marks(kind))
     results = []
     with tempfile.TemporaryDirectory() as d:
         for kind in kinds:

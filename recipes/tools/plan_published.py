@@ -20,6 +20,8 @@ from pathlib import Path
 from parallel.plan import plan_layout
 
 from ..config import model_config
+from . import docblocks
+from .docblocks import Marks
 from .plan import _hardware, _layout, _training, meta_param_counter
 from .plan_scenarios import scenario_config
 
@@ -47,7 +49,7 @@ COMMON = [
     "train.micro_batch=1",
     "plan.hardware=a100_80gb",
 ]
-BEGIN, END = "<!-- BEGIN published (generated) -->", "<!-- END published (generated) -->"
+MARKS = Marks("<!-- BEGIN published (generated) -->", "<!-- END published (generated) -->")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
 
 
@@ -100,11 +102,10 @@ def render() -> str:
 
 
 def main() -> None:
-    page = DOC.read_text()
-    head, rest = page.split(BEGIN) if BEGIN in page else (page.rstrip() + "\n\n", END)
-    tail = rest.split(END)[1]
-    DOC.write_text(f"{head}{BEGIN}\n{render()}\n{END}{tail}")
-    print(render(), file=sys.stdout)
+    """Rewrite the table's block in ``docs/planner.md`` (ValueError when the page has none) and print it."""
+    body = render()
+    docblocks.write(DOC, MARKS, body)
+    print(body, file=sys.stdout)
 
 
 if __name__ == "__main__":

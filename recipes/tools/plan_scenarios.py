@@ -7,7 +7,6 @@ always come from the code, never from a keyboard.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -16,6 +15,8 @@ from omegaconf import OmegaConf
 from parallel.plan import model_state_bytes
 
 from ..config import RecipeConfig
+from . import docblocks
+from .docblocks import Marks
 from .plan import GB, plan_from_config
 
 LLAMA_7B = ["model.preset=llama_7b", "train.precision=fp16"]
@@ -229,15 +230,13 @@ def render() -> str:
     return "\n".join(out)
 
 
-BEGIN, END = "<!-- scenarios:begin (python -m recipes.tools.plan_scenarios) -->", "<!-- scenarios:end -->"
+MARKS = Marks("<!-- scenarios:begin (python -m recipes.tools.plan_scenarios) -->", "<!-- scenarios:end -->")
 
 
 def update_docs(path: str | Path = "docs/planner.md") -> str:
-    """Replace the generated section of ``path``; return the page's new text."""
-    page = Path(path).read_text()
-    new = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{render()}\n{END}", page, flags=re.S)
-    Path(path).write_text(new)
-    return new
+    """Replace the generated block of ``path`` with :func:`render`; return the page's new text
+    (ValueError, the page untouched, when ``path`` has no such block)."""
+    return docblocks.write(path, MARKS, render())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from benchmarks import docs
+from benchmarks import docs, drills
+from recipes.tools import docblocks
 
 
 def test_the_plan_blocks_are_current():
@@ -39,3 +40,22 @@ def test_the_check_exits_1_on_a_stale_block(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(docs, "ROOT", tmp_path)
     assert docs.main(["--check", "plan-gpt175b"]) == 1
     assert "stale: plan-gpt175b" in capsys.readouterr().out
+
+
+def test_every_drill_is_marked_on_the_debugging_page():
+    """The drills' blocks hold real jobs' output (minutes of 8 gloo ranks, pids and paths): no test reruns
+    them; this checks that each block ``python -m benchmarks.drills --doc`` writes is marked once."""
+    page = (docs.ROOT / "docs" / "debugging.md").read_text()
+    for kind in (*drills.KINDS, "oom"):
+        assert docblocks.read(page, drills.marks(kind)).startswith("```text\n$ python -m recipes.gpt_tiny")
+
+
+def test_drills_write_doc_rewrites_only_its_block(tmp_path):
+    page = tmp_path / "debugging.md"
+    shutil.copy(docs.ROOT / "docs" / "debugging.md", page)
+    before = page.read_text()
+    result = dict(kind="straggle", rank=3, watchdog=[], progress=["step 3: …"], diagnose=["metrics.jsonl: …"])
+    drills.write_doc(page, [result], "python -m recipes.gpt_tiny …")
+    body = "```text\n$ python -m recipes.gpt_tiny …  # train.fault=straggle@3:…\nstep 3: …\nmetrics.jsonl: …\n```"
+    assert page.read_text() == docblocks.replace(before, drills.marks("straggle"), body)
+    assert page.read_text() != before

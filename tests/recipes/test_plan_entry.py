@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from recipes.config import ConfigError
+from recipes.tools import docblocks
 from recipes.tools.plan import run_plan
-from recipes.tools.plan_scenarios import BEGIN, END, render, scenario_7b, scenario_config
+from recipes.tools.plan_scenarios import MARKS, render, scenario_7b, scenario_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,8 +78,9 @@ def test_7b_on_8_a100_fits_only_with_zero2_and_recomputation():
 
 def test_docs_page_shows_the_generated_figures():
     page = (ROOT / "docs" / "planner.md").read_text()
-    generated = page.split(BEGIN)[1].split(END)[0].strip()
-    assert generated == render().strip(), "docs/planner.md is stale: run python -m recipes.tools.plan_scenarios"
+    assert docblocks.is_current(page, MARKS, render()), (
+        "docs/planner.md is stale: run python -m recipes.tools.plan_scenarios"
+    )
 
 
 def test_command_line_multirun_gathers_one_table(tmp_path):

@@ -1,6 +1,7 @@
 """Narayanan et al. 2021 (SC21) Table 1 with the stock a100_80gb profile: every row within ±10 %."""
 
-from recipes.tools.plan_published import BEGIN, DOC, END, NARAYANAN_TABLE_1, paper_flops, render, rows
+from recipes.tools import docblocks
+from recipes.tools.plan_published import DOC, MARKS, NARAYANAN_TABLE_1, paper_flops, render, rows
 
 
 def test_every_published_row_within_ten_percent():
@@ -23,5 +24,6 @@ def test_paper_flops_is_eq_3():
 
 
 def test_docs_table_is_current():
-    generated = DOC.read_text().split(BEGIN)[1].split(END)[0].strip()
-    assert generated == render().strip(), "docs/planner.md is stale: run python -m recipes.tools.plan_published"
+    assert docblocks.is_current(DOC.read_text(), MARKS, render()), (
+        "docs/planner.md is stale: run python -m recipes.tools.plan_published"
+    )
