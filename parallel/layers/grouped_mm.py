@@ -68,6 +68,25 @@ def grouped_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dtype == w.dtype and (w.shape[1] * size) % 16 == 0 and (w.shape[2] * size) % 16 == 0
 
 
+class _ZeroEmptyGroups(torch.autograd.Function):
+    """Identity on the weights ``[L, in, out]``; backward zeroes the gradient of the groups that had no rows.
+
+    That gradient is zero mathematically, and torch's grouped kernel gives zeros on Hopper, but on Blackwell
+    (SM 100) it returns non-zero values there (pytorch/pytorch#172439, open): an expert that received no
+    tokens would be updated with garbage. One ``index_fill_`` of the fresh weight gradient, on every device
+    (the CPU tests hold it), and only in calls where a group is empty."""
+
+    @staticmethod
+    def forward(ctx, w, empty):
+        ctx.save_for_backward(empty)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (empty,) = ctx.saved_tensors
+        return grad.index_fill_(0, empty, 0), None
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity; backward makes the gradient contiguous (the grouped kernel's backward refuses zero strides)."""
 
@@ -109,6 +128,10 @@ class Segments:
         return self._on_device(list(itertools.accumulate(self.sizes)), torch.int32)
 
     @functools.cached_property
+    def _empty(self) -> torch.Tensor:
+        return self._on_device([i for i, n in enumerate(self.sizes) if n == 0], torch.int64)
+
+    @functools.cached_property
     def _padded_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         starts = self._on_device([0, *itertools.accumulate(self.sizes)][:-1], torch.int64)
         pos = torch.arange(sum(self.sizes), device=self.device) - starts[self.group_of_row]
@@ -124,6 +147,8 @@ class Segments:
         if kind == "grouped" and not grouped_fits(x, w):
             kind = "loop"
         if kind == "grouped" and x.shape[0]:
+            if 0 in self.sizes and w.requires_grad:
+                w = _ZeroEmptyGroups.apply(w, self._empty)
             return _ContiguousGrad.apply(_grouped_mm(x, w, offs=self._offsets))
         if kind == "padded" and x.shape[0]:
             group, pos = self._padded_index

@@ -96,3 +96,33 @@ def test_the_flop_counter_counts_grouped_matmuls_as_the_loop():
             _grads(experts, SIZES, kind, 16)
         counted[kind] = counter.get_total_flops()
     assert counted["grouped"] == counted["loop"] == 3 * 2 * 3 * sum(SIZES) * 16 * 24  # 3 matmuls, fwd + 2 bwd
+
+
+def test_an_empty_groups_weight_gradient_is_zero_whatever_the_kernel_returns(monkeypatch):
+    """torch's grouped kernel on Blackwell (SM 100) returns non-zero weight gradients for groups without
+    rows (pytorch#172439): stand such a kernel in, and the experts that got no tokens still get zeros."""
+    real = grouped_mm._grouped_mm
+
+    class _Garbage(torch.autograd.Function):  # the real product; its weight gradient has 7s in empty groups
+        @staticmethod
+        def forward(ctx, x, w, offs):
+            ctx.save_for_backward(x, w, offs)
+            return real(x, w, offs=offs)
+
+        @staticmethod
+        def backward(ctx, gy):
+            x, w, offs = ctx.saved_tensors
+            with torch.enable_grad():
+                xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
+                dx, dw = torch.autograd.grad(real(xs, ws, offs=offs), (xs, ws), gy)
+            return dx, dw + 7.0 * (torch.tensor(SIZES) == 0).view(-1, 1, 1), None
+
+    monkeypatch.setattr(grouped_mm, "_grouped_mm", lambda x, w, offs: _Garbage.apply(x, w, offs))
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(sum(SIZES), 16, generator=gen), torch.randn(len(SIZES), 16, 24, generator=gen)
+    w.requires_grad_()
+    Segments.of(SIZES, x, "grouped").mm(x, w).sum().backward()
+    empty = [i for i, n in enumerate(SIZES) if n == 0]
+    assert torch.count_nonzero(w.grad[empty]) == 0
+    want = torch.stack([x[sum(SIZES[:i]) : sum(SIZES[: i + 1])].sum(0) for i in range(len(SIZES))])
+    torch.testing.assert_close(w.grad, want[:, :, None].expand(-1, -1, 24))
