@@ -104,8 +104,10 @@ class FlatBucket:
         self.flat_grad = None
         self.grad_shard = None
         self.grad_views = not pol.shards_grads and param_dtype == torch.float32  # .grad are views of flat_grad
-        # per slot: the view of flat_grad that take_grad made the parameter's .grad this step (fp32 stages 0-1)
+        # per slot: the view of flat_grad that take_grad made the parameter's .grad this step (fp32 stages 0-1),
+        # and its address: the same object given other storage (``p.grad.data = ...``) is taken in afresh
         self.grad_objs: list[torch.Tensor | None] = [None] * len(self.params)
+        self.grad_ptrs: list[int] = [0] * len(self.params)
         if not pol.shards_grads:
             self.flat_grad = torch.zeros(layout.padded_numel, dtype=torch.float32, device=device)
         else:
@@ -240,12 +242,18 @@ class FlatBucket:
             self.written[slot_index] = 1
             param.grad = None
             return
-        if not first and grad is self.grad_objs[slot_index]:  # autograd added into the view itself
+        if not first and self.holds_view(grad, slot_index):  # autograd added into the view itself
             return
         view = self.flat_grad[slot.offset : slot.end]
         view.copy_(grad.reshape(-1))
         self.written[slot_index] = 1
         param.grad = self.grad_objs[slot_index] = view.view(slot.shape)
+        self.grad_ptrs[slot_index] = view.data_ptr()
+
+    def holds_view(self, grad: torch.Tensor, slot_index: int) -> bool:
+        """Whether ``grad`` is the view of ``flat_grad`` :meth:`take_grad` made the slot's ``.grad`` this
+        step, on its storage still (0 on meta, the dry run's: no data to lose there)."""
+        return grad is self.grad_objs[slot_index] and grad.data_ptr() == self.grad_ptrs[slot_index]
 
     def has_unreduced_grads(self) -> bool:
         if not self.policy.shards_grads:  # one reduction per step, of the accumulated flat_grad

@@ -66,7 +66,7 @@ class GradientSync:
     def _on_grad_ready(self, param: torch.Tensor, bucket: FlatBucket, slot: int) -> None:
         # nothing to do (fp32, stages 0-1): autograd added into the slot's view of flat_grad itself, and this
         # backward launches no reduction (it does not communicate, or one rank reduces at the step)
-        if bucket.grad_views and (not self._sync or self.dp_size == 1) and param.grad is bucket.grad_objs[slot]:
+        if bucket.grad_views and (not self._sync or self.dp_size == 1) and bucket.holds_view(param.grad, slot):
             return
         once = not self.policy.reduce_every_microbatch and self._communicates_now()  # stages 0-1, this backward
         # before the gradient is taken in (a 16-bit gradient is then not added; an fp32 view of flat_grad

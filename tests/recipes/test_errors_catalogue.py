@@ -8,7 +8,8 @@ replaced by a trap (reaching it means the input was accepted); a few run as true
 ``python -m recipes.gpt_tiny`` subprocesses, each in its own session, checked for survivors.
 
 The cases are in ``errors_catalogue_cases.py``; the table in ``docs/errors.md`` is generated from
-them: run with ``GRIDTRAIN_WRITE_ERRORS_DOC=1`` to rewrite it; otherwise the test fails when it is stale.
+them: run with ``GRIDTRAIN_WRITE_ERRORS_DOC=1`` and ``-n 0`` to rewrite it (three tests rewrite parts of the
+one page: in one process, not two workers); otherwise the test fails when it is stale.
 """
 
 from __future__ import annotations
@@ -261,7 +262,9 @@ def test_catalogue_through_the_cli(fixtures):
     if os.environ.get("GRIDTRAIN_WRITE_ERRORS_DOC"):
         DOC.write_text(text + sections)  # the hand-kept sections after the table stay
         generated = text
-    assert generated == text, "docs/errors.md is stale: rerun with GRIDTRAIN_WRITE_ERRORS_DOC=1 and commit it"
+    assert generated == text, (
+        "docs/errors.md is stale: rerun with GRIDTRAIN_WRITE_ERRORS_DOC=1 (and -n 0) and commit it"
+    )
     print(f"{len(CATALOGUE)} catalogue entries in {elapsed:.1f} s")
 
 

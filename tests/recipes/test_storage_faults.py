@@ -263,7 +263,7 @@ def test_docs_errors_md_shows_these_cases(cases):
     if os.environ.get("GRIDTRAIN_WRITE_ERRORS_DOC"):
         DOC.write_text(replace_section(DOC.read_text(), SECTION, text))
     assert replace_section(DOC.read_text(), SECTION, text) == DOC.read_text(), (
-        "docs/errors.md's storage section is stale: rerun with GRIDTRAIN_WRITE_ERRORS_DOC=1 and commit it"
+        "docs/errors.md's storage section is stale: rerun with GRIDTRAIN_WRITE_ERRORS_DOC=1 (and -n 0) and commit it"
     )
 
 

@@ -224,10 +224,12 @@ def test_zero_grad_waits_for_reductions_in_flight_and_a_16bit_shard_is_its_own(c
         assert all(own) if comm_dtype == torch.float32 else not any(own)
 
 
-def _reset_mid_accumulation(dp: int):
-    """fp32 stage 0: micro-batch 1 under no_sync, then ``model.zero_grad()`` (the user drops what was
-    accumulated), then micro-batch 2 twice (quiet, then communicating): the step's gradient is micro-batch
-    2's twice, by parameter name (every rank runs the same data, so the DP mean is that too)."""
+def _reset_mid_accumulation(dp: int, how: str):
+    """fp32 stage 0: micro-batch 1 under no_sync, then the user touches ``.grad``, then micro-batch 2
+    twice (quiet, then communicating). ``how="zero_grad"``: ``model.zero_grad()`` drops micro-batch 1, so
+    the step's gradient is micro-batch 2's twice; ``"data"``: ``p.grad.data = p.grad.data.clone()`` (the
+    same object on other storage) keeps it, so the step's gradient is 1 + 2 + 2. By parameter name (every
+    rank runs the same data, so the DP mean is that too)."""
     import torch.distributed as dist
 
     (x, y), group = batches(steps=1)[0], dist.group.WORLD if dp > 1 else None
@@ -236,19 +238,24 @@ def _reset_mid_accumulation(dp: int):
     y1, y2 = y.chunk(2)
     with zdp.no_sync():
         zdp.backward(((zdp(x1) - y1) ** 2).mean())
-    zdp.module.zero_grad()  # .grad is None: the hooks must take the next gradient in afresh
+    if how == "zero_grad":
+        zdp.module.zero_grad()  # .grad is None: the hooks must take the next gradient in afresh
+    else:
+        for p in zdp.module.parameters():  # no longer a view of the flat buffer: taken in afresh
+            p.grad.data = p.grad.data.clone()
     with zdp.no_sync():
         zdp.backward(((zdp(x2) - y2) ** 2).mean())
     zdp.backward(((zdp(x2) - y2) ** 2).mean())
     grads = zdp._finish_gradients()  # averaged over DP
     got = {s.name: g[s.offset : s.end].clone() for b, g in zip(zdp.buckets, grads) for s in b.layout.slots}
     ref = make_model()
-    (2 * ((ref(x2) - y2) ** 2).mean()).backward()
+    (2 * ((ref(x2) - y2) ** 2).mean() + (((ref(x1) - y1) ** 2).mean() if how == "data" else 0)).backward()
     return {n: (got[n], p.grad.reshape(-1)) for n, p in ref.named_parameters()}
 
 
+@pytest.mark.parametrize("how", ["zero_grad", "data"])
 @pytest.mark.parametrize("dp", [1, 2])
-def test_a_grad_reset_mid_accumulation_is_taken_in_afresh(dp):
-    for pairs in run_ranks(_reset_mid_accumulation, dp, dp, timeout=60):
+def test_a_grad_reset_mid_accumulation_is_taken_in_afresh(dp, how):
+    for pairs in run_ranks(_reset_mid_accumulation, dp, dp, how, timeout=60):
         for name, (got, want) in pairs.items():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
