@@ -39,6 +39,7 @@ from .params import init_key
 from .pieces import chunks_from_pieces  # noqa: F401 (re-exported: from_pieces' split)
 from .pipeline.executor import PipelineExecutor
 from .pipeline.schedules import Action, build_schedule
+from .pipeline.transfers import transfer_split
 from .stats import READ_KEYS, PendingLoss, read_stats, reduce_stats  # noqa: F401 (the engine's read API)
 from .timing import StepClock
 from .zero import DynamicLossScaler, ZeroConfig, ZeroDataParallel
@@ -141,7 +142,7 @@ class StepEngine:
             activation_shape=activation_shape,
             dtype=compute_dtype,
             loss_fn=lambda out, targets: self.zero.scale_loss(loss_fn(out, targets)),
-            tp_group=None if sequence_parallel else tp_group,
+            tp_group=tp_group if transfer_split(comm.group_size(tp_group), sequence_parallel) > 1 else None,
             embedding_group=None,  # ZeRO sums the tied-embedding gradient (on its shard, any stage)
             # ZeRO 0-1 run the step under no_sync(); each chunk's last backward launches its DP reduction
             final_backward=lambda chunk: self.zero.sync_gradients(),

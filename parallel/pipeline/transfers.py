@@ -41,6 +41,15 @@ from .schedules import (
 )
 
 
+def transfer_split(tp: int, sequence_parallel: bool) -> int:
+    """Into how many TP shares a pipeline transfer is cut (Megatron's scatter-gather): ``tp`` where the
+    activation is replicated over TP (no sequence parallelism): each TP rank sends 1/tp of it over the
+    pipeline and the receiver rebuilds it with one ``all_gather`` on the TP group; 1 under sequence
+    parallelism, whose TP ranks hold different tokens. The engine passes the TP group to the executor by
+    this rule and the planner prices the transfer by it."""
+    return tp if tp > 1 and not sequence_parallel else 1
+
+
 class _InFlight(NamedTuple):
     """A posted receive: its buffer, the handles that complete it, and its batch's sent tensors,
     kept alive until then."""

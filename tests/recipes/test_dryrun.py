@@ -65,6 +65,18 @@ def test_dry_run_of_a_small_layout_and_its_peers_matches_the_planner(tmp_path, c
     _check(results, plan_from_config(rc), peak_bound=0.05)
 
 
+def test_pipeline_transfers_without_sequence_parallelism_are_priced_as_scatter_gather(tmp_path):
+    """gpt_tiny at (pp, tp) = (2, 2) without SP: each TP rank sends 1/tp of the activation and the receiver
+    all-gathers it over TP (the executor's scatter-gather). The planner prices both halves where they
+    happen: pp and tp bytes equal the dry run's on both stages (before, pp was priced at the whole
+    activation, 524,288 bytes over, and the TP all-gathers at nothing)."""
+    rc = recipe("gpt_tiny", ["parallel.pp=2", "parallel.tp=2", "dryrun.ranks=[0,2]"])
+    dryrun.run_dryrun(rc, str(tmp_path))
+    results = {int(r): res for r, res in json.loads((tmp_path / "dryrun.json").read_text())["ranks"].items()}
+    assert all(any(c["op"] == "all_gather" for c in res["calls"] if c["group"] == "tp") for res in results.values())
+    _check(results, plan_from_config(rc), peak_bound=0.12)
+
+
 def test_gpt175b_default_ranks(tmp_path):
     """GPT-3 175B at DP64×PP35×TP8 (17,920 ranks), ZeRO-1, SP, bf16: the first, a middle and the last rank,
     and stage 33 (two micro-batches in flight: the block's backward workspace weighs most there)."""
