@@ -77,6 +77,23 @@ def test_pipeline_transfers_without_sequence_parallelism_are_priced_as_scatter_g
     _check(results, plan_from_config(rc), peak_bound=0.12)
 
 
+def test_zero_bubble_with_sequence_parallelism_sends_what_1f1b_sends(tmp_path):
+    """zb-h1 at (pp, tp) = (2, 2) with SP: the fused sequence-parallel column matmul computes its weight
+    gradients in B anyway; W takes them from B instead of running the node again, so the second stage's
+    TP traffic equals the plan's (it re-ran the node's all-gather and reduce-scatter: 17,333,252 bytes
+    sent against 12,090,372 planned, 76 all-gathers instead of 56)."""
+    rc = recipe(
+        "gpt_tiny",
+        ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=zb-h1"]
+        + ["dryrun.ranks=[2]"],
+    )
+    dryrun.run_dryrun(rc, str(tmp_path))
+    (res,) = json.loads((tmp_path / "dryrun.json").read_text())["ranks"].values()
+    cmp = dryrun.compare_with_plan(res, plan_from_config(rc))
+    sent, planned = cmp["bytes"]["dryrun"], cmp["bytes"]["plan"]
+    assert {g: round(b) for g, b in sent.items()} == {g: round(planned[g]) for g in sent}
+
+
 def test_gpt175b_default_ranks(tmp_path):
     """GPT-3 175B at DP64×PP35×TP8 (17,920 ranks), ZeRO-1, SP, bf16: the first, a middle and the last rank,
     and stage 33 (two micro-batches in flight: the block's backward workspace weighs most there)."""
