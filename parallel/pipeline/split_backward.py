@@ -43,12 +43,15 @@ class _Held:
 
 class SavedTensorStash:
     """Saved-tensor hooks for one forward whose backward :func:`backward_input` splits: they
-    let B release what W does not read. Hooks already active (e.g. a memory meter) still
-    see every tensor: they run inside these."""
+    let B release what W does not read, each node's as soon as B has run that node, as an
+    ordinary backward frees a node's saved tensors after running it (B retains the graph for W,
+    which alone would keep them all until B ends). Hooks already active (e.g. a memory meter)
+    still see every tensor: they run inside these."""
 
     def __init__(self):
         self._held: list[_Held] = []
         self._marking = False
+        self._seen: list[_Held] | None = None  # while collecting: the entries unpacked
         self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
     def _pack(self, t: torch.Tensor) -> _Held:
@@ -60,20 +63,44 @@ class SavedTensorStash:
         if held.value is None:
             raise RuntimeError("a zero-bubble W read a saved tensor its B released (split_backward's bookkeeping)")
         held.needed = held.needed or self._marking
+        if self._seen is not None:
+            self._seen.append(held)
         return self._outer[1](held.value) if self._outer else held.value
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context to run the forward in."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def release_except(self, nodes: Iterable[Node]) -> None:
-        """Drop every saved tensor that none of ``nodes`` reads."""
+    def keep(self, nodes: Iterable[Node]) -> None:
+        """Mark what ``nodes`` read as needed: :meth:`drop` leaves it."""
         self._marking = True
         try:
             for node in nodes:
                 _touch_saved(node)
         finally:
             self._marking = False
+
+    def saved_by(self, node: Node) -> list[_Held]:
+        """The entries ``node`` saved (taken before B runs it: its backward may modify them in place)."""
+        self._seen = seen = []
+        try:
+            _touch_saved(node)
+        finally:
+            self._seen = None
+        return seen
+
+    @staticmethod
+    def drop(entries: list[_Held], needed_too: bool = False) -> None:
+        """Release ``entries`` (one node's, after B ran it), those marked needed only if ``needed_too``."""
+        for held in entries:
+            if needed_too or not held.needed:
+                held.value = None
+
+    def release_except(self, nodes: Iterable[Node]) -> None:
+        """Drop every saved tensor that none of ``nodes`` reads (earlier marks forgotten)."""
+        for held in self._held:
+            held.needed = False
+        self.keep(nodes)
         for held in self._held:
             if not held.needed:
                 held.value = None
@@ -186,29 +213,43 @@ def backward_input(
     handles = []
     for node in {n for _, nodes in groups for n in nodes}:
         handles.append(node.register_prehook(lambda grads, node=node: work.recorded.__setitem__(node, grads)))
+    # B frees each node's saved tensors once it has run it, as a backward that does not retain the
+    # graph would, except those a W node may read (which frontier nodes compute in B is known as they run)
+    if releasable:
+        stash.keep(w_nodes)
+        for node in parents.keys() - w_nodes:
+            saved = stash.saved_by(node)
+            handles.append(node.register_hook(lambda _gi, _go, saved=saved: SavedTensorStash.drop(saved)))
     # a node alone at its group's frontier: W restarting below it cannot reach another frontier node
     # (with several, W runs input-path nodes between them and each frontier node must run there)
     for node in (next(iter(nodes)) for _, nodes in groups if len(nodes) == 1):
-        keep = lambda grads_in, _, node=node: _keep_computed(work, node, grads_in, on_input_path, w_nodes)  # noqa: E731
+        saved = stash.saved_by(node) if releasable else []
+        keep = lambda grads_in, _, node=node, saved=saved: _keep_computed(  # noqa: E731
+            work, node, grads_in, on_input_path, w_nodes, saved
+        )
         handles.append(node.register_hook(keep))
     try:
         (dx,) = torch.autograd.grad(output, inputs, grad, retain_graph=True)
     finally:
         for h in handles:
             h.remove()
-    for node in work.computed:
-        work.recorded.pop(node, None)
     if releasable:
         stash.release_except(w_nodes - work.computed.keys())
     return dx, work
 
 
 def _keep_computed(
-    work: WeightGradWork, node: Node, grads_in: tuple, on_input_path: set[Node], w_nodes: set[Node]
+    work: WeightGradWork,
+    node: Node,
+    grads_in: tuple,
+    on_input_path: set[Node],
+    w_nodes: set[Node],
+    saved: list[_Held],
 ) -> None:
     """B's post-hook on a frontier node: keep the weight-side gradients it computed although only its
     input side was asked for (all of them, or none: then the node runs again in W). Nothing else it
-    gave is held (its input-side gradient flows on and is freed as usual)."""
+    gave is held (its input-side gradient flows on and is freed as usual); W will not run it, so the
+    gradient recorded at it and what it ``saved`` are dropped now, not when B ends."""
     below = [
         (GradientEdge(child, nr), g)
         for (child, nr), g in zip(node.next_functions, grads_in)
@@ -216,44 +257,55 @@ def _keep_computed(
     ]
     if below and all(g is not None for _, g in below):
         work.computed[node] = below
+        work.recorded.pop(node, None)
+        SavedTensorStash.drop(saved, needed_too=True)
 
 
 def backward_weight(work: WeightGradWork) -> None:
     """W: accumulate the weight gradients :func:`backward_input` deferred into ``.grad``.
 
-    Each group's gradients are computed (``autograd.grad``, nothing accumulated), then one
-    autograd run hands them all to the parameters' ``AccumulateGrad`` nodes through views
-    that cost nothing: every post-accumulate-grad hook runs once, and a callback queued
-    during W (ZeRO's end of backward) once, when all of W is in — as after one backward.
-    The stage's weight gradients are therefore all alive at once for a moment (autograd
-    would accumulate them one by one). The graph is released after.
+    Each group's gradients are computed (``autograd.grad``, nothing accumulated; the gradients
+    recorded for the group are dropped as soon as it is done), then one autograd run hands them
+    all to the parameters' ``AccumulateGrad`` nodes through views that cost nothing: every
+    post-accumulate-grad hook runs once, and a callback queued during W (ZeRO's end of backward)
+    once, when all of W is in — as after one backward. The stage's weight gradients are therefore
+    all alive at once for a moment (autograd would accumulate them one by one). The graph is
+    released after.
     """
     params_out, grads_out = [], []
     for params, nodes in work.groups:
-        edges, grads, pin = [], [], []
-        for node in nodes:
-            for edge, g in work.computed.get(node, ()):  # computed in B: start below the node
-                edges.append(edge)
-                grads.append(g)
-            recorded = work.recorded.get(node)
-            if recorded is None:
-                continue  # computed in B, or no gradient reached it (a branch the output does not use)
-            for i, g in enumerate(recorded):
-                if g is not None:
-                    edges.append(GradientEdge(node, i))
-                    grads.append(g)
-            if len(nodes) > 1:  # one frontier node may also feed another: keep the recorded value
-                pin.append(node.register_prehook(lambda _grads, rec=recorded: rec))
-        try:
-            if edges:
-                dws = torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
-                for p, dw in zip(params, dws):
-                    if dw is not None:
-                        params_out.append(p)
-                        grads_out.append(dw)
-        finally:
-            for h in pin:
-                h.remove()
+        for p, dw in _group_weight_grads(work, params, nodes):
+            params_out.append(p)
+            grads_out.append(dw)
     work.groups, work.recorded, work.computed, work.outputs = [], {}, {}, []
     if params_out:
         torch.autograd.backward([p.view_as(p) for p in params_out], grads_out, inputs=params_out)
+
+
+def _group_weight_grads(
+    work: WeightGradWork, params: list[torch.Tensor], nodes: list[Node]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One group's ``(parameter, weight gradient)`` pairs, from the gradients B recorded or computed at
+    its frontier ``nodes``, which are taken out of ``work`` (no other group reads them)."""
+    edges, grads, pin = [], [], []
+    for node in nodes:
+        for edge, g in work.computed.pop(node, ()):  # computed in B: start below the node
+            edges.append(edge)
+            grads.append(g)
+        recorded = work.recorded.pop(node, None)
+        if recorded is None:
+            continue  # computed in B, or no gradient reached it (a branch the output does not use)
+        for i, g in enumerate(recorded):
+            if g is not None:
+                edges.append(GradientEdge(node, i))
+                grads.append(g)
+        if len(nodes) > 1:  # one frontier node may also feed another: keep the recorded value
+            pin.append(node.register_prehook(lambda _grads, rec=recorded: rec))
+    try:
+        if not edges:
+            return []
+        dws = torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
+        return [(p, dw) for p, dw in zip(params, dws) if dw is not None]
+    finally:
+        for h in pin:
+            h.remove()

@@ -3,8 +3,10 @@ closed form (equal to :mod:`parallel.pipeline.simulator`, which stays their test
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..overlap import PIPELINE_P2P
-from ..pipeline.schedules import schedule_problem
+from ..pipeline.schedules import BackwardInput, BackwardWeight, Forward, schedule_problem, zb_h1
 from .hardware import PlanError, host_costs
 
 
@@ -50,6 +52,35 @@ def closed_form(schedule: str, pp: int, m: int, vpp: int, fwd: float, bwd: float
         span = max(a * fwd + b * bwd / 2 + c * p2p for a, b, c in zb_h1_paths(pp, m))
         return span, (min(pp, m),) * pp
     return None
+
+
+@lru_cache(maxsize=256)
+def zb_h1_holds(pp: int, m: int) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
+    """Per stage of ZB-H1 (:func:`parallel.pipeline.schedules.zb_h1`), the micro-batches it holds when a
+    B or a W starts, as ``(stored, deferred, in B)``: stored ones have run F (the one in B among them),
+    deferred ones B but not W (the one in W among them); only the pairs no other of the same kind
+    exceeds in both. Read off the schedule's own action list, so it holds for any ``pp`` and ``m``
+    (with m ≥ pp: ``(pp − s, s)`` at a B and ``(pp − s − 1, s + 1)`` at a W)."""
+    out = []
+    for actions in zb_h1(pp, m):
+        stored, deferred, seen = set(), set(), set()
+        for a in actions:
+            if isinstance(a, Forward):
+                stored.add(a.mb)
+            elif isinstance(a, (BackwardInput, BackwardWeight)):
+                during_b = isinstance(a, BackwardInput)
+                seen.add((len(stored), len(deferred), during_b))
+                (stored if during_b else deferred).discard(a.mb)
+                if during_b:
+                    deferred.add(a.mb)
+        out.append(
+            tuple(
+                sorted(
+                    p for p in seen if not any(q != p and q[2] == p[2] and q[0] >= p[0] and q[1] >= p[1] for q in seen)
+                )
+            )
+        )
+    return tuple(out)
 
 
 def uneven_stages_saving(stage_costs: list[float]) -> float:

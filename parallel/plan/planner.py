@@ -21,7 +21,7 @@ from .buffers import buffer_bytes
 from .exposure import exposed_dp_time, norm_every_step
 from .hardware import Hardware, host_costs
 from .inputs import Layout, Setup, Training
-from .pipeline import p2p_message_seconds, pipeline_step
+from .pipeline import p2p_message_seconds, pipeline_step, zb_h1_holds
 from .result import ParamCounter, Plan, RankClass
 from .shape import layer_partition, model_flops_per_token
 from .stage import Stage, alike_key, stages
@@ -135,7 +135,7 @@ def _rank(ctx: Setup, s: int, st: Stage, in_flight: int, pp_crosses: bool, total
     emb_shard = M.padded(params.shared_embedding, zdp) // (zdp if pol.shards_optimizer else 1)  # as for SP
     what = "tied embedding gradient (fp32 shard)"
     emb_axis.add("all_reduce", emb_shard * 4, 1, hw, what, calls=extras["embedding"])
-    mem = _memory(ctx, st, states, params, experts, in_flight)
+    mem = _memory(ctx, s, st, states, params, experts, in_flight)
     host_ok = O.host_fits(mem.get("host", 0.0), ctx.colocated, hw)
     axes = (("dp", dp_axis), ("tp", tp_axis), ("pp", pp_axis), ("embedding", emb_axis), ("cp", st.cp))
     traffic = {name: a.as_dict() for name, a in axes}
@@ -163,7 +163,7 @@ def _alike_rank(ctx: Setup, like: RankClass, s: int, st: Stage, in_flight: int) 
     """Stage ``s``'s ranks, alike to ``like``'s but for the micro-batches in flight: its activations and
     total as :func:`_memory` sums them; the step's terms are ``like``'s (already in the totals)."""
     mem = dict(like.memory)
-    mem["activations"] = in_flight * max(st.activations) + _transient(ctx, st)
+    mem["activations"] = _activations(ctx, s, st, in_flight)
     mem["total"] = mem["model_states"] + mem["activations"] + mem["buffers"]
     traffic = {k: {**v, "items": list(v["items"]), "by_kind": dict(v["by_kind"])} for k, v in like.traffic.items()}
     fits = mem["total"] <= ctx.hw.memory_bytes and O.host_fits(mem.get("host", 0.0), ctx.colocated, ctx.hw)
@@ -244,10 +244,26 @@ def _transient(ctx: Setup, st: Stage) -> float:
     return max(recompute, loss, casts)
 
 
-def _memory(ctx: Setup, st: Stage, states: dict, params, experts, in_flight: int) -> dict[str, float]:
-    """Bytes per rank: model states, activations at the peak (the in-flight micro-batches and the largest
-    transient, :func:`_transient`), communication buffers, and their total."""
-    activations = in_flight * max(st.activations) + _transient(ctx, st)
+def _activations(ctx: Setup, s: int, st: Stage, in_flight: int) -> float:
+    """Stage ``s``'s activations at its peak: the in-flight micro-batches and the largest transient
+    (:func:`_transient`). Under ZB-H1 a micro-batch between its B and W holds what W reads
+    (``st.deferred``), not what it stored: the peak is the largest of the schedule's holdings
+    (:func:`.pipeline.zb_h1_holds`), the one in B at the larger of the two, as it turns the one into
+    the other (its backward's transient on top), the one in W at its deferred bytes."""
+    one, transient = max(st.activations), _transient(ctx, st)
+    if ctx.dims.schedule != "zb-h1" or ctx.dims.pp == 1 or st.deferred is None:
+        return in_flight * one + transient
+    held = max(st.deferred)
+    return max(
+        (stored - during_b) * one + deferred * held + (max(one, held) + transient if during_b else 0.0)
+        for stored, deferred, during_b in zb_h1_holds(ctx.dims.pp, ctx.m)[s]
+    )
+
+
+def _memory(ctx: Setup, s: int, st: Stage, states: dict, params, experts, in_flight: int) -> dict[str, float]:
+    """Bytes per rank: model states, activations at the peak (:func:`_activations`), communication
+    buffers, and their total."""
+    activations = _activations(ctx, s, st, in_flight)
     buffers = buffer_bytes(ctx, params, experts)
     mem = {
         **{k: float(v) for k, v in states.items() if k != "total"},

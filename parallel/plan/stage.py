@@ -29,6 +29,7 @@ class Stage(NamedTuple):
     backward_s: float
     activations: list[float]  # per chunk, one micro-batch
     flops_s: float  # one micro-batch's compute, recomputation included
+    deferred: list[float] | None = None  # per chunk, one micro-batch between zero-bubble's B and W; None: unpriced
 
 
 def stage_flags(v: int, n_virtual: int) -> tuple[bool, bool]:
@@ -65,7 +66,7 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
     cp_axis = axis_traffic(t, dims.cp, hw.gpus_per_node)
     ep_axis = axis_traffic(t * dims.cp, dims.ep, hw.gpus_per_node)
     fwd = bwd = flops_s = 0.0
-    acts = []
+    acts, deferred = [], []
     layer = C.layer_time(local, mb, t, sp, hw, tr.precision, tr.attention, tr.fp8)
     if dims.cp_enabled:  # each cp rank's s/cp queries attend over all s keys: cp × the local square
         layer = dataclasses.replace(
@@ -127,4 +128,30 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
             )
             + (0.0 if last else ctx.act_msg)  # the chunk's output, which the executor holds for its backward
         )
-    return Stage(chunks, params, tp_axis, cp_axis, ep_axis, fwd, bwd, acts, flops_s)
+        deferred.append(_deferred(ctx, v, r, n_moe, last, kw))
+    priced = all(d is not None for d in deferred)
+    return Stage(chunks, params, tp_axis, cp_axis, ep_axis, fwd, bwd, acts, flops_s, deferred if priced else None)
+
+
+def _deferred(ctx: Setup, v: int, r: range, n_moe: int, last: bool, kw: dict) -> float | None:
+    """One micro-batch's bytes on chunk ``v`` between zero-bubble's B and W (the chunk's output, held
+    until W, and :func:`.memory.deferred_stage_bytes`; the first virtual stage's B is the whole backward,
+    so it keeps the output only), or None where that is not priced (dense GPT layers without
+    recomputation, fp8, context parallelism or latent attention only)."""
+    if v == 0:
+        return ctx.act_msg
+    dims, shape = ctx.dims, ctx.local
+    if shape.arch != "gpt" or shape.kv_lora_rank or n_moe or kw["checkpointing"] != "none" or kw["fp8"]:
+        return None
+    if dims.cp_enabled:
+        return None
+    held = M.deferred_stage_bytes(
+        shape,
+        ctx.tr.micro_batch,
+        len(r),
+        has_head=last,
+        tp=dims.tp,
+        sequence_parallel=dims.sp_enabled,
+        precision=ctx.tr.precision,
+    )
+    return held + (0.0 if last else ctx.act_msg)

@@ -113,3 +113,20 @@ def test_uneven_stages_fill_and_drain_faster():
         assert -0.05 <= ours / timed - 1 <= 0.2 and ours <= uniform
         if k == pp - 1 and schedule == "1f1b" and pp == 2:
             assert ours == pytest.approx(timed, rel=1e-9)
+
+
+@pytest.mark.parametrize("pp", range(2, 8))
+def test_zb_h1_holds_at_most_pp_micro_batches_and_s_deferred_ones_at_a_b(pp):
+    """With m ≥ pp, stage s holds pp − s stored and s deferred micro-batches when a B starts, one
+    fewer stored and one more deferred when a W starts (:func:`parallel.plan.pipeline.zb_h1_holds`);
+    with fewer, never more than m in all, as the simulator's in-flight count says."""
+    from parallel.pipeline.schedules import zb_h1
+    from parallel.plan.pipeline import zb_h1_holds
+
+    for m in (pp, pp + 1, 2 * pp + 3):
+        assert zb_h1_holds(pp, m) == tuple(((pp - s - 1, s + 1, False), (pp - s, s, True)) for s in range(pp))
+    for m in range(1, pp):
+        peaks = simulate(zb_h1(pp, m)).peak_activations
+        for s, holds in enumerate(zb_h1_holds(pp, m)):
+            assert max(stored + deferred for stored, deferred, _ in holds) <= m
+            assert max(stored for stored, _, during_b in holds if during_b) <= peaks[s]

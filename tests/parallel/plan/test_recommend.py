@@ -34,7 +34,9 @@ def plans():
 
 def test_the_fastest_fitting_schedule_comes_first(plans):
     top = plans[0]
-    assert (top.layout["schedule"], top.layout["pp"]) == ("zb-h1", 2)
+    # pp = 4: at pp = 2, micro-batches of 2 no longer fit 2 GB once the last stage's deferred micro-batch
+    # holds what W reads (plan/memory.py: deferred_stage_bytes), and pp = 2's micro-batches of 1 are slower
+    assert (top.layout["schedule"], top.layout["pp"]) == ("zb-h1", 4)
     times = [p.step["step_time_s"] for p in plans]
     assert times == sorted(times) and all(p.peak_memory <= HW.memory_bytes for p in plans)
     same = {k: top.layout[k] for k in ("dp", "pp", "tp", "cp", "ep", "zero", "sequence_parallel")}
