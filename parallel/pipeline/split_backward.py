@@ -27,6 +27,7 @@ as after an ordinary backward.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -35,23 +36,22 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
 class _Held:
-    __slots__ = ("value", "needed")
+    __slots__ = ("value", "readers")
 
     def __init__(self, value):
-        self.value, self.needed = value, False
+        self.value, self.readers = value, 0
 
 
 class SavedTensorStash:
     """Saved-tensor hooks for one forward whose backward :func:`backward_input` splits: they
-    let B release what W does not read, each node's as soon as B has run that node, as an
-    ordinary backward frees a node's saved tensors after running it (B retains the graph for W,
-    which alone would keep them all until B ends). Hooks already active (e.g. a memory meter)
+    let B release what W does not read, each tensor as soon as B has run the last node that reads
+    it, as an ordinary backward frees a node's saved tensors after running it (B retains the graph
+    for W, which alone would keep them all until B ends). Hooks already active (e.g. a memory meter)
     still see every tensor: they run inside these."""
 
     def __init__(self):
         self._held: list[_Held] = []
-        self._marking = False
-        self._seen: list[_Held] | None = None  # while collecting: the entries unpacked
+        self._seen: list[_Held] | None = None  # while scanning: the entries unpacked
         self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
     def _pack(self, t: torch.Tensor) -> _Held:
@@ -62,7 +62,6 @@ class SavedTensorStash:
     def _unpack(self, held: _Held) -> torch.Tensor:
         if held.value is None:
             raise RuntimeError("a zero-bubble W read a saved tensor its B released (split_backward's bookkeeping)")
-        held.needed = held.needed or self._marking
         if self._seen is not None:
             self._seen.append(held)
         return self._outer[1](held.value) if self._outer else held.value
@@ -71,48 +70,50 @@ class SavedTensorStash:
         """The context to run the forward in."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def keep(self, nodes: Iterable[Node]) -> None:
-        """Mark what ``nodes`` read as needed: :meth:`drop` leaves it."""
-        self._marking = True
-        try:
-            for node in nodes:
+    def scan(self, nodes: Iterable[Node]) -> dict[Node, list[_Held]]:
+        """Each node's entries (read before B runs it: its backward may modify them in place), each
+        entry counting the nodes that read it (an activation-checkpointed block's inputs: all of its
+        nodes)."""
+        out = {}
+        for node in nodes:
+            self._seen = seen = []
+            try:
                 _touch_saved(node)
-        finally:
-            self._marking = False
-
-    def saved_by(self, node: Node) -> list[_Held]:
-        """The entries ``node`` saved (taken before B runs it: its backward may modify them in place)."""
-        self._seen = seen = []
-        try:
-            _touch_saved(node)
-        finally:
-            self._seen = None
-        return seen
+            finally:
+                self._seen = None
+            out[node] = entries = list({id(h): h for h in seen}.values())
+            for held in entries:
+                held.readers += 1
+        return out
 
     @staticmethod
-    def drop(entries: list[_Held], needed_too: bool = False) -> None:
-        """Release ``entries`` (one node's, after B ran it), those marked needed only if ``needed_too``."""
+    def done(entries: list[_Held]) -> None:
+        """A node that read ``entries`` has run for the last time: release those no other node reads."""
         for held in entries:
-            if needed_too or not held.needed:
+            held.readers -= 1
+            if held.readers == 0:
                 held.value = None
 
-    def release_except(self, nodes: Iterable[Node]) -> None:
-        """Drop every saved tensor that none of ``nodes`` reads (earlier marks forgotten)."""
+    def release_except(self, kept: Iterable[_Held]) -> None:
+        """Drop every saved tensor but ``kept`` (what the nodes W runs read)."""
+        keep = {id(h) for h in kept}
         for held in self._held:
-            held.needed = False
-        self.keep(nodes)
-        for held in self._held:
-            if not held.needed:
+            if id(held) not in keep:
                 held.value = None
         self._held = []
 
 
+@functools.cache
+def _saved_names(kind: type) -> tuple[str, ...]:
+    """The attributes holding a node type's saved tensors (C++ nodes: ``_saved_*``; an
+    ``autograd.Function``'s: ``saved_tensors``), looked up once per type."""
+    names = tuple(n for n in dir(kind) if n.startswith("_saved_"))
+    return names or (("saved_tensors",) if hasattr(kind, "saved_tensors") else ())
+
+
 def _touch_saved(node: Node) -> None:
-    """Unpack every tensor ``node`` saved (C++ nodes: ``_saved_*``; autograd.Function: ``saved_tensors``)."""
-    names = [n for n in dir(node) if n.startswith("_saved_")] or (
-        ["saved_tensors"] if hasattr(node, "saved_tensors") else []
-    )
-    for name in names:
+    """Unpack every tensor ``node`` saved."""
+    for name in _saved_names(type(node)):
         getattr(node, name)
 
 
@@ -210,32 +211,48 @@ def backward_input(
     # a group with several frontier nodes may run input-path nodes between them in W: keep all then
     releasable = stash is not None and all(len(nodes) == 1 for _, nodes in groups)
     work = WeightGradWork(groups=[(ps, list(nodes)) for ps, nodes in groups], outputs=[output])
-    handles = []
-    for node in {n for _, nodes in groups for n in nodes}:
-        handles.append(node.register_prehook(lambda grads, node=node: work.recorded.__setitem__(node, grads)))
-    # B frees each node's saved tensors once it has run it, as a backward that does not retain the
-    # graph would, except those a W node may read (which frontier nodes compute in B is known as they run)
-    if releasable:
-        stash.keep(w_nodes)
-        for node in parents.keys() - w_nodes:
-            saved = stash.saved_by(node)
-            handles.append(node.register_hook(lambda _gi, _go, saved=saved: SavedTensorStash.drop(saved)))
-    # a node alone at its group's frontier: W restarting below it cannot reach another frontier node
-    # (with several, W runs input-path nodes between them and each frontier node must run there)
-    for node in (next(iter(nodes)) for _, nodes in groups if len(nodes) == 1):
-        saved = stash.saved_by(node) if releasable else []
-        keep = lambda grads_in, _, node=node, saved=saved: _keep_computed(  # noqa: E731
-            work, node, grads_in, on_input_path, w_nodes, saved
-        )
-        handles.append(node.register_hook(keep))
+    handles: list = []
     try:
+        _hook_b(work, groups, parents, on_input_path, w_nodes, stash if releasable else None, handles)
         (dx,) = torch.autograd.grad(output, inputs, grad, retain_graph=True)
     finally:
         for h in handles:
             h.remove()
-    if releasable:
-        stash.release_except(w_nodes - work.computed.keys())
     return dx, work
+
+
+def _hook_b(work, groups, parents, on_input_path, w_nodes, stash, handles: list) -> None:
+    """B's hooks (appended to ``handles``): record the gradient arriving at each frontier node; keep
+    what a frontier node alone in its group computes for its weights anyway (:func:`_keep_computed`);
+    with a ``stash``, release each saved tensor once the last node of B that reads it has run, except
+    those W reads, and after B whatever W will not read."""
+    for node in {n for _, nodes in groups for n in nodes}:
+        handles.append(node.register_prehook(lambda grads, node=node: work.recorded.__setitem__(node, grads)))
+    saved = stash.scan(parents) if stash is not None else {}
+    if stash is not None:
+        for node in parents.keys() - w_nodes:  # B runs it once (W never): its readers' count goes down
+            handles.append(node.register_hook(lambda _gi, _go, entries=saved[node]: SavedTensorStash.done(entries)))
+    # a node alone at its group's frontier: W restarting below it cannot reach another frontier node
+    # (with several, W runs input-path nodes between them and each frontier node must run there)
+    for node in (next(iter(nodes)) for _, nodes in groups if len(nodes) == 1):
+        entries = saved.get(node, [])
+        keep = lambda grads_in, _, node=node, entries=entries: _keep_computed(  # noqa: E731
+            work, node, grads_in, on_input_path, w_nodes, entries
+        )
+        handles.append(node.register_hook(keep))
+    if stash is not None:  # when B ends (this hook list is removed after): W's nodes keep what they read
+        handles.append(_AfterB(stash, saved, w_nodes, work))
+
+
+class _AfterB:
+    """A handle whose ``remove()`` (after B, with the hooks) releases what W will not read."""
+
+    def __init__(self, stash: SavedTensorStash, saved: dict, w_nodes: set, work: WeightGradWork):
+        self.stash, self.saved, self.w_nodes, self.work = stash, saved, w_nodes, work
+
+    def remove(self) -> None:
+        runs_in_w = self.w_nodes - self.work.computed.keys()
+        self.stash.release_except(h for n in runs_in_w for h in self.saved.get(n, ()))
 
 
 def _keep_computed(
@@ -258,7 +275,7 @@ def _keep_computed(
     if below and all(g is not None for _, g in below):
         work.computed[node] = below
         work.recorded.pop(node, None)
-        SavedTensorStash.drop(saved, needed_too=True)
+        SavedTensorStash.done(saved)  # W will not run it: what only it reads goes now
 
 
 def backward_weight(work: WeightGradWork) -> None:

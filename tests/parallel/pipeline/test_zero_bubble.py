@@ -367,3 +367,39 @@ def test_a_compiled_block_under_zero_bubble_runs_its_backward_once():
     torch.testing.assert_close(dx, x.grad)
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+class _CheckpointedFusedNet(nn.Module):
+    """Two blocks under non-reentrant activation checkpointing, each with a norm, a node that computes its
+    weight gradient in B (:class:`_FusedTanhLinear`) and a linear: every node of a block reads the block's
+    input through the checkpoint (recomputation), so those saved tensors have several readers."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(d, d) / d) for _ in range(2))
+        self.lin = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(2))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for w, lin, norm in zip(self.w, self.lin, self.norm):
+            x = checkpoint(
+                lambda h, w=w, lin=lin, norm=norm: h + lin(_FusedTanhLinear.apply(norm(h), w)), x, use_reentrant=False
+            )
+        return x
+
+
+def test_a_saved_tensor_several_nodes_read_is_released_after_the_last_of_them():
+    x0, gy = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1)), torch.randn(2, 3, 8)
+    ref, x = _CheckpointedFusedNet(), x0.clone().requires_grad_()
+    ref(x).backward(gy)
+    net, xs, keep = _CheckpointedFusedNet(), x0.clone().requires_grad_(), SavedTensorStash()
+    with keep.hooks():
+        out = net(xs)
+    dx, work = backward_input(out, gy, xs, net.parameters(), keep)
+    backward_weight(work)
+    torch.testing.assert_close(dx, x.grad)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
