@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..dims import LayoutError, ParallelDims, interleaved_problem, topk_ratio_problem, world_size_mismatch
 from ..memory import CHECKPOINTING
+from ..pipeline.transfers import transfer_split
 from ..precision import FP8_RECIPES
 from ..zero.compression import COMPRESSIONS
 from ..zero.policy import ZERO_STAGES
@@ -122,5 +123,7 @@ class Setup:
         self.e = M.PRECISION_BYTES[tr.precision]  # parameter bytes
         self.c = M.comm_bytes(tr.precision, tr.comm_dtype)  # gradient bytes on the wire
         self.act_msg = float(self.e * math.prod(dims.activation_shape(tr.micro_batch, self.shape.d_model)))
+        # TP shares of a pipeline transfer (scatter-gather without SP): 1/split over PP, one TP all-gather
+        self.transfer_split = transfer_split(dims.tp, dims.sp_enabled)
         self.bucket = tr.bucket_mb * 2**20  # bucket bytes
         self.peak_flops = self.work_hw.peak_flops(tr.precision) * self.work_hw.efficiency  # large GEMMs (cp's ring)

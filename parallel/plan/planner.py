@@ -10,7 +10,6 @@ import dataclasses
 from dataclasses import asdict, dataclass
 
 from ..overlap import STEP_SCALARS
-from ..pipeline.transfers import transfer_split
 from ..zero.policy import policy
 from . import compute as C
 from . import memory as M
@@ -59,9 +58,8 @@ def plan_layout(
     pp_crosses = group_crosses_node(dims.tp * ctx.zdp, dims.pp, hw.gpus_per_node)
     slow_f = max(st.forward_s for st in priced) / dims.vpp
     # without SP each TP rank sends 1/tp of the activation; the receiver's TP all-gather is awaited too
-    split = transfer_split(dims.tp, dims.sp_enabled)
     gather_s = _transfer_gather(ctx, axis_traffic(1, dims.tp, hw.gpus_per_node)) if dims.pp > 1 else 0.0
-    p2p = p2p_message_seconds(hw, ctx.act_msg / split, pp_crosses, dims.pp, slow_f) + gather_s
+    p2p = p2p_message_seconds(hw, ctx.act_msg / ctx.transfer_split, pp_crosses, dims.pp, slow_f) + gather_s
     costs = [(st.forward_s, st.backward_s) for st in priced]
     makespan, bubble, peaks = pipeline_step(dims.schedule, dims.pp, ctx.m, dims.vpp, costs, p2p)
     totals, alike = _Step(), {}
@@ -121,7 +119,7 @@ def _rank(ctx: Setup, s: int, st: Stage, in_flight: int, pp_crosses: bool, total
         totals.optimizer_s = max(totals.optimizer_s, C.optimizer_seconds(shard, ctx.work_hw))
     pp_axis = AxisTraffic(pp, pp_crosses)
     sends = sum(int(v < pp * vpp - 1) + int(v > 0) for v, _ in st.chunks)
-    split = transfer_split(dims.tp, dims.sp_enabled)
+    split = ctx.transfer_split
     what = "activations and gradients to neighbour stages" + (f" (1/{split}: scatter-gather)" if split > 1 else "")
     pp_axis.add("p2p", ctx.act_msg / split, sends * ctx.m, hw, what)
     _transfer_gather(ctx, tp_axis, sends * ctx.m)
@@ -317,7 +315,7 @@ def _step_summary(ctx: Setup, ranks: list[RankClass], totals: _Step, makespan: f
 
 def _transfer_gather(ctx: Setup, tp_axis: AxisTraffic, count: int = 1) -> float:
     """The scatter-gather's TP ``all_gather`` that rebuilds each received activation (or gradient),
-    ``count`` of them on ``tp_axis``; one's seconds (0 where :func:`transfer_split` is 1)."""
-    if transfer_split(ctx.dims.tp, ctx.dims.sp_enabled) == 1:
+    ``count`` of them on ``tp_axis``; one's seconds (0 where ``ctx.transfer_split`` is 1)."""
+    if ctx.transfer_split == 1:
         return 0.0
     return tp_axis.add("all_gather", ctx.act_msg, count, ctx.hw, "pipeline receives rebuilt from TP shares")
