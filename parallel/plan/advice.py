@@ -43,7 +43,7 @@ def accumulation_choice(plan, other, hw) -> str:
 
 def _smallest_zero_that_fits(plan, rank, hw) -> int | None:
     L, T = plan.layout, plan.training
-    rest = rank.memory["activations"] + rank.memory["buffers"]
+    rest = rank.memory["activations"] + rank.memory["temporaries"] + rank.memory["buffers"]
     for z in range(L["zero"] + 1, 4):
         states = M.model_state_bytes(rank.params.numel, z, L["dp"], T["precision"], T["optimizer"])["total"]
         if states + rest <= hw.memory_bytes:

@@ -162,7 +162,8 @@ def _alike_rank(ctx: Setup, like: RankClass, s: int, st: Stage, in_flight: int) 
     total as :func:`_memory` sums them; the step's terms are ``like``'s (already in the totals)."""
     mem = dict(like.memory)
     mem["activations"] = _activations(ctx, s, st, in_flight)
-    mem["total"] = mem["model_states"] + mem["activations"] + mem["buffers"]
+    mem["temporaries"] = _temporaries(ctx, st, in_flight, mem["activations"])
+    mem["total"] = mem["model_states"] + mem["activations"] + mem["temporaries"] + mem["buffers"]
     traffic = {k: {**v, "items": list(v["items"]), "by_kind": dict(v["by_kind"])} for k, v in like.traffic.items()}
     fits = mem["total"] <= ctx.hw.memory_bytes and O.host_fits(mem.get("host", 0.0), ctx.colocated, ctx.hw)
     layers = [(r.start, r.stop) for _, r in st.chunks]
@@ -229,17 +230,58 @@ def _dp(
     return dp_axis, edp_axis
 
 
-def _transient(ctx: Setup, st: Stage) -> float:
-    """The largest activation transient of a stage's step: a block's backward (its workspace, and under
-    ``full`` its recomputed activations), the loss's (the head's stage), fp8's casts."""
+def _block_transient(ctx: Setup) -> float:
+    """A block's backward above what it stores: its workspace and, under ``full``, its recomputed activations."""
     dims, tr = ctx.dims, ctx.tr
     kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision, fp8=tr.fp8)
     recompute = M.recompute_peak_bytes(ctx.local, tr.micro_batch, checkpointing=tr.checkpointing, **kw)
-    recompute += M.backward_workspace_bytes(ctx.local, tr.micro_batch, **kw)
+    return recompute + M.backward_workspace_bytes(ctx.local, tr.micro_batch, **kw)
+
+
+def _transient(ctx: Setup, st: Stage) -> float:
+    """The largest activation transient of a stage's step: a block's backward (:func:`_block_transient`),
+    the loss's (the head's stage), fp8's casts."""
+    dims, tr = ctx.dims, ctx.tr
+    recompute = _block_transient(ctx)
     casts = M.fp8_cast_peak_bytes(ctx.local, tr.micro_batch, tp=dims.tp) if tr.fp8 else 0.0
     has_head = any(v == dims.pp * dims.vpp - 1 for v, _ in st.chunks)
     loss = M.loss_temporary_bytes(ctx.local, tr.micro_batch, tp=dims.tp, precision=tr.precision) if has_head else 0.0
     return max(recompute, loss, casts)
+
+
+def _temporaries(ctx: Setup, st: Stage, in_flight: int, activations: float) -> float:
+    """What the stage's peak holds beyond ``activations`` (:func:`_activations`): the excess of its peak
+    while a vocabulary weight gradient is fresh (:func:`_vocabulary_gradients`), 0 where that is lower.
+    Not priced under ZB-H1 at pp > 1, whose holdings differ (:func:`_activations`)."""
+    if ctx.dims.schedule == "zb-h1" and ctx.dims.pp > 1:
+        return 0.0
+    return max(0.0, _vocabulary_gradients(ctx, st, in_flight, max(st.activations)) - activations)
+
+
+def _vocabulary_gradients(ctx: Setup, st: Stage, in_flight: int, one: float) -> float:
+    """The stage's activations and fresh gradients while its embedding's or head's weight gradient is fresh (``G = e·V/t·h`` in the
+    parameters' dtype each, alive from its backward GEMM until ZeRO's hook copies it into the flat buffer),
+    0 on stages with neither. The head's comes at the start of a micro-batch's backward, beside the
+    loss's gradient ``e·N`` (``N = b·s·V/t`` logits) and its input gradient, once the fp32 softmax
+    (``4·N``) is freed; the embedding's at the end, when that micro-batch's activations are gone. A tied
+    pair on one stage is one parameter used twice: autograd holds the head's gradient through every
+    block's backward until the embedding's arrives, then sums the two into a third."""
+    dims, shape, mb = ctx.dims, ctx.local, ctx.tr.micro_batch
+    last = dims.pp * dims.vpp - 1
+    has_embedding, has_head = any(v == 0 for v, _ in st.chunks), any(v == last for v, _ in st.chunks)
+    if not (has_embedding or has_head):
+        return 0.0
+    vocab, tokens = shape.padded_vocab(dims.tp) / dims.tp, mb * shape.seq_len
+    e_act = M.PRECISION_BYTES[ctx.tr.precision]
+    g = ctx.e * vocab * shape.d_model
+    peak = 0.0
+    if has_head:  # the head's backward: its weight and input gradients from the logits' gradient
+        peak = in_flight * one - 4 * tokens * vocab + e_act * tokens * (vocab + shape.d_model) + g
+    if has_embedding and has_head and shape.tie_embeddings:
+        return max(peak, in_flight * one + _block_transient(ctx) + g, (in_flight - 1) * one + 3 * g)
+    if has_embedding:
+        peak = max(peak, (in_flight - 1) * one + g)
+    return peak
 
 
 def _activations(ctx: Setup, s: int, st: Stage, in_flight: int) -> float:
@@ -267,9 +309,10 @@ def _memory(ctx: Setup, s: int, st: Stage, states: dict, params, experts, in_fli
         **{k: float(v) for k, v in states.items() if k != "total"},
         "model_states": float(states["total"]),
         "activations": activations,
+        "temporaries": _temporaries(ctx, st, in_flight, activations),
         "buffers": buffers,
     }
-    mem["total"] = mem["model_states"] + activations + buffers
+    mem["total"] = mem["model_states"] + activations + mem["temporaries"] + buffers
     return mem
 
 

@@ -264,7 +264,7 @@ def compare_with_plan(result: dict, plan) -> dict[str, Any]:
         "optimizer": pm["optimizer"],
         "buffers": pm["buffers"],
         "activations": pm["activations"],
-        "temporaries": 0.0,
+        "temporaries": pm["temporaries"],
         "total": pm["total"],
     }
     sent = {g: sum(s["sent_bytes"] for s in ops.values()) for g, ops in result["comm"].items()}

@@ -24,7 +24,8 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 def optimizer_factory(rc: RecipeConfig, device: torch.device):
     """``factory(param_groups)`` building ``rc.optim``'s optimizer: fused AdamW where torch has the
-    kernel (CUDA and, since torch 2.4, CPU), foreach elsewhere (the dry run's meta tensors)."""
+    kernel (CUDA and, since torch 2.4, CPU; on the dry run's ``meta`` tensors the same kernel, as a GPU
+    rank steps: :func:`_fused_on_meta`), foreach elsewhere."""
     o = rc.optim
     # one kernel for all tensors (None: foreach). Offloaded, the optimizer steps host shards: torch's
     # fused CPU AdamW (vectorised, multi-threaded), which FUSED_ADAMW_DEVICES includes
@@ -33,11 +34,32 @@ def optimizer_factory(rc: RecipeConfig, device: torch.device):
     def factory(param_groups):
         if o.name == "sgd":
             return torch.optim.SGD(param_groups, lr=o.lr, weight_decay=o.weight_decay)
-        return torch.optim.AdamW(
+        opt = torch.optim.AdamW(
             param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, fused=fused
         )
+        # offloaded, the step is the host's (its state outside the dry run's device memory: zero/offload.py)
+        return _fused_on_meta(opt) if device.type == "meta" and rc.parallel.offload == "none" else opt
 
     return factory
+
+
+def _fused_on_meta(opt: torch.optim.AdamW) -> torch.optim.AdamW:
+    """The dry run's AdamW steps with the fused kernel a GPU rank runs (``torch._fused_adamw_`` has a
+    meta implementation that allocates nothing), not foreach's, whose temporaries (a square root and a
+    quotient per parameter) a CUDA step never holds. torch's constructor and its first step refuse
+    ``meta`` for ``fused``, so the groups are switched after construction and each parameter's state is
+    created here as that first step would: the two moments zeroed like the parameter, and ``step`` an
+    fp32 scalar — on the host, which the fused kernel accepts, so it counts real steps (a GPU rank keeps
+    it on the device: 4 bytes per parameter tensor, not priced)."""
+    for group in opt.param_groups:
+        group["fused"], group["foreach"] = True, False
+        for p in group["params"]:
+            opt.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+    return opt
 
 
 def zero_config(rc: RecipeConfig) -> ZeroConfig:
