@@ -3,7 +3,8 @@
     python -m benchmarks.compile_parity [--backend aot_eager|inductor] [111 222 zero3 ring ep zbh1 full]
 
 Each layout trains the tests' tiny GPT (``tests/recipes/test_train_e2e.tiny_recipe``: 4 layers,
-d_model 64, seq 32, fp32) twice through the trainer, eager and with ``train.compile=true``, and
+d_model 64, seq 32, fp32; ``ring`` as llama_tiny, ``ep`` as mixtral_tiny, its MoE layers compiled as
+regions with the dispatch eager between them) twice through the trainer, eager and with ``train.compile=true``, and
 prints the largest per-step difference of the loss and of the gradient norm (metrics.jsonl), and
 the compiled run's one ``torch.compile:`` line (graphs, seconds, graph breaks). The suite checks
 cheaper versions of the same (tests/models/test_compile_blocks.py, tests/recipes/test_compile_e2e.py).
@@ -23,7 +24,7 @@ LAYOUTS = {
     "222": dict(dp=2, pp=2, tp=2, zero=1, parallel__sequence_parallel=True),
     "zero3": dict(dp=2, zero=3),
     "ring": dict(parallel__cp=2, parallel__cp_impl="ring", model__preset="llama_tiny"),
-    "ep": dict(dp=2, model__preset="mixtral_tiny", parallel__ep=2),
+    "ep": dict(dp=2, model__preset="mixtral_tiny", parallel__ep=2),  # MoE regions compiled, dispatch eager
     "zbh1": dict(pp=2, parallel__pp_schedule="zb-h1"),
     "full": dict(model__activation_checkpointing="full"),
 }

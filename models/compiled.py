@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from parallel.compile import compile_method
+from parallel.compile import compile_method, compile_moe
 from parallel.layers import MoELayer
 
 from .transformer import TransformerBlock, TransformerStage
 
 
 def compile_block(block: TransformerBlock, backend: str = "inductor") -> str:
-    """Compile ``block`` in place (:func:`parallel.compile.compile_method`): its whole forward, or, for a
-    mixture of experts, the attention half only (dropless routing sizes its all-to-alls from token counts
-    read on the host: data-dependent, a graph break). Returns what was compiled."""
+    """Compile ``block`` in place (:func:`parallel.compile.compile_method`): its whole forward (``"block"``),
+    or, for a mixture of experts (``"moe"``), its regions: the attention half with the MLP's norm and the
+    MoE layer's router, routed experts and shared experts (:func:`parallel.compile.compile_moe`); the
+    dispatch and combine between them, sized by token counts read on the host, and the residual add
+    stay eager. Returns what was compiled."""
     if isinstance(block.mlp, MoELayer):
         compile_method(block, "attention_half", backend=backend)
-        return "attention"
+        compile_moe(block.mlp, backend)
+        return "moe"
     compile_method(block, "forward", backend=backend)
     return "block"
 

@@ -121,12 +121,18 @@ class TransformerBlock(nn.Module):
             **kw,
         )
 
-    def attention_half(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
-        return x + self.attn(self.attn_norm(x), documents)
+    def attention_half(
+        self, x: torch.Tensor, documents: DocumentMask | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + attn(norm(x)), mlp_norm of that)``: the residual stream after attention and the MLP's
+        input (one compiled region of an MoE block: the norm's backward sums into the residual's gradient
+        inside the graph, in eager's order)."""
+        x = x + self.attn(self.attn_norm(x), documents)
+        return x, self.mlp_norm(x)
 
     def forward(self, x: torch.Tensor, documents: DocumentMask | None = None) -> torch.Tensor:
-        x = self.attention_half(x, documents)
-        return x + self.mlp(self.mlp_norm(x))
+        x, h = self.attention_half(x, documents)
+        return x + self.mlp(h)
 
 
 class TransformerStage(nn.Module):

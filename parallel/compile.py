@@ -8,7 +8,9 @@ around the compiled code exactly as around the eager one, and parameter names do
 (:mod:`parallel.comm.traceable`, :mod:`parallel.layers.ring_traced`): counted, recorded,
 and no graph break. Each region is compiled with ``fullgraph=True`` (a graph break is an
 error, not a silent slow path) and ``dynamic=False``: one compile per distinct input shape
-(the short last micro-batch, evaluation), cached after the first (:func:`compile_stats`).
+(the short last micro-batch, evaluation), cached after the first (:func:`compile_stats`) — except
+the rows of a region whose row count follows the data (the experts of :func:`compile_moe`), which
+are symbolic.
 
 Backends: :data:`COMPILE_BACKENDS`; ``inductor`` generates kernels (the default), the
 cheaper ``aot_eager`` traces forward and backward but runs ATen ops (tests), ``eager`` only
@@ -33,12 +35,37 @@ INDUCTOR_CACHE = "cache/inductor"
 _COMPILE_METRICS = ("_compile.compile_inner", "backward._backward_impl")
 
 
-def compile_method(obj: Any, name: str = "forward", *, backend: str = "inductor") -> None:
-    """Replace ``obj.<name>`` by its compiled version, in place (on the instance only)."""
+def compile_method(obj: Any, name: str = "forward", *, backend: str = "inductor", dynamic_rows: bool = False) -> None:
+    """Replace ``obj.<name>`` by its compiled version, in place (on the instance only).
+
+    ``dynamic_rows``: the first argument's dim 0 is symbolic (``torch._dynamo.maybe_mark_dynamic`` before
+    each call), for a row count that follows the data (the tokens an expert rank receives): one graph for
+    every count instead of one per count. Dynamo still specialises a size of 0 or 1 (a graph each)."""
     if backend not in COMPILE_BACKENDS:
         raise ValueError(f"compile backend {backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
-    fn = getattr(obj, name)
-    setattr(obj, name, torch.compile(fn, backend=backend, fullgraph=True, dynamic=False))
+    compiled = torch.compile(getattr(obj, name), backend=backend, fullgraph=True, dynamic=False)
+    if dynamic_rows:
+        static = compiled
+
+        def compiled(rows: torch.Tensor, *args, **kwargs):
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
+            return static(rows, *args, **kwargs)
+
+    setattr(obj, name, compiled)
+
+
+def compile_moe(layer: Any, backend: str = "inductor") -> tuple[str, ...]:
+    """Compile the traceable regions of a :class:`~parallel.layers.moe.MoELayer` in place, torchtitan's
+    way: the router (:meth:`~parallel.layers.moe.MoELayer.route_tokens`), the routed experts' grouped
+    computation (:meth:`~parallel.layers.experts.GroupedExperts.grouped`, its row count symbolic) and the
+    shared experts' MLP. Dispatch and combine stay eager between them: the per-expert counts are read on
+    the host to size the uneven all-to-alls. Returns the regions compiled."""
+    compile_method(layer, "route_tokens", backend=backend)
+    compile_method(layer.experts, "grouped", backend=backend, dynamic_rows=True)
+    if layer.shared is None:
+        return ("router", "experts")
+    compile_method(layer.shared, "forward", backend=backend)
+    return ("router", "experts", "shared")
 
 
 def use_inductor_cache(run_dir: str | Path) -> Path:

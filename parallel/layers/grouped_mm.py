@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
+from .grouped_traced import traced_grouped_mm
+
 KINDS = ("grouped", "padded", "loop")
 #: the CPU's choice, measured by ``python -m benchmarks.moe --grouped`` (docs/performance.md, issue 33)
 CPU_KIND = "grouped"
@@ -73,8 +75,9 @@ class _ZeroEmptyGroups(torch.autograd.Function):
 
     That gradient is zero mathematically, and torch's grouped kernel gives zeros on Hopper, but on Blackwell
     (SM 100) it returns non-zero values there (pytorch/pytorch#172439, open): an expert that received no
-    tokens would be updated with garbage. One ``index_fill_`` of the fresh weight gradient, on every device
-    (the CPU tests hold it), and only in calls where a group is empty."""
+    tokens would be updated with garbage. One ``index_fill_`` (``empty``: int64 group indices) or
+    ``masked_fill`` (``empty``: bool ``[L]``, the compiled experts' form, no host read) of the fresh weight
+    gradient, on every device (the CPU tests hold it), and only in calls where a group is empty."""
 
     @staticmethod
     def forward(ctx, w, empty):
@@ -84,6 +87,8 @@ class _ZeroEmptyGroups(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (empty,) = ctx.saved_tensors
+        if empty.dtype == torch.bool:
+            return grad.masked_fill(empty.view(-1, 1, 1), 0), None
         return grad.index_fill_(0, empty, 0), None
 
 
@@ -147,11 +152,20 @@ class Segments:
         if kind == "grouped" and not grouped_fits(x, w):
             kind = "loop"
         if kind == "grouped" and x.shape[0]:
-            if 0 in self.sizes and w.requires_grad:
-                w = _ZeroEmptyGroups.apply(w, self._empty)
-            return _ContiguousGrad.apply(_grouped_mm(x, w, offs=self._offsets))
+            return grouped_matmul(x, w, self._offsets, self._empty if 0 in self.sizes else None)
         if kind == "padded" and x.shape[0]:
             group, pos = self._padded_index
             padded = x.new_zeros(len(self.sizes), max(self.sizes), x.shape[1]).index_put((group, pos), x)
             return torch.bmm(padded, w)[group, pos]
         return torch.cat([part @ w[i] for i, part in enumerate(torch.split(x, self.sizes))], dim=0)
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, empty: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[n, in]`` (``n > 0``) @ ``w`` ``[L, in, out]`` per row group by one grouped kernel; ``offs``
+    ``[L]`` int32 end offsets on the device, ``empty`` the groups without rows whose weight gradient is zeroed
+    (:class:`_ZeroEmptyGroups`; None: no group is empty). Traceable with ``n`` symbolic: under
+    ``torch.compile`` the kernel is :func:`.grouped_traced.traced_grouped_mm`."""
+    if empty is not None and w.requires_grad:
+        w = _ZeroEmptyGroups.apply(w, empty)
+    y = traced_grouped_mm(x, w, offs) if torch.compiler.is_compiling() else _grouped_mm(x, w, offs=offs)
+    return _ContiguousGrad.apply(y)

@@ -23,8 +23,13 @@ tokens, then per layer call:
 
 **Grouped computation.** Tokens are sorted by expert (a stable argsort, so the token order within
 an expert is deterministic) and each expert weight is applied to all the ``L`` local experts'
-contiguous segments at once (:mod:`.grouped_mm`: one ``grouped_mm`` kernel, one padded ``bmm``, or
-a loop over the ``L`` experts, never over tokens, chosen once per device type).
+contiguous segments at once (:class:`.experts.GroupedExperts` over :mod:`.grouped_mm`: one
+``grouped_mm`` kernel, one padded ``bmm``, or a loop over the ``L`` experts, never over tokens, chosen
+once per device type).
+
+**Compilation** (``train.compile``, :func:`parallel.compile.compile_moe`): :meth:`MoELayer.route_tokens`
+(everything before the host read) and the experts' grouped computation are regions of their own; steps
+1-3 above and the combine stay eager between them, sized by the host ints (docs/compile.md).
 
 **Routing and capacity**: :mod:`.moe_routing` (softmax, or DeepSeek-V3's sigmoid scores with
 group-limited choice). With sigmoid scores the layer holds ``e_score_correction_bias`` (fp32 ``[E]``,
@@ -55,16 +60,14 @@ dropless only (:data:`SEQUENCE_PARALLEL_CAPACITY_REFUSED`).
 
 from __future__ import annotations
 
-import math
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import comm
-from ..params import mark_expert, mark_no_weight_decay, mark_sequence_parallel
-from .grouped_mm import Segments
-from .init import reset_default_
+from ..params import mark_sequence_parallel
+from .experts import GroupedExperts  # noqa: F401 - re-exported (its home before it had one)
 from .mlp import ParallelMLP
 from .moe_routing import (  # noqa: F401 - the router's public names, re-exported
     CONTEXT_PARALLEL_CAPACITY_REFUSED,
@@ -99,6 +102,23 @@ def _read_counts(counts: torch.Tensor, assignments: int, halves: int = 1) -> lis
     return [per + (i < extra) for i in range(experts)] * halves
 
 
+class RoutedTokens(NamedTuple):
+    """:meth:`MoELayer.route_tokens`'s result for ``T`` local tokens, each a device tensor.
+
+    ``order`` ``[T·k]``: the assignments (``t·k + j``) sorted by expert, stably, the dropped ones last;
+    ``weights`` ``[T·k]`` fp32: each one's gate weight, in that order; ``counts`` ``[E + 1]`` int64: kept
+    assignments per global expert, then the dropped; ``tokens_per_expert`` ``[E]``: assignments before
+    dropping; ``aux`` (the weighted router loss), ``balance`` and ``z``: scalars."""
+
+    order: torch.Tensor
+    weights: torch.Tensor
+    counts: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    aux: torch.Tensor
+    balance: torch.Tensor
+    z: torch.Tensor
+
+
 class _AttachAux(torch.autograd.Function):
     """Identity on ``out``; backward also sends ``scale`` as the gradient of ``aux`` (a scalar loss)."""
 
@@ -128,49 +148,6 @@ class _AllToAll(torch.autograd.Function):
         gx = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         comm.all_to_all(gx, grad.contiguous(), ctx.group, output_split_sizes=in_splits, input_split_sizes=out_splits)
         return gx, None, None, None
-
-
-class GroupedExperts(nn.Module):
-    """``num_local`` experts as stacked weights, run over sorted segments (one matmul per weight each).
-
-    SwiGLU: ``gate_proj``, ``up_proj`` ``[L, d, f]`` and ``down_proj`` ``[L, f, d]``; GELU: ``fc_in``
-    ``[L, d, f]`` and ``fc_out`` ``[L, f, d]`` (+ ``fc_in_bias`` ``[L, f]``, ``fc_out_bias`` ``[L, d]``).
-    Each is rank ``ep_rank``'s slice along dim 0 of the global ``[E, …]`` tensor (marked
-    :func:`~parallel.params.mark_expert`), initialised like ``nn.Linear`` (``U(-1/√in, 1/√in)``) with the
-    layout-independent tiles of :mod:`parallel.layers.init`, so the experts are the same for every ep.
-    """
-
-    def __init__(self, num_local: int, d_model: int, d_ff: int, *, activation: str, bias: bool,
-                 ep_rank: int = 0, ep_size: int = 1, device=None, dtype=None):  # fmt: skip
-        super().__init__()
-        self.activation = activation
-        kw = dict(device=device, dtype=dtype)
-        up, down = ("fc_in",), "fc_out"
-        if activation != "gelu":
-            up, down = ("gate_proj", "up_proj"), "down_proj"
-        shapes = {n: (num_local, d_model, d_ff) for n in up} | {down: (num_local, d_ff, d_model)}
-        if bias:
-            shapes |= {"fc_in_bias": (num_local, d_ff), "fc_out_bias": (num_local, d_model)}
-        self.fan_in = {n: d_ff if n in (down, "fc_out_bias") else d_model for n in shapes}
-        for name, shape in shapes.items():
-            param = mark_expert(nn.Parameter(torch.empty(shape, **kw)), ep_rank, ep_size)
-            self.register_parameter(name, mark_no_weight_decay(param) if name.endswith("bias") else param)
-        self.bias = bias
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        for name, p in self.named_parameters(recurse=False):
-            reset_default_(p, bound=1 / math.sqrt(self.fan_in[name]))
-
-    def forward(self, x: torch.Tensor, segments: list[int], kind: str | None = None) -> torch.Tensor:
-        """Rows ``x`` sorted by local expert, ``segments[i]`` rows each (host ints); each weight is one
-        grouped matmul over the segments (:mod:`.grouped_mm`; ``kind`` defaults to the device's way)."""
-        seg = Segments.of(segments, x, kind)
-        if self.activation == "gelu":
-            h = seg.mm(x, self.fc_in)
-            y = seg.mm(F.gelu(h + seg.per_row(self.fc_in_bias) if self.bias else h, approximate="tanh"), self.fc_out)
-            return y + seg.per_row(self.fc_out_bias) if self.bias else y
-        return seg.mm(F.silu(seg.mm(x, self.gate_proj)) * seg.mm(x, self.up_proj), self.down_proj)
 
 
 class MoELayer(nn.Module):
@@ -224,25 +201,34 @@ class MoELayer(nn.Module):
         self.stats_sum: dict[str, torch.Tensor] = {}
         self.stats_calls = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.top_k
-        shape = x.shape
-        h = x.reshape(-1, shape[-1])
+    def route_tokens(self, x: torch.Tensor) -> RoutedTokens:
+        """The router's half of a call on ``x`` ``[..., s, d]``: gate, scores, top-k, capacity, the sort by
+        expert and the auxiliary losses (their statistics summed over cp / tp under SP through the
+        traceable collectives). Device tensors whose shapes follow from ``x``'s alone, no host read: the
+        region ``train.compile`` compiles (docs/compile.md)."""
+        cfg, E = self.cfg, self.cfg.num_experts
+        h = x.reshape(-1, x.shape[-1])
         r = route(self.router(h), cfg, self.e_score_correction_bias)
         balance, z = aux_losses(r, cfg, self.cp_group, self.sp_group)
         aux = cfg.aux_loss_weight * balance + cfg.z_loss_weight * z
         if cfg.seq_aux_loss_weight:
-            batch = h.shape[0] // shape[-2]
+            batch = h.shape[0] // x.shape[-2]
             aux = aux + cfg.seq_aux_loss_weight * sequence_aux_loss(r, cfg, batch, self.sp_group)
-
         flat_e = r.experts.reshape(-1)  # token-major: assignment a = t·k + j
         keep = kept_assignments(r.experts, cfg)
         if keep is not None:
             flat_e = torch.where(keep.reshape(-1), flat_e, E)  # dropped → sentinel expert E, sorted last
-        counts = _count(flat_e, E + 1)
         order = torch.argsort(flat_e, stable=True)
-        send_counts = counts[:E]
+        weights = r.weights.reshape(-1).index_select(0, order)
+        return RoutedTokens(order, weights, _count(flat_e, E + 1), _count(r.experts.reshape(-1), E), aux, balance, z)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg, E, k = self.cfg, self.cfg.num_experts, self.cfg.top_k
+        shape = x.shape
+        h = x.reshape(-1, shape[-1])
+        r = self.route_tokens(x)
+        send_counts = r.counts[:E]
+        # dispatch and combine: host-driven (the count read sizes the all-to-alls), eager under train.compile
         if self.ep > 1:
             recv_counts = torch.empty_like(send_counts)
             comm.all_to_all(recv_counts, send_counts, self.ep_group)
@@ -252,7 +238,7 @@ class MoELayer(nn.Module):
             send = recv = _read_counts(send_counts, k * h.shape[0])
         P, L = self.ep, self.num_local
         n_send = sum(send)
-        order = order[:n_send]
+        order = r.order[:n_send]
         tokens = order // k
         rows = h.index_select(0, tokens)
 
@@ -265,22 +251,22 @@ class MoELayer(nn.Module):
             key = torch.repeat_interleave(block, recv_counts, output_size=sum(out_splits))
             regroup = torch.argsort(key, stable=True)
             segments = [sum(recv[p * L + i] for p in range(P)) for i in range(L)]
-            y = self.experts(got.index_select(0, regroup), segments)
+            y = self.experts(got.index_select(0, regroup), segments, counts=recv_counts.view(P, L).sum(0))
             y = y.index_select(0, torch.argsort(regroup))
             y = _AllToAll.apply(y, in_splits, out_splits, self.ep_group)
         else:
-            y = self.experts(rows, send)
+            y = self.experts(rows, send, counts=send_counts)
 
-        w = r.weights.reshape(-1).index_select(0, order).to(y.dtype)
+        w = r.weights[:n_send].to(y.dtype)
         out = torch.zeros_like(h).index_add_(0, tokens, y * w.unsqueeze(-1))
         if self.shared is not None:
             out = out + self.shared(x).reshape(h.shape)  # [b, s/tp, d] under SP: gathers the sequence itself
         self.last_stats = {
-            "aux_loss": aux.detach(),
-            "balance_loss": balance.detach(),
-            "z_loss": z.detach(),
-            "tokens_per_expert": _count(r.experts.reshape(-1), E),
-            "dropped": counts[E],
+            "aux_loss": r.aux.detach(),
+            "balance_loss": r.balance.detach(),
+            "z_loss": r.z.detach(),
+            "tokens_per_expert": r.tokens_per_expert,
+            "dropped": r.counts[E],
         }
         if torch.is_grad_enabled() and cfg.bias_update_rate:  # the load the next bias update balances
             load = self.last_stats["tokens_per_expert"]
@@ -289,7 +275,7 @@ class MoELayer(nn.Module):
             for key, v in self.last_stats.items():
                 self.stats_sum[key] = self.stats_sum[key] + v if key in self.stats_sum else v.clone()
             self.stats_calls += 1
-        out = _AttachAux.apply(out, aux, self.aux_loss_scale) if torch.is_grad_enabled() else out
+        out = _AttachAux.apply(out, r.aux, self.aux_loss_scale) if torch.is_grad_enabled() else out
         return out.view(shape)
 
 

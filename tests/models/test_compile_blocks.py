@@ -21,7 +21,7 @@ LAYOUTS = {
     "tp_sp": ("llama_tiny", lambda g: dict(tp_group=g, sequence_parallel=True), 8, "aot_eager"),
     "cp_ring": ("llama_tiny", lambda g: dict(cp_group=g, cp_impl="ring"), 8, "aot_eager"),
     "cp_alltoall": ("llama_tiny", lambda g: dict(cp_group=g, cp_impl="alltoall"), 8, "eager"),
-    "ep_moe": ("mixtral_tiny", lambda g: dict(ep_group=g), 16, "eager"),  # the attention half compiled
+    "ep_moe": ("mixtral_tiny", lambda g: dict(ep_group=g), 16, "eager"),  # regions: tests/models/test_compile_moe.py
     "tp_selective": ("gpt_tiny", lambda g: dict(tp_group=g), 16, "eager"),  # attention cores recomputed
     # fp8 (emulated): the amax all-reduces, the fp8 all-gathers and the reduce-scatter as traceable ops
     "tp_sp_fp8_tensorwise": ("llama_tiny", lambda g: dict(tp_group=g, sequence_parallel=True), 8, "aot_eager"),
