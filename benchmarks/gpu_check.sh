@@ -10,7 +10,8 @@
 #      process, fused vs foreach AdamW, a one-rank trainer on the device vs the CPU (ZeRO-1, offload of the
 #      optimizer and of the parameters, ZeRO-3 unsharded accumulation, MoE); ring attention's blocks on the
 #      device (flash / memory-efficient / math kernels, chosen per dtype and head dim) vs fp64 full attention,
-#      with one block's time beside the math kernel's ($out/ring_kernels.json, printed after the step);
+#      with one block's time beside the math kernel's ($out/ring_kernels.json, printed after the step); an
+#      MoE block (mixtral, deepseek) compiled by inductor in bf16 against eager (torch's grouped op traced);
 #   2. the Quickstart's training command on the device (NCCL, one rank; its log shows the loss);
 #   3. mode=calibrate on the device for the ~1.1B GPT of step 4 (writes hardware.json);
 #   4. python -m benchmarks.gpu_mfu: the ~1.1B GPT in bf16 at several micro-batches and with full activation
@@ -83,7 +84,8 @@ else
 fi
 
 step "1/8 CUDA-capable tests" 300 python -m pytest -q -n 0 -p no:cacheprovider -m cuda \
-    tests/test_cuda_ready.py tests/parallel/layers/test_ring_kernels.py "${test_args[@]}"
+    tests/test_cuda_ready.py tests/parallel/layers/test_ring_kernels.py tests/models/test_compile_moe.py \
+    "${test_args[@]}"
 [[ -f "$out/ring_kernels.json" ]] && python -c "import json, sys; r = json.load(open(sys.argv[1])); \
 print('ring attention blocks:', {c['dtype'] + ' d=' + str(c['head_dim']): c['kinds'] for c in r['cases']}, \
 r['block_timing'])" "$out/ring_kernels.json"

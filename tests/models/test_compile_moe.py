@@ -169,3 +169,29 @@ def test_two_ranks_aot_eager_same_numbers_same_bytes_bounded_graphs(two_ranks, l
         assert ("all_reduce" in ops or "reduce_scatter" in ops) == layout.startswith("tp"), got["bytes"]
     if layout.startswith("ep"):  # what an expert rank receives follows the routing: it varied
         assert len({n for rank in two_ranks for n in rank[layout]["rows"]}) > 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
+@pytest.mark.parametrize("case", ["mixtral", "deepseek"])
+def test_cuda_bf16_inductor_moe_block_matches_eager(case):
+    """On a GPU in bf16 the experts trace through torch's own grouped op (inductor's grouped kernel), not the
+    fp32 stand-in: the compiled block without graph breaks, within bf16's rounding of eager."""
+    from models.compiled import compile_block
+
+    torch._dynamo.reset()
+    outs = []
+    for compiled in (False, True):
+        block, cfg = _moe_block(case, {})
+        block = block.to("cuda", torch.bfloat16)
+        if compiled:
+            assert compile_block(block, "inductor") == "moe"
+        start = compile_stats()
+        x = torch.randn(2, 16, cfg.d_model, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+        x.requires_grad_(True)
+        out = block(x)
+        (out.float() ** 2).sum().backward()
+        outs.append([out.float(), x.grad.float(), *(p.grad.float() for p in block.parameters() if p.grad is not None)])
+    assert compile_stats()["graph_breaks"] == start["graph_breaks"]
+    for e, c in zip(*outs):
+        assert torch.allclose(e, c, rtol=3e-2, atol=3e-2 * e.abs().max().item()), (e - c).abs().max()
