@@ -233,7 +233,7 @@ def _transient(ctx: Setup, st: Stage) -> float:
     """The largest activation transient of a stage's step: a block's backward (its workspace, and under
     ``full`` its recomputed activations), the loss's (the head's stage), fp8's casts."""
     dims, tr = ctx.dims, ctx.tr
-    kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision, fp8=tr.fp8)
+    kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision, fp8=tr.fp8, compiled=tr.compiled)
     recompute = M.recompute_peak_bytes(ctx.local, tr.micro_batch, checkpointing=tr.checkpointing, **kw)
     recompute += M.backward_workspace_bytes(ctx.local, tr.micro_batch, **kw)
     casts = M.fp8_cast_peak_bytes(ctx.local, tr.micro_batch, tp=dims.tp) if tr.fp8 else 0.0

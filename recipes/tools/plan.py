@@ -87,7 +87,14 @@ def _training(rc: RecipeConfig, mc: ModelConfig) -> Training:
         topk_ratio=c.topk_ratio,
         bucket_mb=c.bucket_mb,
         grad_clip=t.grad_clip,
+        compiled=compile_priced(rc),
     )
+
+
+def compile_priced(rc: RecipeConfig) -> bool:
+    """Whether the plan prices ``train.compile``: through AOT autograd (``inductor``, ``aot_eager``), whose
+    partitioner picks what a block saves; the ``eager`` backend only traces, and saves what eager saves."""
+    return bool(rc.train.compile) and rc.train.compile_backend != "eager"
 
 
 def _hardware(rc: RecipeConfig):
@@ -269,7 +276,8 @@ def plan_footer(plan: Plan) -> list[str]:
         + (f" accumulating {L['accumulate']}" if accumulate_applies(L["zero"]) else "")
         + f" sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
         f"{plan.grad_accum} per step, checkpointing {plan.training['checkpointing']}, {plan.training['precision']}"
-        + (f" with fp8 {plan.training['fp8']} GEMMs" if plan.training.get("fp8") else ""),
+        + (f" with fp8 {plan.training['fp8']} GEMMs" if plan.training.get("fp8") else "")
+        + (", blocks and loss compiled (train.compile priced)" if plan.training.get("compiled") else ""),
         f"fits: {'yes' if plan.fits else 'NO'} (peak {plan.peak_memory / GB:.2f} GB)  step {s['step_time_s']:.3f} s "
         f"(pipeline {s['pipeline_s']:.3f}, bubble {s['bubble_fraction']:.1%}, exposed DP {s['dp_exposed_s']:.3f})  "
         f"{s['tokens_per_s']:,.0f} tokens/s  MFU {s['mfu']:.1%}  compute/comm {s['compute_comm_ratio']:.2f}",

@@ -1,0 +1,49 @@
+"""``train.compile`` reaches the planner from the recipe (``mode=plan``, the trainer's memory report), and
+``mode=dryrun`` refuses it by name (its ranks run under a dispatch mode torch.compile cannot trace)."""
+
+import pytest
+
+from parallel.plan.memory import layer_activation_bytes, stage_activation_bytes
+from recipes.config import ConfigError, model_config
+from recipes.tools import dryrun
+from recipes.tools.plan import compile_priced, plan_footer, plan_from_config
+from recipes.tools.plan_scenarios import scenario_config
+
+LLAMA = ["model.preset=llama_tiny", "train.precision=bf16", "train.micro_batch=2", "train.global_batch=2"]
+
+
+def _activations(plan) -> float:
+    return plan.ranks[0].memory["activations"]
+
+
+@pytest.mark.parametrize("ckpt", ["none", "selective"])
+def test_plan_prices_train_compile(ckpt):
+    overrides = [*LLAMA, f"model.activation_checkpointing={ckpt}"]
+    eager, compiled, traced = (
+        plan_from_config(scenario_config([*overrides, *extra]))
+        for extra in ([], ["train.compile=true"], ["train.compile=true", "train.compile_backend=eager"])
+    )
+    assert compiled.training["compiled"] and not eager.training["compiled"]
+    assert not traced.training["compiled"]  # dynamo alone saves what eager saves
+    assert _activations(traced) == _activations(eager)
+    rc = scenario_config(overrides)
+    shape, n = model_config(rc.model), model_config(rc.model).n_layers
+    kw = dict(checkpointing=ckpt, precision="bf16")
+    per_layer = layer_activation_bytes(shape, 2, **kw) - layer_activation_bytes(shape, 2, compiled=True, **kw)
+    head = stage_activation_bytes(shape, 2, 0, has_embedding=False, has_head=True, precision="bf16")
+    head -= stage_activation_bytes(shape, 2, 0, has_embedding=False, has_head=True, precision="bf16", compiled=True)
+    assert _activations(eager) - _activations(compiled) == pytest.approx(n * per_layer + head)
+    assert "train.compile priced" in plan_footer(compiled)[0] and "compile" not in plan_footer(eager)[0]
+
+
+def test_compile_priced_follows_the_backend():
+    assert compile_priced(scenario_config(["train.compile=true"]))
+    assert compile_priced(scenario_config(["train.compile=true", "train.compile_backend=aot_eager"]))
+    assert not compile_priced(scenario_config(["train.compile=true", "train.compile_backend=eager"]))
+    assert not compile_priced(scenario_config([]))
+
+
+def test_dry_run_refuses_train_compile_by_name(tmp_path):
+    rc = scenario_config(["mode=dryrun", "train.compile=true"])
+    with pytest.raises(ConfigError, match=r"train.compile=true: .*meta tensors.*mode=plan prices train.compile"):
+        dryrun.run_dryrun(rc, str(tmp_path))
