@@ -2,6 +2,7 @@
 ``mode=dryrun`` refuses it by name (its ranks run under a dispatch mode torch.compile cannot trace)."""
 
 import pytest
+import torch
 
 from parallel.plan.memory import layer_activation_bytes, stage_activation_bytes
 from recipes.config import ConfigError, model_config
@@ -47,3 +48,43 @@ def test_dry_run_refuses_train_compile_by_name(tmp_path):
     rc = scenario_config(["mode=dryrun", "train.compile=true"])
     with pytest.raises(ConfigError, match=r"train.compile=true: .*meta tensors.*mode=plan prices train.compile"):
         dryrun.run_dryrun(rc, str(tmp_path))
+
+
+def _compiled_run_saves(rc) -> int:
+    """Bytes a compiled model (blocks and loss, inductor) saves over one micro-batch, storages once."""
+    from models.compiled import compile_stage
+    from models.transformer import build_model
+    from parallel.memory import SavedActivationMeter
+
+    cfg = model_config(rc.model)
+    model = build_model(cfg, seed=0, dtype=torch.bfloat16)
+    compile_stage(model, "inductor")
+    ids = torch.randint(
+        0, cfg.vocab_size, (rc.train.micro_batch, cfg.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    model.loss(model(ids), ids).backward()  # compiles
+    meter = SavedActivationMeter(model.parameters())
+    with meter:
+        loss = model.loss(model(ids), ids)
+    loss.backward()
+    return meter.bytes
+
+
+def test_a_compiled_run_matches_its_plan():
+    """What the trainer's first-step report sets side by side (recipes/training/reports.py): a compiled
+    run's activations against the plan with train.compile priced; the eager plan misses them by more."""
+    from parallel.plan import predicted_vs_measured
+    from parallel.testing import run_ranks
+
+    overrides = [*LLAMA, "model.d_model=64", "model.seq_len=32", "model.activation_checkpointing=selective"]
+    rc = scenario_config([*overrides, "train.compile=true"])
+    measured = run_ranks(_compiled_run_saves, 1, rc, timeout=300)[0]
+    plan = plan_from_config(rc)
+    # what one micro-batch stores, to the byte, but the CPU generator's state each checkpointed core saves
+    # (a compiled region's saved tensor; host memory on a GPU)
+    rng_states = model_config(rc.model).n_layers * torch.get_rng_state().numel()
+    assert measured - rng_states == plan.ranks[0].activation_per_microbatch
+    compiled = predicted_vs_measured(plan, 0, {"activations": measured})["activations"]
+    eager = predicted_vs_measured(plan_from_config(scenario_config(overrides)), 0, {"activations": measured})
+    assert compiled["ok"], compiled
+    assert abs(compiled["error"]) < abs(eager["activations"]["error"]) - 0.1, (compiled, eager)
