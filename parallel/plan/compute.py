@@ -76,17 +76,6 @@ def fp8_cast_elements(shape, tokens: float, tp: int) -> float:
 FP8_CAST_BYTES = 5
 
 
-def fp8_cast_bytes(shape, tokens: float, tp: int, compiled: bool = False) -> float:
-    """HBM bytes of one block's forward fp8 casts on one TP rank: :data:`FP8_CAST_BYTES` per element of
-    :func:`fp8_cast_elements`. ``compiled``: the MLP activation fuses into the amax and the cast of the MLP
-    out's input, which read the activation's inputs (GELU 2 bytes, SwiGLU's gate and up 4) instead of its
-    bf16 output, never written: per element of ``[T, d_ff/t]`` the activation's own pass (GELU 4, SwiGLU
-    6 bytes, in :func:`elementwise_bytes`) is gone and the two reads cost 0 (GELU) or 2 × 2 (SwiGLU) more,
-    so 4 (GELU) or 2 (SwiGLU) bytes less, counted here. The other casts are priced as eager."""
-    saved = (2 if shape.arch == "llama" else 4) * tokens * shape.d_ff / tp if compiled else 0.0
-    return FP8_CAST_BYTES * fp8_cast_elements(shape, tokens, tp) - saved
-
-
 def layer_time(
     shape,
     micro_batch: int,
@@ -99,8 +88,8 @@ def layer_time(
     compiled: bool = False,
 ) -> LayerTime:
     """One block's forward pieces on one TP rank (module docstring); ``fp8`` (a recipe): its four linears'
-    GEMMs at :func:`gemm_seconds`'s fp8 rate and their casts (:func:`fp8_cast_bytes`) elementwise;
-    ``compiled``: its elementwise work fused (:func:`elementwise_bytes`, :func:`fp8_cast_bytes`)."""
+    GEMMs at :func:`gemm_seconds`'s fp8 rate and their casts (:func:`fp8_cast_elements`) elementwise, compiled
+    or not; ``compiled``: its norms and residual adds fused (:func:`elementwise_bytes`)."""
     e = 4 if precision == "fp32" else 2
     T, d, t = micro_batch * shape.seq_len, shape.d_model, tp
     mlp_in = (2 if shape.arch == "llama" else 1) * shape.d_ff
@@ -120,7 +109,7 @@ def layer_time(
         attn, attn_bwd = bmm + scores, 2 * bmm + 2.5 * scores
     elementwise = elementwise_bytes(shape, T, t, sequence_parallel, e, compiled) / hw.hbm_bytes_per_s
     if fp8:
-        elementwise += fp8_cast_bytes(shape, T, t, compiled) / hw.hbm_bytes_per_s
+        elementwise += FP8_CAST_BYTES * fp8_cast_elements(shape, T, t) / hw.hbm_bytes_per_s
     elementwise += host_costs(hw).block_overhead_us * 1e-6 / 3  # host cost per block: a third forward, two backward
     return LayerTime(gemm, attn, elementwise, attn_bwd, column)
 
