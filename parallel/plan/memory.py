@@ -8,11 +8,13 @@ t = tp and t' = t with sequence parallelism (else 1), one layer saves:
 piece                  bytes
 =====================  ===============================================================
 norms (×2)             LayerNorm: input e·sbh/t' + fp32 mean, rstd 8·sb/t';
-                       RMSNorm (fp32 math): fp32 input 4·sbh/t' + normalised e·sbh/t' + 4·sb/t'
+                       RMSNorm (fp32 math): fp32 input 4·sbh/t' + normalised e·sbh/t' + 4·sb/t',
+                       compiled: input e·sbh/t' + 4·sb/t'
 q/k/v, fc_in input     e·sbh/t' each (with SP the sequence chunk, gathered again in backward)
 q, k, v, attention out e·sb(2h + 2k)/t, plus the fp32 log-sum-exp 4·b·a·s/t (MLA:
-                       :func:`attention_activation_bytes`)
-MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·sbf/t
+                       :func:`attention_activation_bytes`); compiled ``selective``: less the
+                       output e·sb·H·v/t (o's input; H·v = h but for MLA)
+MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·sbf/t, compiled 3·e·sbf/t
 =====================  ===============================================================
 
 ``selective`` recomputes the attention core (its log-sum-exp is not stored); ``full`` stores only
@@ -23,14 +25,14 @@ pipeline chunk's output (e·sbh/t', the message it sends) is held per micro-batc
 (:class:`parallel.pipeline.executor.PipelineExecutor` keeps it, :mod:`.stage` counts it).
 
 ``compiled`` (``train.compile``, :mod:`parallel.compile`): a block is one autograd node whose saved
-tensors AOT autograd's partitioner picks (inductor's min-cut; ``aot_eager`` the same but RoPE's tables).
+tensors AOT autograd's partitioner picks (inductor's min-cut; ``aot_eager`` the same, and one of RoPE's tables).
 It keeps what eager keeps except what it recomputes from a kept tensor in backward: RMSNorm its
 input (e·sbh/t', not the fp32 copy) and rstd, not the normalised product; SwiGLU gate, up and their
 product (3·e·sbf/t), not silu(gate); under ``selective`` q, k, v but not the core's output (the core
 runs again in backward and o's weight gradient reads it). LayerNorm and GELU keep what eager keeps.
 At tp = 1 the compiled loss keeps the logits (e·sbV) and two fp32 row statistics, not torch's fp32
 log-softmax; the vocabulary-parallel one (tp > 1) keeps its fp32 softmax, as eager. The final norm is
-eager. An MoE block compiles its attention half only: it is priced as eager.
+eager. An MoE block compiles its attention half only: it is priced as eager; fp8 compiled as fp8 eager.
 
 ``fp8`` (``train.precision=fp8``, :mod:`parallel.layers.fp8_linear`): tensorwise keeps each linear's
 input as the fp8 tensor its GEMM read (1 byte: q/k/v's and fc_in's inputs, the attention output's
