@@ -29,7 +29,7 @@ from parallel.plan import (
     recommend,
     resolve,
 )
-from parallel.plan.advice import accumulation_choice, dp_sent_bytes
+from parallel.plan.advice import accumulation_choice, compile_choice, dp_sent_bytes
 from parallel.plan.search import other_accumulation
 from parallel.precision import FP8, base_precision
 from parallel.zero.theory import accumulate_applies
@@ -173,7 +173,8 @@ def summary(plan: Plan) -> dict[str, Any]:
 
 def plan_from_config(rc: RecipeConfig) -> Plan:
     """The plan of ``rc``'s layout (raises :class:`ConfigError` for input it cannot plan); at ZeRO-2/3 its
-    advice ends with what the other ``parallel.zero_accumulate`` sends, holds and takes."""
+    advice ends with what the other ``parallel.zero_accumulate`` sends, holds and takes; without
+    ``train.compile``, with what compiling would hold less (:func:`compile_choice`), where it is ≥ 5 %."""
     if rc.model.target:  # the trainer's reports and forensics: no prediction for a model given as pieces
         raise ConfigError("plan: a model.target model has no predicted step (mode=plan counts its parameters only)")
     try:
@@ -191,6 +192,11 @@ def plan_from_config(rc: RecipeConfig) -> Plan:
         other = other_accumulation(mc, plan, hw, count)
         if other is not None:
             plan.advice.append(accumulation_choice(plan, other, hw))
+        if not plan.training["compiled"] and not rc.train.compile:
+            compiled = Training(**{**plan.training, "compiled": True})
+            layout = resolve(mc, **{k: v for k, v in plan.layout.items() if k != "pp_layers"})
+            again = plan_layout(mc, layout, compiled, hw, count, pp_layers=plan.layout.get("pp_layers"))
+            plan.advice += [a for a in [compile_choice(plan, again, hw)] if a]
         return plan
     except PlanError as e:
         raise ConfigError(f"plan: {e}") from None

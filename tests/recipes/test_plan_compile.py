@@ -88,3 +88,15 @@ def test_a_compiled_run_matches_its_plan():
     eager = predicted_vs_measured(plan_from_config(scenario_config(overrides)), 0, {"activations": measured})
     assert compiled["ok"], compiled
     assert abs(compiled["error"]) < abs(eager["activations"]["error"]) - 0.1, (compiled, eager)
+
+
+def test_advice_offers_compile_where_it_holds_less():
+    big = ["model.preset=llama_7b", "train.precision=bf16", "parallel.dp=8", "parallel.zero=1"]
+    big += ["train.micro_batch=1", "train.global_batch=8", "plan.hardware=h100_80gb"]
+    offered = [a for a in plan_from_config(scenario_config(big)).advice if a.startswith("train.compile=true")]
+    compiled = plan_from_config(scenario_config([*big, "train.compile=true"]))
+    assert len(offered) == 1 and "less per rank" in offered[0], offered
+    assert f"peak {compiled.peak_memory / 1e9:.2f} GB" in offered[0]
+    assert not any("train.compile" in a for a in compiled.advice)  # asked for already
+    gpt = plan_from_config(scenario_config(["model.preset=gpt_tiny"]))  # LayerNorm, GELU: the same bytes
+    assert not any("train.compile" in a for a in gpt.advice)
