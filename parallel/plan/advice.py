@@ -41,6 +41,25 @@ def accumulation_choice(plan, other, hw) -> str:
     )
 
 
+def compile_choice(plan, compiled, hw, *, least: float = 0.05) -> str | None:
+    """What ``train.compile`` would hold less than ``plan`` (``compiled``: the same layout and training,
+    compiled), where its peak is at least ``least`` lower; None otherwise."""
+    saved = plan.peak_memory - compiled.peak_memory
+    if saved < least * plan.peak_memory:
+        return None
+    acts = [max(r.memory["activations"] for r in p.ranks) for p in (plan, compiled)]
+    fit = (
+        ""
+        if compiled.fits == plan.fits
+        else (", fits" if compiled.fits else f", does not fit {hw.memory_bytes / GB:.1f} GB")
+    )
+    return (
+        f"train.compile=true holds {_bytes(saved)} less per rank (activations {_bytes(acts[0])} → {_bytes(acts[1])}, "
+        f"peak {_bytes(compiled.peak_memory)}{fit}), as inductor's graphs measured on a CPU save; compile is off "
+        f"by default until proven on a GPU (docs/compile.md)."
+    )
+
+
 def _smallest_zero_that_fits(plan, rank, hw) -> int | None:
     L, T = plan.layout, plan.training
     rest = rank.memory["activations"] + rank.memory["temporaries"] + rank.memory["buffers"]

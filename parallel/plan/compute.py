@@ -24,12 +24,18 @@ def gemm_seconds(m: float, k: float, n: float, hw: Hardware, precision: str, bat
     return flops / (hw.peak_flops(precision) * hw.efficiency) + batch * e * (m * k + k * n + m * n) / hw.hbm_bytes_per_s
 
 
-def elementwise_bytes(shape, tokens: float, tp: int, sequence_parallel: bool, e: int) -> float:
-    """HBM bytes one block's forward elementwise work moves: two norms and two residual adds on the
-    ``[T, d]`` activation (split by ``t`` under sequence parallelism), the MLP activation on ``[T, d_ff/t]``."""
+def elementwise_bytes(shape, tokens: float, tp: int, sequence_parallel: bool, e: int, compiled: bool = False) -> float:
+    """HBM bytes one block's forward elementwise work moves, in elements of ``e`` bytes: two norms (read,
+    write: 2 each) and two residual adds (read 2, write 1) on the ``[T, d]`` activation (split by ``t``
+    under sequence parallelism), the MLP activation on ``[T, d_ff/t]`` (GELU 2; SwiGLU 3: gate and up
+    read, their product written). ``compiled`` (``train.compile``, one graph per block): the first residual
+    add fuses into the second norm, one kernel that reads the residual and the attention's output and
+    writes the norm's output (3; the sum is not written: the last add reads both again, 4), the first
+    norm 2: 9 per ``[T, d]`` element instead of 10; the activation as above (one kernel either way). The
+    norms' statistics and weights, RoPE and the biases (in the GEMMs) are left out either way."""
     d, f = shape.d_model, shape.d_ff
     sp = tp if sequence_parallel else 1
-    norms_residuals = (2 * 2 + 2 * 3) * tokens * d / sp
+    norms_residuals = (2 + 3 + 4 if compiled else 2 * 2 + 2 * 3) * tokens * d / sp
     activation = (3 if shape.arch == "llama" else 2) * tokens * f / tp
     return e * (norms_residuals + activation)
 
@@ -79,9 +85,11 @@ def layer_time(
     precision: str,
     attention: str = "flash",
     fp8: str | None = None,
+    compiled: bool = False,
 ) -> LayerTime:
     """One block's forward pieces on one TP rank (module docstring); ``fp8`` (a recipe): its four linears'
-    GEMMs at :func:`gemm_seconds`'s fp8 rate and their casts (:func:`fp8_cast_elements`) elementwise."""
+    GEMMs at :func:`gemm_seconds`'s fp8 rate and their casts (:func:`fp8_cast_elements`) elementwise, compiled
+    or not; ``compiled``: its norms and residual adds fused (:func:`elementwise_bytes`)."""
     e = 4 if precision == "fp32" else 2
     T, d, t = micro_batch * shape.seq_len, shape.d_model, tp
     mlp_in = (2 if shape.arch == "llama" else 1) * shape.d_ff
@@ -99,7 +107,7 @@ def layer_time(
         bmm = gemm_seconds(s, qk, s, hw, precision, heads) + gemm_seconds(s, s, v, hw, precision, heads)
         scores = heads * s * s * (4 * e + 1) / hw.hbm_bytes_per_s
         attn, attn_bwd = bmm + scores, 2 * bmm + 2.5 * scores
-    elementwise = elementwise_bytes(shape, T, t, sequence_parallel, e) / hw.hbm_bytes_per_s
+    elementwise = elementwise_bytes(shape, T, t, sequence_parallel, e, compiled) / hw.hbm_bytes_per_s
     if fp8:
         elementwise += FP8_CAST_BYTES * fp8_cast_elements(shape, T, t) / hw.hbm_bytes_per_s
     elementwise += host_costs(hw).block_overhead_us * 1e-6 / 3  # host cost per block: a third forward, two backward

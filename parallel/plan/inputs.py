@@ -39,6 +39,7 @@ class Training:
     attention: str = "flash"  # flash (the engine's SDPA) | unfused (scores materialised; plan.compute)
     grad_clip: float = 1.0  # train.grad_clip (0: off); clipping computes the norm on every step, read or not
     fp8: str | None = None  # train.precision=fp8: the blocks' linears' recipe (tensorwise | rowwise); precision bf16
+    compiled: bool = False  # train.compile through AOT autograd (inductor, aot_eager): blocks and loss as compiled
 
 
 def _positive(name: str, v) -> int:

@@ -8,11 +8,13 @@ t = tp and t' = t with sequence parallelism (else 1), one layer saves:
 piece                  bytes
 =====================  ===============================================================
 norms (×2)             LayerNorm: input e·sbh/t' + fp32 mean, rstd 8·sb/t';
-                       RMSNorm (fp32 math): fp32 input 4·sbh/t' + normalised e·sbh/t' + 4·sb/t'
+                       RMSNorm (fp32 math): fp32 input 4·sbh/t' + normalised e·sbh/t' + 4·sb/t',
+                       compiled: input e·sbh/t' + 4·sb/t'
 q/k/v, fc_in input     e·sbh/t' each (with SP the sequence chunk, gathered again in backward)
 q, k, v, attention out e·sb(2h + 2k)/t, plus the fp32 log-sum-exp 4·b·a·s/t (MLA:
-                       :func:`attention_activation_bytes`)
-MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·sbf/t
+                       :func:`attention_activation_bytes`); compiled ``selective``: less the
+                       output e·sb·H·v/t (o's input; H·v = h but for MLA)
+MLP                    GELU: 2·e·sbf/t (its input and output); SwiGLU: 4·e·sbf/t, compiled 3·e·sbf/t
 =====================  ===============================================================
 
 ``selective`` recomputes the attention core (its log-sum-exp is not stored); ``full`` stores only
@@ -21,6 +23,16 @@ On top, while one block's backward runs, its workspace (:func:`backward_workspac
 input gradients, sequence parallelism's re-gathered input), less what that backward has freed. A
 pipeline chunk's output (e·sbh/t', the message it sends) is held per micro-batch until its backward
 (:class:`parallel.pipeline.executor.PipelineExecutor` keeps it, :mod:`.stage` counts it).
+
+``compiled`` (``train.compile``, :mod:`parallel.compile`): a block is one autograd node whose saved
+tensors AOT autograd's partitioner picks (inductor's min-cut; ``aot_eager`` the same, and one of RoPE's tables).
+It keeps what eager keeps except what it recomputes from a kept tensor in backward: RMSNorm its
+input (e·sbh/t', not the fp32 copy) and rstd, not the normalised product; SwiGLU gate, up and their
+product (3·e·sbf/t), not silu(gate); under ``selective`` q, k, v but not the core's output (the core
+runs again in backward and o's weight gradient reads it). LayerNorm and GELU keep what eager keeps.
+At tp = 1 the compiled loss keeps the logits (e·sbV) and two fp32 row statistics, not torch's fp32
+log-softmax; the vocabulary-parallel one (tp > 1) keeps its fp32 softmax, as eager. The final norm is
+eager. An MoE block compiles its attention half only: it is priced as eager; fp8 compiled as fp8 eager.
 
 ``fp8`` (``train.precision=fp8``, :mod:`parallel.layers.fp8_linear`): tensorwise keeps each linear's
 input as the fp8 tensor its GEMM read (1 byte: q/k/v's and fc_in's inputs, the attention output's
@@ -186,9 +198,10 @@ def model_state_bytes(
     return {k: int(v) for k, v in theory.items()}  # exact: the padded count divides by dp
 
 
-def _norm_bytes(arch: str, sbh: float, sb: float, e: int) -> float:
-    if arch == "llama":  # fp32 input copy, normalised output, rstd
-        return 4 * sbh + e * sbh + 4 * sb
+def norm_bytes(arch: str, sbh: float, sb: float, e: int, compiled: bool = False) -> float:
+    """What one norm over ``sb`` tokens of width ``h`` saves (module table; ``sbh`` = sb·h)."""
+    if arch == "llama":  # eager: fp32 input copy, normalised output, rstd; compiled: the input, rstd
+        return (e if compiled else 4 + e) * sbh + 4 * sb
     return e * sbh + 8 * sb  # input, fp32 mean and rstd
 
 
@@ -222,9 +235,10 @@ def layer_activation_bytes(
     checkpointing: str = "none",
     precision: str = "bf16",
     fp8: str | None = None,
+    compiled: bool = False,
 ) -> float:
     """Bytes one transformer layer stores per micro-batch on one TP rank (module table; ``fp8`` the
-    recipe of ``train.precision=fp8``, its inputs 1 byte at tensorwise)."""
+    recipe of ``train.precision=fp8``, its inputs 1 byte at tensorwise; ``compiled``: the block compiled)."""
     e = PRECISION_BYTES[precision]
     x8 = FP8_BYTES if fp8 == "tensorwise" else None
     s, b, h = shape.seq_len, micro_batch, shape.d_model
@@ -232,19 +246,22 @@ def layer_activation_bytes(
     sbh, sb = s * b * h, s * b
     if checkpointing == "full":
         return e * sbh / sp
-    norms = 2 * _norm_bytes(shape.arch, sbh, sb, e) / sp
+    norms = 2 * norm_bytes(shape.arch, sbh, sb, e, compiled) / sp
     linear_inputs = 2 * (x8 or e) * sbh / sp
     attention = attention_activation_bytes(shape, sb, tp, e, checkpointing, sp)
+    o_input = sb * shape.n_heads * ModelShape.of(shape).qk_v_head_dims[1] / tp
     if x8:  # o's input in fp8
-        attention -= (e - x8) * sb * shape.n_heads * ModelShape.of(shape).qk_v_head_dims[1] / tp
+        attention -= (e - x8) * o_input
+    if compiled and checkpointing == "selective" and not ModelShape.of(shape).kv_lora_rank:
+        attention -= (x8 or e) * o_input  # o's input: the core runs again in backward
     lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0
-    return norms + linear_inputs + attention + lse + _mlp_bytes(shape, sb, tp, e, x8)
+    return norms + linear_inputs + attention + lse + _mlp_bytes(shape, sb, tp, e, x8, compiled)
 
 
-def _mlp_bytes(shape, sb: float, tp: int, e: int, x8: int | None = None) -> float:
-    """The MLP's saved activations (GELU: its input and output; SwiGLU: gate, up, their product and
-    the activation), the MLP out's input in fp8 when ``x8``."""
-    mlp = (4 if shape.arch == "llama" else 2) * e * sb * shape.d_ff / tp
+def _mlp_bytes(shape, sb: float, tp: int, e: int, x8: int | None = None, compiled: bool = False) -> float:
+    """The MLP's saved activations (GELU: its input and output; SwiGLU: gate, up, their product and,
+    not ``compiled``, the activation), the MLP out's input in fp8 when ``x8``."""
+    mlp = (2 if shape.arch != "llama" else 3 if compiled else 4) * e * sb * shape.d_ff / tp
     return mlp - (e - x8) * sb * shape.d_ff / tp if x8 else mlp
 
 
@@ -256,6 +273,7 @@ def backward_workspace_bytes(
     sequence_parallel: bool = False,
     precision: str = "bf16",
     fp8: str | None = None,
+    compiled: bool = False,
 ) -> float:
     """The transient peak of one block's backward above what the block stores, on one TP rank.
 
@@ -270,7 +288,7 @@ def backward_workspace_bytes(
     incoming gradients; an unfused kernel's scores are not priced). The peak is the larger of the two.
     The same for every recomputation mode: under ``full`` it comes on top of the recomputed layer's
     activations (:func:`recompute_peak_bytes`), whose MLP and attention pieces are the ones freed.
-    MoE layers are priced as dense ones here."""
+    MoE layers are priced as dense ones here; a ``compiled`` block as eager, less its MLP's smaller saving."""
     shape = ModelShape.of(shape)
     e = PRECISION_BYTES[precision]
     x8 = FP8_BYTES if fp8 == "tensorwise" else None
@@ -281,7 +299,7 @@ def backward_workspace_bytes(
         return e * sb * width + e * h * width + e * sb * h + gathers
 
     qk, v = shape.qk_v_head_dims
-    mlp_saved = _mlp_bytes(shape, sb, tp, e, x8)
+    mlp_saved = _mlp_bytes(shape, sb, tp, e, x8, compiled)
     mlp = column((2 if shape.arch == "llama" else 1) * shape.d_ff / tp) - mlp_saved
     qkv = column((shape.n_heads * qk + shape.n_kv_heads * (qk + v)) / tp)
     attention = qkv - mlp_saved - attention_activation_bytes(shape, sb, tp, e)
@@ -297,15 +315,23 @@ def fp8_cast_peak_bytes(shape, micro_batch: int, *, tp: int = 1) -> float:
 
 
 def head_activation_bytes(
-    shape, micro_batch: int, *, tp: int = 1, sequence_parallel: bool = False, precision: str = "bf16"
+    shape,
+    micro_batch: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    precision: str = "bf16",
+    compiled: bool = False,
 ) -> float:
     """The last stage's extra: final norm, the head's input (with SP its sequence chunk), the
-    fp32 softmax over this rank's ``V/t`` vocabulary columns that the cross-entropy keeps."""
+    fp32 softmax over this rank's ``V/t`` vocabulary columns that the cross-entropy keeps; a ``compiled``
+    loss at tp = 1 the logits and two fp32 statistics per token instead (module table)."""
     e = PRECISION_BYTES[precision]
     s, b, h = shape.seq_len, micro_batch, shape.d_model
     sp = tp if sequence_parallel else 1
     vocab = shape.padded_vocab(tp)
-    return (_norm_bytes(shape.arch, s * b * h, s * b, e) + e * s * b * h) / sp + 4 * s * b * vocab / tp
+    loss = e * s * b * vocab + 8 * s * b if compiled and tp == 1 else 4 * s * b * vocab / tp
+    return (norm_bytes(shape.arch, s * b * h, s * b, e) + e * s * b * h) / sp + loss
 
 
 def loss_temporary_bytes(shape, micro_batch: int, *, tp: int = 1, precision: str = "bf16") -> float:
@@ -335,57 +361,17 @@ def stage_activation_bytes(
     checkpointing: str = "none",
     precision: str = "bf16",
     fp8: str | None = None,
+    compiled: bool = False,
 ) -> float:
     """What one micro-batch leaves stored on a chunk of ``n_layers`` layers until its backward."""
-    kw = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision)
-    total = n_layers * layer_activation_bytes(shape, micro_batch, checkpointing=checkpointing, fp8=fp8, **kw)
+    kw = dict(tp=tp, sequence_parallel=sequence_parallel, precision=precision, compiled=compiled)
+    layer = layer_activation_bytes(shape, micro_batch, checkpointing=checkpointing, fp8=fp8, **kw)
+    total = n_layers * layer
     if has_head:
         total += head_activation_bytes(shape, micro_batch, **kw)
     if has_embedding:
         total += embedding_activation_bytes(shape, micro_batch)
     return total
-
-
-def deferred_stage_bytes(
-    shape,
-    micro_batch: int,
-    n_layers: int,
-    *,
-    has_head: bool,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    precision: str = "bf16",
-) -> float:
-    """What one micro-batch leaves on a chunk of ``n_layers`` dense GPT layers (LayerNorm, GELU, biases)
-    between its zero-bubble B and W (:mod:`parallel.pipeline.split_backward`), checkpointing none.
-
-    W computes each weight's gradient from the layer's input and the gradient of its output, so B
-    keeps both and frees the rest as it goes (q, k, v, the log-sum-exp, GELU's input, the loss's
-    softmax): per norm its input, mean and rstd and its output gradient (``e·sbh/t'`` each); per
-    column layer (q/k/v of width ``W = (H·qk + K·(qk + v))/t``, the MLP's input, ``d_ff/t``, and the
-    head's ``V/t``) its input ``e·sbh/t'`` and output gradient ``e·sbW``, except under sequence
-    parallelism, whose fused matmul computes the weight gradient in B and hands over ``e·(h + 1)·W``
-    instead; per row layer (the attention's and the MLP's out) its input (``e·sb·H·v/t``,
-    ``e·sb·d_ff/t``) and output gradient ``e·sbh``, the full sequence, plus under sequence parallelism
-    the gradient its bias reads, the sequence chunk's ``e·sbh/t`` (without, it is the same tensor)."""
-    shape = ModelShape.of(shape)
-    e = PRECISION_BYTES[precision]
-    sb, h = shape.seq_len * micro_batch, shape.d_model
-    fused = sequence_parallel and tp > 1
-    sp = tp if fused else 1
-    norm = _norm_bytes(shape.arch, sb * h, sb, e) / sp + e * sb * h / sp
-
-    def column(width: float, bias: bool = True) -> float:
-        return e * (h + bias) * width if fused else e * sb * h / sp + e * sb * width
-
-    def row(width: float) -> float:
-        return e * sb * width + e * sb * h + (e * sb * h / sp if fused else 0.0)
-
-    qk, v = shape.qk_v_head_dims
-    qkv = (shape.n_heads * qk + shape.n_kv_heads * (qk + v)) / tp
-    layer = 2 * norm + column(qkv) + column(shape.d_ff / tp) + row(shape.n_heads * v / tp) + row(shape.d_ff / tp)
-    head = norm + column(shape.padded_vocab(tp) / tp, bias=False)
-    return n_layers * layer + (head if has_head else 0.0)
 
 
 def recompute_peak_bytes(shape, micro_batch: int, *, checkpointing: str, **kw) -> float:

@@ -233,7 +233,7 @@ def _dp(
 def _block_transient(ctx: Setup) -> float:
     """A block's backward above what it stores: its workspace and, under ``full``, its recomputed activations."""
     dims, tr = ctx.dims, ctx.tr
-    kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision, fp8=tr.fp8)
+    kw = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=tr.precision, fp8=tr.fp8, compiled=tr.compiled)
     recompute = M.recompute_peak_bytes(ctx.local, tr.micro_batch, checkpointing=tr.checkpointing, **kw)
     return recompute + M.backward_workspace_bytes(ctx.local, tr.micro_batch, **kw)
 

@@ -11,6 +11,7 @@ from . import compute as C
 from . import memory as M
 from . import moe as MoE
 from .cp import cp_traffic, extra_activation_bytes
+from .deferred import deferred_stage_bytes
 from .exposure import partly_hidden
 from .hardware import host_costs
 from .inputs import Setup
@@ -67,7 +68,7 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
     ep_axis = axis_traffic(t * dims.cp, dims.ep, hw.gpus_per_node)
     fwd = bwd = flops_s = 0.0
     acts, deferred = [], []
-    layer = C.layer_time(local, mb, t, sp, hw, tr.precision, tr.attention, tr.fp8)
+    layer = C.layer_time(local, mb, t, sp, hw, tr.precision, tr.attention, tr.fp8, tr.compiled)
     if dims.cp_enabled:  # each cp rank's s/cp queries attend over all s keys: cp × the local square
         layer = dataclasses.replace(
             layer, attention=layer.attention * dims.cp, attention_backward=layer.attention_backward * dims.cp
@@ -118,8 +119,10 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
         bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb + eb
         flops_s += f_s + b_s
         kw = dict(tp=t, sequence_parallel=sp, checkpointing=ckpt, precision=tr.precision, fp8=tr.fp8)
+        kw["compiled"] = tr.compiled
         acts.append(
             M.stage_activation_bytes(local, mb, len(r), has_embedding=first, has_head=last, **kw)
+            + n_moe * _moe_block_eager(local, mb, kw)
             + len(r) * extra_activation_bytes(ctx.shape, mb, dims, checkpointing=ckpt, e=e)
             + (
                 n_moe
@@ -133,19 +136,33 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
     return Stage(chunks, params, tp_axis, cp_axis, ep_axis, fwd, bwd, acts, flops_s, deferred if priced else None)
 
 
+def _moe_block_eager(local, mb: int, kw: dict) -> float:
+    """What an MoE block saves beyond a compiled dense block's: its MLP half is eager, priced as eager whole."""
+    if not kw["compiled"]:
+        return 0.0
+    return M.layer_activation_bytes(local, mb, **{**kw, "compiled": False}) - M.layer_activation_bytes(local, mb, **kw)
+
+
 def _deferred(ctx: Setup, v: int, r: range, n_moe: int, last: bool, kw: dict) -> float | None:
     """One micro-batch's bytes on chunk ``v`` between zero-bubble's B and W (the chunk's output, held
-    until W, and :func:`.memory.deferred_stage_bytes`; the first virtual stage's B is the whole backward,
+    until W, and :func:`.deferred.deferred_stage_bytes`; the first virtual stage's B is the whole backward,
     so it keeps the output only), or None where that is not priced (dense GPT layers without
-    recomputation, fp8, context parallelism or latent attention only)."""
+    recomputation, fp8, compile, context parallelism or latent attention only)."""
     if v == 0:
         return ctx.act_msg
     dims, shape = ctx.dims, ctx.local
-    if shape.arch != "gpt" or shape.kv_lora_rank or n_moe or kw["checkpointing"] != "none" or kw["fp8"]:
+    if (
+        shape.arch != "gpt"
+        or shape.kv_lora_rank
+        or n_moe
+        or kw["checkpointing"] != "none"
+        or kw["fp8"]
+        or kw["compiled"]
+    ):
         return None
     if dims.cp_enabled:
         return None
-    held = M.deferred_stage_bytes(
+    held = deferred_stage_bytes(
         shape,
         ctx.tr.micro_batch,
         len(r),

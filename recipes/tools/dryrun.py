@@ -341,6 +341,11 @@ def run_dryrun(rc: RecipeConfig, run_dir: str) -> dict[str, Any]:
 
     from .plan import plan_from_config
 
+    if rc.train.compile:  # refused before any rank starts: torch.compile's own error names no key
+        why = "the ranks run on meta tensors under the dispatch mode measuring their memory, which torch.compile cannot trace"
+        raise bad(
+            "train.compile", "true", why, "drop it for the dry run (eager figures); mode=plan prices train.compile"
+        )
     rc.data.source, rc.data.path = "embedded", None  # the ranks read synthetic batches (SyntheticTokens)
     if rc.data.packing == "documents":  # synthetic windows have no documents; the collectives are the same
         print(

@@ -29,7 +29,7 @@ from parallel.plan import (
     recommend,
     resolve,
 )
-from parallel.plan.advice import accumulation_choice, dp_sent_bytes
+from parallel.plan.advice import accumulation_choice, compile_choice, dp_sent_bytes
 from parallel.plan.search import other_accumulation
 from parallel.precision import FP8, base_precision
 from parallel.zero.theory import accumulate_applies
@@ -87,7 +87,14 @@ def _training(rc: RecipeConfig, mc: ModelConfig) -> Training:
         topk_ratio=c.topk_ratio,
         bucket_mb=c.bucket_mb,
         grad_clip=t.grad_clip,
+        compiled=compile_priced(rc),
     )
+
+
+def compile_priced(rc: RecipeConfig) -> bool:
+    """Whether the plan prices ``train.compile``: through AOT autograd (``inductor``, ``aot_eager``), whose
+    partitioner picks what a block saves; the ``eager`` backend only traces, and saves what eager saves."""
+    return bool(rc.train.compile) and rc.train.compile_backend != "eager"
 
 
 def _hardware(rc: RecipeConfig):
@@ -166,7 +173,8 @@ def summary(plan: Plan) -> dict[str, Any]:
 
 def plan_from_config(rc: RecipeConfig) -> Plan:
     """The plan of ``rc``'s layout (raises :class:`ConfigError` for input it cannot plan); at ZeRO-2/3 its
-    advice ends with what the other ``parallel.zero_accumulate`` sends, holds and takes."""
+    advice ends with what the other ``parallel.zero_accumulate`` sends, holds and takes; without
+    ``train.compile``, with what compiling would hold less (:func:`compile_choice`), where it is ≥ 5 %."""
     if rc.model.target:  # the trainer's reports and forensics: no prediction for a model given as pieces
         raise ConfigError("plan: a model.target model has no predicted step (mode=plan counts its parameters only)")
     try:
@@ -184,6 +192,11 @@ def plan_from_config(rc: RecipeConfig) -> Plan:
         other = other_accumulation(mc, plan, hw, count)
         if other is not None:
             plan.advice.append(accumulation_choice(plan, other, hw))
+        if not plan.training["compiled"] and not rc.train.compile:
+            compiled = Training(**{**plan.training, "compiled": True})
+            layout = resolve(mc, **{k: v for k, v in plan.layout.items() if k != "pp_layers"})
+            again = plan_layout(mc, layout, compiled, hw, count, pp_layers=plan.layout.get("pp_layers"))
+            plan.advice += [a for a in [compile_choice(plan, again, hw)] if a]
         return plan
     except PlanError as e:
         raise ConfigError(f"plan: {e}") from None
@@ -269,7 +282,8 @@ def plan_footer(plan: Plan) -> list[str]:
         + (f" accumulating {L['accumulate']}" if accumulate_applies(L["zero"]) else "")
         + f" sp={L['sequence_parallel']}, micro-batch {plan.training['micro_batch']} × "
         f"{plan.grad_accum} per step, checkpointing {plan.training['checkpointing']}, {plan.training['precision']}"
-        + (f" with fp8 {plan.training['fp8']} GEMMs" if plan.training.get("fp8") else ""),
+        + (f" with fp8 {plan.training['fp8']} GEMMs" if plan.training.get("fp8") else "")
+        + (", blocks and loss compiled (train.compile priced)" if plan.training.get("compiled") else ""),
         f"fits: {'yes' if plan.fits else 'NO'} (peak {plan.peak_memory / GB:.2f} GB)  step {s['step_time_s']:.3f} s "
         f"(pipeline {s['pipeline_s']:.3f}, bubble {s['bubble_fraction']:.1%}, exposed DP {s['dp_exposed_s']:.3f})  "
         f"{s['tokens_per_s']:,.0f} tokens/s  MFU {s['mfu']:.1%}  compute/comm {s['compute_comm_ratio']:.2f}",

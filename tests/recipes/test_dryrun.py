@@ -197,7 +197,7 @@ def test_zero_bubble_last_stage_peak_matches_the_planner(tmp_path):
     """zb-h1 at (dp, pp, tp) = (1, 2, 2), the last stage, with and without sequence parallelism: between
     its B and W a micro-batch holds what W reads (each weight's input and output gradient, or under SP
     the column layers' weight gradients), not what it stored, and the planner prices that
-    (:func:`parallel.plan.memory.deferred_stage_bytes`). Before: 1.325 and 1.338 (B kept every saved
+    (:func:`parallel.plan.deferred.deferred_stage_bytes`). Before: 1.325 and 1.338 (B kept every saved
     tensor to its end, the planner priced two stored micro-batches); now 1.023 and 0.953."""
     ratios = []
     for i, sp in enumerate(("true", "false")):

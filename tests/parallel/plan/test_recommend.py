@@ -35,7 +35,7 @@ def plans():
 def test_the_fastest_fitting_schedule_comes_first(plans):
     top = plans[0]
     # pp = 4: at pp = 2, micro-batches of 2 no longer fit 2 GB once the last stage's deferred micro-batch
-    # holds what W reads (plan/memory.py: deferred_stage_bytes), and pp = 2's micro-batches of 1 are slower
+    # holds what W reads (plan/deferred.py: deferred_stage_bytes), and pp = 2's micro-batches of 1 are slower
     assert (top.layout["schedule"], top.layout["pp"]) == ("zb-h1", 4)
     times = [p.step["step_time_s"] for p in plans]
     assert times == sorted(times) and all(p.peak_memory <= HW.memory_bytes for p in plans)

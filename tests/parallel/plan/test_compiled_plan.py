@@ -1,0 +1,161 @@
+"""The planner's ``train.compile``: what a compiled block saves for backward (inductor's partitioner),
+measured with autograd's saved tensors against :func:`layer_activation_bytes` at ``compiled=True``, and
+the fused elementwise bytes against the bytes of the kernels inductor generates for a block's forward."""
+
+import pytest
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from torch import nn
+
+from models.compiled import compile_block, compile_stage
+from models.config import preset
+from models.transformer import build_model
+from parallel.plan.compute import elementwise_bytes
+from parallel.plan.memory import layer_activation_bytes, stage_activation_bytes
+from parallel.plan.shape import ModelShape
+from parallel.testing import run_ranks
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+B, S, D = 2, 16, 64  # micro-batch, sequence, d_model
+
+
+def _saved(fn, params) -> int:
+    """Bytes autograd saves while ``fn`` runs its forward (then its backward), one count per storage;
+    parameters and the CPU generator's state (a checkpointed region's, host memory on a GPU) left out."""
+    rng = torch.get_rng_state().numel()
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        rng_state = t.dtype == torch.uint8 and t.numel() == rng
+        if not isinstance(t, nn.Parameter) and storage.data_ptr() not in params and not rng_state:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    out.float().sum().backward()
+    return sum(seen.values())
+
+
+def _block_saved(name: str, ckpt: str, precision: str, compiled: bool, sp: bool = False) -> int:
+    """One block's saved bytes on this rank (tp = the world, sequence-parallel if ``sp``), the second call
+    (the first compiles)."""
+    torch._dynamo.reset()
+    tp = dist.get_world_size() if dist.is_initialized() else 1
+    group = dist.new_group(list(range(tp))) if tp > 1 else None
+    cfg = preset(name, n_layers=1, seq_len=S, d_model=D, activation_checkpointing=ckpt)
+    block = build_model(cfg, seed=3, dtype=DTYPES[precision], tp_group=group, sequence_parallel=sp).blocks["0"]
+    if compiled:
+        compile_block(block, "inductor")
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    x = torch.randn(B, S // (tp if sp else 1), D, dtype=DTYPES[precision], requires_grad=True)
+    _saved(lambda: block(x), params)
+    return _saved(lambda: block(x), params)
+
+
+def _planned(name: str, ckpt: str, precision: str, compiled: bool, tp: int = 1, sp: bool = False) -> float:
+    cfg = preset(name, n_layers=1, seq_len=S, d_model=D)
+    kw = dict(tp=tp, sequence_parallel=sp, checkpointing=ckpt, precision=precision)
+    return layer_activation_bytes(cfg, B, compiled=compiled, **kw)
+
+
+# LayerNorm's CPU kernel keeps its statistics in the input's dtype (fp32 on a GPU): GPT in fp32
+CASES = [("gpt_tiny", "fp32"), ("llama_tiny", "bf16")]
+
+
+@pytest.mark.parametrize("name, precision", CASES)
+@pytest.mark.parametrize("ckpt", ["none", "selective"])
+def test_compiled_block_saves_what_the_planner_says(name, precision, ckpt):
+    measured = run_ranks(_block_saved, 1, name, ckpt, precision, True, timeout=300)[0]
+    assert measured == _planned(name, ckpt, precision, compiled=True)
+
+
+@pytest.mark.parametrize("ckpt", ["none", "selective"])
+def test_compiled_block_on_sequence_parallel_ranks(ckpt):
+    for measured in run_ranks(_block_saved, 2, "llama_tiny", ckpt, "bf16", True, True, timeout=300):
+        assert measured == _planned("llama_tiny", ckpt, "bf16", compiled=True, tp=2, sp=True)
+
+
+def test_what_compile_saves_against_eager():
+    """The differences the planner claims, piece by piece (the module table of parallel/plan/memory.py)."""
+    e, sb, sbh, h = 2, B * S, B * S * D, D
+    llama = ModelShape.of(preset("llama_tiny", n_layers=1, seq_len=S, d_model=D))
+    for tp, sp in ((1, False), (2, False), (2, True)):
+        t1 = tp if sp else 1
+        norms = 2 * 4 * sbh / t1  # RMSNorm's fp32 input copy, twice
+        swiglu = e * sb * llama.d_ff / tp  # silu(gate)
+        o_input = e * sb * h / tp  # the attention core's output, under selective
+        for ckpt, o in (("none", 0), ("selective", o_input), ("full", None)):
+            eager, comp = (_planned("llama_tiny", ckpt, "bf16", c, tp, sp) for c in (False, True))
+            assert eager - comp == (0 if o is None else norms + swiglu + o)
+            gpt = [_planned("gpt_tiny", ckpt, "bf16", c, tp, sp) for c in (False, True)]
+            assert gpt[0] - gpt[1] == (0 if o is None else o)
+
+
+def _stage_saved(name: str, precision: str) -> int:
+    torch._dynamo.reset()
+    cfg = preset(name, n_layers=1, seq_len=S, d_model=D, vocab_size=384)
+    model = build_model(cfg, seed=3, dtype=DTYPES[precision])
+    compile_stage(model, "inductor")
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
+    _saved(lambda: model.loss(model(ids), ids), params)
+    return _saved(lambda: model.loss(model(ids), ids), params)
+
+
+def test_compiled_loss_keeps_the_logits_not_the_log_softmax():
+    """At tp = 1 the compiled loss keeps the bf16 logits and two fp32 statistics per token (eager torch
+    keeps the fp32 log-softmax); the embedding, the final norm and the head are eager around it."""
+    measured = run_ranks(_stage_saved, 1, "llama_tiny", "bf16", timeout=300)[0]
+    shape = ModelShape.of(preset("llama_tiny", n_layers=1, seq_len=S, d_model=D, vocab_size=384))
+    kw = dict(has_embedding=True, has_head=True, precision="bf16")
+    assert measured == stage_activation_bytes(shape, B, 1, compiled=True, **kw)
+    eager = stage_activation_bytes(shape, B, 1, **kw)
+    layer = [_planned("llama_tiny", "none", "bf16", c) for c in (False, True)]
+    assert eager - (layer[0] - layer[1]) - measured == (4 - 2) * B * S * shape.padded_vocab(1) - 8 * B * S
+
+
+def _forward_kernel_bytes(name: str, precision: str) -> tuple[int, int]:
+    """(bytes, elements of the norms' weights and statistics) of the kernels inductor generates for a
+    block's forward other than the GEMMs, attention and RoPE (:meth:`GraphLowering.count_bytes`: each
+    kernel's buffers read and written once)."""
+    import torch._inductor.config as inductor_config
+    from torch._functorch import config as functorch_config
+    from torch._inductor import metrics
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+
+    torch._dynamo.reset()
+    metrics.reset()
+    cfg = preset(name, n_layers=1, seq_len=S, d_model=D)
+    block = build_model(cfg, seed=3, dtype=DTYPES[precision]).blocks["0"]
+    compile_block(block, "inductor")
+    x = torch.randn(B, S, D, dtype=DTYPES[precision], requires_grad=True)
+    torch._logging.set_logs(inductor_metrics=True)  # GraphLowering counts the bytes only while it logs them
+    try:
+        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+            block(x)  # the forward graph only: the backward compiles at its first call
+    finally:
+        torch._logging.set_logs()
+    total = 0
+    for node, words in metrics.nodes_num_elem:
+        if isinstance(node, (ExternKernelSchedulerNode, NopKernelSchedulerNode)):
+            continue
+        ops = {getattr(o.target, "_opname", "") for n in node.get_nodes() for o in n.node.origins}
+        if ops & {"cos", "cat", "split", "split_with_sizes"}:  # RoPE's: not priced, eager or compiled
+            continue
+        total += 4 * words  # count_bytes reports bytes // 4
+    return total, 2 * 2 * D + 2 * 2 * B * S  # ≤ two norms' weight and bias, two fp32 statistics per token
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny"])
+def test_compiled_elementwise_bytes_are_the_kernels(name):
+    """Norms, residual adds and the MLP activation of a compiled block's forward: the kernels inductor
+    generates move what :func:`elementwise_bytes` prices (plus the norms' weights and statistics, which
+    it leaves out); eager prices one ``[T, d]`` read and write more (the residual written, read again)."""
+    measured, extra = run_ranks(_forward_kernel_bytes, 1, name, "bf16", timeout=300)[0]
+    shape = ModelShape.of(preset(name, n_layers=1, seq_len=S, d_model=D))
+    planned = elementwise_bytes(shape, B * S, 1, False, 2, compiled=True)
+    assert 0 <= measured - planned <= 4 * extra, (measured, planned)
+    assert elementwise_bytes(shape, B * S, 1, False, 2) - planned == 2 * B * S * D
