@@ -88,7 +88,7 @@ class _ZeroEmptyGroups(torch.autograd.Function):
     def backward(ctx, grad):
         (empty,) = ctx.saved_tensors
         if empty.dtype == torch.bool:
-            return grad.masked_fill(empty.view(-1, 1, 1), 0), None
+            return grad.masked_fill_(empty.view(-1, 1, 1), 0), None
         return grad.index_fill_(0, empty, 0), None
 
 

@@ -47,3 +47,11 @@ def deferred_stage_bytes(
     layer = 2 * norm + column(qkv) + column(shape.d_ff / tp) + row(shape.n_heads * v / tp) + row(shape.d_ff / tp)
     head = norm + column(shape.padded_vocab(tp) / tp, bias=False)
     return n_layers * layer + (head if has_head else 0.0)
+
+
+def compiled_deferred_bytes(block_params: float, precision: str = "bf16") -> float:
+    """What one micro-batch leaves on a chunk of ``torch.compile``'d blocks between its zero-bubble B and
+    W: a compiled block is one autograd node whose backward computes its weight gradients in B whatever
+    autograd asks, and B keeps them until W (:func:`parallel.pipeline.split_backward.backward_input`),
+    freeing what the node saved: ``e`` bytes per parameter of the chunk's blocks."""
+    return PRECISION_BYTES[precision] * block_params

@@ -32,7 +32,8 @@ product (3·e·sbf/t), not silu(gate); under ``selective`` q, k, v but not the c
 runs again in backward and o's weight gradient reads it). LayerNorm and GELU keep what eager keeps.
 At tp = 1 the compiled loss keeps the logits (e·sbV) and two fp32 row statistics, not torch's fp32
 log-softmax; the vocabulary-parallel one (tp > 1) keeps its fp32 softmax, as eager. The final norm is
-eager. An MoE block compiles its attention half only: it is priced as eager; fp8 compiled as fp8 eager.
+eager. An MoE block is priced as eager (compiled, it runs as regions: the attention half, the router,
+the experts; not measured here); fp8 compiled as fp8 eager.
 
 ``fp8`` (``train.precision=fp8``, :mod:`parallel.layers.fp8_linear`): tensorwise keeps each linear's
 input as the fp8 tensor its GEMM read (1 byte: q/k/v's and fc_in's inputs, the attention output's
@@ -329,9 +330,17 @@ def head_activation_bytes(
     e = PRECISION_BYTES[precision]
     s, b, h = shape.seq_len, micro_batch, shape.d_model
     sp = tp if sequence_parallel else 1
-    vocab = shape.padded_vocab(tp)
-    loss = e * s * b * vocab + 8 * s * b if compiled and tp == 1 else 4 * s * b * vocab / tp
+    loss = loss_stored_bytes(shape, micro_batch, tp=tp, precision=precision, compiled=compiled)
     return (norm_bytes(shape.arch, s * b * h, s * b, e) + e * s * b * h) / sp + loss
+
+
+def loss_stored_bytes(
+    shape, micro_batch: int, *, tp: int = 1, precision: str = "bf16", compiled: bool = False
+) -> float:
+    """What the cross-entropy keeps for backward over this rank's ``V/t`` columns: the fp32 softmax, or
+    a ``compiled`` loss at tp = 1 the logits and two fp32 statistics per token (module table)."""
+    sb, vocab = shape.seq_len * micro_batch, shape.padded_vocab(tp)
+    return PRECISION_BYTES[precision] * sb * vocab + 8 * sb if compiled and tp == 1 else 4 * sb * vocab / tp
 
 
 def loss_temporary_bytes(shape, micro_batch: int, *, tp: int = 1, precision: str = "bf16") -> float:

@@ -259,13 +259,14 @@ def _temporaries(ctx: Setup, st: Stage, in_flight: int, activations: float) -> f
 
 
 def _vocabulary_gradients(ctx: Setup, st: Stage, in_flight: int, one: float) -> float:
-    """The stage's activations and fresh gradients while its embedding's or head's weight gradient is fresh (``G = e·V/t·h`` in the
-    parameters' dtype each, alive from its backward GEMM until ZeRO's hook copies it into the flat buffer),
-    0 on stages with neither. The head's comes at the start of a micro-batch's backward, beside the
-    loss's gradient ``e·N`` (``N = b·s·V/t`` logits) and its input gradient, once the fp32 softmax
-    (``4·N``) is freed; the embedding's at the end, when that micro-batch's activations are gone. A tied
-    pair on one stage is one parameter used twice: autograd holds the head's gradient through every
-    block's backward until the embedding's arrives, then sums the two into a third."""
+    """The stage's activations and fresh gradients while its embedding's or head's weight gradient is
+    fresh (``G = e·V/t·h`` in the parameters' dtype each, alive from its backward GEMM until ZeRO's hook
+    copies it into the flat buffer), 0 on stages with neither. The head's comes at the start of a
+    micro-batch's backward, beside the loss's gradient ``e·N`` (``N = b·s·V/t`` logits) and its input
+    gradient, once what the loss stored (:func:`.memory.loss_stored_bytes`) is freed; the embedding's at
+    the end, when that micro-batch's activations are gone. A tied pair on one stage is one parameter
+    used twice: autograd holds the head's gradient through every block's backward until the embedding's
+    arrives, then sums the two into a third."""
     dims, shape, mb = ctx.dims, ctx.local, ctx.tr.micro_batch
     last = dims.pp * dims.vpp - 1
     has_embedding, has_head = any(v == 0 for v, _ in st.chunks), any(v == last for v, _ in st.chunks)
@@ -276,7 +277,9 @@ def _vocabulary_gradients(ctx: Setup, st: Stage, in_flight: int, one: float) -> 
     g = ctx.e * vocab * shape.d_model
     peak = 0.0
     if has_head:  # the head's backward: its weight and input gradients from the logits' gradient
-        peak = in_flight * one - 4 * tokens * vocab + e_act * tokens * (vocab + shape.d_model) + g
+        kw = dict(tp=dims.tp, precision=ctx.tr.precision, compiled=ctx.tr.compiled)
+        stored = M.loss_stored_bytes(shape, mb, **kw)  # freed by the loss's backward
+        peak = in_flight * one - stored + e_act * tokens * (vocab + shape.d_model) + g
     if has_embedding and has_head and shape.tie_embeddings:
         return max(peak, in_flight * one + _block_transient(ctx) + g, (in_flight - 1) * one + 3 * g)
     if has_embedding:

@@ -11,7 +11,7 @@ from . import compute as C
 from . import memory as M
 from . import moe as MoE
 from .cp import cp_traffic, extra_activation_bytes
-from .deferred import deferred_stage_bytes
+from .deferred import compiled_deferred_bytes, deferred_stage_bytes
 from .exposure import partly_hidden
 from .hardware import host_costs
 from .inputs import Setup
@@ -146,29 +146,20 @@ def _moe_block_eager(local, mb: int, kw: dict) -> float:
 def _deferred(ctx: Setup, v: int, r: range, n_moe: int, last: bool, kw: dict) -> float | None:
     """One micro-batch's bytes on chunk ``v`` between zero-bubble's B and W (the chunk's output, held
     until W, and :func:`.deferred.deferred_stage_bytes`; the first virtual stage's B is the whole backward,
-    so it keeps the output only), or None where that is not priced (dense GPT layers without
-    recomputation, fp8, compile, context parallelism or latent attention only)."""
+    so it keeps the output only; compiled blocks: :func:`.deferred.compiled_deferred_bytes`), or None where
+    that is not priced (dense GPT layers, or compiled dense blocks, without recomputation, fp8, context
+    parallelism or latent attention only)."""
     if v == 0:
         return ctx.act_msg
     dims, shape = ctx.dims, ctx.local
-    if (
-        shape.arch != "gpt"
-        or shape.kv_lora_rank
-        or n_moe
-        or kw["checkpointing"] != "none"
-        or kw["fp8"]
-        or kw["compiled"]
-    ):
+    if shape.kv_lora_rank or n_moe or kw["checkpointing"] != "none" or kw["fp8"] or dims.cp_enabled:
         return None
-    if dims.cp_enabled:
+    if not kw["compiled"] and shape.arch != "gpt":
         return None
-    held = deferred_stage_bytes(
-        shape,
-        ctx.tr.micro_batch,
-        len(r),
-        has_head=last,
-        tp=dims.tp,
-        sequence_parallel=dims.sp_enabled,
-        precision=ctx.tr.precision,
-    )
+    dense = dict(tp=dims.tp, sequence_parallel=dims.sp_enabled, precision=ctx.tr.precision)
+    if kw["compiled"]:  # the blocks' weight gradients, computed in B; the head's linear W as eager's
+        blocks = compiled_deferred_bytes(ctx.count(r, False, False, dims.tp).numel, ctx.tr.precision)
+        held = blocks + (deferred_stage_bytes(shape, ctx.tr.micro_batch, 0, has_head=True, **dense) if last else 0.0)
+    else:
+        held = deferred_stage_bytes(shape, ctx.tr.micro_batch, len(r), has_head=last, **dense)
     return held + (0.0 if last else ctx.act_msg)

@@ -51,6 +51,7 @@ def _fused_on_meta(opt: torch.optim.AdamW) -> torch.optim.AdamW:
     created here as that first step would: the two moments zeroed like the parameter, and ``step`` an
     fp32 scalar — on the host, which the fused kernel accepts, so it counts real steps (a GPU rank keeps
     it on the device: 4 bytes per parameter tensor, not priced)."""
+    opt._step_supports_amp_scaling = True  # as torch's constructor sets it for fused: the on-device skip path
     for group in opt.param_groups:
         group["fused"], group["foreach"] = True, False
         for p in group["params"]:

@@ -173,25 +173,47 @@ def test_two_ranks_aot_eager_same_numbers_same_bytes_bounded_graphs(two_ranks, l
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
-@pytest.mark.parametrize("case", ["mixtral", "deepseek"])
+@pytest.mark.parametrize("case", ["mixtral", "deepseek", "mixtral_capacity"])
 def test_cuda_bf16_inductor_moe_block_matches_eager(case):
-    """On a GPU in bf16 the experts trace through torch's own grouped op (inductor's grouped kernel), not the
-    fp32 stand-in: the compiled block without graph breaks, within bf16's rounding of eager."""
+    """On a GPU in bf16 the experts trace through torch's own grouped op (inductor's lowering of it), not
+    the fp32 stand-in: over steps whose expert loads differ (capacity: the row count too), the compiled
+    block runs its compiled experts region, breaks no graph, and stays within bf16's rounding of eager.
+    deepseek's experts get a width the grouped kernel takes (16-byte aligned rows: ``moe_d_ff=16``)."""
     from models.compiled import compile_block
 
     torch._dynamo.reset()
-    outs = []
+    runs = []
     for compiled in (False, True):
         block, cfg = _moe_block(case, {})
+        if case == "deepseek":
+            block, cfg = _moe_block_sized(cfg.replace(moe_d_ff=16))
+        bias = block.mlp.e_score_correction_bias
         block = block.to("cuda", torch.bfloat16)
+        if bias is not None:  # the selection bias stays fp32, as the trainer keeps it
+            block.mlp.e_score_correction_bias = bias.to("cuda")
         if compiled:
             assert compile_block(block, "inductor") == "moe"
-        start = compile_stats()
-        x = torch.randn(2, 16, cfg.d_model, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
-        x.requires_grad_(True)
-        out = block(x)
-        (out.float() ** 2).sum().backward()
-        outs.append([out.float(), x.grad.float(), *(p.grad.float() for p in block.parameters() if p.grad is not None)])
+        experts, calls = block.mlp.experts, []
+        grouped = experts.grouped
+        experts.grouped = lambda x, *a: calls.append(x.shape[0]) or grouped(x, *a)
+        start, outs = compile_stats(), []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(2, 16, cfg.d_model, generator=gen).to("cuda", torch.bfloat16).requires_grad_(True)
+            out = block(x)
+            (out.float() ** 2).sum().backward()
+            outs += [out.float(), x.grad.float(), *(p.grad.float() for p in block.parameters() if p.grad is not None)]
+            block.zero_grad(set_to_none=True)
+        assert calls, f"{case}: the experts' grouped region never ran (the loop fallback took the rows)"
+        runs.append(outs)
     assert compile_stats()["graph_breaks"] == start["graph_breaks"]
-    for e, c in zip(*outs):
+    assert len(runs[0]) == len(runs[1])
+    for e, c in zip(*runs):
         assert torch.allclose(e, c, rtol=3e-2, atol=3e-2 * e.abs().max().item()), (e - c).abs().max()
+
+
+def _moe_block_sized(cfg):
+    from models.transformer import build_model
+
+    stage = build_model(cfg, seed=3)
+    return next(b for b in stage.blocks.values() if isinstance(b.mlp, MoELayer)), cfg

@@ -187,7 +187,8 @@ def _check_zero3_memory(rc, res, plan):
     )
     accumulate = 4 * sum(map(sum, numels)) if rc.parallel.zero_accumulate == "unsharded" else 0
     mem, pm = res["memory"], plan.ranks[0].memory
-    assert mem["buffers"] == pm["buffers"] - in_flight - accumulate > 0
+    # byte for byte but the step's device scalars (fused AdamW's found_inf flag, 4 bytes), which nothing prices
+    assert 0 <= mem["buffers"] - (pm["buffers"] - in_flight - accumulate) <= 16 and mem["buffers"] > 0
     # an upper bound: the planner adds the reductions in flight (three with overlap, all without) to the
     # activations' peak; the engine's come as backward frees activations (0.87 and 0.73 at micro_batch 4 and 1)
     assert (0.85 if rc.comm.overlap else 0.7) <= mem["total"] / pm["total"] <= 1.0

@@ -159,3 +159,33 @@ def test_compiled_elementwise_bytes_are_the_kernels(name):
     planned = elementwise_bytes(shape, B * S, 1, False, 2, compiled=True)
     assert 0 <= measured - planned <= 4 * extra, (measured, planned)
     assert elementwise_bytes(shape, B * S, 1, False, 2) - planned == 2 * B * S * D
+
+
+@pytest.mark.parametrize("preset", ["gpt_tiny", "llama_tiny"])
+def test_compiled_blocks_between_zero_bubble_b_and_w_hold_their_weight_gradients(preset):
+    """Under zb-h1 a chunk of compiled blocks holds, from B to W, the weight gradients its compiled nodes
+    computed in B (and no recorded gradient: W runs none of them again): what the planner prices per
+    waiting micro-batch (:func:`parallel.plan.deferred.compiled_deferred_bytes`), byte for byte."""
+    from models.compiled import compile_block
+    from models.config import preset as model_preset
+    from models.transformer import build_model
+    from parallel.pipeline.split_backward import SavedTensorStash, backward_input
+    from parallel.plan.deferred import compiled_deferred_bytes
+
+    torch._dynamo.reset()
+    stage = build_model(model_preset(preset, n_layers=2, seq_len=16, d_model=64), seed=3)
+    blocks = list(stage.blocks.values())
+    for block in blocks:
+        compile_block(block, "aot_eager")
+    params = [p for block in blocks for p in block.parameters()]
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    stash = SavedTensorStash()
+    with stash.hooks():
+        h = x
+        for block in blocks:
+            h = block(h)
+    _, work = backward_input(h, torch.randn_like(h), x, params, stash)
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for grads in work.computed.values()
+            for _, t in grads}  # fmt: skip
+    assert not work.recorded  # W runs no node again: nothing recorded is kept
+    assert sum(held.values()) == compiled_deferred_bytes(sum(p.numel() for p in params), "fp32")
