@@ -29,11 +29,12 @@ tensors AOT autograd's partitioner picks (inductor's min-cut; ``aot_eager`` the 
 It keeps what eager keeps except what it recomputes from a kept tensor in backward: RMSNorm its
 input (e·sbh/t', not the fp32 copy) and rstd, not the normalised product; SwiGLU gate, up and their
 product (3·e·sbf/t), not silu(gate); under ``selective`` q, k, v but not the core's output (the core
-runs again in backward and o's weight gradient reads it). LayerNorm and GELU keep what eager keeps.
+runs again in backward and o's weight gradient reads it); MLA's latent norms as RMSNorm
+(:func:`.mla.mla_activation_bytes`). LayerNorm and GELU keep what eager keeps.
 At tp = 1 the compiled loss keeps the logits (e·sbV) and two fp32 row statistics, not torch's fp32
 log-softmax; the vocabulary-parallel one (tp > 1) keeps its fp32 softmax, as eager. The final norm is
-eager. An MoE block is priced as eager (compiled, it runs as regions: the attention half, the router,
-the experts; not measured here); fp8 compiled as fp8 eager.
+eager. An MoE block runs as regions (the attention half as the dense block's, the router, the experts, the
+shared experts; dispatch and combine eager): :func:`.moe.activation_bytes`. fp8 compiled as fp8 eager.
 
 ``fp8`` (``train.precision=fp8``, :mod:`parallel.layers.fp8_linear`): tensorwise keeps each linear's
 input as the fp8 tensor its GEMM read (1 byte: q/k/v's and fc_in's inputs, the attention output's
@@ -54,6 +55,7 @@ from ..zero.layout import pack, padded
 from ..zero.packing import CLASSES, EXTRA_REDUCE
 from ..zero.policy import ZERO_STAGES
 from .hardware import PlanError
+from .mla import mla_activation_bytes
 from .shape import ModelShape
 
 PRECISION_BYTES = zero_theory.DTYPE_BYTES  # one home: bytes per element of each precision
@@ -206,25 +208,17 @@ def norm_bytes(arch: str, sbh: float, sb: float, e: int, compiled: bool = False)
     return e * sbh + 8 * sb  # input, fp32 mean and rstd
 
 
-def attention_activation_bytes(shape, sb: float, tp: int, e: int, checkpointing: str = "none", sp: int = 1) -> float:
+def attention_activation_bytes(
+    shape, sb: float, tp: int, e: int, checkpointing: str = "none", sp: int = 1, compiled: bool = False
+) -> float:
     """What one layer's attention saves for ``sb`` tokens on one TP rank (a fused attention kernel,
     whose output is ``o_proj``'s input): q, k, v and the output (``H·qk, K·qk, K·v, H·v`` wide, split
-    over tp). MLA (``kv_lora_rank > 0``) saves per head its query, its key, the expanded ``[k_nope, v]``
-    (v is a view of it), the core's output and ``o_proj``'s input (a copy: the heads are contiguous
-    per head, not per token) — under ``selective`` the core's inputs and output only: the query,
-    ``[k_nope, v]``, the output — and, replicated on every TP rank, each latent's fp32 norm
-    input, normalised and weighted outputs and fp32 rstd, and the rotary key (fp32); under sequence
-    parallelism (``sp`` = tp) those of the rank's ``sb/sp`` tokens only."""
+    over tp); MLA's (``kv_lora_rank > 0``): :func:`.mla.mla_activation_bytes` (``sp``, ``compiled``)."""
     shape = ModelShape.of(shape)
+    if shape.kv_lora_rank:
+        return mla_activation_bytes(shape, sb, tp, e, checkpointing, sp, compiled)
     qk, v = shape.qk_v_head_dims
-    if not shape.kv_lora_rank:
-        return e * sb * (shape.n_heads + shape.n_kv_heads) * (qk + v) / tp
-    per_head = (
-        qk + shape.qk_nope_head_dim + 2 * v if checkpointing == "selective" else 2 * qk + shape.qk_nope_head_dim + 3 * v
-    )
-    latents = shape.q_lora_rank + shape.kv_lora_rank
-    replicated = (4 + 2 * e) * latents + 4 * (1 + bool(shape.q_lora_rank)) + 4 * shape.qk_rope_head_dim
-    return e * sb * shape.n_heads * per_head / tp + sb * replicated / sp
+    return e * sb * (shape.n_heads + shape.n_kv_heads) * (qk + v) / tp
 
 
 def layer_activation_bytes(
@@ -249,20 +243,25 @@ def layer_activation_bytes(
         return e * sbh / sp
     norms = 2 * norm_bytes(shape.arch, sbh, sb, e, compiled) / sp
     linear_inputs = 2 * (x8 or e) * sbh / sp
-    attention = attention_activation_bytes(shape, sb, tp, e, checkpointing, sp)
+    attention = attention_activation_bytes(shape, sb, tp, e, checkpointing, sp, compiled)
     o_input = sb * shape.n_heads * ModelShape.of(shape).qk_v_head_dims[1] / tp
     if x8:  # o's input in fp8
         attention -= (e - x8) * o_input
-    if compiled and checkpointing == "selective" and not ModelShape.of(shape).kv_lora_rank:
+    if compiled and checkpointing == "selective":
         attention -= (x8 or e) * o_input  # o's input: the core runs again in backward
     lse = 4 * b * shape.n_heads * s / tp if checkpointing == "none" else 0.0
     return norms + linear_inputs + attention + lse + _mlp_bytes(shape, sb, tp, e, x8, compiled)
 
 
+def mlp_activation_bytes(arch: str, rows: float, width: float, e: int, compiled: bool = False) -> float:
+    """What one MLP of hidden ``width`` saves over ``rows`` tokens (its input aside): GELU its input and
+    output; SwiGLU gate, up, their product and, not ``compiled``, the activation ``silu(gate)``."""
+    return (2 if arch != "llama" else 3 if compiled else 4) * e * rows * width
+
+
 def _mlp_bytes(shape, sb: float, tp: int, e: int, x8: int | None = None, compiled: bool = False) -> float:
-    """The MLP's saved activations (GELU: its input and output; SwiGLU: gate, up, their product and,
-    not ``compiled``, the activation), the MLP out's input in fp8 when ``x8``."""
-    mlp = (2 if shape.arch != "llama" else 3 if compiled else 4) * e * sb * shape.d_ff / tp
+    """The dense MLP's saved activations (:func:`mlp_activation_bytes`), the MLP out's input in fp8 when ``x8``."""
+    mlp = mlp_activation_bytes(shape.arch, sb, shape.d_ff / tp, e, compiled)
     return mlp - (e - x8) * sb * shape.d_ff / tp if x8 else mlp
 
 

@@ -28,6 +28,7 @@ class MoEShape(ModelShape):
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
     moe_bias_update_rate: float = 0.0  # aux-loss-free balancing: the load all-reduce after each step
     moe_seq_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise loss: per-sequence sums over SP's tp
+    moe_score: str = "softmax"  # the router's scores: softmax, or DeepSeek-V3's sigmoid
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether block ``i`` has experts (``models.config.ModelConfig.is_moe_layer``)."""
@@ -212,21 +213,46 @@ def layer_time(moe: MoEShape, dense, local, micro_batch: int, tp: int, hw, preci
 
 
 def activation_bytes(
-    moe: MoEShape, local, micro_batch: int, *, tp: int, checkpointing: str, e: int, ep: int, routed: int | None = None
+    moe: MoEShape,
+    local,
+    micro_batch: int,
+    *,
+    tp: int,
+    checkpointing: str,
+    e: int,
+    ep: int,
+    routed: int | None = None,
+    compiled: bool = False,
 ):
-    """What an MoE block saves beyond the dense block: the router's fp32 logits and probabilities,
-    the routed rows (twice more at ep > 1), the experts' intermediates and outputs, the shared
-    experts' MLP, less the dense MLP's (an estimate, balanced routing); nothing under full recomputation.
-    ``routed``: the tokens a rank routes (:func:`layer_time`; default all ``micro_batch·local.seq_len``)."""
+    """What an MoE block saves beyond the dense block, less the dense MLP's (:func:`.memory.mlp_activation_bytes`,
+    both ``compiled`` or not); nothing under full recomputation. ``routed``: the ``R`` tokens a rank routes
+    (:func:`layer_time`; default all ``T = micro_batch·local.seq_len``), ``k·R`` rows through the experts.
+
+    Eager, an estimate: the router's fp32 logits and probabilities, the rows and the experts' outputs (twice
+    more at ep > 1), the experts' intermediates, the shared experts' MLP. ``compiled`` (the router, the
+    experts and the shared experts each a graph, dispatch and combine eager between them): the router keeps
+    its logits in the compute dtype, the top-k indices (int64) and fp32 weights, the fp32 log-sum-exp, the
+    ``2E + 1`` fp32 statistics and (sigmoid scores) the fp32 scores and their top-k sum; dispatch and combine
+    the sort order and token indices (int64), the weights in the compute dtype, the rows, the experts' outputs
+    and the weighted outputs (the index-add's source); the experts the int32 offsets of their ``E/ep``
+    segments; SwiGLU experts and shared experts keep gate, up and their product, not ``silu(gate)``. Which
+    of these eager keeps as well (the combine and the indices are eager code) the estimate leaves out."""
     if checkpointing == "full":
         return 0.0
-    T, d, mult = micro_batch * local.seq_len, local.d_model, 4 if moe.arch == "llama" else 2
+    from .memory import mlp_activation_bytes
+
+    T, d, k, E = micro_batch * local.seq_len, local.d_model, moe.moe_top_k, moe.moe_experts
     R = T if routed is None else routed
-    rows = moe.moe_top_k * R
-    dense_mlp = mult * e * T * local.d_ff / tp
-    shared = mult * e * T * moe.moe_shared_experts * moe.expert_d_ff / tp
-    experts = mult * e * rows * moe.expert_d_ff + e * rows * d * (2 + 2 * (ep > 1))
-    return 8 * R * moe.moe_experts + experts + shared - dense_mlp
+    rows = k * R
+    dense_mlp = mlp_activation_bytes(moe.arch, T, local.d_ff / tp, e, compiled)
+    shared = mlp_activation_bytes(moe.arch, T, moe.moe_shared_experts * moe.expert_d_ff / tp, e, compiled)
+    experts = mlp_activation_bytes(moe.arch, rows, moe.expert_d_ff, e, compiled) + e * rows * d * (2 + 2 * (ep > 1))
+    if not compiled:
+        return 8 * R * E + experts + shared - dense_mlp
+    sigmoid = 4 * R * E + 4 * R if moe.moe_score == "sigmoid" else 0
+    router = e * R * E + 12 * R * k + 4 * R + 4 * (2 * E + 1) + sigmoid
+    combine = e * rows * d + (16 + e) * rows + 4 * (E // ep)
+    return router + experts + combine + shared - dense_mlp
 
 
 def ep_traffic(moe: MoEShape, axis, hw, *, n_moe: int, tokens: int, m: int, e: int, checkpointing: str):

@@ -122,25 +122,19 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
         kw["compiled"] = tr.compiled
         acts.append(
             M.stage_activation_bytes(local, mb, len(r), has_embedding=first, has_head=last, **kw)
-            + n_moe * _moe_block_eager(local, mb, kw)
             + len(r) * extra_activation_bytes(ctx.shape, mb, dims, checkpointing=ckpt, e=e)
             + (
                 n_moe
                 and n_moe
-                * MoE.activation_bytes(moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=dims.ep, routed=routed)
+                * MoE.activation_bytes(
+                    moe, local, mb, tp=t, checkpointing=ckpt, e=e, ep=dims.ep, routed=routed, compiled=tr.compiled
+                )
             )
             + (0.0 if last else ctx.act_msg)  # the chunk's output, which the executor holds for its backward
         )
         deferred.append(_deferred(ctx, v, r, n_moe, last, kw))
     priced = all(d is not None for d in deferred)
     return Stage(chunks, params, tp_axis, cp_axis, ep_axis, fwd, bwd, acts, flops_s, deferred if priced else None)
-
-
-def _moe_block_eager(local, mb: int, kw: dict) -> float:
-    """What an MoE block saves beyond a compiled dense block's: its MLP half is eager, priced as eager whole."""
-    if not kw["compiled"]:
-        return 0.0
-    return M.layer_activation_bytes(local, mb, **{**kw, "compiled": False}) - M.layer_activation_bytes(local, mb, **kw)
 
 
 def _deferred(ctx: Setup, v: int, r: range, n_moe: int, last: bool, kw: dict) -> float | None:

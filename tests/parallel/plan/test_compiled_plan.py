@@ -11,8 +11,9 @@ from torch import nn
 from models.compiled import compile_block, compile_stage
 from models.config import preset
 from models.transformer import build_model
+from parallel.plan import moe as plan_moe
 from parallel.plan.compute import elementwise_bytes
-from parallel.plan.memory import layer_activation_bytes, stage_activation_bytes
+from parallel.plan.memory import PRECISION_BYTES, layer_activation_bytes, stage_activation_bytes
 from parallel.plan.shape import ModelShape
 from parallel.testing import run_ranks
 
@@ -39,13 +40,28 @@ def _saved(fn, params) -> int:
     return sum(seen.values())
 
 
+# DeepSeek's latent attention with v as wide as q·k (torch's fused CPU kernel runs, as test_deepseek_plan's),
+# dense (moe_experts=0) or one MoE block whose experts' rows are 16-byte aligned in bf16 (the grouped region)
+VARIANTS = {
+    "mla": ("deepseek_tiny", dict(moe_experts=0, v_head_dim=12)),
+    "mla_no_q_lora": ("deepseek_tiny", dict(moe_experts=0, v_head_dim=12, q_lora_rank=0)),
+    "deepseek_moe": ("deepseek_tiny", dict(moe_first_dense=0, v_head_dim=12, moe_d_ff=16)),
+    "mixtral_moe": ("mixtral_tiny", {}),
+}
+
+
+def _cfg(name: str, **kw):
+    name, overrides = VARIANTS.get(name, (name, {}))
+    return preset(name, n_layers=1, seq_len=S, d_model=D, **overrides, **kw)
+
+
 def _block_saved(name: str, ckpt: str, precision: str, compiled: bool, sp: bool = False) -> int:
     """One block's saved bytes on this rank (tp = the world, sequence-parallel if ``sp``), the second call
     (the first compiles)."""
     torch._dynamo.reset()
     tp = dist.get_world_size() if dist.is_initialized() else 1
     group = dist.new_group(list(range(tp))) if tp > 1 else None
-    cfg = preset(name, n_layers=1, seq_len=S, d_model=D, activation_checkpointing=ckpt)
+    cfg = _cfg(name, activation_checkpointing=ckpt)
     block = build_model(cfg, seed=3, dtype=DTYPES[precision], tp_group=group, sequence_parallel=sp).blocks["0"]
     if compiled:
         compile_block(block, "inductor")
@@ -56,9 +72,14 @@ def _block_saved(name: str, ckpt: str, precision: str, compiled: bool, sp: bool 
 
 
 def _planned(name: str, ckpt: str, precision: str, compiled: bool, tp: int = 1, sp: bool = False) -> float:
-    cfg = preset(name, n_layers=1, seq_len=S, d_model=D)
+    """The plan's bytes for that block: the dense layer's, plus an MoE block's own (at tp = 1, ep = 1)."""
+    cfg = _cfg(name)
     kw = dict(tp=tp, sequence_parallel=sp, checkpointing=ckpt, precision=precision)
-    return layer_activation_bytes(cfg, B, compiled=compiled, **kw)
+    dense = layer_activation_bytes(cfg, B, compiled=compiled, **kw)
+    moe, e = plan_moe.moe_shape(cfg), PRECISION_BYTES[precision]
+    if moe is None:
+        return dense
+    return dense + plan_moe.activation_bytes(moe, cfg, B, tp=tp, checkpointing=ckpt, e=e, ep=1, compiled=compiled)
 
 
 # LayerNorm's CPU kernel keeps its statistics in the input's dtype (fp32 on a GPU): GPT in fp32
@@ -72,10 +93,21 @@ def test_compiled_block_saves_what_the_planner_says(name, precision, ckpt):
     assert measured == _planned(name, ckpt, precision, compiled=True)
 
 
+@pytest.mark.parametrize("name", ["mla", "mla_no_q_lora", "deepseek_moe", "mixtral_moe"])
 @pytest.mark.parametrize("ckpt", ["none", "selective"])
-def test_compiled_block_on_sequence_parallel_ranks(ckpt):
-    for measured in run_ranks(_block_saved, 2, "llama_tiny", ckpt, "bf16", True, True, timeout=300):
-        assert measured == _planned("llama_tiny", ckpt, "bf16", compiled=True, tp=2, sp=True)
+def test_compiled_latent_attention_and_moe_blocks_save_what_the_planner_says(name, ckpt):
+    """MLA's latent norms under RMSNorm's compiled rule; an MoE block's regions (router, experts, shared
+    experts) and its eager dispatch and combine (docs/planner.md's table): exact, and less than eager."""
+    measured = run_ranks(_block_saved, 1, name, ckpt, "bf16", True, timeout=300)[0]
+    assert measured == _planned(name, ckpt, "bf16", compiled=True)
+    assert measured < _planned(name, ckpt, "bf16", compiled=False)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "mla"])
+@pytest.mark.parametrize("ckpt", ["none", "selective"])
+def test_compiled_block_on_sequence_parallel_ranks(name, ckpt):
+    for measured in run_ranks(_block_saved, 2, name, ckpt, "bf16", True, True, timeout=300):
+        assert measured == _planned(name, ckpt, "bf16", compiled=True, tp=2, sp=True)
 
 
 def test_what_compile_saves_against_eager():
