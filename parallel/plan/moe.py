@@ -29,6 +29,7 @@ class MoEShape(ModelShape):
     moe_bias_update_rate: float = 0.0  # aux-loss-free balancing: the load all-reduce after each step
     moe_seq_aux_loss_weight: float = 0.0  # DeepSeek-V3's sequence-wise loss: per-sequence sums over SP's tp
     moe_score: str = "softmax"  # the router's scores: softmax, or DeepSeek-V3's sigmoid
+    moe_normalize_top_k: bool = True  # top-k weights renormalised to sum 1 (eager keeps the sum and the weights)
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether block ``i`` has experts (``models.config.ModelConfig.is_moe_layer``)."""
@@ -226,17 +227,24 @@ def activation_bytes(
 ):
     """What an MoE block saves beyond the dense block, less the dense MLP's (:func:`.memory.mlp_activation_bytes`,
     both ``compiled`` or not); nothing under full recomputation. ``routed``: the ``R`` tokens a rank routes
-    (:func:`layer_time`; default all ``T = micro_batch·local.seq_len``), ``k·R`` rows through the experts.
+    (:func:`layer_time`; default all ``T = micro_batch·local.seq_len``), ``k·R`` rows through the experts
+    (balanced, nothing dropped).
 
-    Eager, an estimate: the router's fp32 logits and probabilities, the rows and the experts' outputs (twice
-    more at ep > 1), the experts' intermediates, the shared experts' MLP. ``compiled`` (the router, the
-    experts and the shared experts each a graph, dispatch and combine eager between them): the router keeps
-    its logits in the compute dtype, the top-k indices (int64) and fp32 weights, the fp32 log-sum-exp, the
-    ``2E + 1`` fp32 statistics and (sigmoid scores) the fp32 scores and their top-k sum; dispatch and combine
-    the sort order and token indices (int64), the weights in the compute dtype, the rows, the experts' outputs
-    and the weighted outputs (the index-add's source); the experts the int32 offsets of their ``E/ep``
-    segments; SwiGLU experts and shared experts keep gate, up and their product, not ``silu(gate)``. Which
-    of these eager keeps as well (the combine and the indices are eager code) the estimate leaves out."""
+    Dispatch and combine run eager either way (:meth:`parallel.layers.moe.MoELayer.forward`) and keep the
+    experts' input rows, their outputs back at this rank and the weighted outputs (the index-add's source),
+    the sort order and token indices (int64) and the weights in the compute dtype; the experts the int32
+    offsets of their ``E/ep`` segments; at ep > 1 also the regrouping permutation and its inverse (int64, read by
+    two index selects), while the rows sent and received by the all-to-alls are not saved (the experts keep
+    the regrouped copy): read from the code, not measured (the rest is, at ep = 1: docs/planner.md). SwiGLU experts and shared experts keep gate, up and their product, and eager
+    ``silu(gate)`` too.
+
+    The router, eager: the fp32 logits (the z-loss's log-sum-exp input) and the softmax or sigmoid scores,
+    the top-k indices (int64), the log-sum-exp, the ``2E + 1`` statistics and the ``E`` load fractions of
+    the balance loss (fp32); renormalised top-k weights keep the weights and their sum (fp32), sigmoid
+    scores also their sum over the experts. ``compiled`` (the router a graph of its own): its logits in the
+    compute dtype, the top-k indices and fp32 weights, the fp32 log-sum-exp, the ``2E + 1`` statistics and
+    (sigmoid scores) the fp32 scores and their top-k sum; which of these the partitioner keeps is its
+    min-cut's choice. DeepSeek-V3's sequence-wise loss keeps ``O(E)`` floats per sequence more: not priced."""
     if checkpointing == "full":
         return 0.0
     from .memory import mlp_activation_bytes
@@ -244,14 +252,17 @@ def activation_bytes(
     T, d, k, E = micro_batch * local.seq_len, local.d_model, moe.moe_top_k, moe.moe_experts
     R = T if routed is None else routed
     rows = k * R
+    sigmoid = moe.moe_score == "sigmoid"
     dense_mlp = mlp_activation_bytes(moe.arch, T, local.d_ff / tp, e, compiled)
     shared = mlp_activation_bytes(moe.arch, T, moe.moe_shared_experts * moe.expert_d_ff / tp, e, compiled)
-    experts = mlp_activation_bytes(moe.arch, rows, moe.expert_d_ff, e, compiled) + e * rows * d * (2 + 2 * (ep > 1))
-    if not compiled:
-        return 8 * R * E + experts + shared - dense_mlp
-    sigmoid = 4 * R * E + 4 * R if moe.moe_score == "sigmoid" else 0
-    router = e * R * E + 12 * R * k + 4 * R + 4 * (2 * E + 1) + sigmoid
-    combine = e * rows * d + (16 + e) * rows + 4 * (E // ep)
+    experts = mlp_activation_bytes(moe.arch, rows, moe.expert_d_ff, e, compiled)
+    combine = 3 * e * rows * d + (16 + e) * rows + 4 * (E // ep) + (16 * rows if ep > 1 else 0)
+    stats = 4 * (2 * E + 1)
+    if compiled:
+        router = e * R * E + 12 * R * k + 4 * R + stats + (4 * R * E + 4 * R if sigmoid else 0)
+    else:
+        normalised = 4 * R * k + 4 * R if moe.moe_normalize_top_k else 0
+        router = 8 * R * E + 8 * R * k + 4 * R + stats + 4 * E + normalised + (4 * R if sigmoid else 0)
     return router + experts + combine + shared - dense_mlp
 
 
