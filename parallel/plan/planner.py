@@ -23,7 +23,7 @@ from .inputs import Layout, Setup, Training
 from .pipeline import p2p_message_seconds, pipeline_step, zb_h1_holds
 from .result import ParamCounter, Plan, RankClass
 from .shape import layer_partition, model_flops_per_token
-from .stage import Stage, alike_key, stages
+from .stage import Stage, alike_key, stage_flags, stages
 from .traffic import AxisTraffic, axis_traffic, dp_traffic, group_crosses_node
 
 
@@ -268,8 +268,8 @@ def _vocabulary_gradients(ctx: Setup, st: Stage, in_flight: int, one: float) -> 
     used twice: autograd holds the head's gradient through every block's backward until the embedding's
     arrives, then sums the two into a third."""
     dims, shape, mb = ctx.dims, ctx.local, ctx.tr.micro_batch
-    last = dims.pp * dims.vpp - 1
-    has_embedding, has_head = any(v == 0 for v, _ in st.chunks), any(v == last for v, _ in st.chunks)
+    flags = [stage_flags(v, dims.pp * dims.vpp) for v, _ in st.chunks]
+    has_embedding, has_head = any(f[0] for f in flags), any(f[1] for f in flags)
     if not (has_embedding or has_head):
         return 0.0
     vocab, tokens = shape.padded_vocab(dims.tp) / dims.tp, mb * shape.seq_len

@@ -118,8 +118,9 @@ def stage_numbers(ctx: Setup, chunks: list[tuple[int, range]]) -> Stage:
         sp_b = partly_hidden(regather + scatter, sp_b, host_costs(hw).overlap_fraction)
         bwd += b_s + TP_COLLECTIVES.exposed(tb, 2 * n * layer.gemm) + sp_b + cb + eb
         flops_s += f_s + b_s
-        kw = dict(tp=t, sequence_parallel=sp, checkpointing=ckpt, precision=tr.precision, fp8=tr.fp8)
-        kw["compiled"] = tr.compiled
+        kw = dict(
+            tp=t, sequence_parallel=sp, checkpointing=ckpt, precision=tr.precision, fp8=tr.fp8, compiled=tr.compiled
+        )
         acts.append(
             M.stage_activation_bytes(local, mb, len(r), has_embedding=first, has_head=last, **kw)
             + len(r) * extra_activation_bytes(ctx.shape, mb, dims, checkpointing=ckpt, e=e)
